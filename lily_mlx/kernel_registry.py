@@ -1,0 +1,127 @@
+"""Kernel registry: Metal sources in ``kernels/*.metal`` -> a callable for the active backend.
+
+A kernel file holds sections::
+
+    // @header
+    <helpers shared by the kernels of this file>
+    // @kernel <name>
+    <body: exactly what mx.fast.metal_kernel receives as ``source``>
+
+Every backend returns an object with the call convention of an ``mx.fast.metal_kernel`` kernel
+(inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value, verbose).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Dict, Optional, Tuple
+
+from .backend import resolve_backend
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+# Installed wheel: lily_mlx/_kernels; source checkout: <repo>/kernels.
+_KERNEL_DIRS = (_PACKAGE_DIR / "_kernels", _PACKAGE_DIR.parent / "kernels")
+
+_SECTION = re.compile(r"^//\s*@(header|kernel)\b[ \t]*(\S*)[ \t]*$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Host-side description of one Metal kernel (one row of an op's dispatch table)."""
+
+    name: str  # kernel name, also the section name in the file
+    file: str  # e.g. "deltanet.metal"
+    input_names: Tuple[str, ...]
+    output_names: Tuple[str, ...]
+    atomic_outputs: bool = False
+    ensure_row_contiguous: bool = True
+
+
+def kernels_dir() -> Path:
+    for d in _KERNEL_DIRS:
+        if d.is_dir():
+            return d
+    raise FileNotFoundError(f"lily-mlx kernel sources not found (looked in {', '.join(map(str, _KERNEL_DIRS))})")
+
+
+def parse_kernel_file(text: str, filename: str = "<text>") -> Tuple[str, Dict[str, str]]:
+    """Split a kernel file into (header, {kernel_name: body})."""
+    header = ""
+    bodies: Dict[str, str] = {}
+    matches = list(_SECTION.finditer(text))
+    if not matches:
+        raise ValueError(f"{filename}: no '// @kernel <name>' section")
+    for i, m in enumerate(matches):
+        end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
+        chunk = text[m.end():end].strip("\n") + "\n"
+        kind, name = m.group(1), m.group(2)
+        if kind == "header":
+            header += chunk
+        else:
+            if not name:
+                raise ValueError(f"{filename}: '// @kernel' needs a name")
+            if name in bodies:
+                raise ValueError(f"{filename}: kernel {name!r} defined twice")
+            bodies[name] = chunk
+    return header, bodies
+
+
+@lru_cache(maxsize=None)
+def load_kernel_file(filename: str) -> Tuple[str, Dict[str, str]]:
+    path = kernels_dir() / filename
+    return parse_kernel_file(path.read_text(), filename)
+
+
+def kernel_source(spec: KernelSpec) -> Tuple[str, str]:
+    """(header, body) of ``spec``."""
+    header, bodies = load_kernel_file(spec.file)
+    if spec.name not in bodies:
+        raise KeyError(f"kernel {spec.name!r} not found in {spec.file} (has: {', '.join(bodies)})")
+    return header, bodies[spec.name]
+
+
+def _factory(backend: str) -> Callable:
+    if backend == "metal":
+        import mlx.core as mx
+
+        return mx.fast.metal_kernel
+    if backend == "sim":
+        from .msl import sim
+
+        return sim.metal_kernel
+    if backend == "cuda":
+        from .msl import cuda
+
+        return cuda.metal_kernel
+    raise ValueError(f"backend {backend!r} runs no kernels")
+
+
+_cache: Dict[Tuple[str, str, str], Callable] = {}
+
+
+def get_kernel(spec: KernelSpec, backend: Optional[str] = None) -> Callable:
+    """The kernel ``spec`` built for ``backend`` (default: the active backend), cached."""
+    backend = backend or resolve_backend()
+    key = (spec.file, spec.name, backend)
+    kernel = _cache.get(key)
+    if kernel is None:
+        header, body = kernel_source(spec)
+        kernel = _factory(backend)(
+            name=spec.name,
+            input_names=list(spec.input_names),
+            output_names=list(spec.output_names),
+            source=body,
+            header=header,
+            ensure_row_contiguous=spec.ensure_row_contiguous,
+            atomic_outputs=spec.atomic_outputs,
+        )
+        _cache[key] = kernel
+    return kernel
+
+
+def clear_cache() -> None:
+    _cache.clear()
+    load_kernel_file.cache_clear()

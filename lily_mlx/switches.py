@@ -1,0 +1,152 @@
+"""Named A/B switches, one per optimisation of the write-up lily-mlx follows.
+
+A switch changes speed, never results: every state computes stock MLX-LM's function up to
+floating-point rounding. "Off" means the write-up's ablation variant (the engine compared with itself),
+not stock; stock is an unpatched model. Set switches by API (``disable``/``enable``/``overrides``), by
+environment (``LILY_DISABLE=a,b``, ``LILY_ENABLE=a,b``) or on the command line (``--lily-disable a,b``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Dict, Iterable, Iterator, Optional
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    family: str  # moe | deltanet | attention | generation
+    phase: str  # prefill | decode | both
+    default: bool
+    description: str
+    off_meaning: str
+
+
+_SWITCH_LIST = [
+    Switch("fused_dequant", "moe", "prefill", True,
+           "Dequantise 4-bit expert weights tile by tile inside the grouped GEMM (threadgroup memory).",
+           "Dequantise the expert weights to a bf16 array first, then multiply."),
+    Switch("gpu_routing", "moe", "prefill", True,
+           "Routing bookkeeping (histogram, prefix scan, scatter, block map) stays on the GPU, no host sync.",
+           "Bring the routing counts to the host and build the GEMM schedule there (one sync per MoE layer)."),
+    Switch("adaptive_tile", "moe", "prefill", True,
+           "Pick GEMM tile rows and simdgroups per threadgroup from the actual rows per expert.",
+           "Fixed 16-row tiles."),
+    Switch("register_scan", "deltanet", "prefill", True,
+           "Gated DeltaNet prefill scan with the fp32 state held in registers for the whole chunk.",
+           "Blockwise (chunked) scan that materialises per-block state in memory."),
+    Switch("chunked_prefill", "generation", "prefill", True,
+           "Process long prompts in bounded chunks (state and KV cache carry over).",
+           "One chunk for the whole prompt (higher peak memory)."),
+    Switch("row_gemv", "moe", "decode", True,
+           "Row-parallel 4-bit GEMV for the routed and shared experts of one decode row.",
+           "Generic gather GEMV, one expert projection at a time."),
+    Switch("fused_expert_up", "moe", "decode", True,
+           "Expert gate and up projections with SwiGLU in one kernel.",
+           "Separate gate, up and SwiGLU kernels."),
+    Switch("fused_expert_down", "moe", "decode", True,
+           "Expert down projection fused with routing weights and the sigmoid-gated shared expert.",
+           "Separate down projection, weighted sum and shared-expert add."),
+    Switch("fused_qk_prep", "attention", "both", True,
+           "q/k RMSNorm, partial RoPE and output-gate split in one kernel.",
+           "Separate norm, RoPE and split ops."),
+    Switch("fused_recurrent_norm", "deltanet", "decode", True,
+           "DeltaNet decode step fused with the gate/beta computation and the gated RMSNorm.",
+           "Separate gate, recurrent step and gated-norm kernels."),
+    Switch("coalesced_kv", "attention", "decode", True,
+           "Decode attention reads K/V so adjacent threads read adjacent bytes.",
+           "Strided per-thread K/V reads."),
+    Switch("gqa_packing", "attention", "decode", True,
+           "Query heads sharing a KV head share a threadgroup that loads each KV row once.",
+           "One threadgroup per query head (KV rows loaded once per query head)."),
+    Switch("fixed_block_attention", "attention", "decode", True,
+           "At >= 32K context split the KV cache into fixed blocks processed in parallel.",
+           "Ordinary decode attention path at every length."),
+]
+
+SWITCHES: Dict[str, Switch] = {s.name: s for s in _SWITCH_LIST}
+
+_lock = threading.Lock()
+_state: Dict[str, bool] = {}
+
+
+def _check(names: Iterable[str]) -> list:
+    names = [n.strip() for n in names if n and n.strip()]
+    unknown = [n for n in names if n not in SWITCHES]
+    if unknown:
+        raise ValueError(
+            f"unknown lily-mlx switch(es): {', '.join(unknown)}. "
+            f"Valid switches: {', '.join(SWITCHES)}"
+        )
+    return names
+
+
+def parse_list(text: Optional[str]) -> list:
+    """Parse a comma-separated switch list (``'a,b'``), validating names."""
+    if not text:
+        return []
+    return _check(text.split(","))
+
+
+def reset() -> None:
+    """Restore defaults, then apply ``LILY_DISABLE`` / ``LILY_ENABLE`` from the environment."""
+    with _lock:
+        _state.clear()
+        _state.update({n: s.default for n, s in SWITCHES.items()})
+    for name in parse_list(os.environ.get("LILY_DISABLE")):
+        _state[name] = False
+    for name in parse_list(os.environ.get("LILY_ENABLE")):
+        _state[name] = True
+
+
+def is_enabled(name: str) -> bool:
+    _check([name])
+    return _state[name]
+
+
+def set_enabled(name: str, value: bool) -> None:
+    _check([name])
+    with _lock:
+        _state[name] = bool(value)
+
+
+def disable(*names: str) -> None:
+    for n in _check(names):
+        set_enabled(n, False)
+
+
+def enable(*names: str) -> None:
+    for n in _check(names):
+        set_enabled(n, True)
+
+
+def state() -> Dict[str, bool]:
+    """Current state of every switch."""
+    return dict(_state)
+
+
+@contextlib.contextmanager
+def overrides(disable: Iterable[str] = (), enable: Iterable[str] = ()) -> Iterator[None]:
+    """Temporarily disable/enable switches: ``with overrides(disable=["gpu_routing"]): ...``."""
+    if isinstance(disable, str):
+        disable = parse_list(disable)
+    if isinstance(enable, str):
+        enable = parse_list(enable)
+    off, on = _check(disable), _check(enable)
+    saved = state()
+    try:
+        for n in off:
+            set_enabled(n, False)
+        for n in on:
+            set_enabled(n, True)
+        yield
+    finally:
+        with _lock:
+            _state.clear()
+            _state.update(saved)
+
+
+reset()
