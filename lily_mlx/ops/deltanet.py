@@ -1,0 +1,203 @@
+"""Gated DeltaNet (30 of Qwen3.6's 40 layers): forwards for the patch layer, op registry, dispatch.
+
+``qwen3_5_deltanet_forward`` / ``qwen3_next_deltanet_forward`` have the stock modules' call
+signature and take the stock instance as ``self``; they read its attributes at call time, so
+sharded (per-rank) head counts just work. On the reference backend they run exactly stock's MLX
+primitives in stock's order (``deltanet_reference``). Otherwise each op runs its kernel
+(``deltanet_kernels``) when the backend has one and the shapes are supported, else its reference
+with a one-time log line.
+
+Ops (``lily_mlx.ops.OPS``):
+- ``deltanet_conv1d_silu``: depthwise causal conv1d + SiLU and the conv-state update (reference only).
+- ``deltanet_qk_norm``: L2 normalisation of q/k with the read-out scale (reference only).
+- ``deltanet_gates``: g = exp(-exp(A_log) softplus(a + dt_bias)) and beta = sigmoid(b).
+- ``deltanet_scan``: prefill delta-rule scan; switch ``register_scan`` (off: blockwise scan).
+- ``deltanet_decode``: one recurrent step + gated RMSNorm; switch ``fused_recurrent_norm``
+  (off: gates, step and norm as separate kernels).
+- ``deltanet_gated_norm``: rms_norm(out) * weight * silu(z) after the prefill scan.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx.nn.layers.distributed import sum_gradients
+
+from .. import switches
+from ..log import log_once
+from . import Op, op_backend, register_op
+from . import deltanet_reference as ref
+
+KERNEL_BACKENDS = frozenset({"metal", "sim", "cuda"})
+
+OP_CONV = register_op(Op(
+    "deltanet_conv1d_silu", "deltanet",
+    "Depthwise causal conv1d + SiLU over [conv state; q k v projections], and the conv-state update.",
+))
+OP_QK_NORM = register_op(Op(
+    "deltanet_qk_norm", "deltanet", "L2 normalisation of q and k, read-out scale folded into q.",
+))
+OP_GATES = register_op(Op(
+    "deltanet_gates", "deltanet", "Decay g (fp32) and write strength beta from a, b, A_log, dt_bias.",
+    kernel_backends=KERNEL_BACKENDS,
+))
+OP_SCAN = register_op(Op(
+    "deltanet_scan", "deltanet", "Prefill delta-rule scan, fp32 state [B, Hv, Dv, Dk].",
+    switches=("register_scan",), kernel_backends=KERNEL_BACKENDS,
+))
+OP_DECODE = register_op(Op(
+    "deltanet_decode", "deltanet", "Decode step: gates, delta-rule update, read-out, gated RMSNorm.",
+    switches=("fused_recurrent_norm",), kernel_backends=KERNEL_BACKENDS,
+))
+OP_GATED_NORM = register_op(Op(
+    "deltanet_gated_norm", "deltanet", "Gated RMSNorm rms_norm(out) * weight * silu(z) after the scan.",
+    kernel_backends=KERNEL_BACKENDS,
+))
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch
+
+
+def _kernel_backend(op: Op, module) -> Optional[str]:
+    """The kernel backend ``op`` runs on for this call, or None for the reference."""
+    if getattr(module, "training", False):
+        return None  # stock trains through the ops; so do we
+    backend = op_backend(op.name)
+    return None if backend == "reference" else backend
+
+
+def _kernels_for(op: Op, backend: str, q: mx.array, v: mx.array):
+    """The kernel module if ``op`` can run these shapes on ``backend``, else None (logged once)."""
+    try:
+        from . import deltanet_kernels as dk
+    except ImportError as e:  # kernels module missing from this install
+        dk, reason = None, f"kernel host code unavailable ({e})"
+    else:
+        reason = dk.unsupported_reason(q, v) or dk.backend_unavailable_reason(backend)
+    if reason is not None:
+        log_once(f"{op.name}:{backend}:{reason}", f"{op.name}: {reason}; using the reference")
+        return None
+    return dk
+
+
+def recurrence(module, q, k, v, a, b, z, state, mask):
+    """Gates, scan and gated norm: normalised out [B, S, Hv, Dv] and the new state [B, Hv, Dv, Dk].
+
+    q, k: [B, S, Hk, Dk] (normalised); v, z: [B, S, Hv, Dv]; a, b: [B, S, Hv]; state fp32 or None.
+    """
+    S = q.shape[1]
+    use_kernel = not module.training
+    norm = module.norm
+
+    if S == 1 and (backend := _kernel_backend(OP_DECODE, module)):
+        dk = _kernels_for(OP_DECODE, backend, q, v)
+        if dk is not None:
+            if state is None:
+                state = ref.zero_state(q.shape[0], v.shape[2], v.shape[3], q.shape[3])
+            return dk.decode(
+                q, k, v, a, b, module.A_log, module.dt_bias, state, z, norm.weight, norm.eps, mask,
+                fused=switches.is_enabled("fused_recurrent_norm"), backend=backend,
+            )
+
+    # gates
+    dk = None
+    if backend := _kernel_backend(OP_GATES, module):
+        dk = _kernels_for(OP_GATES, backend, q, v)
+    if dk is not None:
+        g, beta = dk.gates(a, b, module.A_log, module.dt_bias, backend=backend)
+    else:
+        g, beta = ref.gates(a, b, module.A_log, module.dt_bias)
+
+    # scan
+    if state is None:
+        state = ref.zero_state(q.shape[0], v.shape[2], v.shape[3], q.shape[3])
+    dk = None
+    if backend := _kernel_backend(OP_SCAN, module):
+        dk = _kernels_for(OP_SCAN, backend, q, v)
+    if dk is not None:
+        out, state = dk.scan(
+            q, k, v, g, beta, state, mask, register=switches.is_enabled("register_scan"), backend=backend
+        )
+    else:
+        out, state = ref.scan_stock(q, k, v, g, beta, state, mask, use_kernel=use_kernel)
+
+    # gated norm
+    dk = None
+    if backend := _kernel_backend(OP_GATED_NORM, module):
+        dk = _kernels_for(OP_GATED_NORM, backend, q, v)
+    if dk is not None:
+        out = dk.gated_norm(out, z, norm.weight, norm.eps, backend=backend)
+    else:
+        out = norm(out, z)
+    return out, state
+
+
+# ----------------------------------------------------------------------------------------------
+# forwards (stock call signature, stock instance as ``self``)
+
+
+def _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, dtype):
+    """Shared by both module types from the q|k|v projections on: normalised out [B, S, Hv, Dv]."""
+    if cache is not None and cache[0] is not None:
+        conv_state = cache[0]
+    else:
+        conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=dtype)
+
+    conv_input = ref.conv_input_with_state(qkv, conv_state, mask)  # [B, K-1+S, conv_dim]
+    if cache is not None:
+        cache[0] = ref.next_conv_state(conv_input, self.conv_kernel_size - 1, cache.lengths, S)
+    conv_out = ref.conv1d_silu(conv_input, self.conv1d)  # [B, S, conv_dim]
+
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+            [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+            [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+        )
+    ]
+
+    state = cache[1] if cache else None
+    q, k = ref.qk_norm(q, k, self.head_k_dim)
+    out, state = recurrence(self, q, k, v, a, b, z, state, mask)
+
+    if cache is not None:
+        cache[1] = state
+        cache.advance(S)
+    return out
+
+
+def qwen3_5_deltanet_forward(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None):
+    """``mlx_lm.models.qwen3_5.GatedDeltaNet.__call__``: inputs [B, S, hidden] -> [B, S, hidden]."""
+    B, S, _ = inputs.shape
+    if self.sharding_group is not None:
+        inputs = sum_gradients(self.sharding_group)(inputs)
+
+    qkv = self.in_proj_qkv(inputs)
+    z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+    b = self.in_proj_b(inputs)
+    a = self.in_proj_a(inputs)
+
+    out = _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, inputs.dtype)
+    out = self.out_proj(out.reshape(B, S, -1))
+    if self.sharding_group is not None:
+        out = mx.distributed.all_sum(out, group=self.sharding_group)
+    return out
+
+
+def qwen3_next_deltanet_forward(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None):
+    """``mlx_lm.models.qwen3_next.Qwen3NextGatedDeltaNet.__call__``."""
+    B, S, _ = inputs.shape
+    q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
+    qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+    out = _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, inputs.dtype)
+    return self.out_proj(out.reshape(B, S, -1))
+
+
+def microbench_cases():
+    """Kernel microbenchmarks at Qwen3.6 shapes for the bench harness (see ``deltanet_bench``)."""
+    from .deltanet_bench import microbench_cases as cases
+
+    return cases()
