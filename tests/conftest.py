@@ -1,0 +1,28 @@
+"""Shared test settings: hypothesis profiles.
+
+``dev`` (default) and ``ci`` (selected when ``CI=true``, or by ``HYPOTHESIS_PROFILE=<name>``).
+No deadline anywhere: MLX's first call to an op compiles it, so timings vary wildly. Failing
+examples are printed with a reproduction blob (``@reproduce_failure``).
+"""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "dev",
+    deadline=None,
+    max_examples=30,
+    print_blob=True,
+)
+settings.register_profile(
+    "ci",
+    deadline=None,
+    max_examples=15,  # CI runs the whole suite on 2 cores: breadth over depth per test
+    print_blob=True,
+    derandomize=True,  # reproducible CI runs; new seeds come from local runs
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+_ci = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if _ci else "dev"))
