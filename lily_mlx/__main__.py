@@ -1,0 +1,8 @@
+"""``python -m lily_mlx``: see :mod:`lily_mlx.cli`."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

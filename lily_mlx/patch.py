@@ -1,0 +1,271 @@
+"""Swap lily-mlx forwards into an MLX-LM Qwen3.5/3.6-family model, per instance, and back.
+
+``patch(model)`` changes the ``__class__`` of each DeltaNet, attention and sparse-MoE module of the
+model to a lily subclass of the stock class whose ``__call__`` is the op forward of
+``lily_mlx.ops`` (see docs/design.md). Nothing else changes: weights, submodules, caches and cache
+formats stay stock's, so
+
+- MLX-LM's by-name imports do not matter (no module-level name is replaced),
+- ``model.shard()`` works before or after patching (the forwards read head and expert counts, and the
+  sharding group, from the instance at call time),
+- prompt caches made, saved or loaded by either engine work in the other,
+- ``unpatch(model)`` restores the stock classes on the same weights, so both engines can alternate in
+  one process.
+
+Generation-level switch ``chunked_prefill``: MLX-LM chunks the prompt itself (``prefill_step_size``,
+default 2048) before the model sees it, so the switch cannot live inside the model. It lives where the
+step size is chosen: :func:`prefill_step_size` maps MLX-LM's step size to the one the switch state asks
+for; the ``--lily`` CLI hooks apply it to ``--prefill-step-size``, and Python callers pass
+``prefill_step_size=lily_mlx.patch.prefill_step_size()`` to ``mlx_lm.generate``/``stream_generate``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
+
+from . import switches
+from .log import log_once
+
+# MLX-LM architecture modules (``mlx_lm.models.<name>``) whose layers lily-mlx can drive. MLX-LM
+# resolves config aliases (``MODEL_REMAPPING``) to these modules before building the model, and patch()
+# recognises a model by its architecture module, so an alias of one of them is supported too.
+SUPPORTED_MODEL_TYPES: Tuple[str, ...] = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+# Versions this layer was tested against (pyproject.toml pins the same ranges).
+TESTED_VERSIONS: Dict[str, Tuple[str, str]] = {
+    "mlx": ("0.32.4", "0.33"),
+    "mlx-lm": ("0.32.2", "0.33"),
+}
+ALLOW_UNTESTED_ENV = "LILY_ALLOW_UNTESTED"
+
+# Stock class (module, name) -> (op module, forward name). The forward replaces the class's __call__.
+_QWEN3_NEXT = "mlx_lm.models.qwen3_next"
+_QWEN3_5 = "mlx_lm.models.qwen3_5"
+_TARGETS: Dict[str, List[Tuple[Tuple[str, str], Tuple[str, str]]]] = {
+    "qwen3_next": [
+        ((_QWEN3_NEXT, "Qwen3NextGatedDeltaNet"), ("deltanet", "qwen3_next_deltanet_forward")),
+        ((_QWEN3_NEXT, "Qwen3NextAttention"), ("attention", "attention_forward")),
+        ((_QWEN3_NEXT, "Qwen3NextSparseMoeBlock"), ("moe", "sparse_moe_forward")),
+    ],
+    "qwen3_5": [
+        ((_QWEN3_5, "GatedDeltaNet"), ("deltanet", "qwen3_5_deltanet_forward")),
+        ((_QWEN3_NEXT, "Qwen3NextAttention"), ("attention", "attention_forward")),
+        ((_QWEN3_NEXT, "Qwen3NextSparseMoeBlock"), ("moe", "sparse_moe_forward")),
+    ],
+}
+_TARGETS["qwen3_5_moe"] = _TARGETS["qwen3_5"]  # same layer classes; MoE vs dense MLP per config
+
+# (stock class, forward or None) -> lily subclass; one subclass per pair for the whole process.
+_LILY_CLASSES: Dict[Tuple[type, Optional[Callable]], type] = {}
+
+# "Whole prompt in one chunk": larger than any prompt; MLX-LM takes min(step, remaining).
+UNCHUNKED_PREFILL_STEP = sys.maxsize
+DEFAULT_PREFILL_STEP_SIZE = 2048  # MLX-LM's default
+
+
+# --------------------------------------------------------------------------------------------------
+# Version gate
+# --------------------------------------------------------------------------------------------------
+
+
+def _version_tuple(text: str) -> Tuple[int, ...]:
+    try:
+        from packaging.version import Version
+
+        return Version(text).release
+    except Exception:  # packaging missing or a non-PEP 440 string: leading numbers only
+        parts = []
+        for piece in text.split("."):
+            digits = "".join(ch for ch in piece if ch.isdigit())
+            if not digits:
+                break
+            parts.append(int(digits))
+        return tuple(parts)
+
+
+def installed_versions() -> Dict[str, str]:
+    import mlx.core as mx
+    import mlx_lm
+
+    return {"mlx": mx.__version__, "mlx-lm": mlx_lm.__version__}
+
+
+def untested_versions() -> List[str]:
+    """``name found (tested >=lo,<hi)`` for each installed package outside its tested range."""
+    out = []
+    for name, found in installed_versions().items():
+        lo, hi = TESTED_VERSIONS[name]
+        v = _version_tuple(found)
+        if not (_version_tuple(lo) <= v < _version_tuple(hi)):
+            out.append(f"{name} {found} (tested >={lo},<{hi})")
+    return out
+
+
+def check_versions() -> None:
+    """Refuse to patch under untested MLX / MLX-LM versions unless ``LILY_ALLOW_UNTESTED=1``.
+
+    MLX-LM's layer internals change between releases; a forward written for one release could
+    silently compute something else on another, so the default is a clear refusal.
+    """
+    bad = untested_versions()
+    if not bad:
+        return
+    found = "; ".join(bad)
+    if os.environ.get(ALLOW_UNTESTED_ENV, "") == "1":
+        log_once(
+            "untested-versions",
+            f"untested versions ({found}); patching anyway because "
+            f"{ALLOW_UNTESTED_ENV}=1. Check results with `python -m lily_mlx consistency`.",
+            level=logging.WARNING,
+        )
+        return
+    raise RuntimeError(
+        f"lily-mlx has not been tested with {found}. MLX-LM's model internals change between "
+        "releases, so patching could compute something other than stock. Install the tested "
+        "versions (pip install 'mlx>=0.32.4,<0.33' 'mlx-lm>=0.32.2,<0.33'), or set "
+        f"{ALLOW_UNTESTED_ENV}=1 to patch anyway and check the result with "
+        "`python -m lily_mlx consistency`."
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Model type and op lookup
+# --------------------------------------------------------------------------------------------------
+
+
+def model_architecture(model) -> str:
+    """The MLX-LM architecture module a model was built from (``qwen3_5_moe`` for Qwen3.6)."""
+    return type(model).__module__.rsplit(".", 1)[-1]
+
+
+def _describe(model) -> str:
+    arch = model_architecture(model)
+    declared = getattr(model, "model_type", None)
+    if isinstance(declared, str) and declared != arch:
+        return f"{declared!r} (architecture {arch!r})"
+    return repr(arch)
+
+
+def _op_forward(module_name: str, func_name: str) -> Optional[Callable]:
+    """The op forward, or None when its module or function does not exist (yet)."""
+    full = f"lily_mlx.ops.{module_name}"
+    try:
+        mod = importlib.import_module(full)
+    except ModuleNotFoundError as e:
+        if e.name != full:  # the op module exists but one of its imports is missing: a real error
+            raise
+        mod = None
+    forward = getattr(mod, func_name, None) if mod is not None else None
+    if forward is None:
+        log_once(
+            f"missing-op:{full}.{func_name}",
+            f"{full}.{func_name} is not available; those layers keep stock MLX-LM's code.",
+        )
+    return forward
+
+
+def _lily_class(stock_cls: type, forward: Optional[Callable]) -> type:
+    key = (stock_cls, forward)
+    cls = _LILY_CLASSES.get(key)
+    if cls is None:
+        attrs = {
+            "__module__": __name__,
+            "__doc__": f"lily-mlx version of {stock_cls.__module__}.{stock_cls.__qualname__}.",
+            "_lily_stock_class": stock_cls,
+        }
+        if forward is not None:
+            attrs["__call__"] = forward
+        cls = type(f"Lily{stock_cls.__name__}", (stock_cls,), attrs)
+        _LILY_CLASSES[key] = cls
+    return cls
+
+
+def _target_classes(arch: str) -> Dict[type, Optional[Callable]]:
+    out = {}
+    for (cls_mod, cls_name), (op_mod, func) in _TARGETS[arch]:
+        stock_cls = getattr(importlib.import_module(cls_mod), cls_name)
+        out[stock_cls] = _op_forward(op_mod, func)
+    return out
+
+
+def _stock_class(module) -> Optional[type]:
+    return type(module).__dict__.get("_lily_stock_class")
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+
+def is_patched(model) -> bool:
+    """True when any module of ``model`` runs a lily-mlx class."""
+    return any(_stock_class(m) is not None for m in model.modules())
+
+
+def patch(model, strict: bool = True):
+    """Make ``model`` (an MLX-LM Qwen3.5/3.6/Next model) run lily-mlx ops. Returns ``model``.
+
+    Patches in place, per instance; idempotent. An unsupported model type raises ``ValueError``
+    naming the supported ones, or with ``strict=False`` warns and returns the model unpatched.
+    """
+    arch = model_architecture(model)
+    if arch not in SUPPORTED_MODEL_TYPES:
+        msg = (
+            f"lily-mlx does not support model type {_describe(model)}; "
+            f"supported MLX-LM model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+        if strict:
+            raise ValueError(msg)
+        warnings.warn(msg + ". Running the model unpatched (stock MLX-LM).", stacklevel=2)
+        return model
+    check_versions()
+    targets = _target_classes(arch)
+    swapped = 0
+    for module in model.modules():
+        forward_cls = type(module)
+        if forward_cls in targets:
+            module.__class__ = _lily_class(forward_cls, targets[forward_cls])
+            swapped += 1
+    if swapped == 0 and not is_patched(model):
+        msg = f"lily-mlx found no patchable layers in this {_describe(model)} model"
+        if strict:
+            raise ValueError(msg)
+        warnings.warn(msg, stacklevel=2)
+    return model
+
+
+def unpatch(model):
+    """Restore stock MLX-LM classes on ``model`` (same weights, same caches). Returns ``model``."""
+    for module in model.modules():
+        stock_cls = _stock_class(module)
+        if stock_cls is not None:
+            module.__class__ = stock_cls
+    return model
+
+
+def load(path_or_repo, *args, strict: bool = True, **mlx_lm_load_kwargs):
+    """Drop-in for ``mlx_lm.load``: same arguments, same return values, model patched.
+
+    ``strict`` is lily's own (see :func:`patch`); everything else goes to ``mlx_lm.load``.
+    """
+    from mlx_lm import utils as mlx_lm_utils
+
+    out = mlx_lm_utils.load(path_or_repo, *args, **mlx_lm_load_kwargs)
+    patch(out[0], strict=strict)
+    return out
+
+
+def prefill_step_size(requested: Optional[int] = None) -> int:
+    """The prompt chunk size MLX-LM should use under the ``chunked_prefill`` switch.
+
+    On: ``requested`` (MLX-LM's default 2048 if None), as stock. Off (the write-up's ablation): one
+    chunk for the whole prompt.
+    """
+    if not switches.is_enabled("chunked_prefill"):
+        return UNCHUNKED_PREFILL_STEP
+    return DEFAULT_PREFILL_STEP_SIZE if requested is None else int(requested)
