@@ -74,9 +74,9 @@ def _kernel_for(op: Op, unsupported: Optional[str] = None) -> Optional[Callable]
     return KERNELS[(op.name, backend)]
 
 
-def _kv_length(keys: Any) -> int:
-    # Quantized KV caches hand out (packed, scales, biases) tuples.
-    return (keys[0] if isinstance(keys, tuple) else keys).shape[-2]
+def _kv_shape(keys: Any) -> Tuple[int, ...]:
+    """[B, Hkv, S, ...] of keys; quantized KV caches hand out (packed, scales, biases) tuples."""
+    return (keys[0] if isinstance(keys, tuple) else keys).shape
 
 
 # --- q/k preparation ------------------------------------------------------------------------------
@@ -185,11 +185,11 @@ def decode_path(kv_length: int, head_dim: int, gqa_factor: int) -> str:
 
 def attention(queries, keys, values, *, scale, mask=None, cache=None):
     """Attention of prepared queries over the (updated) KV cache: picks the op by shape."""
-    B, n_heads, L, head_dim = queries.shape
+    _, n_heads, L, head_dim = queries.shape
     if L != 1:
         return prefill_attention(queries, keys, values, scale=scale, mask=mask, cache=cache)
-    n_kv_heads = (keys[0] if isinstance(keys, tuple) else keys).shape[1]
-    path = decode_path(_kv_length(keys), head_dim, n_heads // n_kv_heads)
+    _, n_kv_heads, kv_length = _kv_shape(keys)[:3]
+    path = decode_path(kv_length, head_dim, n_heads // n_kv_heads)
     op = long_context_attention if path == "fixed_block" else decode_attention
     return op(queries, keys, values, scale=scale, mask=mask, cache=cache)
 
