@@ -1,0 +1,286 @@
+"""Host side of the MoE prefill kernels (``kernels/moe.metal``): dispatch table, launch geometry,
+the routing schedule (GPU-resident or host-built) and the grouped expert GEMMs.
+
+Data flow for one prefill chunk (A = tokens * top_k assignments, a = token * k + j):
+
+    inds [A] --histogram--> chunk_counts, local_rank --scan--> counts, offsets, chunk_offsets
+         --scatter--> sorted_rows (slot -> a), slot_of_row (a -> slot)
+         --block map--> blocks [max_blocks, 4] (expert, first slot, rows, tile rows)
+    x, sorted_rows, blocks --gate_up_swiglu--> h [A, I] (slot order) --down--> y [A, D] (slot order)
+    y[slot_of_row] -> [..., k, D], then stock's weighted sum over k.
+
+With ``gpu_routing`` on, all of it is one lazy graph (no host synchronisation); ``max_blocks`` is an
+upper bound and padding entries of the block map make their threadgroups return at once. Off, the
+counts come to the host (one sync) and the block map is built there, exactly sized.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .. import switches
+from ..kernel_registry import KernelSpec, get_kernel
+from ..log import log_once
+from . import op_backend
+from .moe_reference import is_quantized_switch_linear
+
+FILE = "moe.metal"
+
+# Dispatch table: one KernelSpec per kernel of kernels/moe.metal.
+KERNELS: Dict[str, KernelSpec] = {
+    "histogram": KernelSpec("moe_route_histogram_i32", FILE, ("inds", "params"), ("chunk_counts", "local_rank")),
+    "scan": KernelSpec("moe_route_scan_i32", FILE, ("chunk_counts", "params"), ("counts", "offsets", "chunk_offsets")),
+    "scatter": KernelSpec("moe_route_scatter_i32", FILE, ("inds", "local_rank", "chunk_offsets", "params"),
+                          ("sorted_rows", "slot_of_row")),
+    "block_map": KernelSpec("moe_route_block_map_i32", FILE, ("counts", "offsets", "params"), ("blocks",)),
+    "gate_up": KernelSpec("moe_gemm_gate_up_swiglu", FILE,
+                          ("x", "sorted_rows", "blocks", "w_gate", "scales_gate", "biases_gate",
+                           "w_up", "scales_up", "biases_up", "params"), ("h",)),
+    "down": KernelSpec("moe_gemm_down", FILE, ("h", "blocks", "w_down", "scales_down", "biases_down", "params"), ("y",)),
+    "dequant": KernelSpec("moe_dequant_experts_q4", FILE, ("w", "scales", "biases", "counts", "params"), ("w_out",)),
+}
+
+CHUNK = 256  # assignments per threadgroup in the histogram and scatter kernels
+GEMM_THREADS = 128  # 4 simdgroups
+GEMM_COLS = 32  # output columns per threadgroup
+SMALL_TILE, LARGE_TILE = 16, 32
+MAX_EXPERTS = 1024  # the scan and block-map kernels keep one thread per expert in one threadgroup
+NEVER = 1 << 30
+
+
+def _kernel(name: str, backend: Optional[str] = None):
+    return get_kernel(KERNELS[name], backend or op_backend("moe_routing"))
+
+
+def _params(*values) -> mx.array:
+    return mx.array(list(values), dtype=mx.int32)
+
+
+def _scan_threads(num_experts: int) -> int:
+    return max(32, -(-num_experts // 32) * 32)
+
+
+def large_min_rows(adaptive: bool) -> int:
+    """The tile rule: an expert with at least 32 rows gets 32-row tiles, otherwise 16-row tiles;
+    with ``adaptive_tile`` off every expert gets 16-row tiles."""
+    return LARGE_TILE if adaptive else NEVER
+
+
+def max_blocks_bound(num_assignments: int, num_experts: int) -> int:
+    """Most blocks any routing can need: sum_e ceil(c_e / 16) <= (A + 15 * min(E, A)) / 16, and <= A."""
+    a = num_assignments
+    return max(1, min(a, (a + 15 * min(num_experts, a)) // 16))
+
+
+# ----------------------------------------------------------------------------------------------
+# Routing bookkeeping kernels
+
+
+def route_histogram(inds: mx.array, num_experts: int, backend: Optional[str] = None, init_value=None):
+    """inds [A] -> (chunk_counts [n_chunks, E], local_rank [A]) int32."""
+    a = inds.size
+    n_chunks = -(-a // CHUNK)
+    return _kernel("histogram", backend)(
+        inputs=[inds.reshape(-1).astype(mx.uint32), _params(a, num_experts, n_chunks)],
+        template=[("CHUNK", CHUNK)],
+        grid=(n_chunks * CHUNK, 1, 1), threadgroup=(CHUNK, 1, 1),
+        output_shapes=[(n_chunks, num_experts), (a,)], output_dtypes=[mx.int32, mx.int32],
+        init_value=init_value,
+    )
+
+
+def route_scan(chunk_counts: mx.array, num_assignments: int, backend: Optional[str] = None, init_value=None):
+    """chunk_counts [n_chunks, E] -> (counts [E], offsets [E + 1], chunk_offsets [n_chunks, E])."""
+    n_chunks, e = chunk_counts.shape
+    nt = _scan_threads(e)
+    return _kernel("scan", backend)(
+        inputs=[chunk_counts, _params(num_assignments, e, n_chunks)],
+        template=[("NT", nt)],
+        grid=(nt, 1, 1), threadgroup=(nt, 1, 1),
+        output_shapes=[(e,), (e + 1,), (n_chunks, e)], output_dtypes=[mx.int32] * 3,
+        init_value=init_value,
+    )
+
+
+def route_scatter(inds: mx.array, local_rank: mx.array, chunk_offsets: mx.array,
+                  backend: Optional[str] = None, init_value=None):
+    """-> (sorted_rows [A]: slot -> assignment, slot_of_row [A]: assignment -> slot)."""
+    a = inds.size
+    n_chunks, e = chunk_offsets.shape
+    return _kernel("scatter", backend)(
+        inputs=[inds.reshape(-1).astype(mx.uint32), local_rank, chunk_offsets, _params(a, e, n_chunks)],
+        template=[("CHUNK", CHUNK)],
+        grid=(n_chunks * CHUNK, 1, 1), threadgroup=(CHUNK, 1, 1),
+        output_shapes=[(a,), (a,)], output_dtypes=[mx.int32, mx.int32],
+        init_value=init_value,
+    )
+
+
+def route_block_map(counts: mx.array, offsets: mx.array, num_assignments: int, adaptive: bool,
+                    backend: Optional[str] = None, init_value=None):
+    """-> blocks [max_blocks, 4] int32: (expert, first slot, rows, tile rows); padding (-1, 0, 0, 0)."""
+    e = counts.shape[0]
+    nt = _scan_threads(e)
+    max_blocks = max_blocks_bound(num_assignments, e)
+    (blocks,) = _kernel("block_map", backend)(
+        inputs=[counts, offsets, _params(num_assignments, e, max_blocks, large_min_rows(adaptive))],
+        template=[("NT", nt)],
+        grid=(nt, 1, 1), threadgroup=(nt, 1, 1),
+        output_shapes=[(max_blocks, 4)], output_dtypes=[mx.int32],
+        init_value=init_value,
+    )
+    return blocks
+
+
+def host_block_map(counts, adaptive: bool) -> np.ndarray:
+    """The same block map built on the host from the counts, exactly sized: [n_blocks, 4]."""
+    counts = np.asarray(counts, dtype=np.int64).reshape(-1)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    threshold = large_min_rows(adaptive)
+    rows = []
+    for e, c in enumerate(counts):
+        tile = LARGE_TILE if c >= threshold else SMALL_TILE
+        for start in range(0, int(c), tile):
+            rows.append((e, offsets[e] + start, min(tile, int(c) - start), tile))
+    return np.asarray(rows, dtype=np.int32).reshape(-1, 4)
+
+
+def routing_schedule(inds: mx.array, num_experts: int, gpu_routing: bool, adaptive: bool,
+                     backend: Optional[str] = None):
+    """Everything the grouped GEMMs need for one chunk: dict of counts, sorted_rows, slot_of_row,
+    blocks. gpu_routing=False brings the counts to the host (one synchronisation)."""
+    a = inds.size
+    inds = inds.reshape(-1)
+    chunk_counts, local_rank = route_histogram(inds, num_experts, backend)
+    counts, offsets, chunk_offsets = route_scan(chunk_counts, a, backend)
+    sorted_rows, slot_of_row = route_scatter(inds, local_rank, chunk_offsets, backend)
+    if gpu_routing:
+        blocks = route_block_map(counts, offsets, a, adaptive, backend)
+    else:
+        blocks = mx.array(host_block_map(counts.tolist(), adaptive))  # host synchronisation
+    return {"counts": counts, "sorted_rows": sorted_rows, "slot_of_row": slot_of_row, "blocks": blocks}
+
+
+# ----------------------------------------------------------------------------------------------
+# Grouped expert GEMMs
+
+
+def dequantize_experts(layer, counts: mx.array, dtype, backend: Optional[str] = None, init_value=None) -> mx.array:
+    """[E, O, K] dequantised weights of experts with rows (others left unwritten): fused_dequant off."""
+    w, scales, biases = layer["weight"], layer["scales"], layer["biases"]
+    e, o, kw = w.shape
+    k = kw * 8
+    (out,) = _kernel("dequant", backend)(
+        inputs=[w, scales, biases, counts, _params(o, k)],
+        template=[("T", dtype)],
+        grid=(o * k // 8, e, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(e, o, k)], output_dtypes=[dtype],
+        init_value=init_value,
+    )
+    return out
+
+
+def _weights(layer, fused_dequant: bool, counts, dtype, backend):
+    if fused_dequant:
+        return [layer["weight"], layer["scales"], layer["biases"]]
+    # The scales/biases inputs are unused by the dense-weight tile loader.
+    return [dequantize_experts(layer, counts, dtype, backend), layer["scales"], layer["biases"]]
+
+
+def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, gate_proj, up_proj,
+                        top_k: int, fused_dequant: bool = True, counts: Optional[mx.array] = None,
+                        backend: Optional[str] = None, init_value=None) -> mx.array:
+    """h [A, I] (slot order) = silu(x Wg^T) * (x Wu^T) for the rows of every block."""
+    n, d = x2d.shape
+    i = gate_proj["scales"].shape[1]
+    a = sorted_rows.size
+    inputs = [x2d, sorted_rows, blocks]
+    inputs += _weights(gate_proj, fused_dequant, counts, x2d.dtype, backend)
+    inputs += _weights(up_proj, fused_dequant, counts, x2d.dtype, backend)
+    inputs.append(_params(top_k, d, i))
+    (h,) = _kernel("gate_up", backend)(
+        inputs=inputs, template=[("T", x2d.dtype)],
+        grid=(i // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), threadgroup=(GEMM_THREADS, 1, 1),
+        output_shapes=[(a, i)], output_dtypes=[x2d.dtype], init_value=init_value,
+    )
+    return h
+
+
+def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = True,
+              counts: Optional[mx.array] = None, backend: Optional[str] = None, init_value=None) -> mx.array:
+    """y [A, D] (slot order) = h Wd^T for the rows of every block."""
+    a, i = h.shape
+    d = down_proj["scales"].shape[1]
+    inputs = [h, blocks] + _weights(down_proj, fused_dequant, counts, h.dtype, backend) + [_params(i, d)]
+    (y,) = _kernel("down", backend)(
+        inputs=inputs, template=[("T", h.dtype)],
+        grid=(d // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), threadgroup=(GEMM_THREADS, 1, 1),
+        output_shapes=[(a, d)], output_dtypes=[h.dtype], init_value=init_value,
+    )
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# The routed-experts forward of a prefill chunk
+
+
+def unsupported_reason(switch_mlp, x: mx.array, num_experts: int) -> Optional[str]:
+    """Why the kernels cannot run this block/input (None if they can)."""
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    if not isinstance(getattr(switch_mlp, "activation", None), SwiGLU):
+        return "activation is not SwiGLU"
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        layer = getattr(switch_mlp, name)
+        if not is_quantized_switch_linear(layer):
+            return "expert weights are not quantised"
+        if layer.bits != 4 or layer.group_size != 64 or layer.mode != "affine":
+            return f"experts are {layer.mode} {layer.bits}-bit group {layer.group_size}, kernels need affine 4-bit group 64"
+        if layer.get("biases") is None or getattr(layer, "global_scale", None) is not None or "bias" in layer:
+            return "expert layer has no affine biases, or has a global scale or an output bias"
+        if layer["scales"].dtype != x.dtype:
+            return f"activation dtype {x.dtype} differs from the scales' dtype {layer['scales'].dtype}"
+    if x.dtype not in (mx.bfloat16, mx.float16):
+        return f"activation dtype {x.dtype} (kernels take bf16/fp16)"
+    if num_experts > MAX_EXPERTS:
+        return f"{num_experts} experts (kernels take <= {MAX_EXPERTS})"
+    return None
+
+
+def kernels_unavailable(backend: str) -> Optional[str]:
+    """Why this backend cannot build the MoE kernels (its runtime missing), or None."""
+    try:
+        for spec in KERNELS.values():
+            get_kernel(spec, backend)
+    except (ImportError, AttributeError) as e:
+        return f"{backend} kernel runtime unavailable: {e}"
+    return None
+
+
+def routed_experts_kernel(switch_mlp, x: mx.array, inds: mx.array) -> Optional[mx.array]:
+    """Routed experts with the kernels: x [..., D], inds [..., k] -> [..., k, D] (stock's SwitchGLU
+    output), or None when the kernels do not apply (then the caller runs the reference)."""
+    backend = op_backend("moe_grouped_gemm")
+    num_experts = switch_mlp.gate_proj["weight"].shape[0]
+    reason = unsupported_reason(switch_mlp, x, num_experts)
+    if reason is not None:
+        log_once(f"moe_grouped_gemm:{reason}", f"moe_grouped_gemm: reference path ({reason})")
+        return None
+    reason = kernels_unavailable(backend)
+    if reason is not None:
+        log_once(f"moe_grouped_gemm:{backend}:unavailable", f"moe_grouped_gemm: reference path ({reason})")
+        return None
+    schedule = routing_schedule(
+        inds, num_experts, switches.is_enabled("gpu_routing"), switches.is_enabled("adaptive_tile"), backend)
+    top_k = inds.shape[-1]
+    d = x.shape[-1]
+    fused = switches.is_enabled("fused_dequant")
+    x2d = x.reshape(-1, d)
+    h = gemm_gate_up_swiglu(x2d, schedule["sorted_rows"], schedule["blocks"], switch_mlp.gate_proj,
+                            switch_mlp.up_proj, top_k, fused, schedule["counts"], backend)
+    y = gemm_down(h, schedule["blocks"], switch_mlp.down_proj, fused, schedule["counts"], backend)
+    y = mx.take(y, schedule["slot_of_row"], axis=0)  # back to assignment order
+    return y.reshape(*inds.shape, d)
