@@ -3,7 +3,7 @@
 ``sparse_moe_forward(self, x)`` replaces ``Qwen3NextSparseMoeBlock.__call__`` (``self`` is the stock
 module; attributes are read at call time, so sharding just works). It is split into ops, each with
 a plain-MLX reference (``moe_reference``) and, where written, kernels (``moe_kernels``,
-``kernels/moe.metal``):
+``kernels/moe_routing.metal``, ``kernels/moe_gemm.metal``):
 
 - ``moe_router``: softmax, top-k, renormalise (reference only: stock's exact primitives).
 - ``moe_routing``: histogram, prefix scan, scatter + inverse map, block map (switch ``gpu_routing``).

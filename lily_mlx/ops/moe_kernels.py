@@ -1,4 +1,4 @@
-"""Host side of the MoE prefill kernels (``kernels/moe.metal``): dispatch table, launch geometry,
+"""Host side of the MoE prefill kernels (``kernels/moe_routing.metal``, ``kernels/moe_gemm.metal``): dispatch table, launch geometry,
 the routing schedule (GPU-resident or host-built) and the grouped expert GEMMs.
 
 Data flow for one prefill chunk (A = tokens * top_k assignments, a = token * k + j):
@@ -24,23 +24,25 @@ import numpy as np
 from .. import switches
 from ..kernel_registry import KernelSpec, get_kernel
 from ..log import log_once
+from . import moe as _moe  # noqa: F401  (registers the MoE ops in OPS)
 from . import op_backend
 from .moe_reference import is_quantized_switch_linear
 
-FILE = "moe.metal"
+ROUTING = "moe_routing.metal"
+GEMM = "moe_gemm.metal"
 
-# Dispatch table: one KernelSpec per kernel of kernels/moe.metal.
+# Dispatch table: one KernelSpec per kernel of kernels/moe_routing.metal and kernels/moe_gemm.metal.
 KERNELS: Dict[str, KernelSpec] = {
-    "histogram": KernelSpec("moe_route_histogram_i32", FILE, ("inds", "params"), ("chunk_counts", "local_rank")),
-    "scan": KernelSpec("moe_route_scan_i32", FILE, ("chunk_counts", "params"), ("counts", "offsets", "chunk_offsets")),
-    "scatter": KernelSpec("moe_route_scatter_i32", FILE, ("inds", "local_rank", "chunk_offsets", "params"),
+    "histogram": KernelSpec("moe_route_histogram_i32", ROUTING, ("inds", "params"), ("chunk_counts", "local_rank")),
+    "scan": KernelSpec("moe_route_scan_i32", ROUTING, ("chunk_counts", "params"), ("counts", "offsets", "chunk_offsets")),
+    "scatter": KernelSpec("moe_route_scatter_i32", ROUTING, ("inds", "local_rank", "chunk_offsets", "params"),
                           ("sorted_rows", "slot_of_row")),
-    "block_map": KernelSpec("moe_route_block_map_i32", FILE, ("counts", "offsets", "params"), ("blocks",)),
-    "gate_up": KernelSpec("moe_gemm_gate_up_swiglu", FILE,
+    "block_map": KernelSpec("moe_route_block_map_i32", ROUTING, ("counts", "offsets", "params"), ("blocks",)),
+    "gate_up": KernelSpec("moe_gemm_gate_up_swiglu", GEMM,
                           ("x", "sorted_rows", "blocks", "w_gate", "scales_gate", "biases_gate",
                            "w_up", "scales_up", "biases_up", "params"), ("h",)),
-    "down": KernelSpec("moe_gemm_down", FILE, ("h", "blocks", "w_down", "scales_down", "biases_down", "params"), ("y",)),
-    "dequant": KernelSpec("moe_dequant_experts_q4", FILE, ("w", "scales", "biases", "counts", "params"), ("w_out",)),
+    "down": KernelSpec("moe_gemm_down", GEMM, ("h", "blocks", "w_down", "scales_down", "biases_down", "params"), ("y",)),
+    "dequant": KernelSpec("moe_dequant_experts_q4", GEMM, ("w", "scales", "biases", "counts", "params"), ("w_out",)),
 }
 
 CHUNK = 256  # assignments per threadgroup in the histogram and scatter kernels
