@@ -20,7 +20,7 @@ HIDDEN = 64
 
 
 def make_attention(n_heads, n_kv_heads, head_dim, partial=0.25, dtype=mx.float32, quantize=False,
-                   seed=0, rope_theta=10000.0):
+                   seed=0, rope_theta=10000.0, group_size=32):
     args = qwen3_next.ModelArgs(
         model_type="qwen3_next", hidden_size=HIDDEN, num_hidden_layers=1, intermediate_size=64,
         num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, head_dim=head_dim,
@@ -36,7 +36,7 @@ def make_attention(n_heads, n_kv_heads, head_dim, partial=0.25, dtype=mx.float32
     module.q_norm.weight = 1.0 + 0.1 * mx.random.normal((head_dim,))
     module.k_norm.weight = 1.0 + 0.1 * mx.random.normal((head_dim,))
     if quantize:
-        nn.quantize(module, group_size=32, bits=4)
+        nn.quantize(module, group_size=group_size, bits=4)
     module.set_dtype(dtype)
     return module
 
@@ -178,3 +178,18 @@ def test_sim_backend_without_kernels_falls_back_to_reference(monkeypatch, caplog
     assert "attention_prefill: no sim kernel yet" in caplog.text
     assert "attention_decode: no sim kernel yet" in caplog.text
     reset_log_once()
+
+
+@pytest.mark.parametrize("kind", ["kv", "batch", "quantized"])
+def test_qwen3_6_attention_shape(kind):
+    """The real layer's head shape: 16 query heads, 2 KV heads (GQA 8), head dim 256, partial RoPE
+    0.25, bf16, 4-bit weights; a 7-token prefill chunk, a 4-token chunk, then decode steps."""
+    module = make_attention(16, 2, 256, partial=0.25, dtype=mx.bfloat16, quantize=True, seed=9,
+                            rope_theta=10_000_000.0, group_size=64)
+    mx.random.seed(10)
+    xs = [mx.random.normal((2, t, HIDDEN)).astype(mx.bfloat16) for t in (7, 4, 1, 1, 1)]
+    caches = [make_cache(kind, 2, [3, 0]) for _ in range(2)]
+    ours = run_chunks(att.attention_forward, module, xs, caches[0])
+    stock = run_chunks(stock_forward, module, xs, caches[1])
+    for a, b in zip(ours, stock):
+        assert_identical(a, b)
