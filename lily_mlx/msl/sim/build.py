@@ -1,0 +1,109 @@
+"""Compile translated kernels into shared libraries, cached by content hash.
+
+Binaries live under ``${LILY_MSL_CACHE:-~/.cache/lily_mlx/msl}/<hash>.so`` (the translated source
+next to it as ``<hash>.cpp``); they are written to a temporary name and renamed into place, so
+concurrent processes (pytest-xdist workers) can share the cache.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from functools import lru_cache
+from pathlib import Path
+from typing import Dict
+
+PRELUDE_DIR = Path(__file__).resolve().parent
+PRELUDE_FILES = ("prelude.h", "metal_types.h", "metal_math.h", "runtime.h", "simd.h", "launch.h")
+CXX_FLAGS = ("-std=c++20", "-O1", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
+             "-fno-math-errno", "-Wno-unknown-pragmas", "-Wno-attributes", "-pthread")
+
+
+class CompileError(RuntimeError):
+    """The kernel did not compile; the message shows the compiler output and the numbered source."""
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("LILY_MSL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lily_mlx", "msl")
+    p = Path(d)
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+@lru_cache(maxsize=None)
+def compiler() -> str:
+    for c in (os.environ.get("CXX"), "g++", "clang++", "c++"):
+        if c and shutil.which(c):
+            return c
+    raise CompileError("no C++ compiler found (set CXX, or install g++ or clang++)")
+
+
+@lru_cache(maxsize=None)
+def _toolchain_key() -> str:
+    h = hashlib.sha256()
+    for name in PRELUDE_FILES:
+        h.update((PRELUDE_DIR / name).read_bytes())
+    try:
+        h.update(subprocess.run([compiler(), "--version"], capture_output=True, text=True).stdout.encode())
+    except OSError:
+        pass
+    h.update(" ".join(CXX_FLAGS).encode())
+    return h.hexdigest()
+
+
+_loaded: Dict[str, ctypes.CDLL] = {}
+_lock = threading.Lock()
+
+
+def numbered(text: str) -> str:
+    return "\n".join(f"{i:4d}| {line}" for i, line in enumerate(text.splitlines(), 1))
+
+
+def build(cpp: str, metal_text: str, kname: str) -> ctypes.CDLL:
+    """The loaded library for translated source ``cpp`` (compiling it if not cached)."""
+    key = hashlib.sha256((_toolchain_key() + cpp).encode()).hexdigest()[:32]
+    with _lock:
+        lib = _loaded.get(key)
+        if lib is not None:
+            return lib
+        d = cache_dir()
+        so = d / f"{key}.so"
+        if not so.exists():
+            _compile(cpp, metal_text, kname, d, key, so)
+        lib = ctypes.CDLL(str(so))
+        lib.lily_sim_launch.restype = ctypes.c_int
+        _loaded[key] = lib
+        return lib
+
+
+def _compile(cpp: str, metal_text: str, kname: str, d: Path, key: str, so: Path) -> None:
+    fd, tmp_src = tempfile.mkstemp(prefix=f"{key}.", suffix=".cpp", dir=d)
+    with os.fdopen(fd, "w") as f:
+        f.write(cpp)
+    tmp_so = tmp_src[:-4] + ".so.tmp"
+    cmd = [compiler(), *CXX_FLAGS, "-I", str(PRELUDE_DIR), tmp_src, "-o", tmp_so]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        os.unlink(tmp_src)
+        if os.path.exists(tmp_so):
+            os.unlink(tmp_so)
+        raise CompileError(
+            f"[lily_mlx.msl.sim] kernel {kname} failed to compile.\n"
+            f"Compiler output (line numbers refer to the kernel text below):\n{_trim(r.stderr)}\n"
+            f"Kernel text as MLX generates it:\n{numbered(metal_text)}"
+        )
+    os.replace(tmp_so, so)
+    os.replace(tmp_src, d / f"{key}.cpp")
+
+
+def _trim(stderr: str, limit: int = 60) -> str:
+    """Compiler errors first; template back-traces cut short."""
+    lines = [l for l in stderr.splitlines() if l.strip()]
+    errors = [l for l in lines if ": error:" in l or "fatal error" in l]
+    keep = errors[:20] if errors else lines[:limit]
+    return "\n".join(keep)

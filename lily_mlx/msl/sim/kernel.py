@@ -1,0 +1,252 @@
+"""``metal_kernel``: the simulator's drop-in for ``mx.fast.metal_kernel``."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .. import signature as sig
+from . import build, translate
+
+MAX_THREADGROUP = 1024
+
+
+class SimulatorError(RuntimeError):
+    """A kernel misbehaved while running in the simulator."""
+
+
+class OutOfBoundsError(SimulatorError):
+    """A device/constant buffer was read or written outside its extent."""
+
+
+class DivergenceError(SimulatorError):
+    """A barrier or simd op was reached by only part of its threadgroup/simdgroup."""
+
+
+class RaceError(SimulatorError):
+    """Two threads accessed the same threadgroup memory between barriers, at least one writing."""
+
+
+_ERRORS = {1: OutOfBoundsError, 2: DivergenceError, 3: RaceError}
+
+
+class _Launch(ctypes.Structure):
+    # Mirror of msl_rt::Launch in runtime.h.
+    _fields_ = [
+        ("ptrs", ctypes.POINTER(ctypes.c_void_p)),
+        ("bases", ctypes.POINTER(ctypes.c_void_p)),
+        ("nbytes", ctypes.POINTER(ctypes.c_int64)),
+        ("grid", ctypes.c_uint32 * 3),
+        ("tg", ctypes.c_uint32 * 3),
+        ("n_workers", ctypes.c_int32),
+        ("race_check", ctypes.c_int32),
+        ("stack_bytes", ctypes.c_int64),
+        ("err", ctypes.c_char_p),
+        ("err_len", ctypes.c_int32),
+        ("err_kind", ctypes.c_int32),
+        ("err_line", ctypes.c_int32),
+    ]
+
+
+# numpy dtype with the same bytes as each MLX dtype (bfloat16 travels as uint16).
+_NP_STORAGE = {
+    mx.bool_: np.bool_, mx.uint8: np.uint8, mx.uint16: np.uint16, mx.uint32: np.uint32, mx.uint64: np.uint64,
+    mx.int8: np.int8, mx.int16: np.int16, mx.int32: np.int32, mx.int64: np.int64, mx.float16: np.float16,
+    mx.bfloat16: np.uint16, mx.float32: np.float32, mx.float64: np.float64, mx.complex64: np.complex64,
+}
+
+
+def _to_numpy(a: mx.array) -> np.ndarray:
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.asarray(a)
+
+
+def _from_numpy(buf: np.ndarray, dtype: mx.Dtype, shape) -> mx.array:
+    out = mx.array(buf)
+    if dtype == mx.bfloat16:
+        out = out.view(mx.bfloat16)
+    return out.reshape(shape)
+
+
+def _n_workers() -> int:
+    env = os.environ.get("LILY_MSL_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover
+        return max(1, os.cpu_count() or 1)
+
+
+def _line_text(text: str, line: int) -> str:
+    lines = text.splitlines()
+    if 1 <= line <= len(lines):
+        return f"\n  line {line}: {lines[line - 1].strip()}"
+    return ""
+
+
+class MetalKernel:
+    """A kernel built by :func:`metal_kernel`; call it like an ``mx.fast.metal_kernel`` kernel."""
+
+    def __init__(self, name, input_names, output_names, source, header="", ensure_row_contiguous=True,
+                 atomic_outputs=False, compile_options=None, race_check: Optional[bool] = None):
+        if not output_names:
+            raise ValueError("[metal_kernel] Must specify at least one output.")
+        self.name = name
+        self.input_names = list(input_names)
+        self.output_names = list(output_names)
+        self.source = source
+        self.header = header
+        self.ensure_row_contiguous = ensure_row_contiguous
+        self.atomic_outputs = atomic_outputs
+        self.compile_options = compile_options
+        self.race_check = race_check
+
+    def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
+                 init_value=None, verbose=False, stream=None) -> List[mx.array]:
+        if isinstance(inputs, dict) or isinstance(output_shapes, dict):
+            raise TypeError("[metal_kernel] inputs/output_shapes are sequences, as in mx.fast.metal_kernel")
+        inputs = [sig.as_input_array(x) for x in inputs]
+        if len(output_shapes) != len(self.output_names):
+            raise ValueError(f"[metal_kernel] Expected `output_shapes` to have size {len(self.output_names)} "
+                             f"but got size {len(output_shapes)}.")
+        if len(output_dtypes) != len(self.output_names):
+            raise ValueError(f"[metal_kernel] Expected `output_dtypes` to have size {len(self.output_names)} "
+                             f"but got size {len(output_dtypes)}.")
+        template = sig.normalize_template(template)
+        kname, metal_text = sig.generate_source(
+            self.name, self.input_names, self.output_names, self.source, self.header, template,
+            self.atomic_outputs, inputs, output_dtypes)
+        if verbose:
+            print(f"Generated source code for `{self.name}`:\n```\n{metal_text}\n```", flush=True)
+        grid = tuple(int(g) for g in grid)
+        tg = tuple(int(t) for t in threadgroup)
+        if len(grid) != 3 or len(tg) != 3:
+            raise ValueError("[metal_kernel] grid and threadgroup must have 3 entries")
+        if tg[0] * tg[1] * tg[2] > MAX_THREADGROUP:
+            raise ValueError(f"Thread group size ({tg[0] * tg[1] * tg[2]}) is greater than  the maximum allowed "
+                             f"threads per threadgroup ({MAX_THREADGROUP}).")
+        if min(tg) <= 0:
+            raise ValueError("[metal_kernel] threadgroup sizes must be positive")
+        tg = tuple(min(t, g) for t, g in zip(tg, grid))
+
+        specs = sig.classify_inputs(self.input_names, inputs, self.source)
+        params = sig.parameters(specs, self.output_names, output_dtypes, self.source, self.atomic_outputs)
+        cpp = translate.kernel_cpp(kname, self.header, self.source, sig.template_params(template),
+                                   sig.format_template(template), params)
+        lib = build.build(cpp, metal_text, kname)
+
+        # Buffers in parameter order (inputs with their shape/strides/ndim, then outputs).
+        keep = []  # numpy arrays that must stay alive during the launch
+        ptrs, bases, sizes = [], [], []
+
+        def add(arr: np.ndarray, lo_bytes: int = 0, span: Optional[int] = None):
+            keep.append(arr)
+            p = arr.ctypes.data
+            ptrs.append(p)
+            bases.append(p + lo_bytes)
+            sizes.append(arr.nbytes if span is None else span)
+
+        outputs_np = []
+        for p in params:
+            if p.kind == "input":
+                a = inputs[p.input_index]
+                x = _to_numpy(a)
+                if self.ensure_row_contiguous or x.ndim == 0:
+                    x = np.ascontiguousarray(x)
+                    add(x)
+                else:
+                    lo, span = _strided_extent(x)
+                    add(x, lo, span)
+            elif p.kind in ("shape", "strides", "ndim"):
+                a = inputs[p.input_index]
+                x = _to_numpy(a)
+                if p.kind == "shape":
+                    add(np.array(a.shape, dtype=np.int32))
+                elif p.kind == "strides":
+                    if self.ensure_row_contiguous:
+                        st = _row_strides(a.shape)
+                    else:
+                        st = [s // x.itemsize for s in x.strides]
+                    add(np.array(st, dtype=np.int64))
+                else:
+                    add(np.array(a.ndim, dtype=np.int32))
+            elif p.kind == "output":
+                j = p.output_index
+                dtype = output_dtypes[j]
+                shape = tuple(int(s) for s in output_shapes[j])
+                if init_value is not None:
+                    buf = np.array(_to_numpy(mx.full(shape, init_value, dtype)), copy=True)
+                else:
+                    # Uninitialised on a GPU: poison so unwritten elements show (NaN / -1).
+                    buf = np.empty(shape, dtype=_NP_STORAGE[dtype])
+                    buf.view(np.uint8).fill(0xFF)
+                buf = np.ascontiguousarray(buf)
+                outputs_np.append((buf, dtype, shape))
+                add(buf)
+
+        n = len(ptrs)
+        err = ctypes.create_string_buffer(4096)
+        launch = _Launch()
+        launch.ptrs = (ctypes.c_void_p * max(n, 1))(*ptrs)
+        launch.bases = (ctypes.c_void_p * max(n, 1))(*bases)
+        launch.nbytes = (ctypes.c_int64 * max(n, 1))(*sizes)
+        launch.grid = (ctypes.c_uint32 * 3)(*grid)
+        launch.tg = (ctypes.c_uint32 * 3)(*tg)
+        launch.n_workers = _n_workers()
+        race = self.race_check if self.race_check is not None else os.environ.get("LILY_MSL_RACE", "0") == "1"
+        launch.race_check = 1 if race else 0
+        launch.stack_bytes = int(os.environ.get("LILY_MSL_STACK_KB", "256")) * 1024
+        launch.err = ctypes.cast(err, ctypes.c_char_p)
+        launch.err_len = len(err)
+        if min(grid) > 0:
+            rc = lib.lily_sim_launch(ctypes.byref(launch))
+            if rc != 0:
+                msg = err.value.decode(errors="replace")
+                msg = self._name_buffers(msg, params)
+                cls = _ERRORS.get(rc, SimulatorError)
+                raise cls(f"[lily_mlx.msl.sim] kernel {self.name} ({kname}): {msg}"
+                          f"{_line_text(metal_text, launch.err_line)}")
+        del keep
+        return [_from_numpy(buf, dtype, shape) for buf, dtype, shape in outputs_np]
+
+    @staticmethod
+    def _name_buffers(msg: str, params) -> str:
+        for p in params:
+            if p.index is not None:
+                msg = msg.replace(f"buffer {p.index} ", f"buffer {p.index} (`{p.name}`, {p.kind}) ")
+        return msg
+
+
+def _row_strides(shape) -> List[int]:
+    st, acc = [], 1
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= s
+    return list(reversed(st))
+
+
+def _strided_extent(x: np.ndarray):
+    """(byte offset of the lowest element from x's pointer, byte span) of a strided view."""
+    if x.size == 0:
+        return 0, 0
+    lo = sum(min(0, s * (n - 1)) for s, n in zip(x.strides, x.shape))
+    hi = sum(max(0, s * (n - 1)) for s, n in zip(x.strides, x.shape))
+    return lo, hi - lo + x.itemsize
+
+
+def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
+                 header: str = "", ensure_row_contiguous: bool = True, atomic_outputs: bool = False,
+                 compile_options=None, race_check: Optional[bool] = None) -> MetalKernel:
+    """Same signature and call convention as ``mx.fast.metal_kernel``; runs on the CPU simulator.
+
+    ``race_check`` (simulator only) enables threadgroup-memory race detection; default from
+    ``LILY_MSL_RACE=1``.
+    """
+    return MetalKernel(name, input_names, output_names, source, header, ensure_row_contiguous,
+                       atomic_outputs, compile_options, race_check)

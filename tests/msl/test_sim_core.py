@@ -1,0 +1,232 @@
+"""Simulator core: dispatch semantics, thread attributes, threadgroup memory + barriers, simd ops,
+16-bit float rounding, vectors, templates, scalars, init_value, bounds and divergence reports."""
+
+import ml_dtypes
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lily_mlx.msl import sim
+
+
+def run(source, inputs, out_shape, out_dtype=mx.float32, grid=(32, 1, 1), tg=(32, 1, 1), names=None,
+        template=None, header="", init_value=None, outputs=("out",), **kw):
+    names = names or [f"in{i}" for i in range(len(inputs))]
+    k = sim.metal_kernel(name="t", input_names=names, output_names=list(outputs), source=source, header=header, **kw)
+    shapes = out_shape if isinstance(out_shape, list) else [out_shape]
+    dtypes = out_dtype if isinstance(out_dtype, list) else [out_dtype] * len(shapes)
+    res = k(inputs=inputs, template=template, grid=grid, threadgroup=tg, output_shapes=shapes,
+            output_dtypes=dtypes, init_value=init_value)
+    return res if len(res) > 1 else res[0]
+
+
+def test_exp_elementwise_doc_example():
+    source = """
+        uint elem = thread_position_in_grid.x;
+        T tmp = inp[elem];
+        out[elem] = metal::exp(tmp);
+    """
+    a = mx.random.normal(shape=(4, 16)).astype(mx.float16)
+    k = sim.metal_kernel(name="myexp", input_names=["inp"], output_names=["out"], source=source)
+    b = k(inputs=[a], template=[("T", mx.float16)], grid=(a.size, 1, 1), threadgroup=(256, 1, 1),
+          output_shapes=[a.shape], output_dtypes=[a.dtype])[0]
+    assert mx.allclose(b, mx.exp(a)).item()
+
+
+def test_dispatch_threads_partial_edge_groups_and_attributes():
+    # grid (37, 3, 2) with threadgroup (16, 2, 1): edge groups are partial, no padding threads run.
+    src = """
+        uint3 g = thread_position_in_grid;
+        uint i = (g.z * threads_per_grid.y + g.y) * threads_per_grid.x + g.x;
+        out[i * 8 + 0] = thread_position_in_threadgroup.x + 100 * thread_position_in_threadgroup.y;
+        out[i * 8 + 1] = threadgroup_position_in_grid.x + 100 * threadgroup_position_in_grid.y + 10000 * threadgroup_position_in_grid.z;
+        out[i * 8 + 2] = threads_per_threadgroup.x * threads_per_threadgroup.y * threads_per_threadgroup.z;
+        out[i * 8 + 3] = thread_index_in_threadgroup;
+        out[i * 8 + 4] = simdgroup_index_in_threadgroup * 100 + thread_index_in_simdgroup;
+        out[i * 8 + 5] = threadgroups_per_grid.x * 100 + threadgroups_per_grid.y;
+        out[i * 8 + 6] = threads_per_simdgroup + thread_execution_width;
+        out[i * 8 + 7] = simdgroups_per_threadgroup;
+    """
+    G, TG = (37, 3, 2), (16, 2, 1)
+    out = np.array(run(src, [mx.zeros((1,))], (37 * 3 * 2 * 8,), mx.uint32, grid=G, tg=TG)).reshape(2, 3, 37, 8)
+    for z in range(2):
+        for y in range(3):
+            for x in range(37):
+                lx, ly = x % 16, y % 2
+                gx, gy = x // 16, y // 2
+                ax, ay = min(16, 37 - gx * 16), min(2, 3 - gy * 2)
+                lid = ly * ax + lx
+                exp = [lx + 100 * ly, gx + 100 * gy + 10000 * z, ax * ay, lid, (lid // 32) * 100 + lid % 32,
+                       3 * 100 + 2, 64, (ax * ay + 31) // 32]
+                assert list(out[z, y, x]) == exp, (x, y, z)
+
+
+def test_threadgroup_memory_barrier_tree_reduction():
+    src = """
+        threadgroup float buf[256];
+        uint lid = thread_position_in_threadgroup.x;
+        buf[lid] = inp[thread_position_in_grid.x];
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        for (uint s = 128; s > 0; s >>= 1) {
+            if (lid < s) buf[lid] += buf[lid + s];
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+        }
+        if (lid == 0) out[threadgroup_position_in_grid.x] = buf[0];
+    """
+    x = mx.random.uniform(shape=(4 * 256,))
+    out = run(src, [x], (4,), grid=(1024, 1, 1), tg=(256, 1, 1), names=["inp"])
+    assert np.allclose(np.array(out), np.array(x).reshape(4, 256).sum(1), rtol=1e-5)
+
+
+def test_threadgroup_memory_declared_in_header_helper_is_shared():
+    header = """
+    template <typename T>
+    T group_sum(T v, uint lid, uint n) {
+        threadgroup T partial[32];
+        T s = simd_sum(v);
+        if (lid % 32 == 0) partial[lid / 32] = s;
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        T total = 0;
+        for (uint i = 0; i < n / 32; ++i) total += partial[i];
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        return total;
+    }
+    """
+    src = """
+        uint lid = thread_position_in_threadgroup.x;
+        float t = group_sum<float>(inp[thread_position_in_grid.x], lid, threads_per_threadgroup.x);
+        if (lid == 0) out[threadgroup_position_in_grid.x] = t;
+    """
+    x = mx.random.uniform(shape=(3 * 128,))
+    out = run(src, [x], (3,), grid=(384, 1, 1), tg=(128, 1, 1), names=["inp"], header=header)
+    assert np.allclose(np.array(out), np.array(x).reshape(3, 128).sum(1), rtol=1e-5)
+
+
+def _butterfly_sum(v):
+    v = list(v)
+    for m in (1, 2, 4, 8, 16):
+        v = [np.float32(v[l] + v[l ^ m]) for l in range(32)]
+    return v[0]
+
+
+def test_simd_sum_is_xor_butterfly_bitwise():
+    x = (mx.random.normal(shape=(64,)) * mx.exp(mx.random.normal(shape=(64,)) * 4)).astype(mx.float32)
+    src = "out[thread_position_in_grid.x] = simd_sum(inp[thread_position_in_grid.x]);"
+    out = np.array(run(src, [x], (64,), grid=(64, 1, 1), tg=(64, 1, 1), names=["inp"]))
+    xn = np.array(x)
+    for s in range(2):
+        ref = _butterfly_sum(xn[32 * s:32 * s + 32].astype(np.float32))
+        assert np.all(out[32 * s:32 * s + 32] == ref)
+
+
+@pytest.mark.parametrize("op,ref", [
+    ("simd_max(v)", lambda v, l: v.max()),
+    ("simd_min(v)", lambda v, l: v.min()),
+    ("simd_shuffle(v, (l * 7) % 32)", lambda v, l: v[(l * 7) % 32]),
+    ("simd_shuffle_xor(v, 5)", lambda v, l: v[l ^ 5]),
+    ("simd_shuffle_down(v, 3)", lambda v, l: v[l + 3] if l + 3 < 32 else v[l]),
+    ("simd_shuffle_up(v, 3)", lambda v, l: v[l - 3] if l >= 3 else v[l]),
+    ("simd_broadcast(v, 9)", lambda v, l: v[9]),
+    ("simd_prefix_inclusive_sum(v)", lambda v, l: v[:l + 1].sum()),
+    ("simd_prefix_exclusive_sum(v)", lambda v, l: v[:l].sum()),
+    ("float(simd_all(v > -100.0f)) + 2 * float(simd_any(v > 1e9f))", lambda v, l: 1.0),
+    ("float(uint64_t(simd_ballot(l % 3 == 0)) == 0x49249249ull)", lambda v, l: 1.0),
+    ("float(simd_sum(int(l)))", lambda v, l: 496.0),
+    ("float(simd_or(1u << l) == 0xffffffffu)", lambda v, l: 1.0),
+])
+def test_simd_ops(op, ref):
+    x = mx.round(mx.random.normal(shape=(32,)) * 8)  # small integers: sums are exact in any order
+    src = f"uint l = thread_index_in_simdgroup; float v = inp[l]; out[l] = {op};"
+    out = np.array(run(src, [x], (32,), names=["inp"]))
+    xn = np.array(x)
+    assert np.array_equal(out, np.array([ref(xn, l) for l in range(32)], dtype=np.float32)), op
+
+
+@pytest.mark.parametrize("mdt,npdt,tname", [(mx.float16, np.float16, "half"), (mx.bfloat16, ml_dtypes.bfloat16, "bfloat")])
+def test_f16_conversion_and_arithmetic_rounding_bitexact(mdt, npdt, tname):
+    rng = np.random.default_rng(0)
+    # magnitudes across normal, subnormal, overflow ranges plus ties
+    a = (rng.standard_normal(4096) * np.exp2(rng.integers(-30, 20, 4096))).astype(np.float32)
+    a[:4] = [65520.0, 65519.0, 2.0 ** -25, 3 * 2.0 ** -26]
+    b = (rng.standard_normal(4096) * np.exp2(rng.integers(-10, 10, 4096))).astype(np.float32)
+    src = f"""
+        uint i = thread_position_in_grid.x;
+        {tname} x = {tname}(a[i]);
+        {tname} y = {tname}(b[i]);
+        o1[i] = x;
+        o2[i] = x * y;
+        o3[i] = x + y;
+        o4[i] = float(x) / float(y);
+    """
+    outs = run(src, [mx.array(a), mx.array(b)], [(4096,)] * 4, [mdt, mdt, mdt, mx.float32], grid=(4096, 1, 1),
+               tg=(256, 1, 1), names=["a", "b"], outputs=("o1", "o2", "o3", "o4"))
+    with np.errstate(over="ignore"):
+        xa, xb = a.astype(npdt), b.astype(npdt)
+    got = [np.array(o.view(mx.uint16)) for o in outs[:3]]
+    with np.errstate(over="ignore"):
+        exp = [xa, (xa.astype(np.float32) * xb.astype(np.float32)).astype(npdt),
+               (xa.astype(np.float32) + xb.astype(np.float32)).astype(npdt)]
+    for g, e in zip(got, exp):
+        assert np.array_equal(g, e.view(np.uint16))
+
+
+def test_vectors_templates_scalars_and_constant_inputs():
+    src = """
+        uint i = thread_position_in_grid.x;
+        float4 v = float4(inp[4 * i], inp[4 * i + 1], inp[4 * i + 2], inp[4 * i + 3]);
+        float4 w = v * scale + float4(c[0], c[1], c[2], 1.0f);
+        half4 h = half4(w);
+        out[i] = dot(float4(h), float4(1.0f)) + (B ? N : -N) + float(h.x) * 0.0f;
+    """
+    x = mx.random.normal(shape=(4 * 40,))
+    c = mx.array([1.0, 2.0, 3.0])
+    out = run(src, [x, 2.0, c], (40,), grid=(40, 1, 1), tg=(16, 1, 1), names=["inp", "scale", "c"],
+              template=[("N", 7), ("B", True)])
+    w = np.array(x).reshape(40, 4) * 2.0 + np.array([1, 2, 3, 1.0])
+    h = w.astype(np.float16).astype(np.float32)
+    assert np.allclose(np.array(out), h.sum(1) + 7, rtol=1e-5)
+
+
+def test_init_value_and_unwritten_outputs():
+    src = "if (thread_position_in_grid.x % 2 == 0) out[thread_position_in_grid.x] = 1.0f;"
+    out = np.array(run(src, [mx.zeros((1,))], (8,), grid=(8, 1, 1), tg=(8, 1, 1), init_value=-3.0))
+    assert list(out) == [1, -3, 1, -3, 1, -3, 1, -3]
+    out = np.array(run(src, [mx.zeros((1,))], (8,), grid=(8, 1, 1), tg=(8, 1, 1)))
+    assert np.isnan(out[1::2]).all()  # uninitialised outputs are poisoned
+
+
+def test_out_of_bounds_write_is_reported():
+    src = "out[thread_position_in_grid.x + 1] = inp[thread_position_in_grid.x];"
+    with pytest.raises(sim.OutOfBoundsError, match=r"`out`.*\n.*line \d+: out\[thread_position_in_grid.x \+ 1\]"):
+        run(src, [mx.zeros((64,))], (64,), grid=(64, 1, 1), tg=(32, 1, 1), names=["inp"])
+
+
+def test_out_of_bounds_read_is_reported():
+    src = "out[thread_position_in_grid.x] = inp[thread_position_in_grid.x * 2];"
+    with pytest.raises(sim.OutOfBoundsError, match=r"out-of-bounds read of buffer 0 \(`inp`"):
+        run(src, [mx.zeros((64,))], (64,), grid=(64, 1, 1), tg=(32, 1, 1), names=["inp"])
+
+
+def test_divergent_simd_sum_is_reported_not_hung():
+    src = """
+        float v = inp[thread_position_in_grid.x];
+        if (thread_index_in_simdgroup < 16) v = simd_sum(v);
+        out[thread_position_in_grid.x] = v;
+    """
+    with pytest.raises(sim.DivergenceError, match="simd_sum"):
+        run(src, [mx.zeros((64,))], (64,), grid=(64, 1, 1), tg=(64, 1, 1), names=["inp"])
+
+
+def test_barrier_in_divergent_branch_is_reported():
+    src = """
+        if (thread_position_in_threadgroup.x == 0) return;
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[thread_position_in_grid.x] = 1.0f;
+    """
+    with pytest.raises(sim.DivergenceError, match="threadgroup_barrier.*already returned"):
+        run(src, [mx.zeros((64,))], (64,), grid=(64, 1, 1), tg=(64, 1, 1), names=["inp"])
+
+
+def test_compile_error_shows_numbered_source():
+    with pytest.raises(sim.CompileError, match=r"(?s)undefined_thing.*\d+\| .*undefined_thing"):
+        run("out[0] = undefined_thing;", [mx.zeros((1,))], (1,), grid=(1, 1, 1), tg=(1, 1, 1))
