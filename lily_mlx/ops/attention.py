@@ -52,9 +52,9 @@ LONG_CONTEXT = register_op(Op(
 FIXED_BLOCK_MIN_CONTEXT = 32 * 1024
 FIXED_BLOCK_HEAD_DIM = 256
 FIXED_BLOCK_GQA_FACTOR = 8
-FIXED_BLOCK_SIZE = 4096
+FIXED_BLOCK_SIZE = 4096  # KV rows per block; a starting point for tuning
 
-# (op name, backend) -> kernel launcher; filled by the kernel issue. Empty: all ops run the reference.
+# (op name, backend) -> kernel launcher, filled as kernels land. Empty: every op runs its reference.
 KERNELS: dict = {}
 
 
@@ -110,7 +110,7 @@ def qk_prep(q_proj_out, k_proj_out, v_proj_out, *, n_heads, n_kv_heads, q_norm, 
             offset=0):
     """q/k preparation; see ``qk_prep_reference`` for shapes. Kernel: ``fused_qk_prep``."""
     kernel = _kernel_for(QK_PREP)
-    if kernel is not None:  # pragma: no cover - kernels land in a later issue
+    if kernel is not None:  # pragma: no cover - no kernels yet
         return kernel(q_proj_out, k_proj_out, v_proj_out, n_heads=n_heads, n_kv_heads=n_kv_heads,
                       q_norm=q_norm, k_norm=k_norm, rope=rope, offset=offset,
                       fused=is_enabled("fused_qk_prep"))

@@ -238,6 +238,6 @@ def test_ops_registered_with_their_switches():
     used = {s for op in ops.values() for s in op.switches}
     assert used == {n for n, s in switches.SWITCHES.items() if s.family == "attention"}
     for op in ops.values():
-        assert op.kernel_backends == frozenset()  # kernels come in a later issue
+        assert op.kernel_backends == frozenset()  # no kernels yet: update when one lands
         for backend in ("metal", "cuda", "sim", "reference"):
             assert op_backend(op.name, backend) == "reference"
