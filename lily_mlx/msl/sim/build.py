@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Dict
 
 PRELUDE_DIR = Path(__file__).resolve().parent
-PRELUDE_FILES = ("prelude.h", "metal_types.h", "metal_math.h", "runtime.h", "simd.h", "launch.h")
+PRELUDE_FILES = ("prelude.h", "metal_types.h", "metal_math.h", "runtime.h", "simd.h", "simdgroup_matrix.h", "launch.h")
 CXX_FLAGS = ("-std=c++20", "-O1", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
              "-fno-math-errno", "-Wno-unknown-pragmas", "-Wno-attributes", "-pthread")
 

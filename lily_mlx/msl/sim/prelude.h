@@ -5,4 +5,5 @@
 #include "metal_math.h"
 #include "runtime.h"
 #include "simd.h"
+#include "simdgroup_matrix.h"
 #include "launch.h"
