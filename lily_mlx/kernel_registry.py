@@ -25,7 +25,10 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 # Installed wheel: lily_mlx/_kernels; source checkout: <repo>/kernels.
 _KERNEL_DIRS = (_PACKAGE_DIR / "_kernels", _PACKAGE_DIR.parent / "kernels")
 
-_SECTION = re.compile(r"^//\s*@(header|kernel)\b[ \t]*(\S*)[ \t]*$", re.MULTILINE)
+# A section marker is a whole line: "// @header" or "// @kernel <name>", optionally followed by a
+# "//" comment. Anything else on a marker line is an error, never silently part of a body.
+_SECTION = re.compile(r"^//\s*@((?:header|kernel)\w*)(.*)$", re.MULTILINE)
+_MARKER_TAIL = re.compile(r"^[ \t]*(\w*)[ \t]*(//.*)?$")
 
 
 @dataclass(frozen=True)
@@ -52,13 +55,22 @@ def parse_kernel_file(text: str, filename: str = "<text>") -> Tuple[str, Dict[st
     header = ""
     bodies: Dict[str, str] = {}
     matches = list(_SECTION.finditer(text))
-    if not matches:
-        raise ValueError(f"{filename}: no '// @kernel <name>' section")
+    if matches and text[: matches[0].start()].strip():
+        # Only comments may stand before the first section (a file's preamble).
+        for line in text[: matches[0].start()].splitlines():
+            if line.strip() and not line.strip().startswith("//"):
+                raise ValueError(f"{filename}: code before the first '// @' section: {line.strip()!r}")
     for i, m in enumerate(matches):
         end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
         chunk = text[m.end():end].strip("\n") + "\n"
-        kind, name = m.group(1), m.group(2)
+        kind = m.group(1)
+        tail = _MARKER_TAIL.match(m.group(2))
+        if kind not in ("header", "kernel") or tail is None:
+            raise ValueError(f"{filename}: malformed section marker {m.group(0)!r}")
+        name = tail.group(1)
         if kind == "header":
+            if name:
+                raise ValueError(f"{filename}: '// @header' takes no name (got {name!r})")
             header += chunk
         else:
             if not name:
@@ -66,6 +78,8 @@ def parse_kernel_file(text: str, filename: str = "<text>") -> Tuple[str, Dict[st
             if name in bodies:
                 raise ValueError(f"{filename}: kernel {name!r} defined twice")
             bodies[name] = chunk
+    if not bodies:
+        raise ValueError(f"{filename}: no '// @kernel <name>' section")
     return header, bodies
 
 

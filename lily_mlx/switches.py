@@ -102,13 +102,19 @@ def reset() -> None:
         _state[name] = True
 
 
+def _check_one(name: str) -> str:
+    names = _check([name])
+    if len(names) != 1:
+        raise ValueError(f"empty lily-mlx switch name. Valid switches: {', '.join(SWITCHES)}")
+    return names[0]
+
+
 def is_enabled(name: str) -> bool:
-    _check([name])
-    return _state[name]
+    return _state[_check_one(name)]
 
 
 def set_enabled(name: str, value: bool) -> None:
-    _check([name])
+    name = _check_one(name)
     with _lock:
         _state[name] = bool(value)
 

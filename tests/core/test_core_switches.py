@@ -147,10 +147,6 @@ def test_overrides_nest():
     assert switches.state() == {n: s.default for n, s in switches.SWITCHES.items()}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "switches._check strips names for validation but set_enabled/is_enabled then use the unstripped "
-    "name: set_enabled(' gpu_routing ', False) adds a stray key and leaves gpu_routing on, "
-    "is_enabled(' gpu_routing ') raises KeyError"))
 def test_padded_name_acts_on_the_switch_or_is_rejected():
     try:
         switches.set_enabled(" gpu_routing ", False)
@@ -160,9 +156,6 @@ def test_padded_name_acts_on_the_switch_or_is_rejected():
     assert set(switches.state()) == set(switches.SWITCHES)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "switches._check drops empty names, so set_enabled('', x) passes validation and adds a '' key "
-    "to the state, and is_enabled('') raises KeyError instead of the ValueError listing valid names"))
 def test_empty_name_rejected():
     with pytest.raises(ValueError):
         switches.set_enabled("", False)
