@@ -269,3 +269,15 @@ def prefill_step_size(requested: Optional[int] = None) -> int:
     if not switches.is_enabled("chunked_prefill"):
         return UNCHUNKED_PREFILL_STEP
     return DEFAULT_PREFILL_STEP_SIZE if requested is None else int(requested)
+
+
+class _CallablePatchModule(type(sys)):
+    """``lily_mlx.patch`` is both this module and the function: once the submodule is imported,
+    Python binds the package attribute ``lily_mlx.patch`` to the module, so the module forwards
+    calls to :func:`patch` and ``lily_mlx.patch(model)`` works either way."""
+
+    def __call__(self, model, strict: bool = True):
+        return patch(model, strict=strict)
+
+
+sys.modules[__name__].__class__ = _CallablePatchModule

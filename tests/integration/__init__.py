@@ -1,0 +1,1 @@
+"""Integration tests: lily-mlx inside MLX-LM (patch, caches, sharding, CLIs, server)."""

@@ -1,0 +1,213 @@
+"""lily_mlx.patch / unpatch / load on whole MLX-LM models: token-identical to stock on the reference
+backend (greedy, 100 tokens), for every switch flipped, and for every supported architecture."""
+
+from __future__ import annotations
+
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+
+import lily_mlx
+from lily_mlx import patch as lily_patch
+from lily_mlx import switches
+
+from .conftest import PROMPT
+
+N_TOKENS = 100
+
+
+@pytest.fixture(autouse=True)
+def reference_backend(monkeypatch):
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    monkeypatch.delenv("LILY_DISABLE", raising=False)
+    monkeypatch.delenv("LILY_ENABLE", raising=False)
+    switches.reset()
+    yield
+    switches.reset()
+
+
+def greedy_tokens(model, tokenizer, n=N_TOKENS, **kwargs):
+    prompt = mx.array(tokenizer.encode(PROMPT))
+    return [int(t) for t, _ in generate_step(prompt, model, max_tokens=n, **kwargs)]
+
+
+def logits(model, tokenizer):
+    return model(mx.array(tokenizer.encode(PROMPT))[None])
+
+
+def stock_classes(model):
+    return [type(m) for m in model.modules()]
+
+
+@pytest.fixture(scope="module")
+def stock_tokens(loaded_model):
+    m, tok = loaded_model
+    return greedy_tokens(m, tok)
+
+
+@pytest.fixture
+def model(loaded_model):
+    m, tok = loaded_model
+    yield m, tok
+    lily_mlx.unpatch(m)
+
+
+def test_patched_equals_stock_100_tokens(model, stock_tokens):
+    m, tok = model
+    stock = greedy_tokens(m, tok)
+    assert stock == stock_tokens  # stock is deterministic
+    lily_mlx.patch(m)
+    assert lily_mlx.is_patched(m)
+    assert greedy_tokens(m, tok) == stock
+    assert len(stock) == N_TOKENS
+
+
+@pytest.mark.parametrize("name", list(switches.SWITCHES))
+def test_each_switch_off_still_identical(model, stock_tokens, name):
+    m, tok = model
+    lily_mlx.patch(m)
+    with switches.overrides(disable=[name]):
+        # chunked_prefill acts through the prompt chunk size MLX-LM is given
+        lily = greedy_tokens(m, tok, prefill_step_size=lily_patch.prefill_step_size())
+    assert lily == stock_tokens
+
+
+def test_patch_swaps_only_target_layers_and_unpatch_restores(model):
+    m, tok = model
+    before_classes = stock_classes(m)
+    before_params = {k: id(v) for k, v in tree_flatten(m.parameters())}
+    stock_logits = logits(m, tok)
+
+    lily_mlx.patch(m)
+    lily_mlx.patch(m)  # idempotent
+    swapped = {type(x).__name__ for x in m.modules() if type(x) not in before_classes}
+    assert swapped <= {"LilyGatedDeltaNet", "LilyQwen3NextGatedDeltaNet", "LilyQwen3NextAttention",
+                       "LilyQwen3NextSparseMoeBlock"}
+    assert "LilyQwen3NextAttention" in swapped
+    for mod in m.modules():  # a lily class is a subclass of the stock one: isinstance still holds
+        if type(mod).__name__.startswith("Lily"):
+            assert isinstance(mod, type(mod)._lily_stock_class)
+
+    lily_mlx.unpatch(m)
+    assert not lily_mlx.is_patched(m)
+    assert stock_classes(m) == before_classes
+    assert {k: id(v) for k, v in tree_flatten(m.parameters())} == before_params  # same weights
+    assert mx.array_equal(logits(m, tok), stock_logits).item()
+
+
+def test_engines_alternate_in_one_process(model):
+    m, tok = model
+    stock = greedy_tokens(m, tok, n=20)
+    for _ in range(2):
+        lily_mlx.patch(m)
+        assert greedy_tokens(m, tok, n=20) == stock
+        lily_mlx.unpatch(m)
+        assert greedy_tokens(m, tok, n=20) == stock
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_next"])
+def test_other_supported_architectures(random_model, model_type):
+    import mlx_lm
+
+    m, tok = mlx_lm.load(str(random_model(model_type)))
+    stock = greedy_tokens(m, tok, n=40)
+    lily_mlx.patch(m)
+    assert lily_mlx.is_patched(m)
+    assert greedy_tokens(m, tok, n=40) == stock
+    lily_mlx.unpatch(m)
+    assert not lily_mlx.is_patched(m)
+
+
+def test_load_is_a_drop_in(model_path):
+    import mlx_lm
+
+    m, tok = lily_mlx.load(str(model_path))
+    assert lily_mlx.is_patched(m)
+    m2, tok2, config = lily_mlx.load(str(model_path), return_config=True)
+    stock, stock_tok, stock_config = mlx_lm.load(str(model_path), return_config=True)
+    assert config == stock_config
+    assert type(tok2) is type(stock_tok)
+    assert greedy_tokens(m2, tok2, n=30) == greedy_tokens(stock, stock_tok, n=30)
+
+
+def _tiny_llama():
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=1,
+                           intermediate_size=64, num_attention_heads=4, rms_norm_eps=1e-5,
+                           vocab_size=64, num_key_value_heads=4)
+    return llama.Model(args)
+
+
+def test_unsupported_model_type_is_a_clear_error():
+    model = _tiny_llama()
+    with pytest.raises(ValueError) as err:
+        lily_mlx.patch(model)
+    msg = str(err.value)
+    assert "'llama'" in msg
+    for name in lily_mlx.SUPPORTED_MODEL_TYPES:
+        assert name in msg
+    assert not lily_mlx.is_patched(model)
+
+
+def test_unsupported_model_type_non_strict_warns_and_keeps_stock():
+    model = _tiny_llama()
+    classes = stock_classes(model)
+    with pytest.warns(UserWarning, match="does not support model type 'llama'"):
+        out = lily_mlx.patch(model, strict=False)
+    assert out is model
+    assert stock_classes(model) == classes
+
+
+def test_untested_versions_refused_unless_allowed(model, monkeypatch):
+    m, _ = model
+    monkeypatch.setattr(lily_patch, "installed_versions", lambda: {"mlx": "0.32.4", "mlx-lm": "0.33.0"})
+    monkeypatch.delenv("LILY_ALLOW_UNTESTED", raising=False)
+    with pytest.raises(RuntimeError, match=r"mlx-lm 0\.33\.0 \(tested >=0\.32\.2,<0\.33\)"):
+        lily_mlx.patch(m)
+    assert not lily_mlx.is_patched(m)
+    monkeypatch.setenv("LILY_ALLOW_UNTESTED", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lily_mlx.patch(m)
+    assert lily_mlx.is_patched(m)
+
+
+def test_installed_versions_are_in_the_tested_range():
+    assert lily_patch.untested_versions() == []
+
+
+def test_missing_op_keeps_stock_call():
+    assert lily_patch._op_forward("no_such_family", "forward") is None
+    cls = lily_patch._lily_class(nn.Linear, None)
+    assert cls.__call__ is nn.Linear.__call__ and cls._lily_stock_class is nn.Linear
+
+
+def test_prefill_step_size_follows_chunked_prefill():
+    assert lily_patch.prefill_step_size() == 2048
+    assert lily_patch.prefill_step_size(512) == 512
+    with switches.overrides(disable=["chunked_prefill"]):
+        assert lily_patch.prefill_step_size(512) >= 2**31
+
+
+def test_chunked_prefill_off_matches_chunked_stock_on_a_long_prompt(model):
+    """The switch only matters for prompts longer than a chunk: stock chunked by 32 vs lily with the
+    whole ~350-token prompt in one chunk (same tokens on the test models; the switch contract allows
+    rounding differences, which greedy decoding of these models does not hit)."""
+    m, tok = model
+    prompt = mx.array(tok.encode(open(switches.__file__).read()[:600]))
+    assert prompt.size > 4 * 32
+
+    def run():
+        step = lily_patch.prefill_step_size(32)
+        return [int(t) for t, _ in generate_step(prompt, m, max_tokens=30, prefill_step_size=step)]
+
+    stock = run()
+    lily_mlx.patch(m)
+    with switches.overrides(disable=["chunked_prefill"]):
+        assert lily_patch.prefill_step_size(32) > prompt.size
+        assert run() == stock
