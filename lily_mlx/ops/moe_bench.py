@@ -1,0 +1,127 @@
+"""MoE microbenchmark cases at Qwen3.6-35B-A3B shapes, for the GPU benchmark harness.
+
+``microbench_cases()`` returns ``(name, run_once, bytes_moved, flops)`` tuples. ``run_once()`` builds
+and evaluates one call (``mx.eval``) on the active backend (``LILY_BACKEND``); inputs are built and
+evaluated before the list is returned, so a case times only its own work. ``bytes_moved`` is the
+minimum traffic of the case (every touched expert's packed weights, scales and biases read once,
+activations read once, outputs written once); ``flops`` counts 2 per multiply-add.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .. import switches
+from . import moe_kernels as mk
+from .moe_reference import switch_glu_reference
+from .moe_testing import make_routing
+
+HIDDEN, EXPERT_WIDTH, NUM_EXPERTS, TOP_K = 2048, 512, 256, 8
+TOKENS = (512, 2048, 8192)
+
+
+class _Layer(dict):
+    """Just enough of a ``QuantizedSwitchLinear`` for the kernels and the reference (weights by key)."""
+
+    bits, group_size, mode = 4, 64, "affine"
+
+    def get(self, key, default=None):
+        return dict.get(self, key, default)
+
+    def __getattr__(self, name):
+        if name in ("scales", "weight", "biases"):
+            return self[name]
+        raise AttributeError(name)
+
+    def __contains__(self, key):  # no output bias
+        return dict.__contains__(self, key)
+
+
+def _quantized_experts(out_dims: int, in_dims: int, seed: int) -> _Layer:
+    w = mx.random.normal((NUM_EXPERTS, out_dims, in_dims), key=mx.random.key(seed)) * (in_dims ** -0.5)
+    wq, scales, biases = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
+    mx.eval(wq, scales, biases)
+    return _Layer(weight=wq, scales=scales, biases=biases)
+
+
+class _SwitchGLU:
+    def __init__(self, seed: int = 0):
+        from mlx_lm.models.switch_layers import SwiGLU
+
+        self.gate_proj = _quantized_experts(EXPERT_WIDTH, HIDDEN, seed)
+        self.up_proj = _quantized_experts(EXPERT_WIDTH, HIDDEN, seed + 1)
+        self.down_proj = _quantized_experts(HIDDEN, EXPERT_WIDTH, seed + 2)
+        self.activation = SwiGLU()
+
+
+def _expert_bytes(out_dims: int, in_dims: int, experts_touched: int) -> int:
+    packed = out_dims * in_dims // 2
+    scales_biases = 2 * 2 * out_dims * in_dims // 64
+    return experts_touched * (packed + scales_biases)
+
+
+def _run(fn: Callable, disable=()) -> Callable[[], None]:
+    def run_once():
+        with switches.overrides(disable=disable):
+            mx.eval(fn())
+
+    return run_once
+
+
+def microbench_cases() -> List[Tuple[str, Callable[[], None], int, int]]:
+    """Cases for 512, 2K and 8K tokens x top-8 of 256 experts, hidden 2048, expert width 512."""
+    sw = _SwitchGLU()
+    backend = mk.op_backend("moe_grouped_gemm")
+    cases = []
+    for tokens in TOKENS:
+        a = tokens * TOP_K
+        inds_np = make_routing("skewed", tokens, TOP_K, NUM_EXPERTS, seed=tokens)
+        inds = mx.array(inds_np.astype(np.uint32))
+        x = (mx.random.normal((tokens, HIDDEN), key=mx.random.key(tokens))).astype(mx.bfloat16)
+        sched = mk.routing_schedule(inds, NUM_EXPERTS, True, True, backend) if backend != "reference" else None
+        fixed = mk.routing_schedule(inds, NUM_EXPERTS, True, False, backend) if backend != "reference" else None
+        h = mx.random.normal((a, EXPERT_WIDTH), key=mx.random.key(1)).astype(mx.bfloat16)
+        mx.eval(inds, x, h, *(sched.values() if sched else ()), *(fixed.values() if fixed else ()))
+        touched = int(np.count_nonzero(np.bincount(inds_np.reshape(-1), minlength=NUM_EXPERTS)))
+        up_bytes = 2 * _expert_bytes(EXPERT_WIDTH, HIDDEN, touched) + tokens * HIDDEN * 2 + a * EXPERT_WIDTH * 2
+        down_bytes = _expert_bytes(HIDDEN, EXPERT_WIDTH, touched) + a * EXPERT_WIDTH * 2 + a * HIDDEN * 2
+        up_flops = 2 * 2 * a * HIDDEN * EXPERT_WIDTH
+        down_flops = 2 * a * EXPERT_WIDTH * HIDDEN
+        routing_bytes = a * 4 * 6 + NUM_EXPERTS * 4 * 3
+        t = f"{tokens}tok"
+
+        cases.append((f"stock_switch_glu[{t}]",
+                      _run(lambda x=x, inds=inds: switch_glu_reference(sw, x, inds)),
+                      up_bytes + down_bytes, up_flops + down_flops))
+        if backend == "reference":
+            continue
+        cases.append((f"routed_experts_kernel[{t}]",
+                      _run(lambda x=x, inds=inds: mk.routed_experts_kernel(sw, x, inds)),
+                      up_bytes + down_bytes + routing_bytes, up_flops + down_flops))
+        cases.append((f"routing_gpu[{t}]",
+                      _run(lambda inds=inds: list(mk.routing_schedule(inds, NUM_EXPERTS, True, True, backend).values())),
+                      routing_bytes, 0))
+        cases.append((f"routing_host[{t}]",
+                      _run(lambda inds=inds: list(mk.routing_schedule(inds, NUM_EXPERTS, False, True, backend).values())),
+                      routing_bytes, 0))
+        for label, s in (("adaptive", sched), ("fixed16", fixed)):
+            cases.append((f"gemm_gate_up_swiglu_fused_{label}[{t}]",
+                          _run(lambda x=x, s=s: mk.gemm_gate_up_swiglu(
+                              x, s["sorted_rows"], s["blocks"], sw.gate_proj, sw.up_proj, TOP_K, True, s["counts"], backend)),
+                          up_bytes, up_flops))
+            cases.append((f"gemm_down_fused_{label}[{t}]",
+                          _run(lambda h=h, s=s: mk.gemm_down(h, s["blocks"], sw.down_proj, True, s["counts"], backend)),
+                          down_bytes, down_flops))
+        # fused_dequant off: dequantise the touched experts to bf16 first (their bytes written and read back).
+        dense_up = 2 * 2 * 2 * touched * EXPERT_WIDTH * HIDDEN
+        cases.append((f"gemm_gate_up_swiglu_unfused[{t}]",
+                      _run(lambda x=x, s=sched: mk.gemm_gate_up_swiglu(
+                          x, s["sorted_rows"], s["blocks"], sw.gate_proj, sw.up_proj, TOP_K, False, s["counts"], backend)),
+                      up_bytes + dense_up, up_flops))
+        cases.append((f"gemm_down_unfused[{t}]",
+                      _run(lambda h=h, s=sched: mk.gemm_down(h, s["blocks"], sw.down_proj, False, s["counts"], backend)),
+                      down_bytes + dense_up // 2, down_flops))
+    return cases
