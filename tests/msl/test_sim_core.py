@@ -230,3 +230,39 @@ def test_barrier_in_divergent_branch_is_reported():
 def test_compile_error_shows_numbered_source():
     with pytest.raises(sim.CompileError, match=r"(?s)undefined_thing.*\d+\| .*undefined_thing"):
         run("out[0] = undefined_thing;", [mx.zeros((1,))], (1,), grid=(1, 1, 1), tg=(1, 1, 1))
+
+
+def test_missing_barrier_race_is_reported():
+    # Each thread reads its neighbour's slot: without a barrier the result depends on thread order.
+    body = """
+        threadgroup float buf[64];
+        uint lid = thread_position_in_threadgroup.x;
+        buf[lid] = inp[thread_position_in_grid.x];
+        {barrier}
+        out[thread_position_in_grid.x] = buf[(lid + 1) % 64];
+    """
+    x = mx.random.normal(shape=(128,))
+    fixed = body.format(barrier="threadgroup_barrier(mem_flags::mem_threadgroup);")
+    out = run(fixed, [x], (128,), grid=(128, 1, 1), tg=(64, 1, 1), names=["inp"], race_check=True)
+    assert np.array_equal(np.array(out), np.roll(np.array(x).reshape(2, 64), -1, axis=1).reshape(-1))
+    with pytest.raises(sim.RaceError, match="output `out` element"):
+        run(body.format(barrier=""), [x], (128,), grid=(128, 1, 1), tg=(64, 1, 1), names=["inp"], race_check=True)
+
+
+def test_write_write_race_is_reported():
+    src = """
+        threadgroup float acc[1];
+        if (thread_position_in_threadgroup.x == 0) acc[0] = 0.0f;
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        acc[0] = float(thread_position_in_threadgroup.x);  // every thread writes the same slot
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[thread_position_in_grid.x] = 1.0f;
+    """
+    with pytest.raises(sim.RaceError, match=r"both wrote byte \d+ of threadgroup memory"):
+        run(src, [mx.zeros((1,))], (64,), grid=(64, 1, 1), tg=(64, 1, 1), race_check=True)
+
+
+def test_mlx_invalid_signature_quirk_is_a_compile_error():
+    with pytest.raises(sim.CompileError, match="invalid signature"):
+        run("o1[0] = in0_shape[0]; o2[0] = 1;", [mx.zeros((4, 8))], [(1,), (1,)], [mx.int32, mx.int32],
+            grid=(1, 1, 1), tg=(1, 1, 1), outputs=("o1", "o2"))

@@ -141,7 +141,31 @@ class MetalKernel:
                                    sig.format_template(template), params)
         lib = build.build(cpp, metal_text, kname)
 
-        # Buffers in parameter order (inputs with their shape/strides/ndim, then outputs).
+        self._check_mlx_signature(metal_text, kname)
+        race = self.race_check if self.race_check is not None else os.environ.get("LILY_MSL_RACE", "0") == "1"
+        run = lambda flags: self._launch(lib, params, inputs, output_shapes, output_dtypes, init_value, grid, tg,
+                                         flags, metal_text, kname)
+        if not race:
+            return [_from_numpy(buf, dtype, shape) for buf, dtype, shape in run(0)]
+        # Race check: track threadgroup-memory writes, and run a second legal schedule (threads of a
+        # group in reverse order between sync points); outputs that depend on the order mean threads
+        # communicate through memory without a barrier between them.
+        first = run(1)
+        if not self.atomic_outputs and min(grid) > 0:
+            second = run(3)
+            for (b1, dtype, shape), (b2, _, _), oname in zip(first, second, self.output_names):
+                diff = np.nonzero(b1.view(np.uint8).reshape(-1) != b2.view(np.uint8).reshape(-1))[0]
+                if diff.size:
+                    elem = int(diff[0]) // b1.itemsize
+                    v1, v2 = b1.reshape(-1)[elem], b2.reshape(-1)[elem]
+                    raise RaceError(
+                        f"[lily_mlx.msl.sim] kernel {self.name} ({kname}): race: output `{oname}` element {elem} "
+                        f"depends on the order threads run between barriers ({v1!r} in thread order, {v2!r} in "
+                        f"reverse order): threads share memory without a barrier between the accesses")
+        return [_from_numpy(buf, dtype, shape) for buf, dtype, shape in first]
+
+    def _launch(self, lib, params, inputs, output_shapes, output_dtypes, init_value, grid, tg, flags, metal_text,
+                kname):
         keep = []  # numpy arrays that must stay alive during the launch
         ptrs, bases, sizes = [], [], []
 
@@ -155,23 +179,21 @@ class MetalKernel:
         outputs_np = []
         for p in params:
             if p.kind == "input":
-                a = inputs[p.input_index]
-                x = _to_numpy(a)
+                x = _to_numpy(inputs[p.input_index])
                 if self.ensure_row_contiguous or x.ndim == 0:
-                    x = np.ascontiguousarray(x)
-                    add(x)
+                    add(np.ascontiguousarray(x))
                 else:
                     lo, span = _strided_extent(x)
                     add(x, lo, span)
             elif p.kind in ("shape", "strides", "ndim"):
                 a = inputs[p.input_index]
-                x = _to_numpy(a)
                 if p.kind == "shape":
                     add(np.array(a.shape, dtype=np.int32))
                 elif p.kind == "strides":
                     if self.ensure_row_contiguous:
                         st = _row_strides(a.shape)
                     else:
+                        x = _to_numpy(a)
                         st = [s // x.itemsize for s in x.strides]
                     add(np.array(st, dtype=np.int64))
                 else:
@@ -199,21 +221,37 @@ class MetalKernel:
         launch.grid = (ctypes.c_uint32 * 3)(*grid)
         launch.tg = (ctypes.c_uint32 * 3)(*tg)
         launch.n_workers = _n_workers()
-        race = self.race_check if self.race_check is not None else os.environ.get("LILY_MSL_RACE", "0") == "1"
-        launch.race_check = 1 if race else 0
+        launch.race_check = flags
         launch.stack_bytes = int(os.environ.get("LILY_MSL_STACK_KB", "256")) * 1024
         launch.err = ctypes.cast(err, ctypes.c_char_p)
         launch.err_len = len(err)
         if min(grid) > 0:
             rc = lib.lily_sim_launch(ctypes.byref(launch))
             if rc != 0:
-                msg = err.value.decode(errors="replace")
-                msg = self._name_buffers(msg, params)
+                msg = self._name_buffers(err.value.decode(errors="replace"), params)
                 cls = _ERRORS.get(rc, SimulatorError)
                 raise cls(f"[lily_mlx.msl.sim] kernel {self.name} ({kname}): {msg}"
                           f"{_line_text(metal_text, launch.err_line)}")
         del keep
-        return [_from_numpy(buf, dtype, shape) for buf, dtype, shape in outputs_np]
+        return outputs_np
+
+    @staticmethod
+    def _check_mlx_signature(metal_text: str, kname: str) -> None:
+        # MLX writes ") {" after an output when no thread attribute follows and the buffer index
+        # reaches inputs + outputs - 1 early (shape/strides/ndim buffers): that text does not compile
+        # on Metal either.
+        head = metal_text.split(f"void {kname}(", 1)[-1]
+        sig_lines = []
+        for line in head.splitlines():
+            sig_lines.append(line)
+            if line.endswith(") {") and not line.strip().startswith("//"):
+                break
+        rest = head.splitlines()[len(sig_lines):]
+        if rest and rest[0].lstrip().startswith("device ") and "[[buffer(" in rest[0]:
+            raise build.CompileError(
+                f"[lily_mlx.msl.sim] kernel {kname}: MLX generates an invalid signature for this kernel (several "
+                "outputs, shape/strides/ndim buffers and no thread attribute; a known MLX bug), so Metal would "
+                f"reject it. Use a thread attribute in the body.\n{build.numbered(metal_text)}")
 
     @staticmethod
     def _name_buffers(msg: str, params) -> str:

@@ -33,6 +33,33 @@ template <class IdxT = int64_t, class St> inline IdxT elem_to_loc_3(uint3 elem, 
 
 namespace msl_rt {
 
+// Attribute threadgroup-memory bytes changed since the snapshot to the running thread; two
+// different threads changing a byte within one barrier interval is a write-write race.
+inline void race_scan(Worker* w) {
+  int me = w->cur_index + 1;
+  for (size_t b = 0; b < w->snap_used; ++b) {
+    if (w->arena[b] == w->snap[b]) continue;
+    if (w->shadow_epoch[b] == w->epoch && w->shadow_w[b] != (uint32_t)me && !w->failed) {
+      const ThreadAttrs& a = w->fibers[me - 1].at;
+      const ThreadAttrs& o = w->fibers[w->shadow_w[b] - 1].at;
+      w->failed = true;
+      w->err_kind = 3;
+      w->err_line = 0;
+      std::snprintf(w->err, sizeof(w->err),
+                    "race: threads %u and %u of threadgroup (%u,%u,%u) both wrote byte %zu of threadgroup memory "
+                    "between the same two barriers (missing threadgroup_barrier?)",
+                    o.thread_index_in_threadgroup, a.thread_index_in_threadgroup, a.threadgroup_position_in_grid.x,
+                    a.threadgroup_position_in_grid.y, a.threadgroup_position_in_grid.z, b);
+    }
+    w->shadow_epoch[b] = w->epoch;
+    w->shadow_w[b] = (uint32_t)me;
+  }
+}
+inline void race_snapshot(Worker* w) {
+  std::memcpy(w->snap, w->arena, w->arena_used);
+  w->snap_used = w->arena_used;
+}
+
 inline void deadlock_report(Worker* w) {
   // Every live thread waits and no rendezvous can complete: name who waits where, who finished.
   char msg[1900];
@@ -99,6 +126,9 @@ inline void run_group(Worker* w, uint gx, uint gy, uint gz) {
   }
   w->arena_used = 0;
   w->n_tg = 0;
+  const bool track = (L->race_check & 1) != 0;
+  const bool reverse = (L->race_check & 2) != 0;
+  w->epoch++;
   int i = 0;
   for (uint z = 0; z < az; ++z)
     for (uint y = 0; y < ay; ++y)
@@ -131,12 +161,16 @@ inline void run_group(Worker* w, uint gx, uint gy, uint gz) {
   while (true) {
     bool progress = false;
     int alive = 0;
-    for (int k = 0; k < n; ++k) {
+    for (int kk = 0; kk < n; ++kk) {
+      int k = reverse ? n - 1 - kk : kk;
       Fiber* f = &w->fibers[k];
       if (f->state == kDone) continue;
       alive++;
       if (f->state == kWaiting && *f->wait_gen_ptr == f->wait_gen) continue;
+      w->cur_index = k;
+      if (track) race_snapshot(w);
       switch_to(w, f);
+      if (track && !w->failed) race_scan(w);
       progress = true;
       if (w->failed) {
         // Let the other fibers unwind is unnecessary: their stacks are simply reused.
@@ -199,6 +233,11 @@ inline int run(Launch* L, Body body) {
     w->stacks = (char*)mmap(nullptr, stack_bytes * tgn, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     w->simd = new SimdSlot[32];
     w->arena = (unsigned char*)std::aligned_alloc(64, kThreadgroupMemory);
+    if (L->race_check & 1) {
+      w->shadow_w = new uint32_t[kThreadgroupMemory]();
+      w->shadow_epoch = new uint32_t[kThreadgroupMemory]();
+      w->snap = new unsigned char[kThreadgroupMemory];
+    }
     args[i] = WorkerArgs{L, body, i, nw, w};
   }
   if (nw == 1) {
@@ -220,14 +259,23 @@ inline int run(Launch* L, Body body) {
     delete[] w->simd;
     std::free(w->arena);
     delete[] w->shadow_w;
-    delete[] w->shadow_r;
+    delete[] w->shadow_epoch;
+    delete[] w->snap;
   }
   delete[] args;
   delete[] workers;
   return L->err_kind;
 }
 
-inline void race_new_epoch(Worker* w) { w->epoch++; }
+// Called by the thread completing a threadgroup barrier: its writes so far belong to the interval
+// that just ended.
+inline void race_new_epoch(Worker* w) {
+  if (!(w->L->race_check & 1)) return;
+  race_scan(w);
+  w->epoch++;
+  race_snapshot(w);
+  if (w->failed) throw Error{3, 0};
+}
 
 }  // namespace msl_rt
 

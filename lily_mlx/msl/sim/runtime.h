@@ -23,7 +23,7 @@ struct Launch {
   uint32_t grid[3];
   uint32_t tg[3];
   int32_t n_workers;
-  int32_t race_check;
+  int32_t race_check;   // bit 0: threadgroup-memory write tracking, bit 1: reverse thread order
   int64_t stack_bytes;
   char* err;            // message out
   int32_t err_len;
@@ -103,10 +103,14 @@ struct Worker {
   bool failed = false;
   int err_kind = 0, err_line = 0;
   char err[2048];
-  // race detection: per threadgroup-memory byte, last writer / reader epoch
+  // race detection: per threadgroup-memory byte, the thread (index + 1) that last wrote it and the
+  // barrier interval (epoch) of that write; `snap` is the arena as the running fiber found it.
   uint32_t* shadow_w = nullptr;
-  uint32_t* shadow_r = nullptr;
+  uint32_t* shadow_epoch = nullptr;
+  unsigned char* snap = nullptr;
+  size_t snap_used = 0;
   uint32_t epoch = 1;
+  int cur_index = -1;
 };
 
 inline thread_local Worker* tw = nullptr;
