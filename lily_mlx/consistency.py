@@ -1,0 +1,180 @@
+"""Numerical consistency of lily-mlx vs stock MLX-LM, teacher-forced (the write-up's method).
+
+    python -m lily_mlx consistency [--model M] [--positions 192] [--text-file F] [--mode decode]
+
+Both engines score the same reference token sequence: at each of ``positions`` positions each engine
+predicts the next token from the same reference prefix, so an early difference cannot steer later
+inputs. The engines are the same loaded weights in one process, patched (``lily_mlx.patch``) and
+stock (``lily_mlx.unpatch``). Reported: top-1 agreement (%), perplexity of each engine on the
+reference tokens, the relative perplexity delta (%), and the largest |logit difference|.
+
+Modes: ``decode`` feeds one token per step through a prompt cache (the generation path, where the
+decode kernels run); ``prefill`` scores the whole sequence in one forward pass (the prefill kernels).
+The default model is the embedded one; the default text its held-out docstrings (never trained on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+MODES = ("decode", "prefill")
+
+
+@dataclass(frozen=True)
+class ConsistencyResult:
+    model: str
+    mode: str  # "decode" or "prefill"
+    backend: str  # lily-mlx backend in force (metal, cuda, sim, reference)
+    positions: int
+    top1_agreement_pct: float
+    perplexity_lily: float
+    perplexity_stock: float
+    perplexity_delta_pct: float  # (lily - stock) / stock * 100
+    max_abs_logit_diff: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        return (
+            f"{self.mode:7s} positions {self.positions}  top-1 agreement {self.top1_agreement_pct:.2f} %  "
+            f"perplexity lily {self.perplexity_lily:.4f} / stock {self.perplexity_stock:.4f} "
+            f"({self.perplexity_delta_pct:+.4f} %)  max |logit diff| {self.max_abs_logit_diff:.6g}"
+        )
+
+
+def _engine_logits(model, tokens: np.ndarray, mode: str) -> np.ndarray:
+    """fp32 logits [P, V] predicting tokens[1:] from each prefix of tokens[:-1]."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    inputs = mx.array(tokens[:-1].astype(np.int32))[None]  # [1, P]
+    if mode == "prefill":
+        logits = model(inputs)[0].astype(mx.float32)  # [P, V]
+        mx.eval(logits)
+        return np.array(logits)
+    if mode != "decode":
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    cache = make_prompt_cache(model)
+    rows = []
+    for t in range(inputs.shape[1]):
+        out = model(inputs[:, t : t + 1], cache=cache)[0, -1].astype(mx.float32)  # [V]
+        mx.eval(out)
+        rows.append(np.array(out))
+    return np.stack(rows)
+
+
+def _perplexity(logits: np.ndarray, targets: np.ndarray) -> float:
+    logits = logits.astype(np.float64)
+    m = logits.max(axis=-1, keepdims=True)
+    logz = (m[:, 0] + np.log(np.exp(logits - m).sum(axis=-1)))
+    nll = logz - logits[np.arange(len(targets)), targets]
+    return float(math.exp(nll.mean()))
+
+
+def compare_engines(model, tokens, *, positions: int = 192, mode: str = "decode", name: str = "") -> ConsistencyResult:
+    """Teacher-forced lily vs stock on an already loaded MLX-LM model; restores its patch state."""
+    import lily_mlx
+    from lily_mlx.backend import resolve_backend
+
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if len(tokens) < positions + 1:
+        raise ValueError(f"need {positions + 1} reference tokens, got {len(tokens)}")
+    tokens = tokens[: positions + 1]
+    targets = tokens[1:]
+    was_patched = lily_mlx.is_patched(model)
+    try:
+        stock = _engine_logits(lily_mlx.unpatch(model), tokens, mode)
+        lily = _engine_logits(lily_mlx.patch(model), tokens, mode)
+    finally:
+        (lily_mlx.patch if was_patched else lily_mlx.unpatch)(model)
+    return metrics_from_logits(lily, stock, targets, model=name, mode=mode, backend=resolve_backend())
+
+
+def metrics_from_logits(lily, stock, targets, *, model="", mode="decode", backend="") -> ConsistencyResult:
+    """The consistency numbers from two engines' fp32 logits [P, V] for the targets [P]."""
+    lily, stock, targets = np.asarray(lily), np.asarray(stock), np.asarray(targets)
+    ppl_lily, ppl_stock = _perplexity(lily, targets), _perplexity(stock, targets)
+    return ConsistencyResult(
+        model=model,
+        mode=mode,
+        backend=backend,
+        positions=len(targets),
+        top1_agreement_pct=100.0 * float(np.mean(lily.argmax(-1) == stock.argmax(-1))),
+        perplexity_lily=ppl_lily,
+        perplexity_stock=ppl_stock,
+        perplexity_delta_pct=100.0 * (ppl_lily - ppl_stock) / ppl_stock,
+        max_abs_logit_diff=float(np.max(np.abs(lily - stock))),
+    )
+
+
+def default_text() -> str:
+    """Held-out stdlib docstrings shipped with the embedded model (never trained on)."""
+    from lily_mlx.models.embedded import HELDOUT_FILE, embedded_model_path
+
+    return (embedded_model_path() / HELDOUT_FILE).read_text()
+
+
+def run_consistency(
+    model_path=None, *, positions: int = 192, text: str | None = None, mode: str = "decode"
+) -> ConsistencyResult:
+    """Load ``model_path`` (default: the embedded model) once and compare the two engines on it."""
+    import mlx_lm
+
+    if model_path is None:
+        from lily_mlx.models.embedded import embedded_model_path
+
+        model_path = embedded_model_path()
+    model, tokenizer = mlx_lm.load(str(model_path))
+    text = default_text() if text is None else text
+    tokens = tokenizer.encode(text)
+    return compare_engines(model, tokens, positions=positions, mode=mode, name=str(model_path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lily_mlx consistency",
+        description="Teacher-forced lily-mlx vs stock MLX-LM on the same weights: top-1 agreement, "
+        "perplexity of each engine, relative perplexity delta, max |logit difference|.",
+    )
+    parser.add_argument("--model", default=None, help="model folder or Hugging Face repo (default: embedded model)")
+    parser.add_argument("--positions", type=int, default=192, help="scored positions (default 192)")
+    parser.add_argument("--text-file", type=Path, default=None, help="reference text (default: held-out docstrings)")
+    parser.add_argument("--mode", choices=MODES + ("both",), default="both",
+                        help="decode: one token per step with a cache; prefill: one forward pass (default both)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args(argv)
+
+    import mlx_lm
+
+    model_path = args.model
+    if model_path is None:
+        from lily_mlx.models.embedded import embedded_model_path
+
+        model_path = str(embedded_model_path())
+    model, tokenizer = mlx_lm.load(str(model_path))
+    text = args.text_file.read_text() if args.text_file else default_text()
+    tokens = tokenizer.encode(text)
+    modes = MODES if args.mode == "both" else (args.mode,)
+    results = [
+        compare_engines(model, tokens, positions=args.positions, mode=m, name=str(model_path))
+        for m in modes
+    ]
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        print(f"model {model_path}  backend {results[0].backend}")
+        for r in results:
+            print(r.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
