@@ -20,7 +20,9 @@ from typing import Dict
 
 PRELUDE_DIR = Path(__file__).resolve().parent
 PRELUDE_FILES = ("prelude.h", "metal_types.h", "metal_math.h", "runtime.h", "simd.h", "simdgroup_matrix.h", "launch.h")
-CXX_FLAGS = ("-std=c++20", "-O1", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
+# -ffp-contract=off: no fused multiply-add unless the kernel asks for fma() (bitwise comparisons
+# between kernels must not depend on the host compiler's contraction choices).
+CXX_FLAGS = ("-std=c++20", "-O1", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
              "-fno-math-errno", "-Wno-unknown-pragmas", "-Wno-attributes", "-pthread")
 
 
@@ -81,12 +83,36 @@ def build(cpp: str, metal_text: str, kname: str) -> ctypes.CDLL:
         return lib
 
 
+@lru_cache(maxsize=None)
+def _pch_dir() -> str:
+    """A directory holding the precompiled prelude (``prelude.h.gch``), built once per toolchain;
+    "" if the compiler cannot precompile it (kernels then parse the prelude themselves)."""
+    if os.environ.get("LILY_MSL_NO_PCH") == "1" or "g++" not in os.path.basename(compiler()):
+        return ""
+    d = cache_dir() / f"pch-{_toolchain_key()[:16]}"
+    gch = d / "prelude.h.gch"
+    if gch.exists():
+        return str(d)
+    d.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="prelude.", suffix=".gch.tmp", dir=d)
+    os.close(fd)
+    r = subprocess.run([compiler(), *CXX_FLAGS, "-x", "c++-header", str(PRELUDE_DIR / "prelude.h"), "-o", tmp],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        os.unlink(tmp)
+        return ""
+    os.replace(tmp, gch)
+    return str(d)
+
+
 def _compile(cpp: str, metal_text: str, kname: str, d: Path, key: str, so: Path) -> None:
     fd, tmp_src = tempfile.mkstemp(prefix=f"{key}.", suffix=".cpp", dir=d)
     with os.fdopen(fd, "w") as f:
         f.write(cpp)
     tmp_so = tmp_src[:-4] + ".so.tmp"
-    cmd = [compiler(), *CXX_FLAGS, "-I", str(PRELUDE_DIR), tmp_src, "-o", tmp_so]
+    pch = _pch_dir()
+    cmd = [compiler(), *CXX_FLAGS, "-shared", *(["-I", pch] if pch else []), "-I", str(PRELUDE_DIR), tmp_src,
+           "-o", tmp_so]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         os.unlink(tmp_src)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
@@ -31,6 +32,8 @@ class RaceError(SimulatorError):
     """Two threads accessed the same threadgroup memory between barriers, at least one writing."""
 
 
+_warned_oob: dict = {}
+
 _ERRORS = {1: OutOfBoundsError, 2: DivergenceError, 3: RaceError}
 
 
@@ -49,6 +52,8 @@ class _Launch(ctypes.Structure):
         ("err_len", ctypes.c_int32),
         ("err_kind", ctypes.c_int32),
         ("err_line", ctypes.c_int32),
+        ("allow_oob_reads", ctypes.c_int32),
+        ("oob_reads", ctypes.c_int64),
     ]
 
 
@@ -94,7 +99,8 @@ class MetalKernel:
     """A kernel built by :func:`metal_kernel`; call it like an ``mx.fast.metal_kernel`` kernel."""
 
     def __init__(self, name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                 atomic_outputs=False, compile_options=None, race_check: Optional[bool] = None):
+                 atomic_outputs=False, compile_options=None, race_check: Optional[bool] = None,
+                 allow_oob_reads: bool = False):
         if not output_names:
             raise ValueError("[metal_kernel] Must specify at least one output.")
         self.name = name
@@ -106,6 +112,8 @@ class MetalKernel:
         self.atomic_outputs = atomic_outputs
         self.compile_options = compile_options
         self.race_check = race_check
+        self.allow_oob_reads = allow_oob_reads
+        self.last_oob_reads = 0  # out-of-bounds input reads of the last call (allow_oob_reads=True)
 
     def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
                  init_value=None, verbose=False, stream=None) -> List[mx.array]:
@@ -222,6 +230,7 @@ class MetalKernel:
         launch.tg = (ctypes.c_uint32 * 3)(*tg)
         launch.n_workers = _n_workers()
         launch.race_check = flags
+        launch.allow_oob_reads = 1 if self.allow_oob_reads else 0
         launch.stack_bytes = int(os.environ.get("LILY_MSL_STACK_KB", "256")) * 1024
         launch.err = ctypes.cast(err, ctypes.c_char_p)
         launch.err_len = len(err)
@@ -233,6 +242,12 @@ class MetalKernel:
                 raise cls(f"[lily_mlx.msl.sim] kernel {self.name} ({kname}): {msg}"
                           f"{_line_text(metal_text, launch.err_line)}")
         del keep
+        self.last_oob_reads = int(launch.oob_reads)
+        if launch.oob_reads and not _warned_oob.get(kname):
+            _warned_oob[kname] = True
+            warnings.warn(f"[lily_mlx.msl.sim] kernel {self.name}: {launch.oob_reads} out-of-bounds input read(s) "
+                          "returned 0 (allow_oob_reads=True); on a GPU they read whatever memory is there",
+                          stacklevel=3)
         return outputs_np
 
     @staticmethod
@@ -280,11 +295,14 @@ def _strided_extent(x: np.ndarray):
 
 def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
                  header: str = "", ensure_row_contiguous: bool = True, atomic_outputs: bool = False,
-                 compile_options=None, race_check: Optional[bool] = None) -> MetalKernel:
+                 compile_options=None, race_check: Optional[bool] = None,
+                 allow_oob_reads: bool = False) -> MetalKernel:
     """Same signature and call convention as ``mx.fast.metal_kernel``; runs on the CPU simulator.
 
-    ``race_check`` (simulator only) enables threadgroup-memory race detection; default from
-    ``LILY_MSL_RACE=1``.
+    Simulator-only options: ``race_check`` enables threadgroup-memory race detection (default from
+    ``LILY_MSL_RACE=1``); ``allow_oob_reads`` turns out-of-bounds reads of inputs into reads of
+    zeros (counted in ``kernel.last_oob_reads``, warned once) instead of an ``OutOfBoundsError``.
+    Out-of-bounds accesses to outputs are always errors.
     """
     return MetalKernel(name, input_names, output_names, source, header, ensure_row_contiguous,
-                       atomic_outputs, compile_options, race_check)
+                       atomic_outputs, compile_options, race_check, allow_oob_reads)
