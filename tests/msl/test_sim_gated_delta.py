@@ -102,3 +102,58 @@ def test_packed_kernel_bit_identical_to_xtree_and_close_to_ops(sim_kernels, B, T
     y_ref, s_ref = gd.gated_delta_ops(q, k, v, g, beta, state)
     assert _close(y, y_ref, dtype)
     assert np.allclose(np.array(s), np.array(s_ref), rtol=1e-5, atol=1e-5)
+
+
+def _planted(attr, old, new):
+    kw = dict(_capture_kernel_args()[attr])
+    assert old in kw["source"], "planting site not found in mlx_lm's source"
+    kw["source"] = kw["source"].replace(old, new, 1)
+    kw["name"] += "_planted"
+    return sim.metal_kernel(**kw)
+
+
+def _run_generic(kernel, T=2, Dv=8):
+    q, k, v, g, beta, state, _ = _inputs(1, T, 1, 2, 64, Dv, mx.float32, False, False, 0)
+    out = kernel(inputs=[q, k, v, g, beta, state, T],
+                 template=[("InT", mx.float32), ("StT", mx.float32), ("Dk", 64), ("Dv", Dv), ("Hk", 1), ("Hv", 2)],
+                 grid=(32, Dv, 2), threadgroup=(32, 4, 1), output_shapes=[(1, T, 2, Dv), state.shape],
+                 output_dtypes=[mx.float32, mx.float32])
+    mx.eval(out)
+
+
+def test_planted_out_of_bounds_write_in_mlx_lm_kernel_is_caught():
+    bad = _planted("_gated_delta_kernel", "o_state[s_idx] = static_cast<StT>(state[i]);",
+                   "o_state[s_idx + n_per_t] = static_cast<StT>(state[i]);")
+    with pytest.raises(sim.OutOfBoundsError, match=r"`state_out`.*\n.*line \d+: o_state\[s_idx \+ n_per_t\]"):
+        _run_generic(bad)
+
+
+def test_planted_divergent_simd_sum_in_mlx_lm_kernel_is_caught():
+    bad = _planted("_gated_delta_kernel", "kv_mem = simd_sum(kv_mem);",
+                   "if (dk_idx < 16) kv_mem = simd_sum(kv_mem);")
+    with pytest.raises(sim.DivergenceError, match="simd_sum"):
+        _run_generic(bad)
+
+
+def test_planted_missing_barrier_race_is_caught():
+    # A staged variant of the decode step: q is shared through threadgroup memory. Without the
+    # barrier between staging and use, the result depends on thread order.
+    kw = dict(_capture_kernel_args()["_gated_delta_kernel"])
+    staged = kw["source"].replace(
+        "for (int t = 0; t < T; ++t) {",
+        "threadgroup float q_tg[Dk];\n"
+        "        for (int t = 0; t < T; ++t) {\n"
+        "          if (thread_position_in_threadgroup.y == 0) {\n"
+        "            for (int i = 0; i < n_per_t; ++i) q_tg[n_per_t * dk_idx + i] = q_[n_per_t * dk_idx + i];\n"
+        "          }\n"
+        "          BARRIER_A\n", 1).replace(
+        "out += state[i] * q_[s_idx];", "out += state[i] * q_tg[s_idx];", 1).replace(
+        "// Increment data pointers to next time step", "BARRIER_B\n          // Increment data pointers", 1)
+    barrier = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+    good = sim.metal_kernel(**{**kw, "name": "staged", "race_check": True,
+                               "source": staged.replace("BARRIER_A", barrier).replace("BARRIER_B", barrier)})
+    _run_generic(good)
+    bad = sim.metal_kernel(**{**kw, "name": "staged_race", "race_check": True,
+                              "source": staged.replace("BARRIER_A", "").replace("BARRIER_B", barrier)})
+    with pytest.raises(sim.RaceError):
+        _run_generic(bad)
