@@ -94,8 +94,6 @@ def recurrence(module, q, k, v, a, b, z, state, mask):
     if S == 1 and (backend := _kernel_backend(OP_DECODE, module)):
         dk = _kernels_for(OP_DECODE, backend, q, v)
         if dk is not None:
-            if state is None:
-                state = ref.zero_state(q.shape[0], v.shape[2], v.shape[3], q.shape[3])
             return dk.decode(
                 q, k, v, a, b, module.A_log, module.dt_bias, state, z, norm.weight, norm.eps, mask,
                 fused=switches.is_enabled("fused_recurrent_norm"), backend=backend,
@@ -110,9 +108,7 @@ def recurrence(module, q, k, v, a, b, z, state, mask):
     else:
         g, beta = ref.gates(a, b, module.A_log, module.dt_bias)
 
-    # scan
-    if state is None:
-        state = ref.zero_state(q.shape[0], v.shape[2], v.shape[3], q.shape[3])
+    # scan (state None = zeros; the kernels then skip reading it)
     dk = None
     if backend := _kernel_backend(OP_SCAN, module):
         dk = _kernels_for(OP_SCAN, backend, q, v)
@@ -196,8 +192,9 @@ def qwen3_next_deltanet_forward(self, inputs: mx.array, mask: Optional[mx.array]
     return self.out_proj(out.reshape(B, S, -1))
 
 
-def microbench_cases():
-    """Kernel microbenchmarks at Qwen3.6 shapes for the bench harness (see ``deltanet_bench``)."""
+def microbench_cases(backend: Optional[str] = None):
+    """Kernel microbenchmarks at Qwen3.6 shapes for the bench harness: a list of
+    (name, run_once, bytes_moved, flops); see ``deltanet_bench``."""
     from .deltanet_bench import microbench_cases as cases
 
-    return cases()
+    return cases(backend)

@@ -1,0 +1,325 @@
+// Gated DeltaNet kernels (Qwen3.5/3.6 linear-attention layers).
+//
+// Recurrence per value head (b, hv), token t, with its key head hk = hv / (Hv / Hk):
+//   S     = g_t * S                      S: [Dv, Dk] fp32 (row dv = S[dv, :])
+//   kv    = S k_t                        [Dv]
+//   S     = S + k_t^T ((v_t - kv) beta_t)
+//   y_t   = S q_t                        [Dv]
+// with g_t = exp(-exp(A_log) softplus(a_t + dt_bias)) and beta_t = sigmoid(b_t).
+//
+// Thread layout shared by the scan and decode kernels ("row groups"): every lane holds
+// EPL = 32 state elements in registers. LANES = Dk / 32 consecutive lanes own one state row dv
+// (lane j of the group holds columns j, j + LANES, j + 2 LANES, ...: adjacent lanes read adjacent
+// q/k/state elements), so one simdgroup owns ROWS = 32 / LANES rows. Row dot products are reduced
+// inside the group with simd_shuffle_xor (no threadgroup memory); every lane of the simdgroup runs
+// every shuffle. Grid: (32, Dv / ROWS, B * Hv); threadgroup.y divides Dv / ROWS.
+//
+// Conventions: dynamic sizes in an int32 `params` array; Dk, Dv and dtypes as template arguments;
+// state and gates fp32; activations InT (bf16 in the model).
+
+// @header
+#define DELTANET_EPL 32
+
+// Sum over the LANES consecutive lanes owning one state row (called by all 32 lanes).
+template <int LANES>
+inline float deltanet_row_sum(float x) {
+  for (int offset = 1; offset < LANES; offset <<= 1) {
+    x += simd_shuffle_xor(x, static_cast<ushort>(offset));
+  }
+  return x;
+}
+
+// log(1 + x) without the cancellation of log(1.0f + x) for small x.
+inline float deltanet_log1p(float x) {
+  const float xp1 = 1.0f + x;
+  return xp1 == 1.0f ? x : x * (log(xp1) / (xp1 - 1.0f));
+}
+
+// Decay g = exp(-exp(A_log) * softplus(a + dt_bias)) and beta = sigmoid(b), both in fp32 (stock
+// rounds a + dt_bias, the softplus and beta to the activation dtype; fp32 is the exact function).
+inline float deltanet_decay(float a, float A_log, float dt_bias) {
+  const float x = a + dt_bias;
+  const float softplus = fmax(x, 0.0f) + deltanet_log1p(exp(-fabs(x)));
+  return exp(-exp(A_log) * softplus);
+}
+
+inline float deltanet_beta(float b) {
+  return 1.0f / (1.0f + exp(-b));
+}
+
+// @kernel deltanet_gates
+// Elementwise gates for [B, T, Hv]: g and beta, fp32.
+// params: [n = B*T*Hv, Hv]. Grid: n rounded up to the threadgroup; tail guarded.
+{
+  const int n = params[0];
+  const int Hv = params[1];
+  const int i = static_cast<int>(thread_position_in_grid.x);
+  if (i < n) {
+    const int hv = i % Hv;
+    g[i] = deltanet_decay(static_cast<float>(a[i]), static_cast<float>(A_log[hv]), static_cast<float>(dt_bias[hv]));
+    beta[i] = deltanet_beta(static_cast<float>(b[i]));
+  }
+}
+
+// @kernel deltanet_scan_register
+// Prefill scan with the state in registers for the whole chunk (switch register_scan).
+// q, k: [B, T, Hk, Dk] InT; v: [B, T, Hv, Dv] InT; g: [B, T, Hv] fp32; beta: [B, T, Hv] (fp32 or InT);
+// state_in: [B, Hv, Dv, Dk] fp32 (read if has_state); mask: [B, T] bool (read if has_mask).
+// y: [B, T, Hv, Dv] OutT (InT in prefill; fp32 between the unfused decode kernels), 0 where masked;
+// state_out: [B, Hv, Dv, Dk] fp32.
+// params: [B, T, Hk, Hv, has_state, has_mask].
+{
+  constexpr int LANES = Dk / DELTANET_EPL;
+  constexpr int ROWS = 32 / LANES;
+  const int T = params[1];
+  const int Hk = params[2];
+  const int Hv = params[3];
+  const bool has_state = params[4] != 0;
+  const bool has_mask = params[5] != 0;
+
+  const int n = static_cast<int>(thread_position_in_grid.z);  // b * Hv + hv
+  const int b_idx = n / Hv;
+  const int hv = n % Hv;
+  const int hk = hv / (Hv / Hk);
+  const int lane = static_cast<int>(thread_index_in_simdgroup);
+  const int col0 = lane % LANES;
+  const int dv = static_cast<int>(thread_position_in_grid.y) * ROWS + lane / LANES;
+
+  const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
+  float state[DELTANET_EPL];
+  for (int i = 0; i < DELTANET_EPL; ++i) {
+    state[i] = has_state ? state_in[row + col0 + i * LANES] : 0.0f;
+  }
+
+  for (int t = 0; t < T; ++t) {
+    const size_t bt = static_cast<size_t>(b_idx) * T + t;
+    const size_t y_at = (bt * Hv + hv) * Dv + dv;
+    // Uniform over the simdgroup (one b, one t): the shuffles below are reached by all lanes.
+    if (has_mask && !mask[bt]) {
+      if (col0 == 0) {
+        y[y_at] = static_cast<OutT>(0);
+      }
+      continue;
+    }
+    const device InT* k_t = k + (bt * Hk + hk) * Dk + col0;
+    const device InT* q_t = q + (bt * Hk + hk) * Dk + col0;
+    const float g_t = g[bt * Hv + hv];
+    const float beta_t = static_cast<float>(beta[bt * Hv + hv]);
+
+    float part = 0.0f;
+    for (int i = 0; i < DELTANET_EPL; ++i) {
+      state[i] *= g_t;
+      part += state[i] * static_cast<float>(k_t[i * LANES]);
+    }
+    const float kv = deltanet_row_sum<LANES>(part);
+    const float delta = (static_cast<float>(v[(bt * Hv + hv) * Dv + dv]) - kv) * beta_t;
+
+    part = 0.0f;
+    for (int i = 0; i < DELTANET_EPL; ++i) {
+      state[i] += static_cast<float>(k_t[i * LANES]) * delta;
+      part += state[i] * static_cast<float>(q_t[i * LANES]);
+    }
+    const float out = deltanet_row_sum<LANES>(part);
+    if (col0 == 0) {
+      y[y_at] = static_cast<OutT>(out);
+    }
+  }
+
+  for (int i = 0; i < DELTANET_EPL; ++i) {
+    state_out[row + col0 + i * LANES] = state[i];
+  }
+}
+
+// @kernel deltanet_scan_blockwise
+// The register_scan=off ablation: same thread layout, but the state is materialised in device
+// memory after every block of `block` tokens (block_states[n, blk] = state after block blk) and
+// read back from there to start the next block. Same inputs as deltanet_scan_register.
+// block_states: [B * Hv, n_blocks, Dv, Dk] fp32; state_out: [B, Hv, Dv, Dk] fp32.
+// params: [B, T, Hk, Hv, has_state, has_mask, block, n_blocks].
+{
+  constexpr int LANES = Dk / DELTANET_EPL;
+  constexpr int ROWS = 32 / LANES;
+  const int T = params[1];
+  const int Hk = params[2];
+  const int Hv = params[3];
+  const bool has_state = params[4] != 0;
+  const bool has_mask = params[5] != 0;
+  const int block = params[6];
+  const int n_blocks = params[7];
+
+  const int n = static_cast<int>(thread_position_in_grid.z);
+  const int b_idx = n / Hv;
+  const int hv = n % Hv;
+  const int hk = hv / (Hv / Hk);
+  const int lane = static_cast<int>(thread_index_in_simdgroup);
+  const int col0 = lane % LANES;
+  const int dv = static_cast<int>(thread_position_in_grid.y) * ROWS + lane / LANES;
+
+  const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
+  const size_t state_size = static_cast<size_t>(Dv) * Dk;
+  const size_t blocks_row = static_cast<size_t>(n) * n_blocks * state_size + static_cast<size_t>(dv) * Dk;
+  float state[DELTANET_EPL];
+
+  for (int blk = 0; blk < n_blocks; ++blk) {
+    // Block start: the state comes from memory (the previous block's slot, or the input).
+    for (int i = 0; i < DELTANET_EPL; ++i) {
+      const int c = col0 + i * LANES;
+      if (blk == 0) {
+        state[i] = has_state ? state_in[row + c] : 0.0f;
+      } else {
+        state[i] = block_states[blocks_row + (blk - 1) * state_size + c];
+      }
+    }
+    const int t_end = min(T, (blk + 1) * block);
+    for (int t = blk * block; t < t_end; ++t) {
+      const size_t bt = static_cast<size_t>(b_idx) * T + t;
+      const size_t y_at = (bt * Hv + hv) * Dv + dv;
+      if (has_mask && !mask[bt]) {
+        if (col0 == 0) {
+          y[y_at] = static_cast<OutT>(0);
+        }
+        continue;
+      }
+      const device InT* k_t = k + (bt * Hk + hk) * Dk + col0;
+      const device InT* q_t = q + (bt * Hk + hk) * Dk + col0;
+      const float g_t = g[bt * Hv + hv];
+      const float beta_t = static_cast<float>(beta[bt * Hv + hv]);
+
+      float part = 0.0f;
+      for (int i = 0; i < DELTANET_EPL; ++i) {
+        state[i] *= g_t;
+        part += state[i] * static_cast<float>(k_t[i * LANES]);
+      }
+      const float kv = deltanet_row_sum<LANES>(part);
+      const float delta = (static_cast<float>(v[(bt * Hv + hv) * Dv + dv]) - kv) * beta_t;
+
+      part = 0.0f;
+      for (int i = 0; i < DELTANET_EPL; ++i) {
+        state[i] += static_cast<float>(k_t[i * LANES]) * delta;
+        part += state[i] * static_cast<float>(q_t[i * LANES]);
+      }
+      const float out = deltanet_row_sum<LANES>(part);
+      if (col0 == 0) {
+        y[y_at] = static_cast<OutT>(out);
+      }
+    }
+    // Block end: materialise the state.
+    for (int i = 0; i < DELTANET_EPL; ++i) {
+      block_states[blocks_row + blk * state_size + col0 + i * LANES] = state[i];
+    }
+  }
+
+  for (int i = 0; i < DELTANET_EPL; ++i) {
+    state_out[row + col0 + i * LANES] = state[i];
+  }
+}
+
+// @kernel deltanet_gated_norm
+// out = OutT(silu(z) * rms_norm(x) * weight) over rows of Dv, fp32 inside (one simdgroup per row).
+// x, z: [rows, Dv] (x InT or fp32); weight: [Dv] (any float type); eps: [1] fp32. params: [rows].
+// Grid: (32, rows rounded up to threadgroup.y); rows past the end do nothing (uniform per simdgroup).
+{
+  constexpr int PER_LANE = Dv / 32;
+  const int rows = params[0];
+  const int r = static_cast<int>(thread_position_in_grid.y);
+  const int lane = static_cast<int>(thread_index_in_simdgroup);
+  if (r < rows) {
+    const size_t base = static_cast<size_t>(r) * Dv;
+    float xs[PER_LANE];
+    float ss = 0.0f;
+    for (int i = 0; i < PER_LANE; ++i) {
+      xs[i] = static_cast<float>(x[base + lane + i * 32]);
+      ss += xs[i] * xs[i];
+    }
+    ss = simd_sum(ss);
+    const float inv_rms = rsqrt(ss / Dv + eps[0]);
+    for (int i = 0; i < PER_LANE; ++i) {
+      const int c = lane + i * 32;
+      const float normed = xs[i] * inv_rms * static_cast<float>(weight[c]);
+      const float zc = static_cast<float>(z[base + c]);
+      const float silu_z = zc / (1.0f + exp(-zc));
+      out[base + c] = static_cast<OutT>(silu_z * normed);
+    }
+  }
+}
+
+// @kernel deltanet_decode_fused
+// One decode token, everything in one kernel (switch fused_recurrent_norm): gates from a, b,
+// A_log, dt_bias; the delta-rule update of the register-held state; the read-out y; and the gated
+// RMSNorm of y over Dv. One threadgroup per value head (b, hv): Dv / ROWS simdgroups.
+// q, k: [B, Hk, Dk] InT; v, z: [B, Hv, Dv] InT; a, b: [B, Hv]; A_log, dt_bias: [Hv] (any float type);
+// state_in: [B, Hv, Dv, Dk] fp32; mask: [B] bool (if has_mask); weight: [Dv]; eps: [1] fp32.
+// out: [B, Hv, Dv] InT (normalised, gated); state_out: [B, Hv, Dv, Dk] fp32.
+// params: [B, Hk, Hv, has_state, has_mask].
+{
+  constexpr int LANES = Dk / DELTANET_EPL;
+  constexpr int ROWS = 32 / LANES;
+  constexpr int SIMDGROUPS = Dv / ROWS;
+  threadgroup float row_group_ss[SIMDGROUPS];
+
+  const int Hk = params[1];
+  const int Hv = params[2];
+  const bool has_state = params[3] != 0;
+  const bool has_mask = params[4] != 0;
+
+  const int n = static_cast<int>(thread_position_in_grid.z);
+  const int b_idx = n / Hv;
+  const int hv = n % Hv;
+  const int hk = hv / (Hv / Hk);
+  const int lane = static_cast<int>(thread_index_in_simdgroup);
+  const int sg = static_cast<int>(thread_position_in_grid.y);
+  const int col0 = lane % LANES;
+  const int dv = sg * ROWS + lane / LANES;
+  const bool live = !has_mask || mask[b_idx];  // uniform over the threadgroup
+
+  const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
+  float state[DELTANET_EPL];
+  for (int i = 0; i < DELTANET_EPL; ++i) {
+    state[i] = has_state ? state_in[row + col0 + i * LANES] : 0.0f;
+  }
+
+  float y_dv = 0.0f;  // the read-out stays fp32 into the norm (stock rounds it to InT first)
+  if (live) {
+    const float g_t = deltanet_decay(static_cast<float>(a[n]), static_cast<float>(A_log[hv]),
+                                     static_cast<float>(dt_bias[hv]));
+    const float beta_t = deltanet_beta(static_cast<float>(b[n]));
+    const device InT* k_t = k + (static_cast<size_t>(b_idx) * Hk + hk) * Dk + col0;
+    const device InT* q_t = q + (static_cast<size_t>(b_idx) * Hk + hk) * Dk + col0;
+
+    float part = 0.0f;
+    for (int i = 0; i < DELTANET_EPL; ++i) {
+      state[i] *= g_t;
+      part += state[i] * static_cast<float>(k_t[i * LANES]);
+    }
+    const float kv = deltanet_row_sum<LANES>(part);
+    const float delta = (static_cast<float>(v[static_cast<size_t>(n) * Dv + dv]) - kv) * beta_t;
+
+    part = 0.0f;
+    for (int i = 0; i < DELTANET_EPL; ++i) {
+      state[i] += static_cast<float>(k_t[i * LANES]) * delta;
+      part += state[i] * static_cast<float>(q_t[i * LANES]);
+    }
+    y_dv = deltanet_row_sum<LANES>(part);
+  }
+
+  for (int i = 0; i < DELTANET_EPL; ++i) {
+    state_out[row + col0 + i * LANES] = state[i];
+  }
+
+  // Gated RMSNorm over the head's Dv outputs: one partial sum of squares per simdgroup.
+  const float ss = simd_sum(col0 == 0 ? y_dv * y_dv : 0.0f);
+  if (lane == 0) {
+    row_group_ss[sg] = ss;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float total = 0.0f;
+  for (int s = 0; s < SIMDGROUPS; ++s) {
+    total += row_group_ss[s];
+  }
+  if (col0 == 0) {
+    const float inv_rms = rsqrt(total / Dv + eps[0]);
+    const float normed = y_dv * inv_rms * static_cast<float>(weight[dv]);
+    const float zc = static_cast<float>(z[static_cast<size_t>(n) * Dv + dv]);
+    out[static_cast<size_t>(n) * Dv + dv] = static_cast<InT>(zc / (1.0f + exp(-zc)) * normed);
+  }
+}

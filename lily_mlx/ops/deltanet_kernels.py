@@ -1,0 +1,208 @@
+"""Gated DeltaNet kernels, host side: dispatch table, shape rules, launch geometry.
+
+Kernels live in ``kernels/deltanet.metal`` (layout notes there and in docs/deltanet.md). Each host
+function has the signature of its reference in ``deltanet_reference`` plus ``backend`` (``metal``,
+``sim`` or ``cuda``) and ``init_value`` (tests poison outputs with it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+from ..kernel_registry import KernelSpec, get_kernel
+
+# Dispatch table: one row per kernel of kernels/deltanet.metal.
+_FILE = "deltanet.metal"
+KERNELS = {
+    spec.name: spec
+    for spec in (
+        KernelSpec("deltanet_gates", _FILE, ("a", "b", "A_log", "dt_bias", "params"), ("g", "beta")),
+        KernelSpec(
+            "deltanet_scan_register", _FILE,
+            ("q", "k", "v", "g", "beta", "state_in", "mask", "params"), ("y", "state_out"),
+        ),
+        KernelSpec(
+            "deltanet_scan_blockwise", _FILE,
+            ("q", "k", "v", "g", "beta", "state_in", "mask", "params"), ("y", "state_out", "block_states"),
+        ),
+        KernelSpec("deltanet_gated_norm", _FILE, ("x", "z", "weight", "eps", "params"), ("out",)),
+        KernelSpec(
+            "deltanet_decode_fused", _FILE,
+            ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_in", "mask", "z", "weight", "eps", "params"),
+            ("out", "state_out"),
+        ),
+    )
+}
+
+# register_scan=off: tokens per materialised state block (data, not code: a tuning knob).
+BLOCKWISE_SCAN_BLOCK = 16
+
+STATE_ELEMENTS_PER_LANE = 32  # DELTANET_EPL in the kernel file
+SUPPORTED_DK = (32, 64, 128, 256)
+ACTIVATION_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+_ONE_BOOL = mx.array([True])
+_ONE_FLOAT = mx.array([0.0], dtype=mx.float32)
+
+
+def rows_per_simdgroup(Dk: int) -> int:
+    """State rows one simdgroup owns: 32 lanes / (Dk / 32 lanes per row)."""
+    return 32 * STATE_ELEMENTS_PER_LANE // Dk
+
+
+def unsupported_reason(q: mx.array, v: mx.array) -> Optional[str]:
+    """Why the kernels cannot run q [B, T, Hk, Dk], v [B, T, Hv, Dv]; None when they can."""
+    Hk, Dk = q.shape[-2:]
+    Hv, Dv = v.shape[-2:]
+    if Dk not in SUPPORTED_DK:
+        return f"Dk={Dk} not in {SUPPORTED_DK}"
+    if Dv % 32 != 0 or Dv % rows_per_simdgroup(Dk) != 0:
+        return f"Dv={Dv} not a multiple of 32 and of {rows_per_simdgroup(Dk)} (rows per simdgroup at Dk={Dk})"
+    if Dv * Dk > 32 * 1024:
+        return f"Dv*Dk={Dv * Dk} needs more than 1024 threads per decode threadgroup"
+    if Hk == 0 or Hv % Hk != 0:
+        return f"Hv={Hv} not a multiple of Hk={Hk}"
+    if q.dtype not in ACTIVATION_DTYPES or v.dtype != q.dtype:
+        return f"activation dtypes q={q.dtype}, v={v.dtype} not supported"
+    return None
+
+
+def backend_unavailable_reason(backend: str) -> Optional[str]:
+    """Why ``backend`` cannot build kernels in this process (its toolchain missing); None if it can."""
+    try:
+        if backend == "sim":
+            from ..msl import sim
+
+            sim.metal_kernel  # noqa: B018
+        elif backend == "cuda":
+            from ..msl import cuda
+
+            cuda.metal_kernel  # noqa: B018
+    except (ImportError, AttributeError) as e:
+        return f"the {backend} kernel toolchain is unavailable ({e})"
+    return None
+
+
+def _params(*values: int) -> mx.array:
+    return mx.array([int(x) for x in values], dtype=mx.int32)
+
+
+def _scan_threadgroup_y(simdgroups: int) -> int:
+    return math.gcd(simdgroups, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def gates(a, b, A_log, dt_bias, *, backend: str, init_value=None) -> Tuple[mx.array, mx.array]:
+    """g and beta, fp32, for a, b: [B, T, Hv] (stock rounds beta to b's dtype; fp32 is the exact value)."""
+    n = a.size
+    tg = 256
+    grid = max(tg, -(-n // tg) * tg)
+    g, beta = get_kernel(KERNELS["deltanet_gates"], backend)(
+        inputs=[a, b, A_log, dt_bias, _params(n, a.shape[-1])],
+        grid=(grid, 1, 1),
+        threadgroup=(tg, 1, 1),
+        output_shapes=[a.shape, a.shape],
+        output_dtypes=[mx.float32, mx.float32],
+        init_value=init_value,
+    )
+    return g, beta
+
+
+def scan(q, k, v, g, beta, state, mask=None, *, register: bool = True, backend: str, init_value=None,
+         block: Optional[int] = None, return_block_states: bool = False, out_dtype=None):
+    """Delta-rule scan (reference: ``scan_ops``). y is 0 at masked positions.
+
+    q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g: [B, T, Hv] fp32; beta: [B, T, Hv]; state fp32 or None.
+    ``register``: state in registers for the whole scan; else the blockwise ablation.
+    ``out_dtype``: y's dtype (default q's).
+    """
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    simdgroups = Dv // rows_per_simdgroup(Dk)
+    has_state = state is not None
+    has_mask = mask is not None
+    inputs = [q, k, v, g.astype(mx.float32), beta, state if has_state else _ONE_FLOAT,
+              mask if has_mask else _ONE_BOOL]
+    out_dtype = out_dtype or q.dtype
+    template = [("InT", q.dtype), ("OutT", out_dtype), ("Dk", Dk), ("Dv", Dv)]
+    geometry = dict(grid=(32, simdgroups, B * Hv), threadgroup=(32, _scan_threadgroup_y(simdgroups), 1))
+    state_shape = (B, Hv, Dv, Dk)
+    if register:
+        y, state_out = get_kernel(KERNELS["deltanet_scan_register"], backend)(
+            inputs=inputs + [_params(B, T, Hk, Hv, has_state, has_mask)],
+            template=template, **geometry,
+            output_shapes=[(B, T, Hv, Dv), state_shape],
+            output_dtypes=[out_dtype, mx.float32],
+            init_value=init_value,
+        )
+        return y, state_out
+    block = block or BLOCKWISE_SCAN_BLOCK
+    n_blocks = max(1, -(-T // block))
+    y, state_out, block_states = get_kernel(KERNELS["deltanet_scan_blockwise"], backend)(
+        inputs=inputs + [_params(B, T, Hk, Hv, has_state, has_mask, block, n_blocks)],
+        template=template, **geometry,
+        output_shapes=[(B, T, Hv, Dv), state_shape, (B * Hv, n_blocks, Dv, Dk)],
+        output_dtypes=[out_dtype, mx.float32, mx.float32],
+        init_value=init_value,
+    )
+    if return_block_states:
+        return y, state_out, block_states
+    return y, state_out
+
+
+def gated_norm(x, z, weight, eps: float, *, backend: str, init_value=None, out_dtype=None) -> mx.array:
+    """Gated RMSNorm over the last axis (reference: ``gated_rms_norm``). x, z: [..., Dv]; out in
+    ``out_dtype`` (default x's)."""
+    out_dtype = out_dtype or x.dtype
+    Dv = x.shape[-1]
+    rows = x.size // Dv
+    tg_y = 4
+    grid_y = max(tg_y, -(-rows // tg_y) * tg_y)
+    (out,) = get_kernel(KERNELS["deltanet_gated_norm"], backend)(
+        inputs=[x, z, weight, mx.array([eps], dtype=mx.float32), _params(rows)],
+        template=[("OutT", out_dtype), ("Dv", Dv)],
+        grid=(32, grid_y, 1),
+        threadgroup=(32, tg_y, 1),
+        output_shapes=[x.shape],
+        output_dtypes=[out_dtype],
+        init_value=init_value,
+    )
+    return out
+
+
+def decode(q, k, v, a, b, A_log, dt_bias, state, z, weight, eps: float, mask=None, *, fused: bool = True,
+           backend: str, init_value=None) -> Tuple[mx.array, mx.array]:
+    """One decode token + gated RMSNorm (reference: ``decode_step``): (normed out [B, 1, Hv, Dv], state).
+
+    q, k: [B, 1, Hk, Dk]; v, z: [B, 1, Hv, Dv]; a, b: [B, 1, Hv]; state [B, Hv, Dv, Dk] fp32 or None.
+    ``fused``: one kernel; else the gates, scan (T = 1) and gated-norm kernels in turn, passing fp32
+    through memory so both variants round once, at the end.
+    """
+    if not fused:
+        g, beta = gates(a, b, A_log, dt_bias, backend=backend, init_value=init_value)
+        y, state = scan(q, k, v, g, beta, state, mask, register=True, backend=backend, init_value=init_value,
+                        out_dtype=mx.float32)
+        out = gated_norm(y, z, weight, eps, backend=backend, init_value=init_value, out_dtype=q.dtype)
+        return out, state
+    B, _, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    simdgroups = Dv // rows_per_simdgroup(Dk)
+    has_state = state is not None
+    has_mask = mask is not None
+    out, state_out = get_kernel(KERNELS["deltanet_decode_fused"], backend)(
+        inputs=[q, k, v, a, b, A_log, dt_bias, state if has_state else _ONE_FLOAT,
+                mask if has_mask else _ONE_BOOL, z, weight, mx.array([eps], dtype=mx.float32),
+                _params(B, Hk, Hv, has_state, has_mask)],
+        template=[("InT", q.dtype), ("Dk", Dk), ("Dv", Dv)],
+        grid=(32, simdgroups, B * Hv),
+        threadgroup=(32, simdgroups, 1),
+        output_shapes=[(B, 1, Hv, Dv), (B, Hv, Dv, Dk)],
+        output_dtypes=[q.dtype, mx.float32],
+        init_value=init_value,
+    )
+    return out, state_out
