@@ -266,3 +266,29 @@ def test_mlx_invalid_signature_quirk_is_a_compile_error():
     with pytest.raises(sim.CompileError, match="invalid signature"):
         run("o1[0] = in0_shape[0]; o2[0] = 1;", [mx.zeros((4, 8))], [(1,), (1,)], [mx.int32, mx.int32],
             grid=(1, 1, 1), tg=(1, 1, 1), outputs=("o1", "o2"))
+
+
+def test_device_pointers_through_header_helpers():
+    # Output pointers passed to helpers taking `const device T*` (deduced T), pointer arithmetic
+    # and reinterpretation as vectors keep working and stay bounds-checked.
+    header = """
+    template <typename T>
+    T read_back(const device T* p, uint i) { return p[i]; }
+    inline void store2(device float* dst, uint i, float2 v) {
+        device float2* d2 = reinterpret_cast<device float2*>(dst);
+        d2[i] = v;
+    }
+    """
+    src = """
+        uint i = thread_position_in_grid.x;
+        store2(out, i, float2(inp[2 * i], inp[2 * i + 1]) * 2.0f);
+        out2[i] = read_back(out, 2 * i) + read_back(inp + 2 * i, 1);
+    """
+    x = mx.arange(16).astype(mx.float32)
+    out, out2 = run(src, [x], [(16,), (8,)], grid=(8, 1, 1), tg=(8, 1, 1), names=["inp"], header=header,
+                    outputs=("out", "out2"))
+    assert np.array(out).tolist() == (np.arange(16) * 2.0).tolist()
+    assert np.array(out2).tolist() == [4 * i + 2 * i + 1 for i in range(8)]
+    with pytest.raises(sim.OutOfBoundsError, match="`out`"):
+        run(src.replace("store2(out, i,", "store2(out, i + 1,"), [x], [(16,), (8,)], grid=(8, 1, 1),
+            tg=(8, 1, 1), names=["inp"], header=header, outputs=("out", "out2"))

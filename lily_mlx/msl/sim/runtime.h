@@ -322,27 +322,38 @@ struct Index {
   Index(I i, int l = __builtin_LINE()) : v((int64_t)i), line(l) {}
 };
 
-template <class T> struct dptr {
-  using element_type = T;
-  T* p = nullptr;
+template <class T> struct dptr;
+// Storage of a checked pointer (always through a pointer to const; the non-const dptr casts).
+template <class C> struct dptr_root {
+  C* p = nullptr;
   const char* base = nullptr;
   int64_t nbytes = -1;
   int buf = -1;  // < 0: unchecked
+};
+// dptr<T> derives from dptr<const T>, so a `device T*` argument deduces a helper's `const device U*`
+// parameter (U = T) as in Metal.
+template <class T> using dptr_parent_t = std::conditional_t<std::is_const_v<T>, dptr_root<T>, dptr<const T>>;
+
+template <class T> struct dptr : dptr_parent_t<T> {
+  using element_type = T;
 
   dptr() = default;
   dptr(std::nullptr_t) {}
-  dptr(T* raw) : p(raw) {}
-  dptr(T* p_, const char* base_, int64_t nbytes_, int buf_) : p(p_), base(base_), nbytes(nbytes_), buf(buf_) {}
-  template <class U, std::enable_if_t<std::is_convertible_v<U*, T*> && !std::is_same_v<U, T>, int> = 0>
-  dptr(const dptr<U>& o) : p(o.p), base(o.base), nbytes(o.nbytes), buf(o.buf) {}
-  template <class U, std::enable_if_t<!std::is_convertible_v<U*, T*>, int> = 0>
-  explicit dptr(const dptr<U>& o) : p((T*)o.p), base(o.base), nbytes(o.nbytes), buf(o.buf) {}
+  dptr(T* raw) { this->p = raw; }
+  dptr(T* p_, const char* base_, int64_t nbytes_, int buf_) {
+    this->p = p_; this->base = base_; this->nbytes = nbytes_; this->buf = buf_;
+  }
+  template <class U, std::enable_if_t<!std::is_same_v<std::remove_const_t<U>, std::remove_const_t<T>>, int> = 0>
+  explicit dptr(const dptr<U>& o) {
+    this->p = (T*)o.p; this->base = o.base; this->nbytes = o.nbytes; this->buf = o.buf;
+  }
 
+  T* ptr() const { return const_cast<T*>(this->p); }
   T* at(int64_t i, int line = __builtin_LINE()) const {
-    T* q = p + i;
-    if (buf >= 0) {
+    T* q = ptr() + i;
+    if (this->buf >= 0) {
       const char* c = (const char*)q;
-      if (c < base || c + sizeof(T) > base + nbytes) {
+      if (c < this->base || c + sizeof(T) > this->base + this->nbytes) {
         if constexpr (std::is_const_v<T> && sizeof(T) <= 256) {
           if (tw && tw->L->allow_oob_reads) {
             alignas(64) static const char zeros[256] = {};
@@ -350,7 +361,7 @@ template <class T> struct dptr {
             return (T*)zeros;
           }
         }
-        oob(base, nbytes, buf, q, sizeof(T), std::is_const_v<T>, line);
+        oob(this->base, this->nbytes, this->buf, q, sizeof(T), std::is_const_v<T>, line);
       }
     }
     return q;
@@ -359,28 +370,28 @@ template <class T> struct dptr {
   T& operator*() const { return *at(0); }
   T* operator->() const { return at(0); }
   template <class I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
-  dptr operator+(I i) const { dptr r = *this; r.p += (int64_t)i; return r; }
+  dptr operator+(I i) const { dptr r = *this; r.p = ptr() + (int64_t)i; return r; }
   template <class I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
   friend dptr operator+(I i, const dptr& d) { return d + i; }
   template <class I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
-  dptr operator-(I i) const { dptr r = *this; r.p -= (int64_t)i; return r; }
-  ptrdiff_t operator-(const dptr& o) const { return p - o.p; }
+  dptr operator-(I i) const { dptr r = *this; r.p = ptr() - (int64_t)i; return r; }
+  ptrdiff_t operator-(const dptr& o) const { return this->p - o.p; }
   template <class I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
-  dptr& operator+=(I i) { p += (int64_t)i; return *this; }
+  dptr& operator+=(I i) { this->p = ptr() + (int64_t)i; return *this; }
   template <class I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
-  dptr& operator-=(I i) { p -= (int64_t)i; return *this; }
-  dptr& operator++() { ++p; return *this; }
-  dptr& operator--() { --p; return *this; }
-  dptr operator++(int) { dptr r = *this; ++p; return r; }
-  dptr operator--(int) { dptr r = *this; --p; return r; }
-  bool operator==(const dptr& o) const { return p == o.p; }
-  bool operator!=(const dptr& o) const { return p != o.p; }
-  bool operator<(const dptr& o) const { return p < o.p; }
-  bool operator>(const dptr& o) const { return p > o.p; }
-  bool operator<=(const dptr& o) const { return p <= o.p; }
-  bool operator>=(const dptr& o) const { return p >= o.p; }
-  explicit operator bool() const { return p != nullptr; }
-  explicit operator T*() const { return p; }
+  dptr& operator-=(I i) { this->p = ptr() - (int64_t)i; return *this; }
+  dptr& operator++() { this->p = ptr() + 1; return *this; }
+  dptr& operator--() { this->p = ptr() - 1; return *this; }
+  dptr operator++(int) { dptr r = *this; ++*this; return r; }
+  dptr operator--(int) { dptr r = *this; --*this; return r; }
+  bool operator==(const dptr& o) const { return this->p == o.p; }
+  bool operator!=(const dptr& o) const { return this->p != o.p; }
+  bool operator<(const dptr& o) const { return this->p < o.p; }
+  bool operator>(const dptr& o) const { return this->p > o.p; }
+  bool operator<=(const dptr& o) const { return this->p <= o.p; }
+  bool operator>=(const dptr& o) const { return this->p >= o.p; }
+  explicit operator bool() const { return this->p != nullptr; }
+  explicit operator T*() const { return ptr(); }
 };
 
 // reinterpret_cast<> on kernel pointers: keeps the bounds of checked pointers.
@@ -390,7 +401,7 @@ template <class To, class From> inline To ptr_cast(From f) {
   } else if constexpr (requires { typename To::element_type; }) {
     return To((typename To::element_type*)f);
   } else if constexpr (requires { f.base; }) {
-    return reinterpret_cast<To>(f.p);
+    return reinterpret_cast<To>(const_cast<void*>((const void*)f.p));
   } else {
     return reinterpret_cast<To>(f);
   }
