@@ -1,0 +1,1 @@
+"""lily-mlx benchmark harness and GPU checks (``python -m bench.run --help``)."""

@@ -1,0 +1,181 @@
+"""End-to-end sweep: stock MLX-LM vs lily-mlx on one model in one process.
+
+Both engines run MLX-LM's fastest direct generation path (``generate_step``, greedy) on the same
+weights: ``lily_mlx.patch(model)`` / ``lily_mlx.unpatch(model)`` switch the model between them. In
+every round the two engines run in alternating order; the reported numbers are medians over rounds.
+prompt_tps counts the prompt tokens over the time to the first generated token (MLX-LM's
+convention); generation_tps the tokens after the first over the time after it; peak memory is
+``mx.get_peak_memory() / 1e9`` with the peak reset before each run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+K = 1024
+# The write-up's ten prompt lengths (prefill) and ten context lengths (decode): 256 ... 128K.
+SWEEP_LENGTHS = (256, 512, 1 * K, 2 * K, 4 * K, 8 * K, 16 * K, 32 * K, 64 * K, 128 * K)
+
+
+def length_label(n: int) -> str:
+    return f"{n // K}K" if n >= K and n % K == 0 else str(n)
+
+
+def parse_lengths(text: str) -> List[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        if part:
+            out.append(int(float(part[:-1]) * K) if part.endswith("K") else int(part))
+    return out
+
+
+class Engines:
+    """Switch one model between stock MLX-LM and lily-mlx."""
+
+    def __init__(self, model, lily_available: bool = True):
+        self.model = model
+        self.lily_available = lily_available
+
+    def use(self, engine: str) -> None:
+        import lily_mlx
+
+        patched = lily_mlx.is_patched(self.model)
+        if engine == "lily" and not patched:
+            lily_mlx.patch(self.model)
+        elif engine == "stock" and patched:
+            lily_mlx.unpatch(self.model)
+
+
+def prefill_step(engine: str, requested: int) -> int:
+    if engine == "lily":
+        from lily_mlx.patch import prefill_step_size
+
+        return prefill_step_size(requested)
+    return requested
+
+
+def run_once(model, prompt: mx.array, gen_tokens: int, prefill_step_size: int) -> Dict:
+    """One generation: the prompt, then ``gen_tokens`` tokens (the first ends the prefill timing)."""
+    from mlx_lm.generate import generate_step
+
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    tokens = []
+    tic = time.perf_counter()
+    t_first = None
+    for n, (tok, _) in enumerate(generate_step(prompt, model, max_tokens=gen_tokens + 1,
+                                                sampler=lambda lp: mx.argmax(lp, axis=-1),
+                                                prefill_step_size=prefill_step_size)):
+        if n == 0:
+            t_first = time.perf_counter()
+        tokens.append(int(tok))
+    t_end = time.perf_counter()
+    prompt_time = t_first - tic
+    gen_time = t_end - t_first
+    return {
+        "prompt_tokens": int(prompt.size),
+        "prompt_tps": prompt.size / prompt_time,
+        "generation_tokens": len(tokens) - 1,
+        "generation_tps": (len(tokens) - 1) / gen_time if len(tokens) > 1 and gen_time > 0 else float("nan"),
+        "peak_memory": mx.get_peak_memory() / 1e9,
+        "tokens": tokens[:16],
+    }
+
+
+def sweep(model, lengths: Sequence[int], prefill_lengths: Sequence[int], decode_lengths: Sequence[int],
+          rounds: int, gen_tokens: int, prefill_step_size: int, engines=("stock", "lily"),
+          vocab_size: int = 248320, seed: int = 0, log=print) -> List[Dict]:
+    """Per length: each round runs every engine once (order alternating by round)."""
+    sw = Engines(model)
+    rows = []
+    for length in lengths:
+        gen = gen_tokens if length in decode_lengths else 1
+        prompt = mx.random.randint(0, vocab_size, (length,), key=mx.random.key(seed + length))
+        per_engine: Dict[str, List[Dict]] = {e: [] for e in engines}
+        for r in range(rounds):
+            order = list(engines) if r % 2 == 0 else list(reversed(engines))
+            for engine in order:
+                sw.use(engine)
+                res = run_once(model, prompt, gen, prefill_step(engine, prefill_step_size))
+                per_engine[engine].append(res)
+                log(f"[e2e] {length_label(length):>5} round {r + 1}/{rounds} {engine:>5}: "
+                    f"prompt_tps={res['prompt_tps']:.3f}, generation_tps={res['generation_tps']:.3f}, "
+                    f"peak_memory={res['peak_memory']:.3f}")
+        row = {"length": length, "label": length_label(length), "prefill": length in prefill_lengths,
+               "decode": length in decode_lengths, "generation_tokens": gen - 1 if gen > 1 else 0}
+        for engine, runs in per_engine.items():
+            row[engine] = {
+                "prompt_tps": statistics.median(x["prompt_tps"] for x in runs),
+                "generation_tps": statistics.median(x["generation_tps"] for x in runs) if gen > 1 else None,
+                "peak_memory": max(x["peak_memory"] for x in runs),
+                "trials": [{k: v for k, v in x.items() if k != "tokens"} for x in runs],
+                "tokens": runs[0]["tokens"],
+            }
+        if "stock" in per_engine and "lily" in per_engine:
+            s, l_ = row["stock"], row["lily"]
+            row["prefill_ratio"] = l_["prompt_tps"] / s["prompt_tps"]
+            row["decode_ratio"] = (l_["generation_tps"] / s["generation_tps"]) if gen > 1 else None
+            row["same_tokens"] = s["tokens"] == l_["tokens"]
+        rows.append(row)
+    sw.use("stock")
+    return rows
+
+
+def table_markdown(rows: List[Dict]) -> str:
+    """The stock-vs-lily table (medians)."""
+    lines = ["| length | stock prefill tok/s | lily prefill tok/s | ratio | stock decode tok/s | "
+             "lily decode tok/s | ratio | peak GB stock / lily | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def f(x, nd=1):
+        return "-" if x is None else f"{x:,.{nd}f}"
+
+    for r in rows:
+        s, l_ = r.get("stock", {}), r.get("lily", {})
+        lines.append(
+            f"| {r['label']} | {f(s.get('prompt_tps') if r['prefill'] else None)} | "
+            f"{f(l_.get('prompt_tps') if r['prefill'] else None)} | "
+            f"{f(r.get('prefill_ratio') if r['prefill'] else None, 3)} | "
+            f"{f(s.get('generation_tps') if r['decode'] else None)} | "
+            f"{f(l_.get('generation_tps') if r['decode'] else None)} | "
+            f"{f(r.get('decode_ratio') if r['decode'] else None, 3)} | "
+            f"{f(s.get('peak_memory'), 2)} / {f(l_.get('peak_memory'), 2)} | {r.get('same_tokens', '-')} |")
+    return "\n".join(lines)
+
+
+def plot(rows: List[Dict], path: str, title: str) -> Optional[str]:
+    """Throughput vs length, both engines (PNG). Returns the path, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, flag, name in ((axes[0], "prompt_tps", "prefill", "prefill (prompt tok/s)"),
+                                (axes[1], "generation_tps", "decode", "decode (generation tok/s)")):
+        pts = [r for r in rows if r[flag]]
+        for engine, style in (("stock", "o-"), ("lily", "s--")):
+            xs = [r["length"] for r in pts if r.get(engine) and r[engine].get(key)]
+            ys = [r[engine][key] for r in pts if r.get(engine) and r[engine].get(key)]
+            if xs:
+                ax.plot(xs, ys, style, label="MLX-LM" if engine == "stock" else "lily-mlx")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["length"] for r in pts])
+        ax.set_xticklabels([r["label"] for r in pts], rotation=45)
+        ax.set_xlabel("prompt length" if flag == "prefill" else "context length")
+        ax.set_ylabel("tokens / s")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

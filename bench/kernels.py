@@ -1,0 +1,144 @@
+"""Kernel microbenchmarks: each lily-mlx kernel alone at the model's shapes, against the device's
+measured ceilings (a large copy for bandwidth, a large bf16 matmul for arithmetic).
+
+The kernels and their exact arguments are captured from the model itself: one prefill chunk and one
+decode step of the patched model run with a recording wrapper around the kernel registry's factory,
+so every kernel is timed with the inputs, grid and template the model really uses (first call of each
+kernel per phase). Achieved bandwidth counts each input and output byte once (a lower bound on the
+traffic); TFLOP/s is given for the grouped GEMMs only (2 * rows * out * in, gate+up counted twice).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Tuple
+
+import mlx.core as mx
+
+
+def _time(fn: Callable[[], object], iters: int, per_eval: int = 8, warmup: int = 2) -> float:
+    """Seconds per call: ``per_eval`` independent calls evaluated together, ``iters`` times."""
+    for _ in range(warmup):
+        mx.eval([fn() for _ in range(per_eval)])
+    mx.synchronize()
+    tic = time.perf_counter()
+    for _ in range(iters):
+        mx.eval([fn() for _ in range(per_eval)])
+    mx.synchronize()
+    return (time.perf_counter() - tic) / (iters * per_eval)
+
+
+def ceilings(log=print) -> Dict[str, float]:
+    """Measured copy bandwidth (GB/s, read + write) and bf16 matmul rate (TFLOP/s)."""
+    gpu = mx.default_device() == mx.gpu
+    x = mx.random.uniform(shape=((256 if gpu else 4) * 1024 * 1024,)).astype(mx.float32)  # 1 GiB on a GPU
+    mx.eval(x)
+    t = _time(lambda: x * 1.0, iters=5, per_eval=2)
+    copy_gbs = 2 * x.nbytes / t / 1e9
+    del x
+    n = 8192 if gpu else 512
+    a = mx.random.normal((n, n)).astype(mx.bfloat16)
+    b = mx.random.normal((n, n)).astype(mx.bfloat16)
+    mx.eval(a, b)
+    t = _time(lambda: a @ b, iters=5, per_eval=2)
+    mm_tflops = 2 * n ** 3 / t / 1e12
+    out = {"copy_GBps": copy_gbs, "matmul_bf16_TFLOPs": mm_tflops}
+    if log:
+        log(f"[kernels] ceilings: copy {copy_gbs:,.0f} GB/s, bf16 matmul {mm_tflops:,.1f} TFLOP/s")
+    return out
+
+
+class _Recorder:
+    def __init__(self, name: str, kernel, calls: List, phase: Callable[[], str]):
+        self.name, self.kernel, self.calls, self.phase = name, kernel, calls, phase
+
+    def __call__(self, **kwargs):
+        out = self.kernel(**kwargs)
+        self.calls.append((self.phase(), self.name, self.kernel, kwargs))
+        return out
+
+
+def record_kernel_calls(model, prefill_tokens: int, vocab_size: int, log=print) -> List[Tuple]:
+    """[(phase, kernel name, kernel, call kwargs)] from one prefill chunk and one decode step of the
+    patched model (the model is left unpatched)."""
+    import lily_mlx
+    from lily_mlx import kernel_registry
+    from mlx_lm.models.cache import make_prompt_cache
+
+    calls: List[Tuple] = []
+    phase = {"now": "prefill"}
+    original = kernel_registry._factory
+
+    def recording_factory(backend):
+        make = original(backend)
+
+        def factory(**kw):
+            return _Recorder(kw["name"], make(**kw), calls, lambda: phase["now"])
+
+        return factory
+
+    kernel_registry.clear_cache()
+    kernel_registry._factory = recording_factory
+    try:
+        lily_mlx.patch(model)
+        cache = make_prompt_cache(model)
+        prompt = mx.random.randint(0, vocab_size, (1, prefill_tokens), key=mx.random.key(1))
+        mx.eval(model(prompt, cache=cache))
+        phase["now"] = "decode"
+        mx.eval(model(prompt[:, -1:], cache=cache))
+        mx.eval([kw["inputs"] for _, _, _, kw in calls])
+    finally:
+        kernel_registry._factory = original
+        kernel_registry.clear_cache()
+        lily_mlx.unpatch(model)
+    if log:
+        log(f"[kernels] recorded {len(calls)} kernel calls "
+            f"({len({(p, n) for p, n, _, _ in calls})} distinct kernel/phase pairs)")
+    return calls
+
+
+def _flops(name: str, kwargs) -> float:
+    if "gemm" not in name:
+        return 0.0
+    x = kwargs["inputs"][0]
+    out_size = 1
+    for d in kwargs["output_shapes"][0]:
+        out_size *= d
+    return 2.0 * out_size * x.shape[-1] * (2 if "gate_up" in name else 1)
+
+
+def microbench(calls: List[Tuple], ceil: Dict[str, float], iters: int = 20, log=print) -> List[Dict]:
+    rows, seen = [], set()
+    for phase, name, kernel, kwargs in calls:
+        if (phase, name) in seen:
+            continue
+        seen.add((phase, name))
+        t = _time(lambda: kernel(**kwargs), iters=iters)
+        nbytes = sum(a.nbytes for a in kwargs["inputs"] if isinstance(a, mx.array))
+        for shape, dtype in zip(kwargs["output_shapes"], kwargs["output_dtypes"]):
+            n = 1
+            for d in shape:
+                n *= d
+            nbytes += n * dtype.size
+        flops = _flops(name, kwargs)
+        row = {"phase": phase, "kernel": name, "us": t * 1e6, "bytes": nbytes, "GBps": nbytes / t / 1e9,
+               "pct_copy": 100 * nbytes / t / 1e9 / ceil["copy_GBps"],
+               "grid": list(kwargs["grid"]), "threadgroup": list(kwargs["threadgroup"])}
+        if flops:
+            row.update(flops=flops, TFLOPs=flops / t / 1e12,
+                       pct_matmul=100 * flops / t / 1e12 / ceil["matmul_bf16_TFLOPs"])
+        rows.append(row)
+        if log:
+            extra = f", {row['TFLOPs']:.2f} TFLOP/s ({row['pct_matmul']:.1f}%)" if flops else ""
+            log(f"[kernels] {phase:>7} {name}: {row['us']:.1f} us, {row['GBps']:.1f} GB/s "
+                f"({row['pct_copy']:.1f}% of copy){extra}")
+    return rows
+
+
+def table_markdown(rows: List[Dict], ceil: Dict[str, float]) -> str:
+    lines = [f"Ceilings: copy {ceil['copy_GBps']:,.0f} GB/s, bf16 matmul {ceil['matmul_bf16_TFLOPs']:,.1f} TFLOP/s.",
+             "", "| phase | kernel | us | GB/s | % copy | TFLOP/s | % matmul |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tf = f"{r['TFLOPs']:.2f} | {r['pct_matmul']:.1f}" if "TFLOPs" in r else "- | -"
+        lines.append(f"| {r['phase']} | {r['kernel']} | {r['us']:.1f} | {r['GBps']:.1f} | {r['pct_copy']:.1f} | {tf} |")
+    return "\n".join(lines)

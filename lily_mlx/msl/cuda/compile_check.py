@@ -1,0 +1,131 @@
+"""Compile-check bridge translations with the CUDA toolkit's ``nvcc`` (no GPU needed).
+
+MLX's CUDA backend compiles custom kernels with NVRTC against its own device headers, which ship
+inside the ``mlx-cuda`` library, not as files. Without them, :data:`STANDIN_UTILS_CUH` stands in for
+``mlx/backend/cuda/device/utils.cuh``: it declares only what the generated wrapper and the bridge
+use (``Shape``, ``Strides``, the fp16/bf16 headers). A directory holding the real headers can be given
+instead (``include_dir``), which checks name clashes with MLX's own device utilities too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional, Tuple
+
+STANDIN_UTILS_CUH = """\
+// Stand-in for MLX's mlx/backend/cuda/device/utils.cuh (compile checks only): the parts the
+// custom-kernel wrapper and the lily-mlx bridge rely on.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+#include <cuda/std/tuple>
+#define MAX_NDIM 10
+#define WARP_SIZE 32
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}  // namespace mlx::core::cu
+"""
+
+
+def nvcc_path() -> Optional[str]:
+    return shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+    )
+
+
+def _standin_dir(root: Path) -> Path:
+    d = root / "mlx" / "backend" / "cuda" / "device"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "utils.cuh").write_text(STANDIN_UTILS_CUH)
+    return root
+
+
+def compile_cuda(text: str, arch: str = "sm_90a", include_dir: Optional[str] = None,
+                 timeout: float = 300.0) -> Tuple[bool, str]:
+    """Compile one translation unit to PTX. Returns (ok, compiler output)."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found")
+    include_dir = include_dir or os.environ.get("LILY_MLX_CUDA_INCLUDE")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        inc = Path(include_dir) if include_dir else _standin_dir(tmp / "standin")
+        src = tmp / "kernel.cu"
+        src.write_text(text)
+        cmd = [nvcc, "-std=c++17", f"-arch={arch}", "--ptx", "-I", str(inc), "-x", "cu", str(src),
+               "-o", str(tmp / "kernel.ptx")]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out = p.stdout + p.stderr
+        ok = p.returncode == 0 and (tmp / "kernel.ptx").exists()
+        if ok:
+            ptx = (tmp / "kernel.ptx").read_text()
+            ok = bool(re.search(r"\.entry\s+\w+", ptx))
+            if not ok:
+                out += "\nno kernel entry in the PTX"
+        return ok, out
+
+
+class RecordedCudaKernel:
+    """Stands in for ``mx.fast.cuda_kernel`` where there is no GPU: records what the bridge asks
+    MLX to compile for each call and returns zero outputs of the right shapes."""
+
+    def __init__(self, records, name, input_names, output_names, source, header="", ensure_row_contiguous=True,
+                 shared_memory=0):
+        self.records, self.name = records, name
+        self.input_names, self.output_names = list(input_names), list(output_names)
+        self.source, self.header = source, header
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
+                 init_value=None, verbose=False, stream=None):
+        import mlx.core as mx
+
+        from .kernel import mlx_cuda_translation_unit
+
+        inputs = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
+        kname = "custom_kernel_" + self.name
+        if kname not in self.records:
+            self.records[kname] = mlx_cuda_translation_unit(
+                kname, self.header, self.source, self.input_names, inputs, self.output_names, output_dtypes)
+        return [mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]
+
+
+def record_model_translations(model, prompt_tokens: int = 40, vocab_size: int = 1024) -> dict:
+    """{kernel name: CUDA translation unit} for every bridge kernel a patched ``model`` launches in
+    one prefill and one decode step, with the real call sites' dtypes, shapes and templates. Runs
+    anywhere: MLX's CUDA backend is replaced by :class:`RecordedCudaKernel` (outputs are zeros, so
+    the model's numbers are meaningless here; only the launches matter)."""
+    from unittest import mock
+
+    import mlx.core as mx
+
+    import lily_mlx
+    from lily_mlx import backend, kernel_registry
+    from mlx_lm.models.cache import make_prompt_cache
+
+    records: dict = {}
+
+    def fake_cuda_kernel(**kw):
+        return RecordedCudaKernel(records, **kw)
+
+    kernel_registry.clear_cache()
+    with mock.patch.object(mx.fast, "cuda_kernel", side_effect=fake_cuda_kernel), \
+            mock.patch.object(backend, "_cuda_available", return_value=True), \
+            mock.patch.dict(os.environ, {"LILY_BACKEND": "cuda"}):
+        try:
+            lily_mlx.patch(model)
+            cache = make_prompt_cache(model)
+            prompt = mx.random.randint(0, vocab_size, (1, prompt_tokens), key=mx.random.key(0))
+            mx.eval(model(prompt, cache=cache))
+            mx.eval(model(prompt[:, -1:], cache=cache))
+        finally:
+            lily_mlx.unpatch(model)
+            kernel_registry.clear_cache()
+    return records

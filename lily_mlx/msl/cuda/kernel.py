@@ -1,0 +1,314 @@
+"""``metal_kernel`` for MLX's CUDA backend: a Metal kernel body + header run through
+``mx.fast.cuda_kernel`` with the call convention of ``mx.fast.metal_kernel``.
+
+How the Metal launch is reproduced (see docs/bridge.md):
+- inputs/outputs are renamed (``x`` -> ``x_lily_``) and re-declared at the top of the body with
+  Metal element types (``bfloat16_t``, ``half`` with Metal's promotion rules); 0-d inputs become
+  values (``const auto T = *T_lily_``), ``x_shape``/``x_strides``/``x_ndim`` pointers/values as Metal
+  passes them; atomic outputs become ``atomic<T>*``;
+- template arguments become body-local ``using``/``constexpr`` lines, and the kernel name carries a
+  hash of the whole translated text, so each variant is compiled once and never confused;
+- the true grid travels as a small int32 input; every Metal thread attribute the body names is
+  computed from it and CUDA's block/thread indices, and padding threads (CUDA launches whole
+  blocks) return before the body. Kernels with barriers or SIMD-group operations must not have
+  partial SIMD-groups (the design contract asks for whole threadgroups); that is checked per call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .. import signature
+from .translate import UnbridgeableError, code_only, translate
+
+PRELUDE_PATH = Path(__file__).resolve().parent.parent / "cuda_prelude.cuh"
+MAX_THREADS_PER_THREADGROUP = 1024
+
+_CUDA_TYPES = {
+    mx.bool_: "bool", mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t",
+    mx.int64: "int64_t", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
+    mx.float64: "double",
+}
+# Metal spelling of template dtypes, resolved by the prelude's declarations in mlx::core::cu.
+_ATOMIC_DTYPES = (mx.int32, mx.uint32, mx.float32)
+
+_SIMD_USE = re.compile(r"\b(simd_\w+|quad_\w+|simdgroup_\w+)\s*[(<]")
+_BARRIER_USE = re.compile(r"\b(threadgroup_barrier|simdgroup_barrier)\s*\(")
+
+
+@lru_cache(maxsize=1)
+def prelude() -> str:
+    return PRELUDE_PATH.read_text()
+
+
+def _mma_enabled() -> bool:
+    return os.environ.get("LILY_CUDA_MMA", "1") != "0"
+
+
+def _suffix(name: str) -> str:
+    return f"{name}_lily_"
+
+
+def _template_lines(template) -> List[str]:
+    lines = []
+    for name, value in signature.normalize_template(template):
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            lines.append(f"  constexpr int {name} = {value};")
+        else:
+            lines.append(f"  using {name} = {signature.type_string(value)};")
+    return lines
+
+
+def _attribute_lines(source: str) -> List[str]:
+    """Locals for the Metal thread attributes ``source`` names (substring rule, as MLX)."""
+    used = {a for a, _ in signature.used_thread_attributes(source)}
+    u3 = "lily_metal::uint3"
+    values = {
+        "thread_position_in_grid": "lily_tpig_",
+        "thread_position_in_threadgroup": f"{u3}(threadIdx.x, threadIdx.y, threadIdx.z)",
+        "threadgroup_position_in_grid": f"{u3}(blockIdx.x, blockIdx.y, blockIdx.z)",
+        "threads_per_threadgroup": "lily_tptg_",
+        "dispatch_threads_per_threadgroup": f"{u3}(blockDim.x, blockDim.y, blockDim.z)",
+        "threadgroups_per_grid": f"{u3}(gridDim.x, gridDim.y, gridDim.z)",
+        "threads_per_grid": "lily_grid_",
+        "grid_size": "lily_grid_",
+        "grid_origin": f"{u3}(0u)",
+        "thread_index_in_threadgroup": "lily_tiitg_",
+        "thread_index_in_simdgroup": "lily_tiitg_ % 32u",
+        "simdgroup_index_in_threadgroup": "lily_tiitg_ / 32u",
+        "simdgroups_per_threadgroup": "(lily_tptg_.x * lily_tptg_.y * lily_tptg_.z + 31u) / 32u",
+        "dispatch_simdgroups_per_threadgroup": "(blockDim.x * blockDim.y * blockDim.z + 31u) / 32u",
+        "thread_execution_width": "32u",
+        "threads_per_simdgroup": "32u",
+        "quadgroup_index_in_threadgroup": "lily_tiitg_ / 4u",
+        "thread_index_in_quadgroup": "lily_tiitg_ % 4u",
+        "quadgroups_per_threadgroup": "(lily_tptg_.x * lily_tptg_.y * lily_tptg_.z + 3u) / 4u",
+        "dispatch_quadgroups_per_threadgroup": "(blockDim.x * blockDim.y * blockDim.z + 3u) / 4u",
+    }
+    lines = [
+        f"  const {u3} lily_grid_(lily_dispatch_[0], lily_dispatch_[1], lily_dispatch_[2]);",
+        f"  const {u3} lily_tpig_(blockIdx.x * blockDim.x + threadIdx.x, blockIdx.y * blockDim.y + threadIdx.y,",
+        "                         blockIdx.z * blockDim.z + threadIdx.z);",
+        "  // CUDA launches whole blocks; Metal runs exactly the grid.",
+        "  if (lily_tpig_.x >= lily_grid_.x || lily_tpig_.y >= lily_grid_.y || lily_tpig_.z >= lily_grid_.z) return;",
+        "  // Metal's threads_per_threadgroup is the size of this (possibly partial) threadgroup.",
+        f"  const {u3} lily_tptg_(min(blockDim.x, lily_grid_.x - blockIdx.x * blockDim.x),",
+        "                         min(blockDim.y, lily_grid_.y - blockIdx.y * blockDim.y),",
+        "                         min(blockDim.z, lily_grid_.z - blockIdx.z * blockDim.z));",
+        "  const lily_metal::uint lily_tiitg_ = threadIdx.x + lily_tptg_.x * (threadIdx.y + lily_tptg_.y * threadIdx.z);",
+    ]
+    for attr, ctype in signature.THREAD_ATTRIBUTES:
+        if attr in used:
+            lines.append(f"  const lily_metal::{ctype} {attr} = {values[attr]};")
+    return lines
+
+
+class CudaMetalKernel:
+    """Callable with ``mx.fast.metal_kernel``'s kernel call convention, running on MLX's CUDA backend."""
+
+    def __init__(self, name, input_names, output_names, source, header="", ensure_row_contiguous=True,
+                 atomic_outputs=False):
+        if not output_names:
+            raise ValueError("[metal_kernel] Must specify at least one output.")
+        self.name = name
+        self.input_names = list(input_names)
+        self.output_names = list(output_names)
+        self.metal_source = source
+        self.metal_header = header
+        self.ensure_row_contiguous = ensure_row_contiguous
+        self.atomic_outputs = atomic_outputs
+        # Translate once up front: unbridgeable constructs fail at construction, like a compile error.
+        self.body = translate(source, "body")
+        self.header = translate(header, "header") if header else ""
+        code = code_only(source + "\n" + header)
+        self.uses_simd = bool(_SIMD_USE.search(code))
+        self.uses_barriers = bool(_BARRIER_USE.search(code))
+        self._kernels: Dict[Tuple, object] = {}
+        self._grids: Dict[Tuple[int, int, int], mx.array] = {}
+
+    # -- source generation (also used by the CI compile check) ------------------------------------
+
+    def cuda_header(self) -> str:
+        mma = "" if _mma_enabled() else "#define LILY_NO_MMA 1\n"
+        return mma + prelude() + "\nnamespace mlx::core::cu {\n" + self.header + "\n}  // namespace mlx::core::cu\n"
+
+    def cuda_body(self, specs: Sequence[signature.InputSpec], template) -> str:
+        lines = ["  // lily-mlx Metal->CUDA bridge prologue"]
+        lines += _template_lines(template)
+        for s in specs:
+            raw = _suffix(s.name)
+            if s.scalar:
+                lines.append(f"  const auto {s.name} = *lily_metal::as_metal({raw});")
+                continue
+            lines.append(f"  auto {s.name} = lily_metal::as_metal({raw});")
+            if s.has_shape:
+                lines.append(f"  const int* {s.name}_shape = {raw}_shape.data();")
+            if s.has_strides:
+                lines.append(f"  const int64_t* {s.name}_strides = {raw}_strides.data();")
+            if s.has_ndim:
+                lines.append(f"  const int {s.name}_ndim = {raw}_ndim;")
+        for o in self.output_names:
+            conv = "as_atomic" if self.atomic_outputs else "as_metal"
+            lines.append(f"  auto {o} = lily_metal::{conv}({_suffix(o)});")
+        lines += _attribute_lines(self.metal_source)
+        lines.append("  // ---- Metal kernel body ----")
+        return "\n".join(lines) + "\n" + self.body
+
+    def kernel_name(self, header: str, body: str) -> str:
+        digest = hashlib.sha1((header + "\0" + body).encode()).hexdigest()[:16]
+        return f"{self.name}_{digest}"
+
+    def cuda_input_names(self) -> List[str]:
+        return [_suffix(n) for n in self.input_names] + ["lily_dispatch_"]
+
+    def cuda_output_names(self) -> List[str]:
+        return [_suffix(n) for n in self.output_names]
+
+    def specs(self, inputs) -> List[signature.InputSpec]:
+        return signature.classify_inputs(self.input_names, inputs, self.metal_source)
+
+    # -- launch checks -------------------------------------------------------------------------
+
+    def _check_launch(self, grid, threadgroup) -> Tuple[Tuple[int, int, int], Tuple[int, int, int]]:
+        grid = tuple(int(g) for g in grid)
+        tg = tuple(max(1, min(int(t), g)) for t, g in zip(threadgroup, grid))
+        if len(grid) != 3 or len(tg) != 3 or min(grid) < 1:
+            raise ValueError(f"[metal_kernel] grid {grid} and threadgroup {threadgroup} need 3 positive sizes")
+        if tg[0] * tg[1] * tg[2] > MAX_THREADS_PER_THREADGROUP:
+            raise ValueError(f"[metal_kernel] threadgroup {tg} exceeds {MAX_THREADS_PER_THREADGROUP} threads")
+        if self.uses_simd or self.uses_barriers:
+            self._check_simd_groups(grid, tg)
+        return grid, tg
+
+    def _check_simd_groups(self, grid, tg) -> None:
+        """Barriers and warp shuffles need every CUDA warp either fully live or fully padding, and
+        Metal's SIMD-groups (made from the partial threadgroup's own linear index) to be CUDA's warps."""
+        partial = [g % t for g, t in zip(grid, tg)]
+        for d in (0, 1):
+            if partial[d] and any(t > 1 for t in tg[d + 1:]):
+                raise UnbridgeableError(
+                    f"Metal->CUDA bridge: kernel {self.name!r} uses SIMD-group operations or barriers with "
+                    f"grid {grid} and threadgroup {tg}: a partial threadgroup in dimension {'xy'[d]} "
+                    "regroups Metal's SIMD-groups differently from CUDA's warps; use a grid that is a "
+                    "multiple of the threadgroup")
+        sizes = [{t} | ({p} if p else set()) for t, p in zip(tg, partial)]
+        for x in sizes[0]:
+            for y in sizes[1]:
+                for z in sizes[2]:
+                    live = x * y * z
+                    if live % 32 and (self.uses_simd or live != tg[0] * tg[1] * tg[2]):
+                        raise UnbridgeableError(
+                            f"Metal->CUDA bridge: kernel {self.name!r} uses SIMD-group operations or "
+                            f"barriers, but grid {grid} with threadgroup {tg} has a threadgroup of "
+                            f"{live} threads (not whole 32-lane SIMD-groups); CUDA warps cannot run "
+                            "partial SIMD-group operations the way Metal does")
+
+    # -- call ----------------------------------------------------------------------------------
+
+    def _grid_array(self, grid) -> mx.array:
+        a = self._grids.get(grid)
+        if a is None:
+            if len(self._grids) > 256:
+                self._grids.clear()
+            a = self._grids[grid] = mx.array(list(grid), dtype=mx.int32)
+        return a
+
+    def _cuda_kernel(self, specs, template):
+        key = (tuple(s.scalar for s in specs), tuple(s.has_shape for s in specs),
+               repr(signature.normalize_template(template)), _mma_enabled())
+        k = self._kernels.get(key)
+        if k is None:
+            header, body = self.cuda_header(), self.cuda_body(specs, template)
+            k = mx.fast.cuda_kernel(
+                name=self.kernel_name(header, body),
+                input_names=self.cuda_input_names(),
+                output_names=self.cuda_output_names(),
+                source=body,
+                header=header,
+                ensure_row_contiguous=self.ensure_row_contiguous,
+            )
+            self._kernels[key] = k
+        return k
+
+    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
+                 init_value: Optional[float] = None, verbose: bool = False, stream=None):
+        inputs = [signature.as_input_array(x) for x in inputs]
+        specs = self.specs(inputs)
+        if self.atomic_outputs:
+            bad = [d for d in output_dtypes if d not in _ATOMIC_DTYPES]
+            if bad:
+                raise UnbridgeableError(f"Metal->CUDA bridge: atomic outputs of dtype {bad[0]} (Metal has "
+                                        "atomic int, uint and float only)")
+        grid, tg = self._check_launch(grid, threadgroup)
+        kernel = self._cuda_kernel(specs, template)
+        kwargs = dict(
+            inputs=list(inputs) + [self._grid_array(grid)],
+            grid=grid,
+            threadgroup=tg,
+            output_shapes=[tuple(s) for s in output_shapes],
+            output_dtypes=list(output_dtypes),
+            verbose=verbose,
+        )
+        if init_value is not None:
+            kwargs["init_value"] = init_value
+        if stream is not None:
+            kwargs["stream"] = stream
+        return kernel(**kwargs)
+
+
+def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
+                 header: str = "", ensure_row_contiguous: bool = True, atomic_outputs: bool = False):
+    """``mx.fast.metal_kernel`` for MLX's CUDA backend (same arguments, same call convention)."""
+    return CudaMetalKernel(name, input_names, output_names, source, header, ensure_row_contiguous,
+                           atomic_outputs)
+
+
+def mlx_cuda_translation_unit(kernel_name: str, header: str, source: str, input_names: Sequence[str],
+                              inputs: Sequence[mx.array], output_names: Sequence[str],
+                              output_dtypes: Sequence[mx.Dtype]) -> str:
+    """The translation unit ``mx.fast.cuda_kernel`` (MLX 0.32) builds and NVRTC compiles: MLX's default
+    header, ``header``, the generated signature (inputs as ``const T*``, shape/strides/ndim of
+    inputs whose name + suffix occurs in ``source``, outputs as ``T*``) and ``source``."""
+    text = ('\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+            "#define inf cuda::std::numeric_limits<float>::infinity()\n\n")
+    text += header
+    text += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    text += f"__global__ void {kernel_name}(\n"
+    params = []
+    for n, a in zip(input_names, inputs):
+        params.append(f"    const {_CUDA_TYPES[a.dtype]}* {n}")
+        if a.ndim > 0:
+            if f"{n}_shape" in source:
+                params.append(f"    const __grid_constant__ Shape {n}_shape")
+            if f"{n}_strides" in source:
+                params.append(f"    const __grid_constant__ Strides {n}_strides")
+            if f"{n}_ndim" in source:
+                params.append(f"    const __grid_constant__ int {n}_ndim")
+    for n, d in zip(output_names, output_dtypes):
+        params.append(f"    {_CUDA_TYPES[d]}* {n}")
+    text += ",\n".join(params) + ") {\n"
+    text += source + "\n}\n\n} // namespace mlx::core::cu\n"
+    return text
+
+
+def wrap_like_mlx(kernel: CudaMetalKernel, inputs, output_dtypes, template=None) -> Tuple[str, str]:
+    """(kernel name, full CUDA translation unit) as ``mx.fast.cuda_kernel`` would build it for this
+    call. Used to compile-check translations with ``nvcc`` where there is no GPU."""
+    inputs = [signature.as_input_array(x) for x in inputs]
+    specs = kernel.specs(inputs)
+    header, body = kernel.cuda_header(), kernel.cuda_body(specs, template)
+    kname = "custom_kernel_" + kernel.kernel_name(header, body)
+    text = mlx_cuda_translation_unit(kname, header, body, kernel.cuda_input_names(),
+                                     inputs + [mx.zeros((3,), mx.int32)], kernel.cuda_output_names(),
+                                     output_dtypes)
+    return kname, text
