@@ -65,60 +65,12 @@ SIM_PROBLEM = _sim_problem()
 needs_sim = pytest.mark.skipif(SIM_PROBLEM is not None, reason=str(SIM_PROBLEM))
 
 
-# Test-only stand-in for simdgroup_matrix<T, 8, 8>, used while the simulator lacks it: every lane
-# keeps the whole 8 x 8 matrix (the kernels' loads read the same data on every lane), and each lane
-# stores its own two elements. It checks the kernels' tiling and indexing, not the lane layout.
-SIMDGROUP_MATRIX_STANDIN = """
-template <typename T, int R, int C> struct simdgroup_matrix { T e[R * C]; };
-template <typename T, int R, int C> inline simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T v) {
-  simdgroup_matrix<T, R, C> m;
-  for (int i = 0; i < R * C; ++i) m.e[i] = v;
-  return m;
-}
-template <typename T, typename P> inline void simdgroup_load(simdgroup_matrix<T, 8, 8>& m, P src, unsigned long ld = 8) {
-  for (int i = 0; i < 64; ++i) m.e[i] = T(src[(i / 8) * ld + i % 8]);
-}
-template <typename T, typename P> inline void simdgroup_store(const simdgroup_matrix<T, 8, 8>& m, P dst, unsigned long ld = 8) {
-  unsigned lane = msl_rt::tw->cur->at.thread_index_in_simdgroup;
-  for (unsigned i = 2 * lane; i < 2 * lane + 2; ++i) dst[(i / 8) * ld + i % 8] = m.e[i];
-}
-template <typename T> inline void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8, 8>& d,
-    const simdgroup_matrix<T, 8, 8>& a, const simdgroup_matrix<T, 8, 8>& b, const simdgroup_matrix<T, 8, 8>& c) {
-  simdgroup_matrix<T, 8, 8> r;
-  for (int i = 0; i < 8; ++i)
-    for (int j = 0; j < 8; ++j) {
-      T acc = c.e[i * 8 + j];
-      for (int k = 0; k < 8; ++k) acc += a.e[i * 8 + k] * b.e[k * 8 + j];
-      r.e[i * 8 + j] = acc;
-    }
-  d = r;
-}
-"""
-
-
-def _sim_kernel_with_standin(spec, backend=None):
-    from lily_mlx import kernel_registry
-    from lily_mlx.msl import sim
-
-    header, body = kernel_registry.kernel_source(spec)
-    return sim.metal_kernel(name=spec.name, input_names=list(spec.input_names),
-                            output_names=list(spec.output_names), source=body,
-                            header=SIMDGROUP_MATRIX_STANDIN + header,
-                            ensure_row_contiguous=spec.ensure_row_contiguous, atomic_outputs=spec.atomic_outputs)
-
-
 @pytest.fixture(scope="module")
 def gemm_sim():
-    """The simulator for the GEMM kernels; with the stand-in above while it lacks simdgroup_matrix."""
-    if SIM_PROBLEM:
-        pytest.skip(SIM_PROBLEM)
+    """The simulator, able to run the GEMM kernels (simdgroup_matrix)."""
     problem = _sim_gemm_problem()
-    if problem is None:
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mk, "get_kernel", _sim_kernel_with_standin)
-        yield
+    if problem:
+        pytest.skip(problem)
 
 
 # ----------------------------------------------------------------------------------------------
