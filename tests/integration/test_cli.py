@@ -1,0 +1,233 @@
+"""``mlx_lm.generate --lily`` (installed hook) and ``python -m lily_mlx``: same tokens as stock.
+
+Real subprocesses for the installed hook (plain, --lily, one switch off, the ``mlx_lm`` dispatcher);
+every other switch goes through ``python -m lily_mlx generate``'s code in this process (one model load
+each, no interpreter start), compared with stock MLX-LM's own ``main`` run the same way.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+from lily_mlx import cli, switches
+
+from .conftest import PROMPT, generated_text, mlx_lm_command, subprocess_env
+
+MAX_TOKENS = "64"
+PATCHED_NOTE = "model patched"
+
+
+def mlx_lm_module(name):
+    """``mlx_lm.<name>`` the module (``import mlx_lm.generate as m`` gives the function)."""
+    import importlib
+
+    return importlib.import_module(f"mlx_lm.{name}")
+
+
+def generate_args(model_path):
+    return ["--model", str(model_path), "--prompt", PROMPT, "--max-tokens", MAX_TOKENS,
+            "--ignore-chat-template"]
+
+
+def run_cli(cmd, tmp_path, timeout=180):
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), cwd=tmp_path,
+                          timeout=timeout)
+    return proc
+
+
+# ------------------------------------------------------------------------------------------------
+# Installed hook: real MLX-LM CLI processes
+# ------------------------------------------------------------------------------------------------
+
+
+def test_pth_hook_imports_nothing_heavy(installed_hook, tmp_path):
+    probe = ("import sys; print(any(getattr(f, '_lily_cli_finder', False) for f in sys.meta_path), "
+             "sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'lily_mlx', "
+             "'numpy', 'transformers')))")
+    proc = run_cli([sys.executable, "-c", probe], tmp_path)
+    assert proc.stdout.strip() == "True []", proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def cli_stock_text(installed_hook, model_path, tmp_path_factory):
+    """What stock ``mlx_lm.generate`` prints (a real process, no --lily)."""
+    proc = run_cli(mlx_lm_command("generate") + generate_args(model_path),
+                   tmp_path_factory.mktemp("cli"))
+    assert proc.returncode == 0, proc.stderr
+    assert PATCHED_NOTE not in proc.stderr
+    text = generated_text(proc.stdout)
+    assert text.strip()
+    return text
+
+
+@pytest.mark.parametrize("extra,note", [
+    ([], "switches off: none"),
+    (["--lily-disable", "gpu_routing"], "switches off: gpu_routing"),
+])
+def test_mlx_lm_generate_lily_prints_stock_tokens(cli_stock_text, model_path, tmp_path, extra, note):
+    proc = run_cli(mlx_lm_command("generate") + generate_args(model_path) + ["--lily"] + extra,
+                   tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert generated_text(proc.stdout) == cli_stock_text
+    assert PATCHED_NOTE in proc.stderr and note in proc.stderr
+
+
+def test_mlx_lm_dispatcher_routes_lily(cli_stock_text, model_path, tmp_path):
+    proc = run_cli([sys.executable, "-m", "mlx_lm", "generate", "--lily"]
+                   + generate_args(model_path), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert generated_text(proc.stdout) == cli_stock_text
+    assert PATCHED_NOTE in proc.stderr
+
+
+def test_unknown_switch_is_an_error_listing_valid_names(installed_hook, model_path, tmp_path):
+    proc = run_cli(mlx_lm_command("generate") + generate_args(model_path)
+                   + ["--lily", "--lily-disable", "gpu_routing,warp_drive"], tmp_path)
+    assert proc.returncode == 2
+    assert "warp_drive" in proc.stderr
+    for name in switches.SWITCHES:
+        assert name in proc.stderr
+
+
+def test_lily_flags_in_mlx_lm_help(installed_hook, tmp_path):
+    proc = run_cli(mlx_lm_command("server") + ["--help"], tmp_path)
+    assert proc.returncode == 0
+    for flag in ("--lily", "--lily-disable", "--lily-enable", "--lily-backend"):
+        assert flag in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# python -m lily_mlx generate, in process
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def in_process(monkeypatch, capsys):
+    """Run an MLX-LM CLI main in this process; returns (stdout, stderr). Restores switches/env."""
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    monkeypatch.delenv("LILY_DISABLE", raising=False)
+    monkeypatch.delenv("LILY_ENABLE", raising=False)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    switches.reset()
+
+    def run(fn):
+        capsys.readouterr()
+        with switches.overrides():
+            rc = fn()
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+
+    yield run
+    switches.reset()
+
+
+@pytest.fixture(scope="module")
+def stock_text(model_path):
+    """What stock MLX-LM's generate ``main`` prints, run in this process."""
+    import contextlib
+    import io
+    import os
+
+    gen = mlx_lm_module("generate")
+    saved_argv, out = sys.argv, io.StringIO()
+    sys.argv = ["mlx_lm.generate", *generate_args(model_path)]
+    os.environ.pop("LILY_DISABLE", None)
+    try:
+        with contextlib.redirect_stdout(out):
+            cli.run_mlx_lm_main(gen)
+    finally:
+        sys.argv = saved_argv
+    return generated_text(out.getvalue())
+
+
+@pytest.mark.parametrize("name", [None] + list(switches.SWITCHES))
+def test_lily_mlx_generate_each_switch_off(model_path, in_process, stock_text, name):
+    gen = mlx_lm_module("generate")
+
+    argv = ["generate", *generate_args(model_path)]
+    if name:
+        argv += ["--lily-disable", name]
+    loaded = []
+    real_load = gen.load
+
+    def spy_load(*args, **kwargs):  # see the model the CLI ran
+        out = real_load(*args, **kwargs)
+        loaded.append(out[0])
+        return out
+
+    gen.load = spy_load
+    try:
+        rc, out, err = in_process(lambda: cli.main(argv))
+    finally:
+        gen.load = real_load
+    assert rc == 0
+    assert generated_text(out) == stock_text
+    from lily_mlx import is_patched
+
+    assert loaded and is_patched(loaded[0])
+    assert gen.load is real_load and gen.argparse is cli.argparse  # MLX-LM's globals restored
+
+
+def test_without_lily_mlx_lm_main_runs_stock(model_path, in_process):
+    gen = mlx_lm_module("generate")
+
+    from lily_mlx import is_patched
+
+    loaded = []
+    real_load = gen.load
+    gen.load = lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1]
+    try:
+        sys.argv = ["mlx_lm.generate", *generate_args(model_path)]
+        in_process(lambda: cli.run_mlx_lm_main(gen))
+    finally:
+        gen.load = real_load
+    assert loaded and not is_patched(loaded[0][0])
+
+
+def test_lily_mlx_help_and_usage(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("generate", "server", "switches", "embedded-model", "consistency",
+                    "build-random"):
+        assert command in out
+    with pytest.raises(SystemExit) as done:
+        cli.main(["generate", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "--lily-disable" in out and "--max-tokens" in out and "lily-mlx is on" in out
+    assert cli.main(["no-such-command"]) == 2
+
+
+def test_switches_table(capsys, monkeypatch):
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    try:
+        assert cli.main(["switches", "--lily-disable", "gpu_routing"]) == 0
+    finally:
+        switches.reset()
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+    for name, sw in switches.SWITCHES.items():
+        assert rows[name][1] == ("on" if sw.default else "off")
+        assert rows[name][3] == sw.phase
+    assert rows["gpu_routing"][2] == "off" and rows["fused_dequant"][2] == "on"
+    assert rows["gpu_routing"][5] == "reference"
+    assert "backend in force: reference" in out
+    from lily_mlx.ops import OPS
+
+    for op in OPS:
+        assert rows[op][3] == "reference"
+
+
+def test_delegated_commands(monkeypatch, capsys):
+    fake = types.ModuleType("lily_fake_tool")
+    fake.main = lambda argv: 7 if argv == ["--x", "1"] else 0
+    monkeypatch.setitem(sys.modules, "lily_fake_tool", fake)
+    monkeypatch.setitem(cli._DELEGATED, "consistency", ("lily_fake_tool", "test"))
+    assert cli.main(["consistency", "--x", "1"]) == 7
+    monkeypatch.setitem(cli._DELEGATED, "build-random", ("lily_mlx.no_such_module", "test"))
+    assert cli.main(["build-random"]) == 2
+    assert "not available" in capsys.readouterr().err
