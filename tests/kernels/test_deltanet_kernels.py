@@ -252,8 +252,10 @@ def test_unsupported_shapes_fall_back_to_reference(monkeypatch, caplog):
 
 @needs_sim
 @pytest.mark.slow
-def test_embedded_model_greedy_tokens_match_stock(monkeypatch):
-    """The patched embedded model with the DeltaNet kernels simulated: same greedy tokens as stock."""
+@pytest.mark.parametrize("off", [(), ("register_scan",), ("fused_recurrent_norm",)])
+def test_embedded_model_greedy_tokens_match_stock(monkeypatch, off):
+    """The patched embedded model with the DeltaNet kernels simulated: same greedy tokens as stock,
+    in every switch state."""
     try:
         from lily_mlx import patch as lily_patch
         from lily_mlx.models.embedded import embedded_model_path
@@ -274,6 +276,10 @@ def test_embedded_model_greedy_tokens_match_stock(monkeypatch):
     monkeypatch.setattr(deltanet, "op_backend", lambda name, backend=None: "sim")
     lily_patch.patch(model)
     try:
-        assert greedy() == stock_tokens
+        with switches.overrides(disable=off), mock.patch.object(dk, "get_kernel", wraps=dk.get_kernel) as built:
+            lily_tokens = greedy()
+        used = {c.args[0].name for c in built.call_args_list}
+        assert {"deltanet_decode_fused" if not off else "deltanet_gated_norm"} <= used, used
+        assert lily_tokens == stock_tokens
     finally:
         lily_patch.unpatch(model)
