@@ -54,7 +54,8 @@ _MLX_LM = {
 class _Session:
     """Lily state of one run of an MLX-LM CLI ``main``."""
 
-    def __init__(self, force: bool):
+    def __init__(self, module_name: str, force: bool):
+        self.module_name = module_name
         self.force = force  # python -m lily_mlx generate|server: lily on without --lily
         self.active = False  # set once the parsed arguments turned lily on
 
@@ -154,7 +155,13 @@ def _patching_loader(load_fn: Callable, session: _Session) -> Callable:
 
             # MLX-LM loads a draft model with a bare load(path): patch it when it is supported,
             # otherwise keep it stock with a warning. The main model must be supported.
-            model = patch(out[0], strict=bool(kwargs))
+            try:
+                model = patch(out[0], strict=bool(kwargs))
+            except (ValueError, RuntimeError) as e:
+                if session.module_name == "mlx_lm.generate":  # a one-shot CLI: a clean error
+                    sys.exit(f"error: --lily: {e}")
+                raise  # mlx_lm.server returns load errors to the client that asked
+
             off = [n for n, on in switches.state().items() if not on]
             log_once(
                 f"cli-patched:{id(model)}",
@@ -169,7 +176,7 @@ def _patching_loader(load_fn: Callable, session: _Session) -> Callable:
 def run_mlx_lm_main(module, force: bool = False):
     """Run MLX-LM CLI ``module``'s original ``main`` with the lily flags available."""
     main = getattr(module.main, _ORIGINAL_MAIN, module.main)
-    session = _Session(force)
+    session = _Session(module.__name__, force)
     names = [n for n in ("argparse", "load", "sharded_load") if n in module.__dict__]
     saved = {n: module.__dict__[n] for n in names}
     module.argparse = _ArgparseWithLily(_parser_class(session))
