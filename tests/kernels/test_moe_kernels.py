@@ -6,8 +6,6 @@ unwritten element shows. Routings are hypothesis-drawn: uniform, skewed, all-to-
 mostly-empty experts.
 """
 
-import math
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -280,13 +278,21 @@ def test_grouped_gemm_larger_shape(gemm_sim, monkeypatch):
     _assert_as_good_as_stock(got, stock, _exact_switch_glu(block.switch_mlp, x, inds), "routed experts (larger)")
 
 
-def test_unsupported_falls_back(monkeypatch, caplog):
-    """Non-quantised experts and other bit widths take the reference path (None here)."""
+def test_unsupported_falls_back(monkeypatch):
+    """Non-quantised experts and other bit widths take the reference path, saying why once."""
     monkeypatch.setenv("LILY_BACKEND", "sim")
+    notes = []
+    monkeypatch.setattr(mk, "log_once", lambda key, message, *a, **k: notes.append(message))
     x = make_inputs(1, 20, 128)
     for block in (make_sparse_moe_block(quantized=False), make_sparse_moe_block(bits=8)):
         inds = mx.argpartition(block.gate(x), kth=-4, axis=-1)[..., -4:]
         assert mk.routed_experts_kernel(block.switch_mlp, x, inds) is None
+    assert "not quantised" in notes[0] and "8-bit" in notes[1], notes
+    # The forward still computes stock's result (the reference path).
+    from lily_mlx.ops.moe import sparse_moe_forward
+
+    block = make_sparse_moe_block(bits=8)
+    assert mx.array_equal(sparse_moe_forward(block, x), block(x)).item()
 
 
 # ----------------------------------------------------------------------------------------------
