@@ -34,6 +34,7 @@ from .tokenizer import IM_END, save_tokenizer, train_tokenizer
 EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "embedded" / "qwen3_6_tiny"
 HELDOUT_FILE = "heldout.txt"
 BUILD_INFO_FILE = "build_info.json"
+HELDOUT_EVAL_TOKENS = 1024  # perplexity recorded in build_info.json
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -212,7 +213,7 @@ def build_embedded_model(
 
     _say(log, "[4/5] quantising: 4-bit g64 affine, routers and shared-expert gates 8-bit")
     model, config = quantise_like_checkpoint(model, config)
-    ppl = heldout_perplexity(model, heldout_tokens[:4096])
+    ppl = heldout_perplexity(model, heldout_tokens[:HELDOUT_EVAL_TOKENS + 1])
     _say(log, f"      held-out perplexity {ppl:.2f} (uniform: {overrides['vocab_size']})")
 
     _say(log, f"[5/5] saving to {out_dir}")
@@ -226,7 +227,8 @@ def build_embedded_model(
             "seed": seed,
             "train_settings": settings.__dict__,
             "final_train_loss": losses[-1] if losses else None,
-            "heldout_perplexity_4096_tokens": ppl,
+            "heldout_perplexity": ppl,
+            "heldout_eval_tokens": HELDOUT_EVAL_TOKENS,
             "corpus_sha256": corpus.sha256,
             "python": sys.version.split()[0],
             "mlx": mx.__version__,

@@ -1,0 +1,93 @@
+"""The consistency tool: its metrics against hand-computed values, and lily vs stock on the embedded
+model with the reference backend (must be exactly stock: 100 % agreement, zero logit difference)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from lily_mlx import consistency
+
+
+def test_metrics_from_logits_by_hand():
+    stock = np.array([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0], [1.0, 0.0, 0.0]])
+    lily = stock.copy()
+    lily[1] = [0.0, 1.0, 1.5]  # top-1 changes at position 1
+    lily[3, 2] = 0.25
+    targets = np.array([0, 1, 2, 1])
+    r = consistency.metrics_from_logits(lily, stock, targets)
+
+    def ppl(logits):
+        logz = np.log(np.exp(logits).sum(-1))
+        return math.exp(np.mean(logz - logits[np.arange(4), targets]))
+
+    assert r.positions == 4
+    assert r.top1_agreement_pct == pytest.approx(75.0)
+    assert r.max_abs_logit_diff == pytest.approx(1.5)
+    assert r.perplexity_stock == pytest.approx(ppl(stock))
+    assert r.perplexity_lily == pytest.approx(ppl(lily))
+    assert r.perplexity_delta_pct == pytest.approx(100 * (ppl(lily) - ppl(stock)) / ppl(stock))
+    assert "top-1 agreement 75.00 %" in r.summary()
+
+
+def test_identical_engines_give_perfect_scores():
+    logits = np.random.default_rng(0).normal(size=(16, 50))
+    r = consistency.metrics_from_logits(logits, logits.copy(), np.arange(16))
+    assert (r.top1_agreement_pct, r.max_abs_logit_diff, r.perplexity_delta_pct) == (100.0, 0.0, 0.0)
+
+
+def _patch_layer_or_skip():
+    try:
+        import lily_mlx
+
+        lily_mlx.patch  # noqa: B018  (lazy attribute: imports lily_mlx.patch)
+        lily_mlx.unpatch  # noqa: B018
+    except (ImportError, AttributeError) as e:
+        pytest.skip(f"lily_mlx.patch / unpatch not available yet: {e}")
+
+
+@pytest.fixture
+def embedded_dir():
+    from lily_mlx.models import embedded
+
+    if not embedded._is_complete(embedded.EMBEDDED_DIR):
+        pytest.skip("embedded model not shipped in this tree")
+    return embedded.EMBEDDED_DIR
+
+
+@pytest.mark.parametrize("mode", consistency.MODES)
+def test_embedded_model_reference_backend_is_exactly_stock(monkeypatch, embedded_dir, mode):
+    _patch_layer_or_skip()
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    r = consistency.run_consistency(embedded_dir, positions=192, mode=mode)
+    assert r.backend == "reference" and r.positions == 192 and r.mode == mode
+    assert r.top1_agreement_pct == 100.0
+    assert r.max_abs_logit_diff == 0.0
+    assert r.perplexity_lily == r.perplexity_stock and r.perplexity_delta_pct == 0.0
+    assert r.perplexity_stock < 1024 / 4  # a trained model on held-out text, not noise
+
+
+def test_compare_engines_restores_patch_state(monkeypatch, embedded_dir):
+    _patch_layer_or_skip()
+    import lily_mlx
+    import mlx_lm
+
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    model, tokenizer = mlx_lm.load(str(embedded_dir))
+    tokens = tokenizer.encode(consistency.default_text())
+    consistency.compare_engines(model, tokens, positions=8, mode="prefill")
+    assert not lily_mlx.is_patched(model)
+    lily_mlx.patch(model)
+    consistency.compare_engines(model, tokens, positions=8, mode="prefill")
+    assert lily_mlx.is_patched(model)
+
+
+def test_cli_prints_both_modes(monkeypatch, capsys, embedded_dir):
+    _patch_layer_or_skip()
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    assert consistency.main(["--model", str(embedded_dir), "--positions", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "backend reference" in out
+    assert out.count("top-1 agreement 100.00 %") == 2 and out.count("max |logit diff| 0") == 2
