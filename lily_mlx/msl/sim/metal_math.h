@@ -64,10 +64,7 @@ LILY_UNARY(rint, __builtin_rintf(x))
 LILY_UNARY(trunc, __builtin_truncf(x))
 LILY_UNARY(fract, __builtin_fminf(x - __builtin_floorf(x), 0x1.fffffep-1f))
 LILY_UNARY(sign, (x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x != x ? 0.0f : x))))
-LILY_UNARY(erf, __builtin_erff(x))
-LILY_UNARY(erfc, __builtin_erfcf(x))
 LILY_UNARY(log1p, __builtin_log1pf(x))
-LILY_UNARY(expm1, __builtin_expm1f(x))
 LILY_UNARY(saturate, __builtin_fminf(__builtin_fmaxf(x, 0.0f), 1.0f))
 
 template <class T, std::enable_if_t<msl_rt::is_scalar_v<T>, int> = 0> inline bool isnan(T x) { return __builtin_isnan((float)x); }

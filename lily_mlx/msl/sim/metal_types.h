@@ -63,7 +63,11 @@ struct bits_tag {};
     NAME(double f) : bits(TO_BITS((float)f)) {}                                              \
     template <class I, std::enable_if_t<std::is_integral_v<I>, int> = 0>                     \
     NAME(I i) : bits(TO_BITS((float)i)) {}                                                   \
-    operator float() const { return TO_FLOAT(bits); }                                        \
+    /* implicit to floating types; explicit to integers, so `c ? h : 0` is a half (as in Metal) */ \
+    template <class U, std::enable_if_t<std::is_floating_point_v<U>, int> = 0>               \
+    operator U() const { return U(TO_FLOAT(bits)); }                                         \
+    template <class U, std::enable_if_t<std::is_integral_v<U>, int> = 0>                     \
+    explicit operator U() const { return U(TO_FLOAT(bits)); }                                \
     NAME operator-() const { return NAME(msl_rt::bits_tag{}, (uint16_t)(bits ^ 0x8000u)); }  \
     NAME operator+() const { return *this; }                                                 \
     NAME& operator++() { return *this = NAME(float(*this) + 1.0f); }                         \

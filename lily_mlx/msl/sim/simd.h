@@ -130,6 +130,31 @@ LILY_SIMD_SHUFFLE(quad_shuffle_xor, ((uint32_t)l & ~3u) | (((uint32_t)l ^ a[l]) 
 LILY_SIMD_SHUFFLE(quad_shuffle_down, ((uint32_t)l & 3u) + a[l] < 4 ? (uint32_t)l + a[l] : (uint32_t)l)
 LILY_SIMD_SHUFFLE(quad_shuffle_up, ((uint32_t)l & 3u) >= a[l] ? (uint32_t)l - a[l] : (uint32_t)l)
 
+// simd_shuffle_and_fill_down/up(data, filling, delta[, modulo]): lanes shifted out are filled from
+// `filling` of the lane (l + delta - modulo) / (l - delta + modulo) within each modulo-sized block.
+template <class T, class I> inline T simd_shuffle_and_fill_down(T data, T fill, I delta, ushort modulo = 32, LILY_LOC) {
+  struct P { T d, f; };
+  uint32_t aux = (uint32_t)delta | ((uint32_t)modulo << 16);
+  return msl_rt::simd_collective<T>(P{data, fill}, aux, "simd_shuffle_and_fill_down", line_of(loc),
+                                    [](const P* in, const uint32_t* a, uint32_t, T* out) {
+    for (uint32_t l = 0; l < 32; ++l) {
+      uint32_t d = a[l] & 0xffffu, m = a[l] >> 16, base = l / m * m, j = l % m;
+      out[l] = j + d < m ? in[base + j + d].d : in[base + j + d - m].f;
+    }
+  });
+}
+template <class T, class I> inline T simd_shuffle_and_fill_up(T data, T fill, I delta, ushort modulo = 32, LILY_LOC) {
+  struct P { T d, f; };
+  uint32_t aux = (uint32_t)delta | ((uint32_t)modulo << 16);
+  return msl_rt::simd_collective<T>(P{data, fill}, aux, "simd_shuffle_and_fill_up", line_of(loc),
+                                    [](const P* in, const uint32_t* a, uint32_t, T* out) {
+    for (uint32_t l = 0; l < 32; ++l) {
+      uint32_t d = a[l] & 0xffffu, m = a[l] >> 16, base = l / m * m, j = l % m;
+      out[l] = j >= d ? in[base + j - d].d : in[base + j + m - d].f;
+    }
+  });
+}
+
 template <class T> inline T quad_sum(T x, LILY_LOC) {
   return msl_rt::simd_collective<T>(x, 0, "quad_sum", line_of(loc), [](const T* in, const uint32_t*, uint32_t, T* out) {
     for (int q = 0; q < 32; q += 4) {
@@ -182,6 +207,9 @@ inline bool simd_any(bool b, LILY_LOC) {
 // All lanes of a simdgroup are active in this model, so the first active lane is the lowest one.
 inline bool simd_is_first() { return msl_rt::tw->cur->at.thread_index_in_simdgroup == (uint)__builtin_ctz(msl_rt::tw->simd[msl_rt::tw->cur->at.simdgroup_index_in_threadgroup].present); }
 inline bool simd_is_helper_thread() { return false; }
+inline simd_vote simd_active_threads_mask() {
+  return simd_vote(msl_rt::tw->simd[msl_rt::tw->cur->at.simdgroup_index_in_threadgroup].present);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Atomics on device or threadgroup memory (real atomics: groups may run on several OS threads).
