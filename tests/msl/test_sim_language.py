@@ -10,8 +10,8 @@ import numpy as np
 from lily_mlx.msl import sim
 
 
-def _k(src, n_out=1, header="", **kw):
-    return sim.metal_kernel(name="lang", input_names=["x"], output_names=[f"o{i}" for i in range(n_out)],
+def _k(src, n_out=1, header="", input_names=("x",), **kw):
+    return sim.metal_kernel(name="lang", input_names=list(input_names), output_names=[f"o{i}" for i in range(n_out)],
                             source=src, header=header, **kw)
 
 
@@ -114,3 +114,27 @@ def test_three_dimensional_threadgroups_and_many_threads_run_fast():
     expected = np.broadcast_to(sums, xn.shape).reshape(16, 64, 128)
     assert np.allclose(np.array(out), expected, rtol=1e-5)
     assert elapsed < 10.0, f"131072 threads took {elapsed:.2f}s"
+
+
+def test_sixteen_bit_conversion_rules_match_metal():
+    # `c ? h : 0` is a half; 16-bit values convert implicitly to float, explicitly to integers;
+    # 16-bit op 16-bit stays 16-bit, with float it becomes float.
+    src = """
+        uint i = thread_position_in_grid.x;
+        T v = (i < n) ? x[i] : 0;
+        T w = (i % 2 == 0) ? v : T(1);
+        int k = int(w) + static_cast<int>(v);
+        if (v) k += 100;
+        bool b = !w;
+        float f = v;
+        T m = metal::max(v, w);
+        o0[i] = float(m) + k + b + f;
+        o1[i] = sizeof(v * w) * 10 + sizeof(v * 1.0f) + sizeof(v + 1) * 100;
+    """
+    for dt in (mx.float16, mx.bfloat16):
+        k = _k(src, 2, input_names=("x", "n"))
+        x = mx.array([1.5, 2.0, 0.0, -3.0]).astype(dt)
+        o0, o1 = k(inputs=[x, 3], template=[("T", dt)], grid=(4, 1, 1), threadgroup=(4, 1, 1),
+                   output_shapes=[(4,), (4,)], output_dtypes=[mx.float32, mx.int32])
+        assert np.array(o0).tolist() == [105, 107, 1, 2]
+        assert np.array(o1).tolist() == [224] * 4
