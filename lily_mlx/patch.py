@@ -178,10 +178,15 @@ def _lily_class(stock_cls: type, forward: Optional[Callable]) -> type:
             "__doc__": f"lily-mlx version of {stock_cls.__module__}.{stock_cls.__qualname__}.",
             "_lily_stock_class": stock_cls,
         }
+        name = f"Lily{stock_cls.__name__}"
         if forward is not None:
             attrs["__call__"] = forward
-        cls = type(f"Lily{stock_cls.__name__}", (stock_cls,), attrs)
+        else:
+            name += "StockCall"
+        attrs["__qualname__"] = name
+        cls = type(name, (stock_cls,), attrs)
         _LILY_CLASSES[key] = cls
+        globals().setdefault(name, cls)  # importable by name, so patched models pickle
     return cls
 
 
