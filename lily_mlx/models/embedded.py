@@ -176,6 +176,7 @@ def build_embedded_model(
     settings: TrainSettings | None = None,
     text_overrides: dict | None = None,
     max_corpus_chars: int = 2_000_000,
+    heldout_eval_tokens: int = HELDOUT_EVAL_TOKENS,
     log=print,
 ) -> Path:
     """Train, quantise and save the embedded model into ``out_dir`` (replaced if it exists).
@@ -213,7 +214,7 @@ def build_embedded_model(
 
     _say(log, "[4/5] quantising: 4-bit g64 affine, routers and shared-expert gates 8-bit")
     model, config = quantise_like_checkpoint(model, config)
-    ppl = heldout_perplexity(model, heldout_tokens[:HELDOUT_EVAL_TOKENS + 1])
+    ppl = heldout_perplexity(model, heldout_tokens[: heldout_eval_tokens + 1])
     _say(log, f"      held-out perplexity {ppl:.2f} (uniform: {overrides['vocab_size']})")
 
     _say(log, f"[5/5] saving to {out_dir}")
@@ -228,7 +229,7 @@ def build_embedded_model(
             "train_settings": settings.__dict__,
             "final_train_loss": losses[-1] if losses else None,
             "heldout_perplexity": ppl,
-            "heldout_eval_tokens": HELDOUT_EVAL_TOKENS,
+            "heldout_eval_tokens": heldout_eval_tokens,
             "corpus_sha256": corpus.sha256,
             "python": sys.version.split()[0],
             "mlx": mx.__version__,

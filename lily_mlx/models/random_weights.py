@@ -305,6 +305,12 @@ def write_random_checkpoint(
     for old in out_dir.glob("model*.safetensors"):
         old.unlink()
     text_cfg = qwen3_6.text_config(config_overrides)
+    if text_cfg["num_hidden_layers"] < text_cfg["full_attention_interval"]:
+        # MLX-LM's qwen3_5 model indexes the first attention layer's cache unconditionally.
+        raise ValueError(
+            f"num_hidden_layers must be >= full_attention_interval "
+            f"({text_cfg['full_attention_interval']}) so the model has an attention layer"
+        )
     eos_id = _copy_tokenizer(out_dir, log)
     config = qwen3_6.model_config(text_cfg, eos_token_id=eos_id)
     config["quantization"] = qwen3_6.quantization_config(text_cfg)

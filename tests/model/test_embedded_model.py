@@ -125,6 +125,7 @@ def test_cli_prints_folder_last(capsys):
 SMOKE = dict(
     settings=embedded.TrainSettings(steps=2, batch_size=2, seq_len=16, warmup_steps=1),
     max_corpus_chars=150_000,
+    heldout_eval_tokens=32,
     log=None,
 )
 
