@@ -52,6 +52,16 @@ def test_pth_hook_imports_nothing_heavy(installed_hook, tmp_path):
     assert proc.stdout.strip() == "True []", proc.stdout + proc.stderr
 
 
+def test_hooked_mlx_lm_is_stock_outside_main(installed_hook, tmp_path):
+    """Importing mlx_lm (which imports mlx_lm.generate) only wraps main; the module's names are
+    MLX-LM's own until main runs with the lily flags."""
+    probe = ("import argparse, sys, mlx_lm; g = sys.modules['mlx_lm.generate']; "
+             "print(g.load is sys.modules['mlx_lm.utils'].load, g.argparse is argparse, "
+             "hasattr(g.main, '_lily_original_main'))")
+    proc = run_cli([sys.executable, "-c", probe], tmp_path)
+    assert proc.stdout.strip().splitlines()[-1] == "True True True", proc.stdout + proc.stderr
+
+
 @pytest.fixture(scope="module")
 def cli_stock_text(installed_hook, model_path, tmp_path_factory):
     """What stock ``mlx_lm.generate`` prints (a real process, no --lily)."""
@@ -159,13 +169,22 @@ def test_lily_mlx_generate_each_switch_off(model_path, in_process, stock_text, n
         loaded.append(out[0])
         return out
 
-    gen.load = spy_load
+    step_sizes = []
+    real_generate = gen.generate
+
+    def spy_generate(*args, **kwargs):  # see the prompt chunk size MLX-LM was given
+        step_sizes.append(kwargs.get("prefill_step_size"))
+        return real_generate(*args, **kwargs)
+
+    gen.load, gen.generate = spy_load, spy_generate
     try:
         rc, out, err = in_process(lambda: cli.main(argv))
     finally:
-        gen.load = real_load
+        gen.load, gen.generate = real_load, real_generate
     assert rc == 0
     assert generated_text(out) == stock_text
+    # chunked_prefill off = the whole prompt as one chunk; on = MLX-LM's default chunks
+    assert step_sizes == [sys.maxsize if name == "chunked_prefill" else 2048]
     from lily_mlx import is_patched
 
     assert loaded and is_patched(loaded[0])
