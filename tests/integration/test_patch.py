@@ -211,3 +211,27 @@ def test_chunked_prefill_off_matches_chunked_stock_on_a_long_prompt(model):
     with switches.overrides(disable=["chunked_prefill"]):
         assert lily_patch.prefill_step_size(32) > prompt.size
         assert run() == stock
+
+
+def test_config_alias_of_a_supported_architecture(model_path, tmp_path, monkeypatch):
+    """A model_type that MLX-LM remaps (MODEL_REMAPPING) to a supported architecture is supported:
+    patch() recognises the architecture module the model was built from."""
+    import json
+    import shutil
+
+    import mlx_lm
+    from mlx_lm import utils as mlx_lm_utils
+
+    alias_dir = tmp_path / "alias"
+    shutil.copytree(model_path, alias_dir)
+    config = json.loads((alias_dir / "config.json").read_text())
+    arch = config["model_type"]
+    config["model_type"] = "lily_test_alias"
+    (alias_dir / "config.json").write_text(json.dumps(config))
+    monkeypatch.setitem(mlx_lm_utils.MODEL_REMAPPING, "lily_test_alias", arch)
+
+    m, tok = mlx_lm.load(str(alias_dir))
+    stock = greedy_tokens(m, tok, n=10)
+    lily_mlx.patch(m)
+    assert lily_mlx.is_patched(m)
+    assert greedy_tokens(m, tok, n=10) == stock
