@@ -138,3 +138,14 @@ def test_sixteen_bit_conversion_rules_match_metal():
                    output_shapes=[(4,), (4,)], output_dtypes=[mx.float32, mx.int32])
         assert np.array(o0).tolist() == [105, 107, 1, 2]
         assert np.array(o1).tolist() == [224] * 4
+
+
+def test_fast_and_precise_math_namespaces():
+    src = """
+        uint i = thread_position_in_grid.x;
+        o0[i] = metal::fast::fract(x[i]) + metal::precise::sign(x[i]) + metal::fast::divide(x[i], 2.0f)
+                + metal::precise::exp(0.0f) + fast::max(1.0f, 2.0f);
+    """
+    out = _k(src)(inputs=[mx.array([1.25, -2.5])], grid=(2, 1, 1), threadgroup=(2, 1, 1), output_shapes=[(2,)],
+                  output_dtypes=[mx.float32])[0]
+    assert np.array(out).tolist() == [0.25 + 1 + 0.625 + 1 + 2, 0.5 - 1 - 1.25 + 1 + 2]

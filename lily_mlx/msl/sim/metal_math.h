@@ -171,15 +171,12 @@ template <class T> struct numeric_limits : std::numeric_limits<T> {};
 LILY_F16_LIMITS(half, 0x7bff, 0x0400, 0xfbff, 0x1400)
 LILY_F16_LIMITS(bfloat, 0x7f7f, 0x0080, 0xff7f, 0x3c00)
 
-namespace fast { using metal::exp; using metal::exp2; using metal::log; using metal::log2; using metal::sqrt; using metal::rsqrt;
-  using metal::sin; using metal::cos; using metal::tan; using metal::tanh; using metal::pow; using metal::powr;
-  using metal::max; using metal::min; using metal::fmax; using metal::fmin; using metal::abs; using metal::fabs;
-  using metal::floor; using metal::ceil; using metal::round; using metal::trunc; using metal::log10; using metal::exp10;
-  using metal::atan; using metal::atan2; using metal::sinh; using metal::cosh; using metal::clamp; }
+// metal::fast:: and metal::precise:: name the same functions (host float math for both).
+namespace fast { using namespace ::metal; }
+namespace precise { using namespace ::metal; }
 }  // namespace metal
 namespace metal {
-namespace fast { template <class A, class B> inline auto divide(A a, B b) { return a / b; } }
-namespace precise { using namespace metal::fast; }
+template <class A, class B> inline auto divide(A a, B b) { return a / b; }
 }  // namespace metal
 
 // MLX's utils.h helpers that kernels use.
