@@ -95,3 +95,34 @@ def make_routing(kind: str, tokens: int, top_k: int, num_experts: int, seed: int
     if k < top_k:  # fewer usable experts than k: repeat (duplicate ids are legal for the kernels)
         out = np.concatenate([out, out[:, : top_k - k]], axis=1)
     return out
+
+
+def simulator_problem(need_matrix: bool = False):
+    """Why the CPU simulator cannot run the MoE kernels here (None if it can). ``need_matrix``:
+    also check that it runs ``simdgroup_matrix`` (the grouped GEMMs), with a one-tile probe."""
+    try:
+        from ..msl import sim
+    except Exception as e:  # the simulator is optional outside the kernel tests
+        return f"lily_mlx.msl.sim does not import: {e}"
+    if not hasattr(sim, "metal_kernel"):
+        return "lily_mlx.msl.sim has no metal_kernel"
+    if not need_matrix:
+        return None
+    probe = sim.metal_kernel(
+        name="moe_probe_simdgroup_matrix", input_names=["a"], output_names=["b"],
+        source="""
+            simdgroup_matrix<float, 8, 8> m = make_filled_simdgroup_matrix<float, 8, 8>(1.0f);
+            simdgroup_multiply_accumulate(m, m, m, m);
+            simdgroup_store(m, b, 8);
+            (void)a; (void)thread_index_in_simdgroup;
+        """,
+    )
+    try:
+        (out,) = probe(inputs=[mx.zeros((64,))], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                       output_shapes=[(64,)], output_dtypes=[mx.float32])
+        mx.eval(out)
+    except Exception as e:
+        return f"the simulator cannot run simdgroup_matrix: {str(e).splitlines()[0]}"
+    if not np.allclose(np.asarray(out), 9.0):  # 1 + 8 * (1 * 1)
+        return "the simulator's simdgroup_matrix gives wrong results"
+    return None

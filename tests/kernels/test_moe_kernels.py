@@ -14,59 +14,21 @@ from hypothesis import given, settings, strategies as st
 from lily_mlx import switches
 from lily_mlx.ops import moe_kernels as mk
 from lily_mlx.ops.moe_reference import dequantize_experts_reference, switch_glu_reference
-from lily_mlx.ops.moe_testing import make_inputs, make_routing, make_sparse_moe_block
+from lily_mlx.ops.moe_testing import make_inputs, make_routing, make_sparse_moe_block, simulator_problem
 
 POISON_INT = -777
 SETTINGS = settings(deadline=None, max_examples=10, derandomize=True)
 ROUTING_KINDS = st.sampled_from(["uniform", "skewed", "one", "empty"])
 
 
-def _sim_problem():
-    """Why simulator tests cannot run here (None if they can)."""
-    try:
-        from lily_mlx.msl import sim
-    except Exception as e:  # the simulator is optional for the rest of the suite
-        return f"lily_mlx.msl.sim does not import: {e}"
-    if not hasattr(sim, "metal_kernel"):
-        return "lily_mlx.msl.sim has no metal_kernel yet"
-    return None
-
-
-def _sim_gemm_problem():
-    """The GEMM kernels need simdgroup_matrix from the simulator."""
-    problem = _sim_problem()
-    if problem:
-        return problem
-    from lily_mlx.msl import sim
-
-    probe = sim.metal_kernel(
-        name="moe_probe_simdgroup_matrix", input_names=["a"], output_names=["b"],
-        source="""
-            simdgroup_matrix<float, 8, 8> m = make_filled_simdgroup_matrix<float, 8, 8>(1.0f);
-            simdgroup_multiply_accumulate(m, m, m, m);
-            simdgroup_store(m, b, 8);
-            (void)a; (void)thread_index_in_simdgroup;
-        """,
-    )
-    try:
-        (out,) = probe(inputs=[mx.zeros((64,))], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-                       output_shapes=[(64,)], output_dtypes=[mx.float32])
-        mx.eval(out)
-    except Exception as e:
-        return f"simulator cannot run simdgroup_matrix yet: {str(e).splitlines()[0]}"
-    if not np.allclose(np.asarray(out), 9.0):
-        return "simulator simdgroup_matrix gives wrong results"
-    return None
-
-
-SIM_PROBLEM = _sim_problem()
+SIM_PROBLEM = simulator_problem()
 needs_sim = pytest.mark.skipif(SIM_PROBLEM is not None, reason=str(SIM_PROBLEM))
 
 
 @pytest.fixture(scope="module")
 def gemm_sim():
     """The simulator, able to run the GEMM kernels (simdgroup_matrix)."""
-    problem = _sim_gemm_problem()
+    problem = simulator_problem(need_matrix=True)
     if problem:
         pytest.skip(problem)
 

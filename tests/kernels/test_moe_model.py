@@ -54,9 +54,9 @@ def _greedy(model, prompt_ids, max_tokens=MAX_TOKENS):
 
 @pytest.fixture
 def moe_on_sim(monkeypatch):
-    from tests.kernels.test_moe_kernels import SIM_PROBLEM, _sim_gemm_problem
+    from lily_mlx.ops.moe_testing import simulator_problem
 
-    problem = SIM_PROBLEM or _sim_gemm_problem()
+    problem = simulator_problem(need_matrix=True)
     if problem:
         pytest.skip(problem)
     monkeypatch.setenv("LILY_BACKEND", "reference")
