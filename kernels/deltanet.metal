@@ -323,3 +323,67 @@ inline float deltanet_beta(float b) {
     out[static_cast<size_t>(n) * Dv + dv] = static_cast<InT>(zc / (1.0f + exp(-zc)) * normed);
   }
 }
+
+// @kernel deltanet_conv_qk_norm_decode
+// One decode token in front of the recurrence: the depthwise causal conv1d over
+// [conv_state; qkv] + SiLU, the conv-state shift, and the L2 normalisation of the q and k heads
+// with the read-out scale folded into q (q * Dk^-1 after rms_norm, k * Dk^-0.5), as stock's
+// conv1d / silu / split / normalize_qk, in one kernel.
+// qkv: [B, C] InT (C = conv_dim = 2 Hk Dk + Hv Dv); conv_state: [B, K-1, C] InT (if has_state);
+// weight: [C, K, 1]; mask: [B] bool (if has_mask: a masked row feeds zeros, as stock);
+// eps: [1] fp32, the l2norm eps (added to sum(x^2)).
+// q, k: [B, Hk, Dk] InT; v: [B, C - 2 Hk Dk] InT; conv_state_out: [B, K-1, C] InT.
+// params: [B, Hk, C, has_state, has_mask]. Rows of Dk channels: row r < Hk is q head r,
+// Hk <= r < 2 Hk is k head r - Hk, the rest are value channels. Grid (32, C / Dk, B): one simdgroup
+// per row, Dk / 32 channels per lane (lane + 32 i: adjacent lanes, adjacent channels).
+{
+  constexpr int PER_LANE = Dk / 32;
+  const int Hk = params[1];
+  const int C = params[2];
+  const bool has_state = params[3] != 0;
+  const bool has_mask = params[4] != 0;
+  const int b_idx = static_cast<int>(thread_position_in_grid.z);
+  const int r = static_cast<int>(thread_position_in_grid.y);
+  const int lane = static_cast<int>(thread_index_in_simdgroup);
+  const bool live = !has_mask || mask[b_idx];
+  const size_t state_row0 = static_cast<size_t>(b_idx) * (K - 1) * C;
+
+  float xs[PER_LANE];
+  float ss = 0.0f;
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int c = r * Dk + lane + 32 * i;
+    const float x_new = live ? static_cast<float>(qkv[static_cast<size_t>(b_idx) * C + c]) : 0.0f;
+    float acc = 0.0f;
+    for (int j = 0; j < K - 1; ++j) {
+      const float s = has_state ? static_cast<float>(conv_state[state_row0 + static_cast<size_t>(j) * C + c]) : 0.0f;
+      acc += s * static_cast<float>(weight[c * K + j]);
+      // Shift the window: row j of the new state is row j + 1 of the old one (the token last).
+      if (j > 0) {
+        conv_state_out[state_row0 + static_cast<size_t>(j - 1) * C + c] = static_cast<InT>(s);
+      }
+    }
+    acc += x_new * static_cast<float>(weight[c * K + K - 1]);
+    conv_state_out[state_row0 + static_cast<size_t>(K - 2) * C + c] = static_cast<InT>(x_new);
+    // SiLU kept fp32 into the norm (stock rounds the conv output and the SiLU to the model dtype
+    // first; emulating that does not reproduce stock's bits anyway: its CPU exp is approximate).
+    xs[i] = acc / (1.0f + exp(-acc));
+    ss += xs[i] * xs[i];
+  }
+  ss = simd_sum(ss);  // all lanes; used by the q and k rows only
+
+  if (r < 2 * Hk) {
+    // rms_norm(x, eps / Dk) = x * rsqrt(sum(x^2) / Dk + eps / Dk); then the scale.
+    const float inv = rsqrt(ss / Dk + eps[0] / Dk);
+    const float scale = r < Hk ? 1.0f / Dk : rsqrt(static_cast<float>(Dk));
+    device InT* dst = r < Hk ? q + (static_cast<size_t>(b_idx) * Hk + r) * Dk
+                             : k + (static_cast<size_t>(b_idx) * Hk + (r - Hk)) * Dk;
+    for (int i = 0; i < PER_LANE; ++i) {
+      dst[lane + 32 * i] = static_cast<InT>(xs[i] * inv * scale);
+    }
+  } else {
+    const int value_dim = C - 2 * Hk * Dk;
+    for (int i = 0; i < PER_LANE; ++i) {
+      v[static_cast<size_t>(b_idx) * value_dim + (r - 2 * Hk) * Dk + lane + 32 * i] = static_cast<InT>(xs[i]);
+    }
+  }
+}

@@ -8,8 +8,8 @@ primitives in stock's order (``deltanet_reference``). Otherwise each op runs its
 with a one-time log line.
 
 Ops (``lily_mlx.ops.OPS``):
-- ``deltanet_conv1d_silu``: depthwise causal conv1d + SiLU and the conv-state update (reference only).
-- ``deltanet_qk_norm``: L2 normalisation of q/k with the read-out scale (reference only).
+- ``deltanet_conv1d_silu``: depthwise causal conv1d + SiLU and the conv-state update; at decode one
+  kernel also does ``deltanet_qk_norm`` (L2 normalisation of q/k with the read-out scale).
 - ``deltanet_gates``: g = exp(-exp(A_log) softplus(a + dt_bias)) and beta = sigmoid(b).
 - ``deltanet_scan``: prefill delta-rule scan; switch ``register_scan`` (off: blockwise scan).
 - ``deltanet_decode``: one recurrent step + gated RMSNorm; switch ``fused_recurrent_norm``
@@ -33,10 +33,14 @@ KERNEL_BACKENDS = frozenset({"metal", "sim", "cuda"})
 
 OP_CONV = register_op(Op(
     "deltanet_conv1d_silu", "deltanet",
-    "Depthwise causal conv1d + SiLU over [conv state; q k v projections], and the conv-state update.",
+    "Depthwise causal conv1d + SiLU over [conv state; q k v projections], and the conv-state update "
+    "(kernel: decode, fused with the q/k normalisation).",
+    kernel_backends=KERNEL_BACKENDS,
 ))
 OP_QK_NORM = register_op(Op(
-    "deltanet_qk_norm", "deltanet", "L2 normalisation of q and k, read-out scale folded into q.",
+    "deltanet_qk_norm", "deltanet",
+    "L2 normalisation of q and k, read-out scale folded into q (kernel: inside the decode conv kernel).",
+    kernel_backends=KERNEL_BACKENDS,
 ))
 OP_GATES = register_op(Op(
     "deltanet_gates", "deltanet", "Decay g (fp32) and write strength beta from a, b, A_log, dt_bias.",
@@ -134,8 +138,49 @@ def recurrence(module, q, k, v, a, b, z, state, mask):
 # forwards (stock call signature, stock instance as ``self``)
 
 
+def _conv_qk_decode_kernel(self, qkv, mask, cache, S):
+    """q, k, v and the new conv state from the fused decode kernel, or None (reference path)."""
+    if S != 1:
+        return None
+    if (backend := _kernel_backend(OP_CONV, self)) is None:
+        return None
+    if cache is not None and cache.lengths is not None:
+        return None  # right-padded batch prefill of one token: the reference picks the state rows
+    from . import deltanet_kernels as dk
+
+    reason = dk.conv_unsupported_reason(self.conv1d, qkv, self.num_k_heads, self.head_k_dim)
+    reason = reason or dk.backend_unavailable_reason(backend)
+    if reason is not None:
+        log_once(f"{OP_CONV.name}:{backend}:{reason}", f"{OP_CONV.name}: {reason}; using the reference")
+        return None
+    conv_state = cache[0] if cache is not None else None
+    return dk.conv_qk_norm_decode(
+        qkv, conv_state, self.conv1d.weight, mask, self.num_k_heads, self.head_k_dim, self.num_v_heads,
+        self.head_v_dim, backend=backend,
+    )
+
+
 def _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, dtype):
     """Shared by both module types from the q|k|v projections on: normalised out [B, S, Hv, Dv]."""
+    fused = _conv_qk_decode_kernel(self, qkv, mask, cache, S)
+    if fused is not None:
+        q, k, v, conv_state = fused
+        if cache is not None:
+            cache[0] = conv_state
+    else:
+        q, k, v = _conv_qk_reference(self, qkv, mask, cache, B, S, dtype)
+
+    state = cache[1] if cache else None
+    out, state = recurrence(self, q, k, v, a, b, z, state, mask)
+
+    if cache is not None:
+        cache[1] = state
+        cache.advance(S)
+    return out
+
+
+def _conv_qk_reference(self, qkv, mask, cache, B, S, dtype):
+    """Stock's conv1d + SiLU, conv-state update, head split and q/k normalisation."""
     if cache is not None and cache[0] is not None:
         conv_state = cache[0]
     else:
@@ -154,15 +199,8 @@ def _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, dtype):
             [self.head_k_dim, self.head_k_dim, self.head_v_dim],
         )
     ]
-
-    state = cache[1] if cache else None
     q, k = ref.qk_norm(q, k, self.head_k_dim)
-    out, state = recurrence(self, q, k, v, a, b, z, state, mask)
-
-    if cache is not None:
-        cache[1] = state
-        cache.advance(S)
-    return out
+    return q, k, v
 
 
 def qwen3_5_deltanet_forward(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None):

@@ -34,6 +34,10 @@ KERNELS = {
             ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_in", "mask", "z", "weight", "eps", "params"),
             ("out", "state_out"),
         ),
+        KernelSpec(
+            "deltanet_conv_qk_norm_decode", _FILE,
+            ("qkv", "conv_state", "weight", "mask", "eps", "params"), ("q", "k", "v", "conv_state_out"),
+        ),
     )
 }
 
@@ -206,3 +210,44 @@ def decode(q, k, v, a, b, A_log, dt_bias, state, z, weight, eps: float, mask=Non
         init_value=init_value,
     )
     return out, state_out
+
+
+def conv_unsupported_reason(conv1d, qkv: mx.array, Hk: int, Dk: int) -> Optional[str]:
+    """Why the fused decode conv + q/k-norm kernel cannot run; None when it can."""
+    C = qkv.shape[-1]
+    weight = conv1d.weight
+    if "bias" in conv1d:
+        return "conv1d with a bias"
+    if weight.ndim != 3 or weight.shape[0] != C or weight.shape[2] != 1 or weight.shape[1] < 2:
+        return f"conv1d weight {tuple(weight.shape)} is not depthwise over {C} channels"
+    if Dk not in SUPPORTED_DK or (C - 2 * Hk * Dk) % Dk != 0:
+        return f"conv_dim={C} not in rows of Dk={Dk}"
+    if qkv.dtype not in ACTIVATION_DTYPES:
+        return f"activation dtype {qkv.dtype} not supported"
+    return None
+
+
+def conv_qk_norm_decode(qkv, conv_state, weight, mask, Hk: int, Dk: int, Hv: int, Dv: int, *, backend: str,
+                        eps: float = 1e-6, init_value=None):
+    """One decode token: conv1d + SiLU + conv-state shift + q/k normalisation (references:
+    ``conv_input_with_state``, ``next_conv_state``, ``conv1d_silu``, ``qk_norm``).
+
+    qkv: [B, 1, C]; conv_state: [B, K-1, C] or None (zeros); weight: [C, K, 1]; mask: [B, 1] or None.
+    Returns q, k [B, 1, Hk, Dk], v [B, 1, Hv, Dv] and the new conv state [B, K-1, C].
+    """
+    B, _, C = qkv.shape
+    K = weight.shape[1]
+    has_state = conv_state is not None
+    has_mask = mask is not None
+    q, k, v, new_state = get_kernel(KERNELS["deltanet_conv_qk_norm_decode"], backend)(
+        inputs=[qkv, conv_state if has_state else _ONE_FLOAT.astype(qkv.dtype), weight,
+                mask if has_mask else _ONE_BOOL, mx.array([eps], dtype=mx.float32),
+                _params(B, Hk, C, has_state, has_mask)],
+        template=[("InT", qkv.dtype), ("Dk", Dk), ("K", K)],
+        grid=(32, C // Dk, B),
+        threadgroup=(32, math.gcd(C // Dk, 4), 1),
+        output_shapes=[(B, 1, Hk, Dk), (B, 1, Hk, Dk), (B, 1, Hv, Dv), (B, K - 1, C)],
+        output_dtypes=[qkv.dtype] * 4,
+        init_value=init_value,
+    )
+    return q, k, v, new_state
