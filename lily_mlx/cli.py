@@ -151,7 +151,7 @@ def _patching_loader(load_fn: Callable, session: _Session) -> Callable:
             from . import switches
             from .backend import resolve_backend
             from .log import log_once
-            from .patch import model_architecture, patch
+            from .patch import is_patched, model_architecture, patch
 
             # MLX-LM loads a draft model with a bare load(path): patch it when it is supported,
             # otherwise keep it stock with a warning. The main model must be supported.
@@ -162,6 +162,8 @@ def _patching_loader(load_fn: Callable, session: _Session) -> Callable:
                     sys.exit(f"error: --lily: {e}")
                 raise  # mlx_lm.server returns load errors to the client that asked
 
+            if not is_patched(model):  # an unsupported draft model, left stock
+                return out
             off = [n for n, on in switches.state().items() if not on]
             log_once(
                 f"cli-patched:{id(model)}",
@@ -177,8 +179,8 @@ def run_mlx_lm_main(module, force: bool = False):
     """Run MLX-LM CLI ``module``'s original ``main`` with the lily flags available."""
     main = getattr(module.main, _ORIGINAL_MAIN, module.main)
     session = _Session(module.__name__, force)
-    names = [n for n in ("argparse", "load", "sharded_load") if n in module.__dict__]
-    saved = {n: module.__dict__[n] for n in names}
+    saved = {n: module.__dict__[n] for n in ("argparse", "load", "sharded_load")
+             if n in module.__dict__}
     module.argparse = _ArgparseWithLily(_parser_class(session))
     for n in ("load", "sharded_load"):
         if n in saved:
@@ -186,7 +188,11 @@ def run_mlx_lm_main(module, force: bool = False):
     try:
         return main()
     finally:
-        module.__dict__.update(saved)
+        for n in ("argparse", "load", "sharded_load"):
+            if n in saved:
+                module.__dict__[n] = saved[n]
+            else:
+                module.__dict__.pop(n, None)
 
 
 def instrument(module) -> None:

@@ -250,3 +250,25 @@ def test_delegated_commands(monkeypatch, capsys):
     monkeypatch.setitem(cli._DELEGATED, "build-random", ("lily_mlx.no_such_module", "test"))
     assert cli.main(["build-random"]) == 2
     assert "not available" in capsys.readouterr().err
+
+
+def test_cli_loader_main_model_strict_draft_model_lenient():
+    """With --lily, MLX-LM's main model must be supported (clean exit for mlx_lm.generate); a draft
+    model, loaded with a bare load(path), stays stock with a warning when it is not."""
+    from mlx_lm.models import llama
+
+    from lily_mlx import is_patched
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=1,
+                           intermediate_size=64, num_attention_heads=4, rms_norm_eps=1e-5,
+                           vocab_size=64, num_key_value_heads=4)
+    draft = llama.Model(args)
+    session = cli._Session("mlx_lm.generate", force=True)
+    session.active = True
+    load = cli._patching_loader(lambda *a, **k: (draft, "tokenizer"), session)
+    with pytest.warns(UserWarning, match="does not support model type 'llama'"):
+        assert load("draft-path") == (draft, "tokenizer")
+    assert not is_patched(draft)
+    with pytest.raises(SystemExit) as done:
+        load("main-path", tokenizer_config={})
+    assert "qwen3_5_moe" in str(done.value.code)
