@@ -114,6 +114,9 @@ class MetalKernel:
         self.race_check = race_check
         self.allow_oob_reads = allow_oob_reads
         self.last_oob_reads = 0  # out-of-bounds input reads of the last call (allow_oob_reads=True)
+        # kernel name -> (params, loaded library): the name encodes everything the text depends on
+        # besides this kernel's fixed source/header (template, input dtypes and kinds, output dtypes).
+        self._built = {}
 
     def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
                  init_value=None, verbose=False, stream=None) -> List[mx.array]:
@@ -143,13 +146,15 @@ class MetalKernel:
             raise ValueError("[metal_kernel] threadgroup sizes must be positive")
         tg = tuple(min(t, g) for t, g in zip(tg, grid))
 
-        specs = sig.classify_inputs(self.input_names, inputs, self.source)
-        params = sig.parameters(specs, self.output_names, output_dtypes, self.source, self.atomic_outputs)
-        cpp = translate.kernel_cpp(kname, self.header, self.source, sig.template_params(template),
-                                   sig.format_template(template), params)
-        lib = build.build(cpp, metal_text, kname)
-
-        self._check_mlx_signature(metal_text, kname)
+        built = self._built.get(kname)
+        if built is None:
+            self._check_mlx_signature(metal_text, kname)
+            specs = sig.classify_inputs(self.input_names, inputs, self.source)
+            params = sig.parameters(specs, self.output_names, output_dtypes, self.source, self.atomic_outputs)
+            cpp = translate.kernel_cpp(kname, self.header, self.source, sig.template_params(template),
+                                       sig.format_template(template), params)
+            built = self._built[kname] = (params, build.build(cpp, metal_text, kname))
+        params, lib = built
         race = self.race_check if self.race_check is not None else os.environ.get("LILY_MSL_RACE", "0") == "1"
         run = lambda flags: self._launch(lib, params, inputs, output_shapes, output_dtypes, init_value, grid, tg,
                                          flags, metal_text, kname)
