@@ -231,6 +231,13 @@ inline int run(Launch* L, Body body) {
     w->stack_bytes = stack_bytes;
     w->fibers = new Fiber[tgn];
     w->stacks = (char*)mmap(nullptr, stack_bytes * tgn, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (w->stacks == (char*)MAP_FAILED) {
+      w->stacks = nullptr;
+      std::snprintf(L->err, (size_t)L->err_len, "cannot map %zu bytes of fiber stacks (LILY_MSL_STACK_KB)",
+                    stack_bytes * tgn);
+      L->err_kind = 4;
+      break;
+    }
     // A guard page below each fiber stack: an overflow faults instead of corrupting a neighbour.
     for (int f = 0; f < tgn; ++f) mprotect(w->stacks + (size_t)f * stack_bytes, 4096, PROT_NONE);
     w->simd = new SimdSlot[32];
@@ -242,7 +249,9 @@ inline int run(Launch* L, Body body) {
     }
     args[i] = WorkerArgs{L, body, i, nw, w};
   }
-  if (nw == 1) {
+  if (L->err_kind != 0) {
+    // setup failed: nothing runs
+  } else if (nw == 1) {
     worker_main(&args[0]);
   } else {
     pthread_t* th = new pthread_t[nw];
@@ -256,7 +265,7 @@ inline int run(Launch* L, Body body) {
   }
   for (int i = 0; i < nw; ++i) {
     Worker* w = &workers[i];
-    munmap(w->stacks, stack_bytes * tgn);
+    if (w->stacks) munmap(w->stacks, stack_bytes * tgn);
     delete[] w->fibers;
     delete[] w->simd;
     std::free(w->arena);
