@@ -95,6 +95,37 @@ def microbench_cases(backend: Optional[str] = None, B: int = 1, dtype=mx.bfloat1
         mx.eval(ref.decode_step(*args))
 
     cases.append(("deltanet_decode_stock", run_reference_decode, decode_bytes, decode_flops))
+    cases += _conv_decode_cases(backend if kernels else None, B, Hk, Hv, Dk, Dv, dtype, isz)
+    return cases
+
+
+def _conv_decode_cases(backend, B, Hk, Hv, Dk, Dv, dtype, isz, K: int = 4) -> List[Case]:
+    """Decode conv1d + SiLU + conv-state shift + q/k norm: our kernel and stock's op chain."""
+    import mlx.nn as nn
+
+    C = 2 * Hk * Dk + Hv * Dv
+    conv1d = nn.Conv1d(C, C, kernel_size=K, groups=C, bias=False)
+    conv1d.weight = (0.5 * mx.random.normal((C, K, 1), key=mx.random.key(3))).astype(dtype)
+    qkv = mx.random.normal((B, 1, C), key=mx.random.key(4)).astype(dtype)
+    conv_state = mx.random.normal((B, K - 1, C), key=mx.random.key(5)).astype(dtype)
+    mx.eval(conv1d.weight, qkv, conv_state)
+    nbytes = (C * K + B * C * (1 + 2 * (K - 1) + 1)) * isz  # weight, qkv, state in/out, q|k|v
+    flops = B * C * (2 * K + 4)
+    cases: List[Case] = []
+    if backend is not None:
+        def run_kernel():
+            mx.eval(dk.conv_qk_norm_decode(qkv, conv_state, conv1d.weight, None, Hk, Dk, Hv, Dv, backend=backend))
+
+        cases.append(("deltanet_conv_qk_norm_decode", run_kernel, nbytes, flops))
+
+    def run_stock():
+        conv_input = ref.conv_input_with_state(qkv, conv_state, None)
+        new_state = ref.next_conv_state(conv_input, K - 1, None, 1)
+        q, k, v = mx.split(ref.conv1d_silu(conv_input, conv1d), [Hk * Dk, 2 * Hk * Dk], -1)
+        q, k = ref.qk_norm(q.reshape(B, 1, Hk, Dk), k.reshape(B, 1, Hk, Dk), Dk)
+        mx.eval(q, k, v.reshape(B, 1, Hv, Dv), new_state)
+
+    cases.append(("deltanet_conv_qk_norm_decode_stock", run_stock, nbytes, flops))
     return cases
 
 

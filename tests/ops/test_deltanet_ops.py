@@ -167,3 +167,15 @@ def test_forward_reads_per_rank_head_counts():
     module.key_dim, module.value_dim, module.conv_dim = kd, vd, module.conv_dim // 2
     h = random_inputs(1, 3, 32, mx.float32, 5)
     assert same(deltanet.qwen3_5_deltanet_forward(module, h), type(module).__call__(module, h))
+
+
+def test_microbench_cases_for_the_bench_harness():
+    """(name, run_once, bytes, flops) at Qwen3.6 shapes; the stock cases run on any backend."""
+    cases = deltanet.microbench_cases(backend="reference")
+    names = [c[0] for c in cases]
+    assert "deltanet_decode_stock" in names and "mlx_fast_gated_delta_update_T8192" in names
+    assert not any(n.startswith("deltanet_scan_") for n in names)  # no kernels on the reference backend
+    for name, run, nbytes, flops in cases:
+        assert callable(run) and nbytes > 0 and flops > 0, name
+        if name in ("deltanet_decode_stock", "deltanet_conv_qk_norm_decode_stock"):
+            run()
