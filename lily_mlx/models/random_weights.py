@@ -9,7 +9,8 @@ gates, bf16 norms / conv1d (MLX layout ``[C, K, 1]``) / ``dt_bias``, fp32 ``A_lo
 ``mlx_lm.load`` loads it. The tokenizer is the embedded model's (ids beyond its vocabulary simply
 never occur).
 
-How values are made (no bf16 weight matrix ever exists; each shard is generated with ``mx.random``
+How values are made (no weight matrix ever exists in bf16 in full: projections are drawn directly
+as packed nibbles, the embedding is quantised 32K rows at a time; each shard is generated with ``mx.random``
 and written before the next one starts, so memory stays at about one shard, ~5 GB):
 
 - A 4-bit weight is uniform random nibbles ``q`` (random uint32 words), with per-group
@@ -107,6 +108,29 @@ def _quantized(prefix: str, lead: tuple, out_dim: int, in_dim: int, std: float, 
     ]
 
 
+def _shared_parts(prefix: str, shapes: tuple, dtypes: tuple, build: Callable) -> list[TensorSpec]:
+    """Specs for ``{prefix}.weight/scales/biases`` computed together by ``build(key)`` (one lazy
+    ``mx.quantize``): the first part asked for builds the triple, the others reuse it."""
+    made = {}
+
+    def part(index):
+        def make(key):
+            if "parts" not in made:
+                made["parts"], made["left"] = build(key), 3
+            out = made["parts"][index]
+            made["left"] -= 1
+            if made["left"] == 0:
+                made.clear()  # written: drop the references
+            return out
+
+        return make
+
+    return [
+        TensorSpec(f"{prefix}.{suffix}", shape, dtype, part(i))
+        for i, (suffix, shape, dtype) in enumerate(zip(("weight", "scales", "biases"), shapes, dtypes))
+    ]
+
+
 def _quantized_from_float(prefix: str, shape: tuple, make_float: Callable, bits: int):
     """Specs for a small weight built in bf16 first, then quantised with ``mx.quantize``."""
     import mlx.core as mx
@@ -114,19 +138,11 @@ def _quantized_from_float(prefix: str, shape: tuple, make_float: Callable, bits:
     g = qwen3_6.GROUP_SIZE
     out_dim, in_dim = shape
 
-    def part(index):
-        def make(key):
-            w = make_float(key).astype(mx.bfloat16)
-            return mx.quantize(w, group_size=g, bits=bits)[index]
+    def build(key):
+        return mx.quantize(make_float(key).astype(mx.bfloat16), group_size=g, bits=bits)
 
-        return make
-
-    # The three parts get the same key (_spec_key), so they describe one matrix.
-    return [
-        TensorSpec(f"{prefix}.weight", (out_dim, in_dim * bits // 32), "uint32", part(0)),
-        TensorSpec(f"{prefix}.scales", (out_dim, in_dim // g), "bfloat16", part(1)),
-        TensorSpec(f"{prefix}.biases", (out_dim, in_dim // g), "bfloat16", part(2)),
-    ]
+    shapes = ((out_dim, in_dim * bits // 32), (out_dim, in_dim // g), (out_dim, in_dim // g))
+    return _shared_parts(prefix, shapes, ("uint32", "bfloat16", "bfloat16"), build)
 
 
 def _filled(name: str, shape: tuple, value: float, dtype: str = "bfloat16"):
@@ -142,32 +158,27 @@ def _embedding_specs(prefix: str, vocab: int, hidden: int, chunk_rows: int = 327
     g = qwen3_6.GROUP_SIZE
     n_chunks = -(-vocab // chunk_rows)
 
-    def part(index):
-        def make(key):
-            pieces = []
-            for start in range(0, vocab, chunk_rows):
-                rows = min(chunk_rows, vocab - start)
-                k = mx.random.split(key, num=n_chunks)[start // chunk_rows]
-                w = mx.random.normal((rows, hidden), key=k)
-                w = mx.concatenate([mx.full((rows, 1), SINK_VALUE), w[:, 1:]], axis=1)
-                pieces.append(mx.quantize(w.astype(mx.bfloat16), group_size=g, bits=4)[index])
-            return mx.concatenate(pieces, axis=0)
+    def build(key):
+        keys = mx.random.split(key, num=n_chunks)
+        parts = ([], [], [])
+        for c, start in enumerate(range(0, vocab, chunk_rows)):
+            rows = min(chunk_rows, vocab - start)
+            w = mx.random.normal((rows, hidden), key=keys[c])
+            w = mx.concatenate([mx.full((rows, 1), SINK_VALUE), w[:, 1:]], axis=1)  # sink channel
+            for dst, src in zip(parts, mx.quantize(w.astype(mx.bfloat16), group_size=g, bits=4)):
+                dst.append(src)
+        return tuple(mx.concatenate(p, axis=0) for p in parts)
 
-        return make
-
-    return [
-        TensorSpec(f"{prefix}.weight", (vocab, hidden // 8), "uint32", part(0)),
-        TensorSpec(f"{prefix}.scales", (vocab, hidden // g), "bfloat16", part(1)),
-        TensorSpec(f"{prefix}.biases", (vocab, hidden // g), "bfloat16", part(2)),
-    ]
+    shapes = ((vocab, hidden // 8), (vocab, hidden // g), (vocab, hidden // g))
+    return _shared_parts(prefix, shapes, ("uint32", "bfloat16", "bfloat16"), build)
 
 
-def _router_specs(prefix: str, experts: int, hidden: int, skew: float, key_name: str, seed: int):
+def _router_specs(prefix: str, experts: int, hidden: int, skew: float):
     """8-bit router: random rows plus the per-expert skew on the sink channel (see module doc)."""
     import mlx.core as mx
 
     def make_float(key):
-        k_w, k_g = mx.random.split(_key(seed, key_name))
+        k_w, k_g = mx.random.split(key)
         w = mx.random.normal((experts, hidden), key=k_w) * hidden**-0.5
         if skew > 0:
             hot = mx.random.normal((experts, 1), key=k_g) * (skew / SINK_VALUE)
@@ -177,8 +188,9 @@ def _router_specs(prefix: str, experts: int, hidden: int, skew: float, key_name:
     return _quantized_from_float(prefix, (experts, hidden), make_float, qwen3_6.GATE_BITS)
 
 
-def checkpoint_specs(text_cfg: dict, *, seed: int = 0, skew: float = 0.0) -> list[TensorSpec]:
-    """Every tensor of the sanitised quantised checkpoint, in file order, with its generator."""
+def checkpoint_specs(text_cfg: dict, *, skew: float = 0.0) -> list[TensorSpec]:
+    """Every tensor of the sanitised quantised checkpoint, in file order, with its generator
+    (a function of a key; ``write_random_checkpoint`` derives the keys from the seed and names)."""
     import mlx.core as mx
 
     H = text_cfg["hidden_size"]
@@ -230,7 +242,7 @@ def checkpoint_specs(text_cfg: dict, *, seed: int = 0, skew: float = 0.0) -> lis
             specs += _quantized(f"{a}.o_proj", (), H, Hq * D, (Hq * D) ** -0.5 * residual)
             specs += [_filled(f"{a}.q_norm.weight", (D,), 1.0), _filled(f"{a}.k_norm.weight", (D,), 1.0)]
         m = f"{p}.mlp"
-        specs += _router_specs(f"{m}.gate", E, H, skew, f"{m}.gate", seed)
+        specs += _router_specs(f"{m}.gate", E, H, skew)
         specs += _quantized(f"{m}.switch_mlp.gate_proj", (E,), I, H, H**-0.5)
         specs += _quantized(f"{m}.switch_mlp.up_proj", (E,), I, H, H**-0.5)
         specs += _quantized(f"{m}.switch_mlp.down_proj", (E,), H, I, I**-0.5 * residual)
@@ -318,7 +330,7 @@ def write_random_checkpoint(
     config["lily_random_weights"] = {"seed": seed, "skew": skew, "sink_value": SINK_VALUE}
     (out_dir / "config.json").write_text(json.dumps(config, indent=4, sort_keys=True) + "\n")
 
-    specs = checkpoint_specs(text_cfg, seed=seed, skew=skew)
+    specs = checkpoint_specs(text_cfg, skew=skew)
     shards = _shard_plan(specs, shard_bytes)
     total = sum(s.nbytes for s in specs)
     if log:
