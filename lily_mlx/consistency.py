@@ -18,11 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from lily_mlx.backend import CHOICES as BACKEND_CHOICES
 
 MODES = ("decode", "prefill")
 
@@ -149,8 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-file", type=Path, default=None, help="reference text (default: held-out docstrings)")
     parser.add_argument("--mode", choices=MODES + ("both",), default="both",
                         help="decode: one token per step with a cache; prefill: one forward pass (default both)")
+    parser.add_argument("--backend", default=None, choices=BACKEND_CHOICES,
+                        help="lily-mlx backend for the lily engine (default: LILY_BACKEND or auto)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
+    if args.backend is not None:
+        os.environ["LILY_BACKEND"] = args.backend  # read by lily_mlx.backend at dispatch time
 
     import mlx_lm
 

@@ -49,7 +49,7 @@ class TrainSettings:
 
 
 def embedded_model_path() -> Path:
-    """Folder of the embedded model; built (a few minutes on a CPU) if it is missing."""
+    """Folder of the embedded model; built if it is missing (minutes to tens of minutes on a CPU)."""
     if not _is_complete(EMBEDDED_DIR):
         build_embedded_model(EMBEDDED_DIR)
     return EMBEDDED_DIR
@@ -185,15 +185,25 @@ def build_embedded_model(
     change the architecture (the shipped model uses ``qwen3_6.TINY_TEXT_OVERRIDES``).
     """
     import mlx.core as mx
-    from mlx_lm.utils import save_config, save_model
 
     out_dir = Path(out_dir)
     settings = settings or TrainSettings()
     if steps is not None:
         settings = TrainSettings(**{**settings.__dict__, "steps": steps})
     overrides = {**qwen3_6.TINY_TEXT_OVERRIDES, **(text_overrides or {})}
+    previous_device = mx.default_device()
+    mx.set_default_device(mx.cpu)  # the CPU's arithmetic, whatever accelerator the machine has
+    try:
+        return _build(out_dir, seed, settings, overrides, max_corpus_chars, heldout_eval_tokens, log)
+    finally:
+        mx.set_default_device(previous_device)
+
+
+def _build(out_dir, seed, settings, overrides, max_corpus_chars, heldout_eval_tokens, log) -> Path:
+    import mlx.core as mx
+    from mlx_lm.utils import save_config, save_model
+
     t0 = time.time()
-    mx.set_default_device(mx.cpu)  # the same arithmetic on every machine
 
     _say(log, "[1/5] reading stdlib docstrings")
     corpus = load_corpus(max_chars=max_corpus_chars)

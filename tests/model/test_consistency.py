@@ -86,8 +86,8 @@ def test_compare_engines_restores_patch_state(monkeypatch, embedded_dir):
 
 def test_cli_prints_both_modes(monkeypatch, capsys, embedded_dir):
     _patch_layer_or_skip()
-    monkeypatch.setenv("LILY_BACKEND", "reference")
-    assert consistency.main(["--model", str(embedded_dir), "--positions", "32"]) == 0
+    monkeypatch.setenv("LILY_BACKEND", "auto")
+    assert consistency.main(["--model", str(embedded_dir), "--positions", "32", "--backend", "reference"]) == 0
     out = capsys.readouterr().out
     assert "backend reference" in out
     assert out.count("top-1 agreement 100.00 %") == 2 and out.count("max |logit diff| 0") == 2
