@@ -72,8 +72,12 @@ def _kernel_backend(op: Op, module) -> Optional[str]:
     return None if backend == "reference" else backend
 
 
-def _kernels_for(op: Op, backend: str, q: mx.array, v: mx.array):
-    """The kernel module if ``op`` can run these shapes on ``backend``, else None (logged once)."""
+def _kernels_for(op: Op, module, q: mx.array, v: mx.array):
+    """(kernel module, backend) if ``op`` runs a kernel for these shapes, else (None, None); the
+    reason for a fallback is logged once."""
+    backend = _kernel_backend(op, module)
+    if backend is None:
+        return None, None
     try:
         from . import deltanet_kernels as dk
     except ImportError as e:  # kernels module missing from this install
@@ -82,51 +86,40 @@ def _kernels_for(op: Op, backend: str, q: mx.array, v: mx.array):
         reason = dk.unsupported_reason(q, v) or dk.backend_unavailable_reason(backend)
     if reason is not None:
         log_once(f"{op.name}:{backend}:{reason}", f"{op.name}: {reason}; using the reference")
-        return None
-    return dk
+        return None, None
+    return dk, backend
 
 
 def recurrence(module, q, k, v, a, b, z, state, mask):
     """Gates, scan and gated norm: normalised out [B, S, Hv, Dv] and the new state [B, Hv, Dv, Dk].
 
-    q, k: [B, S, Hk, Dk] (normalised); v, z: [B, S, Hv, Dv]; a, b: [B, S, Hv]; state fp32 or None.
+    q, k: [B, S, Hk, Dk] (normalised); v, z: [B, S, Hv, Dv]; a, b: [B, S, Hv]; state fp32 or None
+    (zeros; the kernels then skip reading it).
     """
-    S = q.shape[1]
-    use_kernel = not module.training
     norm = module.norm
 
-    if S == 1 and (backend := _kernel_backend(OP_DECODE, module)):
-        dk = _kernels_for(OP_DECODE, backend, q, v)
+    if q.shape[1] == 1:
+        dk, backend = _kernels_for(OP_DECODE, module, q, v)
         if dk is not None:
             return dk.decode(
                 q, k, v, a, b, module.A_log, module.dt_bias, state, z, norm.weight, norm.eps, mask,
                 fused=switches.is_enabled("fused_recurrent_norm"), backend=backend,
             )
 
-    # gates
-    dk = None
-    if backend := _kernel_backend(OP_GATES, module):
-        dk = _kernels_for(OP_GATES, backend, q, v)
+    dk, backend = _kernels_for(OP_GATES, module, q, v)
     if dk is not None:
         g, beta = dk.gates(a, b, module.A_log, module.dt_bias, backend=backend)
     else:
         g, beta = ref.gates(a, b, module.A_log, module.dt_bias)
 
-    # scan (state None = zeros; the kernels then skip reading it)
-    dk = None
-    if backend := _kernel_backend(OP_SCAN, module):
-        dk = _kernels_for(OP_SCAN, backend, q, v)
+    dk, backend = _kernels_for(OP_SCAN, module, q, v)
     if dk is not None:
-        out, state = dk.scan(
-            q, k, v, g, beta, state, mask, register=switches.is_enabled("register_scan"), backend=backend
-        )
+        register = switches.is_enabled("register_scan")
+        out, state = dk.scan(q, k, v, g, beta, state, mask, register=register, backend=backend)
     else:
-        out, state = ref.scan_stock(q, k, v, g, beta, state, mask, use_kernel=use_kernel)
+        out, state = ref.scan_stock(q, k, v, g, beta, state, mask, use_kernel=not module.training)
 
-    # gated norm
-    dk = None
-    if backend := _kernel_backend(OP_GATED_NORM, module):
-        dk = _kernels_for(OP_GATED_NORM, backend, q, v)
+    dk, backend = _kernels_for(OP_GATED_NORM, module, q, v)
     if dk is not None:
         out = dk.gated_norm(out, z, norm.weight, norm.eps, backend=backend)
     else:

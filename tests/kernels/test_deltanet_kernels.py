@@ -288,6 +288,31 @@ def test_forward_with_sim_kernels_matches_stock(kind, B, S, padding, dtype, regi
     assert same(cache1[0], cache0[0])  # the conv state is moved, not computed: exact
 
 
+@needs_sim
+@pytest.mark.parametrize("kind", list(FORWARDS))
+def test_caches_interchange_with_stock(kind):
+    """A cache filled by stock continues under lily's kernels and vice versa (same formats)."""
+    module = make_module(kind, 2, 4, 64, 64, seed=9)
+    prompt, steps = random_inputs(2, 5, 32, mx.float32, 9), [random_inputs(2, 1, 32, mx.float32, 10 + i) for i in range(2)]
+    stock = type(module).__call__
+
+    def run(first, then):
+        cache = make_cache(2)
+        first(module, prompt, cache=cache)
+        outs = [then(module, h, cache=cache) for h in steps]
+        mx.eval(outs, cache.cache)
+        return outs, cache
+
+    with _lily_backend("sim"):
+        ref_outs, ref_cache = run(stock, stock)
+        for first, then in ((stock, FORWARDS[kind]), (FORWARDS[kind], stock)):
+            outs, cache = run(first, then)
+            for o, o_ref in zip(outs, ref_outs):
+                assert rel_l2(o, o_ref) < 1e-4
+            assert cache[1].dtype == mx.float32 and rel_l2(cache[1], ref_cache[1]) < 1e-5
+            assert cache[0].dtype == ref_cache[0].dtype and rel_l2(cache[0], ref_cache[0]) < 1e-5
+
+
 def test_unsupported_shapes_fall_back_to_reference(monkeypatch, caplog):
     """Dk=16 has no kernel: the forward is bitwise stock (no simulator needed) and says so once."""
     monkeypatch.setenv("LILY_BACKEND", "sim")
