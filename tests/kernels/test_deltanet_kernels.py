@@ -249,20 +249,22 @@ def _turns(module, forward, turns, left_padding, lengths):
 @needs_sim
 @settings(deadline=None, max_examples=8)
 @given(kind=st.sampled_from(list(FORWARDS)), B=st.integers(1, 3), S=st.sampled_from([1, 2, 7]),
-       padding=st.booleans(), dtype=st.sampled_from(list(DTYPES)), register=st.booleans(), fused=st.booleans(),
-       seed=st.integers(0, 2**16))
+       padding=st.sampled_from(["none", "left", "lengths"]), dtype=st.sampled_from(list(DTYPES)),
+       register=st.booleans(), fused=st.booleans(), seed=st.integers(0, 2**16))
 def test_forward_with_sim_kernels_matches_stock(kind, B, S, padding, dtype, register, fused, seed):
     """Embedded-model head shape (Hk=2, Hv=4, Dk=Dv=64): prefill then two decode steps through a cache."""
     dt = DTYPES[dtype]
     module = make_module(kind, 2, 4, 64, 64, dtype=dt, seed=seed)
     rng = np.random.default_rng(seed)
-    left = [int(x) for x in rng.integers(0, S, size=B)] if padding else None
+    # Left padding (batched prompts), or per-row lengths (right padding) as the batched generator sets.
+    left = [int(x) for x in rng.integers(0, S, size=B)] if padding == "left" else None
+    lengths = [int(x) for x in rng.integers(1, S + 1, size=B)] if padding == "lengths" else None
     turns = [random_inputs(B, S, 32, dt, seed)] + [random_inputs(B, 1, 32, dt, seed + i) for i in (1, 2)]
     off = [n for n, on in (("register_scan", register), ("fused_recurrent_norm", fused)) if not on]
-    outs0, masks, cache0 = _turns(module, type(module).__call__, turns, left, None)
+    outs0, masks, cache0 = _turns(module, type(module).__call__, turns, left, lengths)
     with switches.overrides(disable=off), _lily_backend("sim"), \
             mock.patch.object(dk, "get_kernel", wraps=dk.get_kernel) as built:
-        outs1, _, cache1 = _turns(module, FORWARDS[kind], turns, left, None)
+        outs1, _, cache1 = _turns(module, FORWARDS[kind], turns, left, lengths)
     used = {c.args[0].name for c in built.call_args_list}
     scan_kernel = "deltanet_scan_register" if register else "deltanet_scan_blockwise"
     assert (S == 1 or scan_kernel in used) and ("deltanet_decode_fused" in used) == fused, used
@@ -281,7 +283,7 @@ def test_forward_with_sim_kernels_matches_stock(kind, B, S, padding, dtype, regi
         exact = make_module(kind, 2, 4, 64, 64, dtype=dt, seed=seed)
         exact.update(tree_map(lambda p: p.astype(mx.float32), exact.parameters()))
         up = [h.astype(mx.float32) for h in turns]
-        outs_exact, _, cache_exact = _turns(exact, type(exact).__call__, up, left, None)
+        outs_exact, _, cache_exact = _turns(exact, type(exact).__call__, up, left, lengths)
         for o0, o1, oe, keep in zip(outs0, outs1, outs_exact, live):
             assert rel_l2(keep(o1), keep(oe)) <= 2 * rel_l2(keep(o0), keep(oe)) + 2e-3
         assert rel_l2(cache1[1], cache_exact[1]) <= 2 * rel_l2(cache0[1], cache_exact[1]) + 2e-3
