@@ -111,7 +111,6 @@ def test_blockwise_scan_materialises_every_block():
 
 
 @needs_sim
-@pytest.mark.slow
 @pytest.mark.parametrize("register", [True, False])
 def test_scan_qwen36_head_shape(register):
     """Qwen3.6's per-rank head shape: Hk=16, Hv=32, Dk=Dv=128 (bf16), initial state and a mask."""
@@ -121,6 +120,18 @@ def test_scan_qwen36_head_shape(register):
     y_ref, s_ref = ref.scan_ops(*_f32(q, k, v), g, beta, state, mask)
     y, s = dk.scan(q, k, v, g, beta, state, mask, register=register, backend="sim", init_value=NAN)
     _check_scan(y, s, y_ref, s_ref, mask, 2e-3)
+
+
+@needs_sim
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_qwen36_head_shape(fused):
+    """Decode at Qwen3.6's per-rank head shape (16 simdgroups = 512 threads per head), B = 2, bf16."""
+    rng = np.random.default_rng(12)
+    q, k, v, a, b, A_log, dt_bias, state, _ = _problem(rng, 2, 1, 16, 32, 128, 128, mx.bfloat16, True, False)
+    z, w = _rand(rng, (2, 1, 32, 128), mx.bfloat16), _rand(rng, (128,), mx.bfloat16)
+    out_ref, s_ref = ref.decode_step(*_f32(q, k, v, a, b, A_log, dt_bias), state, *_f32(z, w), 1e-6)
+    out, s = dk.decode(q, k, v, a, b, A_log, dt_bias, state, z, w, 1e-6, fused=fused, backend="sim", init_value=NAN)
+    _check_scan(out, s, out_ref, s_ref, None, 2e-3)
 
 
 @needs_sim
