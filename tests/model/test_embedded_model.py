@@ -26,6 +26,10 @@ def loaded():
     return model, tokenizer, config
 
 
+def model_vocab(loaded):
+    return loaded[0].language_model.args.vocab_size
+
+
 def test_config_layout_is_mlx_community_qwen3_6(loaded):
     raw = json.loads((embedded.EMBEDDED_DIR / "config.json").read_text())
     assert raw["model_type"] == "qwen3_5_moe"
@@ -93,10 +97,6 @@ def test_tokenizer_and_chat_template(loaded):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert len(tokenizer.vocab) == model_vocab(loaded)
-
-
-def model_vocab(loaded):
-    return loaded[0].language_model.args.vocab_size
 
 
 def test_peaked_on_heldout_text(loaded):
