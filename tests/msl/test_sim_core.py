@@ -248,8 +248,27 @@ def test_missing_barrier_race_is_reported():
     fixed = body.format(barrier="threadgroup_barrier(mem_flags::mem_threadgroup);")
     out = run(fixed, [x], (128,), grid=(128, 1, 1), tg=(64, 1, 1), names=["inp"], race_check=True)
     assert np.array_equal(np.array(out), np.roll(np.array(x).reshape(2, 64), -1, axis=1).reshape(-1))
-    with pytest.raises(sim.RaceError, match="output `out` element"):
+    with pytest.raises(sim.RaceError, match=r"race: thread \d+ .* (reads|writes) byte \d+ of threadgroup `buf` "
+                                            r"that thread \d+ (read|wrote).*\n.*line \d+: (buf\[lid\]|out\[)"):
         run(body.format(barrier=""), [x], (128,), grid=(128, 1, 1), tg=(64, 1, 1), names=["inp"], race_check=True)
+
+
+def test_simdgroup_synchronised_sharing_is_not_a_race():
+    # Lanes of one simdgroup may share threadgroup memory across a simd op / simdgroup_barrier.
+    src = """
+        threadgroup float buf[32];
+        uint l = thread_index_in_simdgroup;
+        buf[l] = inp[l];
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+        float v = buf[(l + 1) % 32];
+        float s = simd_sum(v);
+        if (l == 0) buf[0] = s;
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+        out[l] = buf[0] + v;
+    """
+    x = mx.arange(32).astype(mx.float32)
+    out = run(src, [x], (32,), names=["inp"], race_check=True)
+    assert np.array(out).tolist() == [496.0 + (l + 1) % 32 for l in range(32)]
 
 
 def test_write_write_race_is_reported():
@@ -261,7 +280,7 @@ def test_write_write_race_is_reported():
         threadgroup_barrier(mem_flags::mem_threadgroup);
         out[thread_position_in_grid.x] = 1.0f;
     """
-    with pytest.raises(sim.RaceError, match=r"both wrote byte \d+ of threadgroup memory"):
+    with pytest.raises(sim.RaceError, match=r"writes byte \d+ of threadgroup `acc` that thread \d+ wrote"):
         run(src, [mx.zeros((1,))], (64,), grid=(64, 1, 1), tg=(64, 1, 1), race_check=True)
 
 

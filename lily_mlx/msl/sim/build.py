@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Dict
 
 PRELUDE_DIR = Path(__file__).resolve().parent
-PRELUDE_FILES = ("prelude.h", "metal_types.h", "metal_math.h", "runtime.h", "simd.h", "simdgroup_matrix.h", "launch.h")
+PRELUDE_FILES = ("prelude.h", "metal_types.h", "metal_math.h", "runtime.h", "simd.h", "simdgroup_matrix.h", "launch.h",
+                 "trace.h")
 # -ffp-contract=off: no fused multiply-add unless the kernel asks for fma() (bitwise comparisons
 # between kernels must not depend on the host compiler's contraction choices).
 CXX_FLAGS = ("-std=c++20", "-O1", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
@@ -66,8 +67,15 @@ def numbered(text: str) -> str:
     return "\n".join(f"{i:4d}| {line}" for i, line in enumerate(text.splitlines(), 1))
 
 
-def build(cpp: str, metal_text: str, kname: str) -> ctypes.CDLL:
-    """The loaded library for translated source ``cpp`` (compiling it if not cached)."""
+TRACE_DEFINE = "#define LILY_MSL_TRACE 1\n"
+
+
+def build(cpp: str, metal_text: str, kname: str, traced: bool = False) -> ctypes.CDLL:
+    """The loaded library for translated source ``cpp`` (compiling it if not cached). ``traced``
+    builds instrument every load and store (-fsanitize=thread code generation, hooks defined in
+    trace.h, no sanitizer runtime) for the race check."""
+    if traced:
+        cpp = TRACE_DEFINE + cpp
     key = hashlib.sha256((_toolchain_key() + cpp).encode()).hexdigest()[:32]
     with _lock:
         lib = _loaded.get(key)
@@ -76,7 +84,7 @@ def build(cpp: str, metal_text: str, kname: str) -> ctypes.CDLL:
         d = cache_dir()
         so = d / f"{key}.so"
         if not so.exists():
-            _compile(cpp, metal_text, kname, d, key, so)
+            _compile(cpp, metal_text, kname, d, key, so, traced)
         lib = ctypes.CDLL(str(so))
         lib.lily_sim_launch.restype = ctypes.c_int
         _loaded[key] = lib
@@ -105,15 +113,25 @@ def _pch_dir() -> str:
     return str(d)
 
 
-def _compile(cpp: str, metal_text: str, kname: str, d: Path, key: str, so: Path) -> None:
+def _compile(cpp: str, metal_text: str, kname: str, d: Path, key: str, so: Path, traced: bool = False) -> None:
     fd, tmp_src = tempfile.mkstemp(prefix=f"{key}.", suffix=".cpp", dir=d)
     with os.fdopen(fd, "w") as f:
         f.write(cpp)
     tmp_so = tmp_src[:-4] + ".so.tmp"
-    pch = _pch_dir()
-    cmd = [compiler(), *CXX_FLAGS, "-shared", *(["-I", pch] if pch else []), "-I", str(PRELUDE_DIR), tmp_src,
-           "-o", tmp_so]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    tmp_o = tmp_src[:-4] + ".o"
+    if traced:
+        # Compile with the instrumentation, link without the sanitizer runtime (trace.h has the hooks).
+        cmd = [compiler(), *CXX_FLAGS, "-fsanitize=thread", "-g", "-c", "-I", str(PRELUDE_DIR), tmp_src, "-o", tmp_o]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode == 0:
+            r = subprocess.run([compiler(), "-shared", "-pthread", tmp_o, "-o", tmp_so], capture_output=True, text=True)
+    else:
+        pch = _pch_dir()
+        cmd = [compiler(), *CXX_FLAGS, "-shared", *(["-I", pch] if pch else []), "-I", str(PRELUDE_DIR), tmp_src,
+               "-o", tmp_so]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+    if os.path.exists(tmp_o):
+        os.unlink(tmp_o)
     if r.returncode != 0:
         os.unlink(tmp_src)
         if os.path.exists(tmp_so):
@@ -133,3 +151,26 @@ def _trim(stderr: str, limit: int = 60) -> str:
     errors = [l for l in lines if ": error:" in l or "fatal error" in l]
     keep = errors[:20] if errors else lines[:limit]
     return "\n".join(keep)
+
+
+def source_line_of(lib: ctypes.CDLL, pc_from_launch: int, kname: str) -> int:
+    """Kernel-text line of a code address given relative to ``lily_sim_launch`` (traced builds carry
+    debug information); 0 if binutils are not available."""
+    nm, a2l = shutil.which("nm"), shutil.which("addr2line")
+    if not (nm and a2l):
+        return 0
+    try:
+        syms = subprocess.run([nm, "-D", lib._name], capture_output=True, text=True).stdout
+        base = next(int(l.split()[0], 16) for l in syms.splitlines() if l.endswith(" lily_sim_launch"))
+        out = subprocess.run([a2l, "-i", "-e", lib._name, hex(base + pc_from_launch)], capture_output=True,
+                             text=True).stdout
+    except (OSError, StopIteration, ValueError):
+        return 0
+    for line in out.splitlines():  # innermost frame first; the first kernel-text location wins
+        file, _, num = line.rpartition(":")
+        if file.endswith(f"{kname}.metal"):
+            try:
+                return int(num.split()[0])
+            except ValueError:
+                return 0
+    return 0

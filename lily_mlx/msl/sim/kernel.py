@@ -54,6 +54,7 @@ class _Launch(ctypes.Structure):
         ("err_line", ctypes.c_int32),
         ("allow_oob_reads", ctypes.c_int32),
         ("oob_reads", ctypes.c_int64),
+        ("err_pc", ctypes.c_int64),
     ]
 
 
@@ -146,26 +147,25 @@ class MetalKernel:
             raise ValueError("[metal_kernel] threadgroup sizes must be positive")
         tg = tuple(min(t, g) for t, g in zip(tg, grid))
 
-        built = self._built.get(kname)
-        if built is None:
-            self._check_mlx_signature(metal_text, kname)
-            specs = sig.classify_inputs(self.input_names, inputs, self.source)
-            params = sig.parameters(specs, self.output_names, output_dtypes, self.source, self.atomic_outputs)
-            cpp = translate.kernel_cpp(kname, self.header, self.source, sig.template_params(template),
-                                       sig.format_template(template), params)
-            built = self._built[kname] = (params, build.build(cpp, metal_text, kname))
-        params, lib = built
         race = self.race_check if self.race_check is not None else os.environ.get("LILY_MSL_RACE", "0") == "1"
-        run = lambda flags: self._launch(lib, params, inputs, output_shapes, output_dtypes, init_value, grid, tg,
-                                         flags, metal_text, kname)
+        params, lib = self._build(kname, metal_text, template, inputs, output_dtypes, traced=False)
+        run = lambda lib_, flags: self._launch(lib_, params, inputs, output_shapes, output_dtypes, init_value, grid,
+                                               tg, flags, metal_text, kname)
         if not race:
-            return [_from_numpy(buf, dtype, shape) for buf, dtype, shape in run(0)]
-        # Race check: track threadgroup-memory writes, and run a second legal schedule (threads of a
-        # group in reverse order between sync points); outputs that depend on the order mean threads
-        # communicate through memory without a barrier between them.
-        first = run(1)
+            return [_from_numpy(buf, dtype, shape) for buf, dtype, shape in run(lib, 0)]
+        # Race check. (1) Traced build: every threadgroup-memory access is checked against the other
+        # threads' accesses between the same two barriers (falls back to attributing writes by
+        # comparing memory when the compiler cannot instrument). (2) A second legal schedule (threads
+        # of each group in reverse order between sync points): outputs that depend on the order mean
+        # threads communicate through memory without a barrier between them.
+        try:
+            _, traced_lib = self._build(kname, metal_text, template, inputs, output_dtypes, traced=True)
+            track = 4
+        except build.CompileError:
+            traced_lib, track = lib, 1
+        first = run(traced_lib, track)
         if not self.atomic_outputs and min(grid) > 0:
-            second = run(3)
+            second = run(traced_lib, track | 2)
             for (b1, dtype, shape), (b2, _, _), oname in zip(first, second, self.output_names):
                 diff = np.nonzero(b1.view(np.uint8).reshape(-1) != b2.view(np.uint8).reshape(-1))[0]
                 if diff.size:
@@ -176,6 +176,17 @@ class MetalKernel:
                         f"depends on the order threads run between barriers ({v1!r} in thread order, {v2!r} in "
                         f"reverse order): threads share memory without a barrier between the accesses")
         return [_from_numpy(buf, dtype, shape) for buf, dtype, shape in first]
+
+    def _build(self, kname, metal_text, template, inputs, output_dtypes, traced):
+        built = self._built.get((kname, traced))
+        if built is None:
+            self._check_mlx_signature(metal_text, kname)
+            specs = sig.classify_inputs(self.input_names, inputs, self.source)
+            params = sig.parameters(specs, self.output_names, output_dtypes, self.source, self.atomic_outputs)
+            cpp = translate.kernel_cpp(kname, self.header, self.source, sig.template_params(template),
+                                       sig.format_template(template), params)
+            built = self._built[(kname, traced)] = (params, build.build(cpp, metal_text, kname, traced))
+        return built
 
     def _launch(self, lib, params, inputs, output_shapes, output_dtypes, init_value, grid, tg, flags, metal_text,
                 kname):
@@ -244,8 +255,10 @@ class MetalKernel:
             if rc != 0:
                 msg = self._name_buffers(err.value.decode(errors="replace"), params)
                 cls = _ERRORS.get(rc, SimulatorError)
-                raise cls(f"[lily_mlx.msl.sim] kernel {self.name} ({kname}): {msg}"
-                          f"{_line_text(metal_text, launch.err_line)}")
+                line = launch.err_line
+                if rc == 3 and not line and launch.err_pc:
+                    line = build.source_line_of(lib, launch.err_pc, kname)
+                raise cls(f"[lily_mlx.msl.sim] kernel {self.name} ({kname}): {msg}{_line_text(metal_text, line)}")
         del keep
         self.last_oob_reads = int(launch.oob_reads)
         if launch.oob_reads and not _warned_oob.get(kname):

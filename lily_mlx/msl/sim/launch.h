@@ -3,6 +3,15 @@
 #pragma once
 #include <algorithm>
 #include "simd.h"
+#ifdef LILY_MSL_TRACE
+#include "trace.h"
+#else
+namespace msl_rt {
+struct TraceCell {};
+inline TraceCell* trace_alloc() { return nullptr; }
+inline void trace_free(TraceCell*) {}
+}  // namespace msl_rt
+#endif
 
 // MLX utils.h indexing helpers (int64 strides, MLX >= 0.2x).
 template <class IdxT = int64_t, class S, class St>
@@ -205,6 +214,7 @@ inline void* worker_main(void* p) {
     if (L->err_kind == 0) {
       std::snprintf(L->err, (size_t)L->err_len, "%s", w->err);
       L->err_line = w->err_line;
+      L->err_pc = w->err_pc;
       __atomic_store_n(&L->err_kind, w->err_kind, __ATOMIC_RELAXED);
     }
     pthread_mutex_unlock(&g_err_mu);
@@ -242,6 +252,7 @@ inline int run(Launch* L, Body body) {
     for (int f = 0; f < tgn; ++f) mprotect(w->stacks + (size_t)f * stack_bytes, 4096, PROT_NONE);
     w->simd = new SimdSlot[32];
     w->arena = (unsigned char*)std::aligned_alloc(64, kThreadgroupMemory);
+    if (L->race_check & 4) w->trace = trace_alloc();
     if (L->race_check & 1) {
       w->shadow_w = new uint32_t[kThreadgroupMemory]();
       w->shadow_epoch = new uint32_t[kThreadgroupMemory]();
@@ -272,6 +283,7 @@ inline int run(Launch* L, Body body) {
     delete[] w->shadow_w;
     delete[] w->shadow_epoch;
     delete[] w->snap;
+    trace_free(w->trace);
   }
   delete[] args;
   delete[] workers;
@@ -281,10 +293,10 @@ inline int run(Launch* L, Body body) {
 // Called by the thread completing a threadgroup barrier: its writes so far belong to the interval
 // that just ended.
 inline void race_new_epoch(Worker* w) {
-  if (!(w->L->race_check & 1)) return;
-  race_scan(w);
+  const int flags = w->L->race_check;
+  if (flags & 1) race_scan(w);
   w->epoch++;
-  race_snapshot(w);
+  if (flags & 1) race_snapshot(w);
   if (w->failed) throw Error{3, 0};
 }
 

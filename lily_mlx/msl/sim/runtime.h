@@ -23,7 +23,7 @@ struct Launch {
   uint32_t grid[3];
   uint32_t tg[3];
   int32_t n_workers;
-  int32_t race_check;   // bit 0: threadgroup-memory write tracking, bit 1: reverse thread order
+  int32_t race_check;   // bit 0: write tracking by diff, bit 1: reverse thread order, bit 2: traced accesses
   int64_t stack_bytes;
   char* err;            // message out
   int32_t err_len;
@@ -31,6 +31,7 @@ struct Launch {
   int32_t err_line;     // kernel-text line of the error (0 if unknown)
   int32_t allow_oob_reads;  // out-of-bounds reads of inputs yield zeros (counted) instead of an error
   int64_t oob_reads;        // number of such reads
+  int64_t err_pc;           // traced builds: code address of a racing access, relative to lily_sim_launch
 };
 
 struct ThreadAttrs {
@@ -61,7 +62,7 @@ struct SimdSlot : SyncPoint {
   alignas(64) unsigned char aux[kSimdWidth * 8];
   alignas(64) unsigned char out[kSimdWidth * kSlotBytes];
 };
-struct TgEntry { const void* key; size_t offset; size_t size; };
+struct TgEntry { const void* key; size_t offset; size_t size; const char* name; };
 
 enum FiberState { kReady, kWaiting, kDone };
 struct Fiber {
@@ -104,6 +105,7 @@ struct Worker {
   // error state
   bool failed = false;
   int err_kind = 0, err_line = 0;
+  int64_t err_pc = 0;
   char err[2048];
   // race detection: per threadgroup-memory byte, the thread (index + 1) that last wrote it and the
   // barrier interval (epoch) of that write; `snap` is the arena as the running fiber found it.
@@ -113,6 +115,7 @@ struct Worker {
   size_t snap_used = 0;
   uint32_t epoch = 1;
   int cur_index = -1;
+  struct TraceCell* trace = nullptr;  // traced builds (LILY_MSL_TRACE): one cell per threadgroup byte
 };
 
 inline thread_local Worker* tw = nullptr;
@@ -414,7 +417,7 @@ template <class T> inline T* raw(const dptr<T>& p) { return p.at(0); }
 // Threadgroup memory: one block per declaration site (and type) per threadgroup, poisoned.
 template <int Site, class T> struct site_tag { static inline const char tag = 0; };
 
-template <class T> inline T& tg_shared(const void* key) {
+template <class T> inline T& tg_shared(const void* key, const char* name = "?") {
   Worker* w = tw;
   for (int i = 0; i < w->n_tg; ++i)
     if (w->tg_entries[i].key == key) return *reinterpret_cast<T*>(w->arena + w->tg_entries[i].offset);
@@ -422,7 +425,7 @@ template <class T> inline T& tg_shared(const void* key) {
   if (off + sizeof(T) > kThreadgroupMemory)
     fail("threadgroup memory", "more than 32 KiB of threadgroup memory declared");
   if (w->n_tg == 64) fail("threadgroup memory", "more than 64 threadgroup declarations");
-  w->tg_entries[w->n_tg++] = TgEntry{key, off, sizeof(T)};
+  w->tg_entries[w->n_tg++] = TgEntry{key, off, sizeof(T), name};
   w->arena_used = off + sizeof(T);
   std::memset(w->arena + off, 0xFF, sizeof(T));  // uninitialised on a GPU: poison (NaN / -1)
   return *reinterpret_cast<T*>(w->arena + off);

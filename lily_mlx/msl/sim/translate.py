@@ -51,7 +51,7 @@ def translate_text(text: str) -> str:
         full = f"{t}{dims}"
         rep = (
             f"auto& {m.group('name')} = ::msl_rt::tg_shared<{full}>"
-            f"(&::msl_rt::site_tag<__COUNTER__, {full}>::tag);"
+            f"(&::msl_rt::site_tag<__COUNTER__, {full}>::tag, \"{m.group('name')}\");"
         )
         return _keep_lines(m.group(0), rep)
 
