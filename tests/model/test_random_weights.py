@@ -155,3 +155,21 @@ def test_full_size_plan_matches_qwen3_6_35b_a3b():
     assert expert.shape == (256, 512, 2048 // 8)
     shards = random_weights._shard_plan(specs, random_weights.SHARD_BYTES)
     assert all(sum(s.nbytes for s in sh) <= random_weights.SHARD_BYTES for sh in shards if len(sh) > 1)
+
+
+def test_consistency_tool_on_random_checkpoint_reference_backend(monkeypatch, checkpoints):
+    """Skewed routing (experts with zero rows) through lily's reference path: exactly stock."""
+    try:
+        import lily_mlx
+
+        lily_mlx.patch  # noqa: B018
+    except (ImportError, AttributeError) as e:
+        pytest.skip(f"lily_mlx.patch not available yet: {e}")
+    from lily_mlx import consistency
+
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    model, _ = mlx_lm.load(str(checkpoints[1]))
+    tokens = np.random.default_rng(2).integers(0, 1024, 49)
+    for mode in consistency.MODES:
+        r = consistency.compare_engines(model, tokens, positions=48, mode=mode)
+        assert (r.top1_agreement_pct, r.max_abs_logit_diff) == (100.0, 0.0), r
