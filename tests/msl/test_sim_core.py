@@ -314,3 +314,16 @@ def test_device_pointers_through_header_helpers():
     with pytest.raises(sim.OutOfBoundsError, match="`out`"):
         run(src.replace("store2(out, i,", "store2(out, i + 1,"), [x], [(16,), (8,)], grid=(8, 1, 1),
             tg=(8, 1, 1), names=["inp"], header=header, outputs=("out", "out2"))
+
+
+def test_race_check_has_no_false_positive_on_declaration_poisoning():
+    # Thread 0 reaches the declaration first (and poisons the block); thread 5 writes it before the
+    # barrier: that is the only write of the interval, so no race.
+    src = """
+        threadgroup float x[1];
+        if (thread_position_in_threadgroup.x == 5) x[0] = 2.0f;
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[thread_position_in_grid.x] = x[0];
+    """
+    out = run(src, [mx.zeros((1,))], (32,), race_check=True)
+    assert np.array(out).tolist() == [2.0] * 32

@@ -44,7 +44,7 @@ namespace msl_rt {
 
 // Attribute threadgroup-memory bytes changed since the snapshot to the running thread; two
 // different threads changing a byte within one barrier interval is a write-write race.
-inline void race_scan(Worker* w) {
+LILY_NO_INSTRUMENT inline void race_scan(Worker* w) {
   int me = w->cur_index + 1;
   for (size_t b = 0; b < w->snap_used; ++b) {
     if (w->arena[b] == w->snap[b]) continue;
@@ -64,7 +64,7 @@ inline void race_scan(Worker* w) {
     w->shadow_w[b] = (uint32_t)me;
   }
 }
-inline void race_snapshot(Worker* w) {
+LILY_NO_INSTRUMENT inline void race_snapshot(Worker* w) {
   std::memcpy(w->snap, w->arena, w->arena_used);
   w->snap_used = w->arena_used;
 }

@@ -417,7 +417,11 @@ template <class T> inline T* raw(const dptr<T>& p) { return p.at(0); }
 // Threadgroup memory: one block per declaration site (and type) per threadgroup, poisoned.
 template <int Site, class T> struct site_tag { static inline const char tag = 0; };
 
-template <class T> inline T& tg_shared(const void* key, const char* name = "?") {
+// Runtime code that touches threadgroup memory on the kernel's behalf is not instrumented in
+// race-check builds (its poisoning store is not a kernel write).
+#define LILY_NO_INSTRUMENT __attribute__((no_sanitize_thread))
+
+template <class T> LILY_NO_INSTRUMENT inline T& tg_shared(const void* key, const char* name = "?") {
   Worker* w = tw;
   for (int i = 0; i < w->n_tg; ++i)
     if (w->tg_entries[i].key == key) return *reinterpret_cast<T*>(w->arena + w->tg_entries[i].offset);
