@@ -89,21 +89,24 @@ def run_once(model, prompt: mx.array, gen_tokens: int, prefill_step_size: int) -
 
 def sweep(model, lengths: Sequence[int], prefill_lengths: Sequence[int], decode_lengths: Sequence[int],
           rounds: int, gen_tokens: int, prefill_step_size: int, engines=("stock", "lily"),
-          vocab_size: int = 248320, seed: int = 0, log=print) -> List[Dict]:
-    """Per length: each round runs every engine once (order alternating by round)."""
+          vocab_size: int = 248320, seed: int = 0, log=print, rounds_for=None, on_row=None) -> List[Dict]:
+    """Per length: each round runs every engine once (order alternating by round).
+    ``rounds_for(length)`` may give fewer rounds to long lengths; ``on_row(rows)`` runs after each
+    length (incremental saving)."""
     sw = Engines(model)
     rows = []
     for length in lengths:
         gen = gen_tokens if length in decode_lengths else 1
         prompt = mx.random.randint(0, vocab_size, (length,), key=mx.random.key(seed + length))
         per_engine: Dict[str, List[Dict]] = {e: [] for e in engines}
-        for r in range(rounds):
+        n_rounds = rounds_for(length) if rounds_for else rounds
+        for r in range(n_rounds):
             order = list(engines) if r % 2 == 0 else list(reversed(engines))
             for engine in order:
                 sw.use(engine)
                 res = run_once(model, prompt, gen, prefill_step(engine, prefill_step_size))
                 per_engine[engine].append(res)
-                log(f"[e2e] {length_label(length):>5} round {r + 1}/{rounds} {engine:>5}: "
+                log(f"[e2e] {length_label(length):>5} round {r + 1}/{n_rounds} {engine:>5}: "
                     f"prompt_tps={res['prompt_tps']:.3f}, generation_tps={res['generation_tps']:.3f}, "
                     f"peak_memory={res['peak_memory']:.3f}")
         row = {"length": length, "label": length_label(length), "prefill": length in prefill_lengths,
@@ -121,7 +124,10 @@ def sweep(model, lengths: Sequence[int], prefill_lengths: Sequence[int], decode_
             row["prefill_ratio"] = l_["prompt_tps"] / s["prompt_tps"]
             row["decode_ratio"] = (l_["generation_tps"] / s["generation_tps"]) if gen > 1 else None
             row["same_tokens"] = s["tokens"] == l_["tokens"]
+        row["rounds"] = n_rounds
         rows.append(row)
+        if on_row:
+            on_row(rows)
     sw.use("stock")
     return rows
 

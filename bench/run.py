@@ -61,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-length", default="0", help="limit the sweep to lengths >= this")
     p.add_argument("--prefill-only", action="store_true", help="no decode tokens (prefill sweep only)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per length (engines alternate order each round)")
+    p.add_argument("--long-from", default="16K", help="lengths >= this run --long-rounds rounds")
+    p.add_argument("--long-rounds", type=int, default=None, help="rounds for long lengths (default: --rounds)")
     p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated after the first (decode timing)")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--engines", default="stock,lily")
@@ -129,9 +131,17 @@ def main(argv=None) -> int:
         if args.warmup_length:
             e2e.sweep(model, [args.warmup_length], [], [args.warmup_length], 1, 4, args.prefill_step_size,
                       engines, vocab, seed=args.seed + 999, log=lambda m: log("[warmup] " + m))
+        long_from = e2e.parse_lengths(args.long_from)[0]
+        long_rounds = args.long_rounds or args.rounds
+
+        def partial(rows_so_far):
+            results["e2e"] = {"rows": rows_so_far, "seconds": time.perf_counter() - t0, "complete": False}
+            save()
+
         rows = e2e.sweep(model, lengths, lengths, decode, args.rounds, args.gen_tokens,
-                         args.prefill_step_size, engines, vocab, seed=args.seed, log=log)
-        results["e2e"] = {"rows": rows, "seconds": time.perf_counter() - t0}
+                         args.prefill_step_size, engines, vocab, seed=args.seed, log=log,
+                         rounds_for=lambda n: long_rounds if n >= long_from else args.rounds, on_row=partial)
+        results["e2e"] = {"rows": rows, "seconds": time.perf_counter() - t0, "complete": True}
         table = e2e.table_markdown(rows)
         log(table)
         if out_dir:

@@ -214,10 +214,17 @@ LILY_VEC_NAMES(bool, bool)
 // ---------------------------------------------------------------------------------------------
 // Math. Templates, so that CUDA's own non-template float overloads win where both apply.
 
+// Byte copy through char pointers (legal aliasing; NVRTC has no memcpy builtin). Compiles to moves.
+template <class To, class From> __device__ __forceinline__ void copy_bytes(To* to, const From* from, int n) {
+  const char* s = reinterpret_cast<const char*>(from);
+  char* d = reinterpret_cast<char*>(to);
+#pragma unroll
+  for (int i = 0; i < n; ++i) d[i] = s[i];
+}
 template <class To, class From> __device__ __forceinline__ To as_type(From x) {
   static_assert(sizeof(To) == sizeof(From), "as_type: sizes differ");
   To r;
-  __builtin_memcpy(&r, &x, sizeof(To));
+  copy_bytes(&r, &x, sizeof(To));
   return r;
 }
 
@@ -347,7 +354,7 @@ template <int MODE, class T>
 __device__ __forceinline__ T shuffle_words(T x, uint arg, int width = 32) {
   constexpr int W = (sizeof(T) + 3) / 4;
   uint w[W] = {};
-  __builtin_memcpy(w, &x, sizeof(T));
+  copy_bytes(w, &x, sizeof(T));
 #pragma unroll
   for (int i = 0; i < W; ++i) {
     if (MODE == 0) w[i] = __shfl_sync(LILY_FULL_MASK, w[i], arg, width);
@@ -356,7 +363,7 @@ __device__ __forceinline__ T shuffle_words(T x, uint arg, int width = 32) {
     if (MODE == 3) w[i] = __shfl_down_sync(LILY_FULL_MASK, w[i], arg, width);
   }
   T r;
-  __builtin_memcpy(&r, w, sizeof(T));
+  copy_bytes(&r, w, sizeof(T));
   return r;
 }
 

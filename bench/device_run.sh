@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One call on an NVIDIA GPU machine: Metal->CUDA bridge checks, a lily-vs-stock smoke test, kernel
+# microbenchmarks and the end-to-end sweep, results under $OUT (default ./device_out).
+#
+#   bash bench/device_run.sh [--parts bridge,smoke,kernels,e2e] [--lengths 256,1K,4K,16K]
+#                            [--rounds 2] [--long-rounds 1] [--gen-tokens 32] [--model PATH]
+#                            [--lily-backend auto|cuda|reference]
+#
+# With MLX's CUDA backend staged (see docs/benchmarks.md), on the GPU machine:
+#   export PYTHONPATH=/root/site:$PWD && bash bench/device_run.sh --parts bridge,smoke,e2e
+# If the smoke test finds lily's CUDA kernels disagree with stock, the sweep runs lily on the
+# reference backend (and says so in results.json): numbers never come from a wrong computation.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PARTS=bridge,smoke,kernels,e2e
+LENGTHS=256,1K,4K,16K
+ROUNDS=2
+LONG_ROUNDS=1
+GEN_TOKENS=32
+MODEL=()
+LILY_BACKEND_CHOICE=auto
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --parts) PARTS=$2; shift 2;;
+    --lengths) LENGTHS=$2; shift 2;;
+    --rounds) ROUNDS=$2; shift 2;;
+    --long-rounds) LONG_ROUNDS=$2; shift 2;;
+    --gen-tokens) GEN_TOKENS=$2; shift 2;;
+    --model) MODEL=(--model "$2"); shift 2;;
+    --lily-backend) LILY_BACKEND_CHOICE=$2; shift 2;;
+    *) echo "unknown argument $1"; exit 2;;
+  esac
+done
+OUT=${OUT:-$PWD/device_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+LOG="$OUT/log.txt"
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+say() { echo "[device_run $(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
+
+say "parts=$PARTS lengths=$LENGTHS rounds=$ROUNDS long_rounds=$LONG_ROUNDS gen_tokens=$GEN_TOKENS"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 || true; } | tee -a "$LOG"
+$PY -c 'import mlx.core as mx, mlx_lm; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, mx.default_device(), "cuda", mx.cuda.is_available())' 2>&1 | tee -a "$LOG"
+
+if has bridge; then
+  say "bridge checks (features + MLX-LM GDN kernels vs gated_delta_ops)"
+  LILY_BACKEND=cuda $PY -m bench.run --mode bridge --out "$OUT/bridge" 2>&1 | tee -a "$LOG"
+fi
+
+if [ "$LILY_BACKEND_CHOICE" = auto ]; then
+  LILY_BACKEND_CHOICE=cuda
+  if has smoke; then
+    say "smoke: lily (cuda kernels) vs stock on a 4-layer full-width random model"
+    if ! $PY -m bench.smoke --size full --num-layers 4 --prompt 300,40 2>&1 | tee -a "$LOG"; then
+      say "smoke MISMATCH: lily runs on the reference backend for the benchmarks"
+      LILY_BACKEND_CHOICE=reference
+    fi
+  fi
+fi
+export LILY_BACKEND=$LILY_BACKEND_CHOICE
+say "lily backend for benchmarks: $LILY_BACKEND"
+
+MODES=()
+has kernels && [ "$LILY_BACKEND" = cuda ] && MODES+=(kernels)
+has e2e && MODES+=(e2e)
+if [ ${#MODES[@]} -gt 0 ]; then
+  mode=$(IFS=,; echo "${MODES[*]}")
+  say "bench.run --mode $mode"
+  $PY -m bench.run --mode "$mode" "${MODEL[@]}" --lengths "$LENGTHS" --rounds "$ROUNDS" \
+      --long-rounds "$LONG_ROUNDS" --gen-tokens "$GEN_TOKENS" --out "$OUT/bench" 2>&1 | tee -a "$LOG"
+fi
+say "done"
