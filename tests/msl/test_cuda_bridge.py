@@ -1,5 +1,5 @@
 """Metal->CUDA bridge (lily_mlx.msl.cuda) without a GPU: text rewriting, launch checks, the
-generated prologue, and nvcc compiles of every translation we ship (the bridge's feature checks,
+generated prologue, and CUDA compiles (NVRTC as MLX uses it, else nvcc) of every translation we ship (the bridge's feature checks,
 MLX-LM's Gated DeltaNet kernels, and every kernel the patched model launches, recorded at its real
 call sites). The same feature checks run on the CPU simulator against independent references, and
 against the outputs the GPU produced through the bridge (committed under docs/results/)."""
@@ -18,9 +18,9 @@ import pytest
 from bench import bridge_checks as bc
 from lily_mlx.kernel_registry import kernels_dir, load_kernel_file
 from lily_mlx.msl.cuda import UnbridgeableError, metal_kernel, translate, wrap_like_mlx
-from lily_mlx.msl.cuda.compile_check import compile_cuda, nvcc_path, record_model_translations
+from lily_mlx.msl.cuda.compile_check import compile_cuda, compiler_available, record_model_translations
 
-needs_nvcc = pytest.mark.skipif(nvcc_path() is None, reason="CUDA toolkit (nvcc) not installed")
+needs_nvcc = pytest.mark.skipif(compiler_available() is None, reason="no CUDA compiler (NVRTC or nvcc) installed")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -168,13 +168,13 @@ def _compile_all(units):
 
 @needs_nvcc
 @pytest.mark.slow
-def test_feature_checks_and_mlx_lm_gdn_kernels_compile_with_nvcc():
+def test_feature_checks_and_mlx_lm_gdn_kernels_compile_for_cuda():
     _compile_all({**_feature_units(), **_gdn_units()})
 
 
 @needs_nvcc
 @pytest.mark.slow
-def test_every_kernel_the_patched_model_launches_compiles_with_nvcc():
+def test_every_kernel_the_patched_model_launches_compiles_for_cuda():
     from bench.model_setup import load_model
 
     model, _ = load_model(None, "tiny", log=None)
@@ -197,7 +197,7 @@ def test_every_shipped_kernel_translates():
 
 @needs_nvcc
 @pytest.mark.slow
-def test_every_shipped_kernel_header_compiles_with_the_prelude():
+def test_every_shipped_kernel_header_compiles_for_cuda():
     files = sorted(glob.glob(str(kernels_dir() / "*.metal")))
     if not files:
         pytest.skip("no kernel files yet")

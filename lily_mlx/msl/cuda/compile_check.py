@@ -1,4 +1,5 @@
-"""Compile-check bridge translations with the CUDA toolkit's ``nvcc`` (no GPU needed).
+"""Compile-check bridge translations without a GPU: with NVRTC (the compiler MLX's CUDA backend
+uses, when ``libnvrtc`` is found) or else the CUDA toolkit's ``nvcc`` (front end and ptxas).
 
 MLX's CUDA backend compiles custom kernels with NVRTC against its own device headers, which ship
 inside the ``mlx-cuda`` library, not as files. Without them, :data:`STANDIN_UTILS_CUH` stands in for
@@ -48,7 +49,76 @@ def _standin_dir(root: Path) -> Path:
     return root
 
 
+def cuda_include_dirs() -> list:
+    """The CUDA toolkit's headers (and CCCL's ``cuda/std``), next to ``nvcc`` or under CUDA_HOME."""
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
+    nvcc = nvcc_path()
+    if nvcc:
+        roots.insert(0, str(Path(os.path.realpath(nvcc)).parent.parent))
+    for root in roots:
+        inc = Path(root) / "include"
+        if root and (inc / "cuda_bf16.h").exists():
+            return [str(inc)] + ([str(inc / "cccl")] if (inc / "cccl").is_dir() else [])
+    return []
+
+
+def nvrtc_library() -> Optional[str]:
+    """Path of libnvrtc: ``LILY_NVRTC_LIB``, the ``nvidia-cuda-nvrtc`` wheel, or the system's."""
+    env = os.environ.get("LILY_NVRTC_LIB")
+    if env:
+        return env
+    try:
+        import nvidia.cu13 as cu  # nvidia-cuda-nvrtc (CUDA 13 wheels)
+
+        for lib in sorted(Path(list(cu.__path__)[0], "lib").glob("libnvrtc.so*")):
+            return str(lib)
+    except ImportError:
+        pass
+    import ctypes.util
+
+    return ctypes.util.find_library("nvrtc")
+
+
+def compile_nvrtc(text: str, arch: str = "sm_90a", include_dir: Optional[str] = None) -> Tuple[bool, str]:
+    """Compile with NVRTC, as MLX does at run time (C++17, the given architecture)."""
+    import ctypes
+
+    lib = ctypes.CDLL(nvrtc_library())
+    with tempfile.TemporaryDirectory() as tmp:
+        inc = include_dir or os.environ.get("LILY_MLX_CUDA_INCLUDE") or str(_standin_dir(Path(tmp) / "standin"))
+        opts = ["--std=c++17", f"-arch={arch}", f"-I{inc}"] + [f"-I{d}" for d in cuda_include_dirs()]
+        prog = ctypes.c_void_p()
+        if lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), b"kernel.cu", 0, None, None) != 0:
+            return False, "nvrtcCreateProgram failed"
+        try:
+            arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+            rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, buf)
+            return rc == 0, buf.value.decode(errors="replace")
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def compiler_available() -> Optional[str]:
+    """'nvrtc', 'nvcc' or None: what :func:`compile_cuda` will use."""
+    if nvrtc_library() and cuda_include_dirs():
+        return "nvrtc"
+    return "nvcc" if nvcc_path() else None
+
+
 def compile_cuda(text: str, arch: str = "sm_90a", include_dir: Optional[str] = None,
+                 timeout: float = 300.0, compiler: Optional[str] = None) -> Tuple[bool, str]:
+    """Compile one translation unit with NVRTC if available (MLX's own compiler), else nvcc."""
+    compiler = compiler or compiler_available()
+    if compiler == "nvrtc":
+        return compile_nvrtc(text, arch, include_dir)
+    return compile_nvcc(text, arch, include_dir, timeout)
+
+
+def compile_nvcc(text: str, arch: str = "sm_90a", include_dir: Optional[str] = None,
                  timeout: float = 300.0) -> Tuple[bool, str]:
     """Compile one translation unit to a cubin (front end and ptxas, as the driver would).
     Returns (ok, compiler output)."""
