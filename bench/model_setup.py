@@ -61,6 +61,7 @@ def build_random_model(config: dict, seed: int = 0, log=print) -> nn.Module:
         if log and (i % 10 == 9 or i == len(lm.model.layers) - 1):
             log(f"[model] built layer {i + 1}/{len(lm.model.layers)} ({time.perf_counter() - t0:.1f} s)")
     mx.eval(model.parameters())
+    model.eval()  # inference mode, as mlx_lm.load leaves a model (lily's ops run kernels only then)
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     if log:
         log(f"[model] random {config['text_config']['num_hidden_layers']}-layer model: {nbytes / 1e9:.2f} GB "

@@ -163,7 +163,12 @@ class RecordedCudaKernel:
         return [mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]
 
 
-def record_model_translations(model, prompt_tokens: int = 40, vocab_size: int = 1024) -> dict:
+# Switch states that reach the other kernels (the write-up's ablation variants).
+ABLATIONS = ("register_scan", "fused_dequant", "fused_recurrent_norm")
+
+
+def record_model_translations(model, prompt_tokens: int = 40, vocab_size: int = 1024,
+                              disabled_sets=((), ABLATIONS)) -> dict:
     """{kernel name: CUDA translation unit} for every bridge kernel a patched ``model`` launches in
     one prefill and one decode step, with the real call sites' dtypes, shapes and templates. Runs
     anywhere: MLX's CUDA backend is replaced by :class:`RecordedCudaKernel` (outputs are zeros, so
@@ -173,7 +178,7 @@ def record_model_translations(model, prompt_tokens: int = 40, vocab_size: int = 
     import mlx.core as mx
 
     import lily_mlx
-    from lily_mlx import backend, kernel_registry
+    from lily_mlx import backend, kernel_registry, switches
     from mlx_lm.models.cache import make_prompt_cache
 
     records: dict = {}
@@ -187,10 +192,12 @@ def record_model_translations(model, prompt_tokens: int = 40, vocab_size: int = 
             mock.patch.dict(os.environ, {"LILY_BACKEND": "cuda"}):
         try:
             lily_mlx.patch(model)
-            cache = make_prompt_cache(model)
-            prompt = mx.random.randint(0, vocab_size, (1, prompt_tokens), key=mx.random.key(0))
-            mx.eval(model(prompt, cache=cache))
-            mx.eval(model(prompt[:, -1:], cache=cache))
+            for disabled in disabled_sets:
+                with switches.overrides(disable=[d for d in disabled if d in switches.SWITCHES]):
+                    cache = make_prompt_cache(model)
+                    prompt = mx.random.randint(0, vocab_size, (1, prompt_tokens), key=mx.random.key(0))
+                    mx.eval(model(prompt, cache=cache))
+                    mx.eval(model(prompt[:, -1:], cache=cache))
         finally:
             lily_mlx.unpatch(model)
             kernel_registry.clear_cache()
