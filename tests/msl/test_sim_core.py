@@ -327,3 +327,35 @@ def test_race_check_has_no_false_positive_on_declaration_poisoning():
     """
     out = run(src, [mx.zeros((1,))], (32,), race_check=True)
     assert np.array(out).tolist() == [2.0] * 32
+
+
+@pytest.mark.parametrize("mdt,npdt,tname", [(mx.float16, np.float16, "half"), (mx.bfloat16, ml_dtypes.bfloat16, "bfloat")])
+def test_every_16_bit_pattern_widens_and_narrows_exactly(mdt, npdt, tname):
+    # All 65536 bit patterns: 16-bit -> float is exact, float -> 16-bit gives the pattern back
+    # (NaNs stay NaN); and float values halfway between neighbours round to even.
+    src = f"""
+        uint i = thread_position_in_grid.x;
+        {tname} h = as_type<{tname}>(bits[i]);
+        wide[i] = float(h);
+        back[i] = as_type<ushort>({tname}(float(h)));
+        float mid = float(h) + (float(as_type<{tname}>(ushort(bits[i] + 1))) - float(h)) * 0.5f;  // exact
+        tie[i] = as_type<ushort>({tname}(mid));
+    """
+    bits = np.arange(65536, dtype=np.uint16)
+    k = sim.metal_kernel(name="f16all", input_names=["bits"], output_names=["wide", "back", "tie"], source=src)
+    wide, back, tie = k(inputs=[mx.array(bits)], grid=(65536, 1, 1), threadgroup=(256, 1, 1),
+                        output_shapes=[(65536,)] * 3, output_dtypes=[mx.float32, mx.uint16, mx.uint16])
+    ref = bits.view(npdt).astype(np.float32)
+    wide = np.array(wide)
+    nan = np.isnan(ref)
+    assert np.array_equal(wide[~nan], ref[~nan]) and np.isnan(wide[nan]).all()
+    back = np.array(back)
+    assert np.array_equal(back[~nan], bits[~nan])
+    assert np.isnan(back[nan].view(npdt).astype(np.float32)).all()
+    # midpoints of finite neighbours (same sign, not crossing into inf/nan)
+    nxt = (bits.astype(np.uint32) + 1).astype(np.uint16).view(npdt).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        mid = ((ref.astype(np.float64) + nxt.astype(np.float64)) * 0.5).astype(np.float32)
+        ok = np.isfinite(ref) & np.isfinite(nxt) & (np.sign(ref) == np.sign(nxt)) & (bits != 0x7FFF) & (bits != 0xFFFF)
+        expect = mid.astype(npdt).view(np.uint16)
+    assert np.array_equal(np.array(tie)[ok], expect[ok])
