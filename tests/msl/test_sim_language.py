@@ -149,3 +149,30 @@ def test_fast_and_precise_math_namespaces():
     out = _k(src)(inputs=[mx.array([1.25, -2.5])], grid=(2, 1, 1), threadgroup=(2, 1, 1), output_shapes=[(2,)],
                   output_dtypes=[mx.float32])[0]
     assert np.array(out).tolist() == [0.25 + 1 + 0.625 + 1 + 2, 0.5 - 1 - 1.25 + 1 + 2]
+
+
+def test_swizzles_read_and_write():
+    src = """
+        uint i = thread_position_in_grid.x;
+        float4 v = float4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+        float2 a = v.xy;
+        float3 b = v.zyx;
+        half4 h = half4(v);
+        half2 hz = h.zw;
+        v.xz = float2(10.0f, 20.0f);
+        float2 c = v.yw * 2.0f + a;
+        float4 e = float4(v.xy, b.xy);
+        uint2 u = uint2(3, 4);
+        o0[i] = a.x + a.y * 10 + b.x * 100 + float(hz.y) * 1000 + v.x + v.z + c.x + c.y + e.w
+                + float(uint2(u.yx).x) + float3(v.rgb).x + dot(float3(v.xyz), float3(1.0f));
+    """
+    x = mx.arange(8).astype(mx.float32)
+    out = _k(src)(inputs=[x], grid=(2, 1, 1), threadgroup=(2, 1, 1), output_shapes=[(2,)],
+                  output_dtypes=[mx.float32])[0]
+
+    def ref(q):
+        v = [10, q[1], 20, q[3]]
+        return (q[0] + q[1] * 10 + q[2] * 100 + q[3] * 1000 + 10 + 20 + (v[1] * 2 + q[0]) + (v[3] * 2 + q[1])
+                + q[1] + 4 + 10 + (10 + q[1] + 20))
+
+    assert np.array(out).tolist() == [ref(list(range(4 * i, 4 * i + 4))) for i in range(2)]

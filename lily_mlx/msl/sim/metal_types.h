@@ -150,21 +150,125 @@ LILY_F16_ASSIGN(/=, /)
 // Metal's; packed_ vectors are not.
 namespace metal {
 template <class T, int N, bool Packed = false> struct vec;
+template <class T, int N, int... I> struct swizzle;
 }
 namespace msl_rt {
 template <class V> struct is_vec : std::false_type {};
 template <class T, int N, bool P> struct is_vec<metal::vec<T, N, P>> : std::true_type {};
+template <class T, int N, int... I> struct is_vec<metal::swizzle<T, N, I...>> : std::true_type {};
 template <class V> inline constexpr bool is_vec_v = is_vec<std::remove_cv_t<std::remove_reference_t<V>>>::value;
 template <class V> struct vec_traits { using elem = V; static constexpr int n = 1; };
 template <class T, int N, bool P> struct vec_traits<metal::vec<T, N, P>> { using elem = T; static constexpr int n = N; };
+template <class T, int N, int... I> struct vec_traits<metal::swizzle<T, N, I...>> { using elem = T; static constexpr int n = sizeof...(I); };
 constexpr size_t vec_align(size_t e, int n, bool packed) { return packed ? e : e * (n == 3 ? 4 : n); }
 }  // namespace msl_rt
 
 namespace metal {
 template <class T, int N, bool P> struct vec_storage;
-template <class T, bool P> struct vec_storage<T, 2, P> { T x, y; };
-template <class T, bool P> struct vec_storage<T, 3, P> { T x, y, z; };
-template <class T, bool P> struct vec_storage<T, 4, P> { T x, y, z, w; };
+// Swizzles (v.xy, v.zyx, v.xz = ...): views of the vector's storage that read as / assign from a
+// vector. Two-component swizzles come in every combination, longer ones in the common orders.
+template <class T, int N, int... I> struct swizzle {
+  static constexpr int size = sizeof...(I);
+  T d[N];
+  using vec_type = vec<T, sizeof...(I)>;
+  swizzle& operator=(const vec_type& v) { int k = 0; ((d[I] = v[k++]), ...); return *this; }
+  swizzle& operator=(const swizzle& o) { return *this = vec_type(o); }
+  T operator[](int k) const { constexpr int idx[] = {I...}; return d[idx[k]]; }
+};
+template <class T, bool P> struct vec_storage<T, 2, P> {
+  union {
+    struct { T x, y; };
+    struct { T r, g; };
+    swizzle<T, 2, 0, 0> xx;
+    swizzle<T, 2, 0, 0> rr;
+    swizzle<T, 2, 0, 1> xy;
+    swizzle<T, 2, 0, 1> rg;
+    swizzle<T, 2, 1, 0> yx;
+    swizzle<T, 2, 1, 0> gr;
+    swizzle<T, 2, 1, 1> yy;
+    swizzle<T, 2, 1, 1> gg;
+  };
+};
+template <class T, bool P> struct vec_storage<T, 3, P> {
+  union {
+    struct { T x, y, z; };
+    struct { T r, g, b; };
+    swizzle<T, 3, 0, 0> xx;
+    swizzle<T, 3, 0, 0> rr;
+    swizzle<T, 3, 0, 1> xy;
+    swizzle<T, 3, 0, 1> rg;
+    swizzle<T, 3, 0, 2> xz;
+    swizzle<T, 3, 0, 2> rb;
+    swizzle<T, 3, 1, 0> yx;
+    swizzle<T, 3, 1, 0> gr;
+    swizzle<T, 3, 1, 1> yy;
+    swizzle<T, 3, 1, 1> gg;
+    swizzle<T, 3, 1, 2> yz;
+    swizzle<T, 3, 1, 2> gb;
+    swizzle<T, 3, 2, 0> zx;
+    swizzle<T, 3, 2, 0> br;
+    swizzle<T, 3, 2, 1> zy;
+    swizzle<T, 3, 2, 1> bg;
+    swizzle<T, 3, 2, 2> zz;
+    swizzle<T, 3, 2, 2> bb;
+    swizzle<T, 3, 0, 1, 2> xyz;
+    swizzle<T, 3, 0, 1, 2> rgb;
+    swizzle<T, 3, 2, 1, 0> zyx;
+    swizzle<T, 3, 2, 1, 0> bgr;
+  };
+};
+template <class T, bool P> struct vec_storage<T, 4, P> {
+  union {
+    struct { T x, y, z, w; };
+    struct { T r, g, b, a; };
+    swizzle<T, 4, 0, 0> xx;
+    swizzle<T, 4, 0, 0> rr;
+    swizzle<T, 4, 0, 1> xy;
+    swizzle<T, 4, 0, 1> rg;
+    swizzle<T, 4, 0, 2> xz;
+    swizzle<T, 4, 0, 2> rb;
+    swizzle<T, 4, 0, 3> xw;
+    swizzle<T, 4, 0, 3> ra;
+    swizzle<T, 4, 1, 0> yx;
+    swizzle<T, 4, 1, 0> gr;
+    swizzle<T, 4, 1, 1> yy;
+    swizzle<T, 4, 1, 1> gg;
+    swizzle<T, 4, 1, 2> yz;
+    swizzle<T, 4, 1, 2> gb;
+    swizzle<T, 4, 1, 3> yw;
+    swizzle<T, 4, 1, 3> ga;
+    swizzle<T, 4, 2, 0> zx;
+    swizzle<T, 4, 2, 0> br;
+    swizzle<T, 4, 2, 1> zy;
+    swizzle<T, 4, 2, 1> bg;
+    swizzle<T, 4, 2, 2> zz;
+    swizzle<T, 4, 2, 2> bb;
+    swizzle<T, 4, 2, 3> zw;
+    swizzle<T, 4, 2, 3> ba;
+    swizzle<T, 4, 3, 0> wx;
+    swizzle<T, 4, 3, 0> ar;
+    swizzle<T, 4, 3, 1> wy;
+    swizzle<T, 4, 3, 1> ag;
+    swizzle<T, 4, 3, 2> wz;
+    swizzle<T, 4, 3, 2> ab;
+    swizzle<T, 4, 3, 3> ww;
+    swizzle<T, 4, 3, 3> aa;
+    swizzle<T, 4, 0, 1, 2> xyz;
+    swizzle<T, 4, 0, 1, 2> rgb;
+    swizzle<T, 4, 0, 1, 3> xyw;
+    swizzle<T, 4, 0, 1, 3> rga;
+    swizzle<T, 4, 0, 2, 3> xzw;
+    swizzle<T, 4, 0, 2, 3> rba;
+    swizzle<T, 4, 1, 2, 3> yzw;
+    swizzle<T, 4, 1, 2, 3> gba;
+    swizzle<T, 4, 2, 1, 0> zyx;
+    swizzle<T, 4, 2, 1, 0> bgr;
+    swizzle<T, 4, 0, 1, 2, 3> xyzw;
+    swizzle<T, 4, 0, 1, 2, 3> rgba;
+    swizzle<T, 4, 3, 2, 1, 0> wzyx;
+    swizzle<T, 4, 3, 2, 1, 0> abgr;
+  };
+};
 
 template <class T, int N, bool Packed>
 struct alignas(msl_rt::vec_align(sizeof(T), N, Packed)) vec : vec_storage<T, N, Packed> {
@@ -173,6 +277,11 @@ struct alignas(msl_rt::vec_align(sizeof(T), N, Packed)) vec : vec_storage<T, N, 
   T& operator[](int i) { return (&this->x)[i]; }
   const T& operator[](int i) const { return (&this->x)[i]; }
   vec() = default;
+  vec(const vec&) = default;
+  vec& operator=(const vec& o) { std::memcpy((void*)this, (const void*)&o, sizeof(vec)); return *this; }
+  // A swizzle (v.xy) converts to the vector it reads.
+  template <int M, int... I, std::enable_if_t<sizeof...(I) == N, int> = 0>
+  vec(const swizzle<T, M, I...>& s) { int k = 0; ((( *this)[k++] = s.d[I]), ...); }
   // Scalar broadcast (Metal allows `float4 v = 0.0f;`).
   template <class S, std::enable_if_t<msl_rt::is_scalar_v<S>, int> = 0>
   vec(S s) { for (int i = 0; i < N; ++i) (*this)[i] = T(s); }
