@@ -142,3 +142,58 @@ def table_markdown(rows: List[Dict], ceil: Dict[str, float]) -> str:
         tf = f"{r['TFLOPs']:.2f} | {r['pct_matmul']:.1f}" if "TFLOPs" in r else "- | -"
         lines.append(f"| {r['phase']} | {r['kernel']} | {r['us']:.1f} | {r['GBps']:.1f} | {r['pct_copy']:.1f} | {tf} |")
     return "\n".join(lines)
+
+
+def op_cases(families=("moe", "deltanet", "attention"), min_seconds: float = 0.2, max_iters: int = 50,
+             ceil: Dict[str, float] = None, log=print) -> List[Dict]:
+    """The op modules' own microbenchmarks (``lily_mlx.ops.<family>.microbench_cases()`` ->
+    ``[(name, run_once, bytes_moved, flops)]``, each at Qwen3.6 shapes, lily and stock paths), timed
+    here against the ceilings."""
+    import importlib
+
+    rows = []
+    for family in families:
+        try:
+            mod = importlib.import_module(f"lily_mlx.ops.{family}")
+        except ImportError:
+            continue
+        if not hasattr(mod, "microbench_cases"):
+            continue
+        try:
+            cases = mod.microbench_cases()
+        except Exception as e:  # a family's cases failing to build is reported, the rest still run
+            rows.append({"family": family, "error": f"{type(e).__name__}: {e}"})
+            log(f"[kernels] {family}: microbench cases failed: {e}")
+            continue
+        for name, run_once, nbytes, flops in cases:
+            try:
+                run_once()
+                run_once()
+                n, tic = 0, time.perf_counter()
+                while n < max_iters and (n < 3 or time.perf_counter() - tic < min_seconds):
+                    run_once()
+                    n += 1
+                t = (time.perf_counter() - tic) / n
+            except Exception as e:
+                rows.append({"family": family, "case": name, "error": f"{type(e).__name__}: {e}"})
+                log(f"[kernels] {family} {name}: failed: {e}")
+                continue
+            row = {"family": family, "case": name, "us": t * 1e6, "bytes": nbytes, "flops": flops,
+                   "GBps": nbytes / t / 1e9, "TFLOPs": flops / t / 1e12}
+            if ceil:
+                row["pct_copy"] = 100 * row["GBps"] / ceil["copy_GBps"]
+                row["pct_matmul"] = 100 * row["TFLOPs"] / ceil["matmul_bf16_TFLOPs"]
+            rows.append(row)
+            log(f"[kernels] {family} {name}: {row['us']:.1f} us, {row['GBps']:.1f} GB/s, {row['TFLOPs']:.2f} TFLOP/s")
+    return rows
+
+
+def op_cases_markdown(rows: List[Dict]) -> str:
+    lines = ["| family | case | us | GB/s | % copy | TFLOP/s | % matmul |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['family']} | {r.get('case', '-')} | failed: {r['error'][:80]} | | | | |")
+        else:
+            lines.append(f"| {r['family']} | {r['case']} | {r['us']:.1f} | {r['GBps']:.1f} | {r.get('pct_copy', 0):.1f} | "
+                         f"{r['TFLOPs']:.2f} | {r.get('pct_matmul', 0):.1f} |")
+    return "\n".join(lines)

@@ -68,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", default="stock,lily")
     p.add_argument("--warmup-length", type=int, default=256, help="one untimed run per engine first")
     p.add_argument("--kernel-prefill-tokens", type=int, default=2048)
+    p.add_argument("--op-cases", default="auto", choices=("auto", "on", "off"),
+                   help="kernels mode: also time the op modules' own microbench cases (auto: on a GPU)")
     p.add_argument("--out", default=None, help="directory for results.json, tables and plot")
     return p
 
@@ -115,8 +117,12 @@ def main(argv=None) -> int:
         calls = kernels.record_kernel_calls(model, args.kernel_prefill_tokens, vocab, log=log)
         rows = kernels.microbench(calls, ceil, log=log)
         results["kernels"] = {"ceilings": ceil, "rows": rows, "prefill_tokens": args.kernel_prefill_tokens}
+        text = kernels.table_markdown(rows, ceil) + "\n"
+        if args.op_cases == "on" or (args.op_cases == "auto" and mx.default_device() == mx.gpu):
+            results["kernels"]["op_cases"] = cases = kernels.op_cases(ceil=ceil, log=log)
+            text += "\nOp microbenchmarks (lily_mlx.ops.<family>.microbench_cases):\n\n" + kernels.op_cases_markdown(cases) + "\n"
         if out_dir:
-            (out_dir / "kernels.md").write_text(kernels.table_markdown(rows, ceil) + "\n")
+            (out_dir / "kernels.md").write_text(text)
         save()
 
     if "e2e" in modes:

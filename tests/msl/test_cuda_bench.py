@@ -1,0 +1,75 @@
+"""The benchmark harness (bench/) on the CPU: sweep bookkeeping, tables, op microbench timing, the
+device script's syntax. The numbers here are CPU timings of a tiny model and mean nothing; the
+structure and the stock-vs-lily comparison logic are what is tested."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from bench import e2e, kernels
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_lengths():
+    assert e2e.parse_lengths("256, 1K,4k,128K") == [256, 1024, 4096, 131072]
+    assert [e2e.length_label(n) for n in e2e.SWEEP_LENGTHS] == \
+        ["256", "512", "1K", "2K", "4K", "8K", "16K", "32K", "64K", "128K"]
+
+
+def test_sweep_compares_both_engines_on_one_model(monkeypatch):
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    from bench.model_setup import load_model
+
+    model, _ = load_model(None, "tiny", log=None)
+    lines = []
+    rows = e2e.sweep(model, [24, 40], [24, 40], [40], rounds=2, gen_tokens=3, prefill_step_size=16,
+                     vocab_size=1024, log=lines.append)
+    assert [r["length"] for r in rows] == [24, 40]
+    # Alternating order: round 1 stock first, round 2 lily first.
+    first = [l.split()[-4].rstrip(":") for l in lines if "round 1/2" in l]
+    second = [l.split()[-4].rstrip(":") for l in lines if "round 2/2" in l]
+    assert first[:2] == ["stock", "lily"] and second[:2] == ["lily", "stock"]
+    r24, r40 = rows
+    assert r24["decode_ratio"] is None and r24["stock"]["generation_tps"] is None  # prefill-only length
+    assert r40["decode"] and r40["stock"]["generation_tps"] > 0 and r40["lily"]["generation_tps"] > 0
+    assert r40["same_tokens"]  # reference backend: lily computes stock's function
+    assert all(len(r[e]["trials"]) == 2 for r in rows for e in ("stock", "lily"))
+    table = e2e.table_markdown(rows)
+    assert table.count("\n") == 3 and "| 40 |" in table
+    import lily_mlx
+
+    assert not lily_mlx.is_patched(model)  # the sweep leaves the model stock
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"length": n, "label": e2e.length_label(n), "prefill": True, "decode": True,
+             "stock": {"prompt_tps": 100.0 + n, "generation_tps": 20.0},
+             "lily": {"prompt_tps": 110.0 + n, "generation_tps": 25.0}} for n in (256, 1024)]
+    assert e2e.plot(rows, str(tmp_path / "p.png"), "t") and (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_op_cases_use_the_families_byte_and_flop_counts(monkeypatch):
+    fake = types.ModuleType("lily_mlx.ops.fakefamily")
+    calls = []
+    fake.microbench_cases = lambda: [("ok_case", lambda: calls.append(1), 10**9, 2 * 10**12),
+                                     ("bad_case", lambda: 1 / 0, 1, 1)]
+    monkeypatch.setitem(sys.modules, "lily_mlx.ops.fakefamily", fake)
+    rows = kernels.op_cases(families=("fakefamily",), min_seconds=0.0, max_iters=3,
+                            ceil={"copy_GBps": 1000.0, "matmul_bf16_TFLOPs": 500.0}, log=lambda m: None)
+    ok, bad = rows
+    assert ok["case"] == "ok_case" and ok["GBps"] == pytest.approx(1e9 / (ok["us"] * 1e-6) / 1e9)
+    assert ok["TFLOPs"] == pytest.approx(2e12 / (ok["us"] * 1e-6) / 1e12)
+    assert len(calls) == 5  # two warm-ups, three timed
+    assert "ZeroDivisionError" in bad["error"]
+    assert "failed" in kernels.op_cases_markdown(rows)
+
+
+def test_device_script_is_valid_bash():
+    subprocess.run(["bash", "-n", str(REPO / "bench" / "device_run.sh")], check=True)
