@@ -6,8 +6,8 @@
 #                            [--rounds 2] [--long-rounds 1] [--gen-tokens 32] [--model PATH]
 #                            [--lily-backend auto|cuda|reference]
 #
-# With MLX's CUDA backend staged (see docs/benchmarks.md), on the GPU machine:
-#   export PYTHONPATH=/root/site:$PWD && bash bench/device_run.sh --parts bridge,smoke,e2e
+# With MLX's CUDA backend staged and on PYTHONPATH (see docs/benchmarks.md), on the GPU machine:
+#   bash bench/device_run.sh --parts bridge,smoke,e2e
 # If the smoke test finds lily's CUDA kernels disagree with stock, the sweep runs lily on the
 # reference backend (and says so in results.json): numbers never come from a wrong computation.
 set -uo pipefail
