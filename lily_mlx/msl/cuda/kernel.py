@@ -135,6 +135,7 @@ class CudaMetalKernel:
         self.uses_barriers = bool(_BARRIER_USE.search(code))
         self._kernels: Dict[Tuple, object] = {}
         self._grids: Dict[Tuple[int, int, int], mx.array] = {}
+        self._launches: Dict[Tuple, Tuple] = {}
 
     # -- source generation (also used by the CI compile check) ------------------------------------
 
@@ -223,11 +224,14 @@ class CudaMetalKernel:
             a = self._grids[grid] = mx.array(list(grid), dtype=mx.int32)
         return a
 
-    def _cuda_kernel(self, specs, template):
-        key = (tuple(s.scalar for s in specs), tuple(s.has_shape for s in specs),
-               repr(signature.normalize_template(template)), _mma_enabled())
+    def _cuda_kernel(self, inputs, template):
+        scalars = tuple(a.ndim == 0 for a in inputs)
+        if isinstance(template, dict):
+            template = list(template.items())
+        key = (scalars, tuple(tuple(t) for t in template) if template else (), _mma_enabled())
         k = self._kernels.get(key)
         if k is None:
+            specs = self.specs(inputs)
             header, body = self.cuda_header(), self.cuda_body(specs, template)
             k = mx.fast.cuda_kernel(
                 name=self.kernel_name(header, body),
@@ -242,21 +246,28 @@ class CudaMetalKernel:
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
                  init_value: Optional[float] = None, verbose: bool = False, stream=None):
-        inputs = [signature.as_input_array(x) for x in inputs]
-        specs = self.specs(inputs)
+        # Per-call work is kept to dictionary look-ups: decode launches hundreds of kernels per token.
+        inputs = [x if isinstance(x, mx.array) else signature.as_input_array(x) for x in inputs]
+        if len(inputs) != len(self.input_names):
+            raise ValueError(f"[metal_kernel] Expected `inputs` to have size {len(self.input_names)} "
+                             f"but got size {len(inputs)}.")
         if self.atomic_outputs:
             bad = [d for d in output_dtypes if d not in _ATOMIC_DTYPES]
             if bad:
                 raise UnbridgeableError(f"Metal->CUDA bridge: atomic outputs of dtype {bad[0]} (Metal has "
                                         "atomic int, uint and float only)")
-        grid, tg = self._check_launch(grid, threadgroup)
-        kernel = self._cuda_kernel(specs, template)
+        launch_key = (tuple(grid), tuple(threadgroup))
+        launch = self._launches.get(launch_key)
+        if launch is None:
+            launch = self._launches[launch_key] = self._check_launch(grid, threadgroup)
+        grid, tg = launch
+        kernel = self._cuda_kernel(inputs, template)
         kwargs = dict(
-            inputs=list(inputs) + [self._grid_array(grid)],
+            inputs=inputs + [self._grid_array(grid)],
             grid=grid,
             threadgroup=tg,
-            output_shapes=[tuple(s) for s in output_shapes],
-            output_dtypes=list(output_dtypes),
+            output_shapes=output_shapes,
+            output_dtypes=output_dtypes,
             verbose=verbose,
         )
         if init_value is not None:
