@@ -3,6 +3,8 @@ dispatch point into a kernel; ``OPS`` records them so tools can say which backen
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Tuple
 
@@ -26,10 +28,20 @@ def register_op(op: Op) -> Op:
     return op
 
 
+def reference_ops() -> FrozenSet[str]:
+    """Ops or families forced onto their reference by ``LILY_REFERENCE_OPS=deltanet,moe_routing``
+    (to bisect a disagreement, or to keep one family stock while trying another)."""
+    text = os.environ.get("LILY_REFERENCE_OPS", "")
+    return frozenset(t.strip() for t in text.split(",") if t.strip())
+
+
 def op_backend(name: str, backend: str | None = None) -> str:
     """Backend ``name`` runs on: the active backend if the op has a kernel for it, else reference."""
     backend = backend or resolve_backend()
     op = OPS[name]
+    forced = reference_ops()
+    if op.name in forced or op.family in forced:
+        return "reference"
     return backend if backend in op.kernel_backends else "reference"
 
 
