@@ -22,10 +22,11 @@ from lily_mlx import switches
 from lily_mlx.ops import deltanet
 from lily_mlx.ops import deltanet_kernels as dk
 from lily_mlx.ops import deltanet_reference as ref
+from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
 from tests.ops.deltanet_cases import make_cache, make_module, random_inputs, rel_l2, same, ssm_mask
 
-SIM_MISSING = dk.backend_unavailable_reason("sim")
-needs_sim = pytest.mark.skipif(SIM_MISSING is not None, reason=f"CPU simulator not available: {SIM_MISSING}")
+SIM_MISSING = kernel_backend_problem() or dk.backend_unavailable_reason(KERNEL_BACKEND)
+needs_sim = pytest.mark.skipif(SIM_MISSING is not None, reason=f"{KERNEL_BACKEND} kernels not available: {SIM_MISSING}")
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 TOL = {"float32": 1e-5, "bfloat16": 2e-3}
@@ -91,7 +92,7 @@ def test_scan_kernels_match_reference(B, T, Hk, rep, dims, dtype, with_state, wi
         rng, B, T, Hk, Hk * rep, Dk, Dv, DTYPES[dtype], with_state, with_mask)
     g, beta = ref.gates(*_f32(a, b, A_log, dt_bias))
     y_ref, s_ref = ref.scan_ops(*_f32(q, k, v), g, beta, state, mask)
-    y, s = dk.scan(q, k, v, g, beta, state, mask, register=register, backend="sim", init_value=NAN, block=5)
+    y, s = dk.scan(q, k, v, g, beta, state, mask, register=register, backend=KERNEL_BACKEND, init_value=NAN, block=5)
     assert y.dtype == q.dtype and s.dtype == mx.float32
     _check_scan(y, s, y_ref, s_ref, mask, TOL[dtype])
 
@@ -101,7 +102,7 @@ def test_blockwise_scan_materialises_every_block():
     rng = np.random.default_rng(7)
     q, k, v, a, b, A_log, dt_bias, state, _ = _problem(rng, 2, 11, 1, 2, 32, 32, mx.float32, True, False)
     g, beta = ref.gates(a, b, A_log, dt_bias)
-    y, s, blocks = dk.scan(q, k, v, g, beta, state, register=False, backend="sim", init_value=NAN, block=4,
+    y, s, blocks = dk.scan(q, k, v, g, beta, state, register=False, backend=KERNEL_BACKEND, init_value=NAN, block=4,
                            return_block_states=True)
     assert blocks.shape == (4, 3, 32, 32)
     for blk, t_end in enumerate((4, 8, 11)):
@@ -118,7 +119,7 @@ def test_scan_qwen36_head_shape(register):
     q, k, v, a, b, A_log, dt_bias, state, mask = _problem(rng, 1, 7, 16, 32, 128, 128, mx.bfloat16, True, True)
     g, beta = ref.gates(*_f32(a, b, A_log, dt_bias))
     y_ref, s_ref = ref.scan_ops(*_f32(q, k, v), g, beta, state, mask)
-    y, s = dk.scan(q, k, v, g, beta, state, mask, register=register, backend="sim", init_value=NAN)
+    y, s = dk.scan(q, k, v, g, beta, state, mask, register=register, backend=KERNEL_BACKEND, init_value=NAN)
     _check_scan(y, s, y_ref, s_ref, mask, 2e-3)
 
 
@@ -130,7 +131,7 @@ def test_decode_qwen36_head_shape(fused):
     q, k, v, a, b, A_log, dt_bias, state, _ = _problem(rng, 2, 1, 16, 32, 128, 128, mx.bfloat16, True, False)
     z, w = _rand(rng, (2, 1, 32, 128), mx.bfloat16), _rand(rng, (128,), mx.bfloat16)
     out_ref, s_ref = ref.decode_step(*_f32(q, k, v, a, b, A_log, dt_bias), state, *_f32(z, w), 1e-6)
-    out, s = dk.decode(q, k, v, a, b, A_log, dt_bias, state, z, w, 1e-6, fused=fused, backend="sim", init_value=NAN)
+    out, s = dk.decode(q, k, v, a, b, A_log, dt_bias, state, z, w, 1e-6, fused=fused, backend=KERNEL_BACKEND, init_value=NAN)
     _check_scan(out, s, out_ref, s_ref, None, 2e-3)
 
 
@@ -145,7 +146,7 @@ def test_gates_kernel_matches_reference(B, T, Hv, dtype, f32_bias, seed):
     A_log = mx.array(np.log(rng.uniform(0.5, 16, Hv)).astype(np.float32))
     dt_bias = _rand(rng, (Hv,), mx.float32 if f32_bias else dt)
     g_ref, beta_ref = ref.gates(*_f32(a, b, A_log, dt_bias))
-    g, beta = dk.gates(a, b, A_log, dt_bias, backend="sim", init_value=NAN)
+    g, beta = dk.gates(a, b, A_log, dt_bias, backend=KERNEL_BACKEND, init_value=NAN)
     assert g.dtype == mx.float32 and beta.dtype == mx.float32
     assert rel_l2(g, g_ref) < 1e-5 and rel_l2(beta, beta_ref) < 1e-5
 
@@ -159,7 +160,7 @@ def test_gated_norm_kernel_matches_reference(rows, Dv, dtype, seed):
     dt = DTYPES[dtype]
     x, z = _rand(rng, (rows, 1, Dv), dt), _rand(rng, (rows, 1, Dv), dt)
     w = _rand(rng, (Dv,), dt)
-    out = dk.gated_norm(x, z, w, 1e-6, backend="sim", init_value=NAN)
+    out = dk.gated_norm(x, z, w, 1e-6, backend=KERNEL_BACKEND, init_value=NAN)
     assert out.dtype == dt
     assert rel_l2(out, ref.gated_rms_norm(*_f32(x, z, w), 1e-6).astype(dt)) < TOL[dtype]
 
@@ -181,7 +182,7 @@ def test_decode_kernels_match_reference(B, Hk, rep, dims, dtype, with_state, wit
     mask = mx.array(rng.random((B, 1)) < 0.7) if with_mask else None
     z, w = _rand(rng, (B, 1, Hv, Dv), dt), _rand(rng, (Dv,), dt)
     out_ref, s_ref = ref.decode_step(*_f32(q, k, v, a, b, A_log, dt_bias), state, *_f32(z, w), 1e-6, mask)
-    out, s = dk.decode(q, k, v, a, b, A_log, dt_bias, state, z, w, 1e-6, mask, fused=fused, backend="sim",
+    out, s = dk.decode(q, k, v, a, b, A_log, dt_bias, state, z, w, 1e-6, mask, fused=fused, backend=KERNEL_BACKEND,
                        init_value=NAN)
     _check_scan(out, s, out_ref, s_ref, mask, TOL[dtype])
 
@@ -209,7 +210,7 @@ def test_decode_conv_qk_norm_kernel_matches_reference(B, Hk, rep, dims, conv, dt
     mask = mx.array(rng.random((B, 1)) < 0.7) if with_mask else None
 
     q, k, v, new_state = dk.conv_qk_norm_decode(qkv, conv_state, conv1d.weight, mask, Hk, Dk, Hv, Dv,
-                                                backend="sim", init_value=NAN)
+                                                backend=KERNEL_BACKEND, init_value=NAN)
     # Reference chain (stock's) in fp32 on the same inputs; the state shift must be exact.
     state0 = conv_state if with_state else mx.zeros((B, conv - 1, C), dt)
     conv_input = ref.conv_input_with_state(qkv, state0, mask)
@@ -273,7 +274,7 @@ def test_forward_with_sim_kernels_matches_stock(kind, B, S, padding, dtype, regi
     turns = [random_inputs(B, S, 32, dt, seed)] + [random_inputs(B, 1, 32, dt, seed + i) for i in (1, 2)]
     off = [n for n, on in (("register_scan", register), ("fused_recurrent_norm", fused)) if not on]
     outs0, masks, cache0 = _turns(module, type(module).__call__, turns, left, lengths)
-    with switches.overrides(disable=off), _lily_backend("sim"), \
+    with switches.overrides(disable=off), _lily_backend(KERNEL_BACKEND), \
             mock.patch.object(dk, "get_kernel", wraps=dk.get_kernel) as built:
         outs1, _, cache1 = _turns(module, FORWARDS[kind], turns, left, lengths)
     used = {c.args[0].name for c in built.call_args_list}
@@ -316,7 +317,7 @@ def test_caches_interchange_with_stock(kind):
         mx.eval(outs, cache.cache)
         return outs, cache
 
-    with _lily_backend("sim"):
+    with _lily_backend(KERNEL_BACKEND):
         ref_outs, ref_cache = run(stock, stock)
         for first, then in ((stock, FORWARDS[kind]), (FORWARDS[kind], stock)):
             outs, cache = run(first, then)
@@ -385,7 +386,7 @@ def test_embedded_model_greedy_tokens_match_stock(monkeypatch, off):
     first_tie = int(np.argmin(decided)) if not decided.all() else n
 
     # Only the DeltaNet ops go to the simulator (the other families keep their reference path).
-    monkeypatch.setattr(deltanet, "op_backend", lambda name, backend=None: "sim")
+    monkeypatch.setattr(deltanet, "op_backend", lambda name, backend=None: KERNEL_BACKEND)
     lily_patch.patch(model)
     try:
         with switches.overrides(disable=off), mock.patch.object(dk, "get_kernel", wraps=dk.get_kernel) as built:

@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 from lily_mlx import switches
 from lily_mlx.ops import moe_kernels as mk
 from lily_mlx.ops.moe_reference import dequantize_experts_reference, switch_glu_reference
+from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
 from lily_mlx.ops.moe_testing import make_inputs, make_routing, make_sparse_moe_block, simulator_problem
 
 POISON_INT = -777
@@ -21,14 +22,14 @@ SETTINGS = settings(deadline=None, max_examples=10, derandomize=True)
 ROUTING_KINDS = st.sampled_from(["uniform", "skewed", "one", "empty"])
 
 
-SIM_PROBLEM = simulator_problem()
+SIM_PROBLEM = kernel_backend_problem() or (simulator_problem() if KERNEL_BACKEND == "sim" else None)
 needs_sim = pytest.mark.skipif(SIM_PROBLEM is not None, reason=str(SIM_PROBLEM))
 
 
 @pytest.fixture(scope="module")
 def gemm_sim():
     """The simulator, able to run the GEMM kernels (simdgroup_matrix)."""
-    problem = simulator_problem(need_matrix=True)
+    problem = simulator_problem(need_matrix=True) if KERNEL_BACKEND == "sim" else kernel_backend_problem()
     if problem:
         pytest.skip(problem)
 
@@ -54,7 +55,7 @@ def test_route_histogram_scan_scatter(kind, tokens, experts_topk, seed):
     inds = make_routing(kind, tokens, top_k, num_experts, seed)
     flat = inds.reshape(-1)
     a = flat.size
-    chunk_counts, local_rank = mk.route_histogram(mx.array(inds), num_experts, "sim", init_value=POISON_INT)
+    chunk_counts, local_rank = mk.route_histogram(mx.array(inds), num_experts, KERNEL_BACKEND, init_value=POISON_INT)
     # Histogram: per-chunk counts and ranks within the chunk.
     n_chunks = -(-a // mk.CHUNK)
     want_cc = np.stack([np.bincount(flat[c * mk.CHUNK:(c + 1) * mk.CHUNK], minlength=num_experts)
@@ -63,14 +64,14 @@ def test_route_histogram_scan_scatter(kind, tokens, experts_topk, seed):
     want_rank = np.array([np.sum(flat[(i // mk.CHUNK) * mk.CHUNK:i] == flat[i]) for i in range(a)])
     assert np.array_equal(np.asarray(local_rank), want_rank)
     # Scan.
-    counts, offsets, chunk_offsets = mk.route_scan(chunk_counts, a, "sim", init_value=POISON_INT)
+    counts, offsets, chunk_offsets = mk.route_scan(chunk_counts, a, KERNEL_BACKEND, init_value=POISON_INT)
     want_counts, want_order, want_slots = _numpy_routing(flat, num_experts)
     assert np.array_equal(np.asarray(counts), want_counts)
     assert np.array_equal(np.asarray(offsets), np.concatenate([[0], np.cumsum(want_counts)]))
     want_co = np.concatenate([[0], np.cumsum(want_counts)])[:-1][None, :] + np.cumsum(want_cc, axis=0) - want_cc
     assert np.array_equal(np.asarray(chunk_offsets), want_co)
     # Scatter and inverse map.
-    sorted_rows, slot_of_row = mk.route_scatter(mx.array(inds), local_rank, chunk_offsets, "sim",
+    sorted_rows, slot_of_row = mk.route_scatter(mx.array(inds), local_rank, chunk_offsets, KERNEL_BACKEND,
                                                 init_value=POISON_INT)
     assert np.array_equal(np.asarray(sorted_rows), want_order)
     assert np.array_equal(np.asarray(slot_of_row), want_slots)
@@ -87,7 +88,7 @@ def test_route_block_map(kind, tokens, experts_topk, adaptive, seed):
     counts = np.bincount(flat, minlength=num_experts)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     blocks = mk.route_block_map(mx.array(counts.astype(np.int32)), mx.array(offsets.astype(np.int32)),
-                                flat.size, adaptive, "sim", init_value=POISON_INT)
+                                flat.size, adaptive, KERNEL_BACKEND, init_value=POISON_INT)
     blocks = np.asarray(blocks)
     want = mk.host_block_map(counts, adaptive)
     assert blocks.shape == (mk.max_blocks_bound(flat.size, num_experts), 4)
@@ -171,7 +172,7 @@ def test_grouped_gemms(gemm_sim, kind, tokens, shape, adaptive, fused, seed):
     x = make_inputs(1, tokens, d, seed=seed).reshape(tokens, d)
     sched = _schedule_numpy(flat, e, adaptive)
     h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, k,
-                               fused, sched["counts"], "sim", init_value=float("nan"))
+                               fused, sched["counts"], KERNEL_BACKEND, init_value=float("nan"))
     # Reference in fp32 on the same (bf16) inputs.
     xs = x.astype(mx.float32)[mx.array(np.asarray(sched["sorted_rows"]) // k)]  # [A, D] slot order
     e_of_slot = mx.array(np.sort(flat))
@@ -179,7 +180,7 @@ def test_grouped_gemms(gemm_sim, kind, tokens, shape, adaptive, fused, seed):
     u = mx.einsum("ad,aod->ao", xs, _dense(sw.up_proj)[e_of_slot])
     want_h = g * mx.sigmoid(g) * u
     _assert_close_bf16(h, want_h, "gate_up_swiglu")
-    y = mk.gemm_down(h, sched["blocks"], sw.down_proj, fused, sched["counts"], "sim", init_value=float("nan"))
+    y = mk.gemm_down(h, sched["blocks"], sw.down_proj, fused, sched["counts"], KERNEL_BACKEND, init_value=float("nan"))
     want_y = mx.einsum("ai,adi->ad", h.astype(mx.float32), _dense(sw.down_proj)[e_of_slot])
     _assert_close_bf16(y, want_y, "down")
 
@@ -188,7 +189,7 @@ def test_dequant_experts(gemm_sim):
     block = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=8, top_k=2)
     layer = block.switch_mlp.down_proj
     counts = mx.array([3, 0, 1, 0, 0, 7, 0, 2], dtype=mx.int32)
-    got = mk.dequantize_experts(layer, counts, mx.bfloat16, "sim", init_value=float("nan"))
+    got = mk.dequantize_experts(layer, counts, mx.bfloat16, KERNEL_BACKEND, init_value=float("nan"))
     want = dequantize_experts_reference(layer, mx.bfloat16)
     used = np.asarray(counts) > 0
     got, want = np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32))
@@ -206,7 +207,7 @@ SWITCH_STATES = [(), ("gpu_routing",), ("fused_dequant",), ("adaptive_tile",),
 
 @pytest.mark.parametrize("disabled", SWITCH_STATES, ids=lambda d: "off:" + ",".join(d) if d else "all-on")
 def test_routed_experts_kernel_vs_stock(gemm_sim, disabled, monkeypatch):
-    monkeypatch.setenv("LILY_BACKEND", "sim")
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     block = make_sparse_moe_block(num_experts=16, top_k=4, seed=1, skew=5.0)
     x = make_inputs(2, 21, 128, seed=3, mean=0.5)  # B > 1, odd T, a hot expert
     inds = mx.argpartition(block.gate(x), kth=-4, axis=-1)[..., -4:]
@@ -220,7 +221,7 @@ def test_routed_experts_kernel_vs_stock(gemm_sim, disabled, monkeypatch):
 def test_sparse_moe_forward_sim_vs_stock(gemm_sim, monkeypatch):
     from lily_mlx.ops.moe import sparse_moe_forward
 
-    monkeypatch.setenv("LILY_BACKEND", "sim")
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     for batch, tokens, k in [(1, 16, 4), (3, 7, 4), (1, 64, 1)]:
         block = make_sparse_moe_block(num_experts=16, top_k=k, seed=tokens)
         x = make_inputs(batch, tokens, 128, seed=tokens)
@@ -231,7 +232,7 @@ def test_sparse_moe_forward_sim_vs_stock(gemm_sim, monkeypatch):
 @pytest.mark.slow
 def test_grouped_gemm_larger_shape(gemm_sim, monkeypatch):
     """One representative larger case: 64 experts, top-8, hidden 512, expert width 256, 96 tokens."""
-    monkeypatch.setenv("LILY_BACKEND", "sim")
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     block = make_sparse_moe_block(hidden=512, expert_width=256, num_experts=64, top_k=8, seed=2, skew=3.0)
     x = make_inputs(1, 96, 512, seed=5, mean=0.3)
     inds = mx.argpartition(block.gate(x), kth=-8, axis=-1)[..., -8:]
@@ -240,9 +241,10 @@ def test_grouped_gemm_larger_shape(gemm_sim, monkeypatch):
     _assert_as_good_as_stock(got, stock, _exact_switch_glu(block.switch_mlp, x, inds), "routed experts (larger)")
 
 
+@needs_sim
 def test_unsupported_falls_back(monkeypatch):
     """Non-quantised experts and other bit widths take the reference path, saying why once."""
-    monkeypatch.setenv("LILY_BACKEND", "sim")
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     notes = []
     monkeypatch.setattr(mk, "log_once", lambda key, message, *a, **k: notes.append(message))
     x = make_inputs(1, 20, 128)
@@ -312,7 +314,7 @@ def test_microbench_cases_small(gemm_sim, monkeypatch):
     """The benchmark cases run (shrunk shapes) and report positive bytes and flops."""
     from lily_mlx.ops import moe_bench
 
-    monkeypatch.setenv("LILY_BACKEND", "sim")
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     for name, value in dict(HIDDEN=128, EXPERT_WIDTH=64, NUM_EXPERTS=16, TOP_K=4, TOKENS=(24,)).items():
         monkeypatch.setattr(moe_bench, name, value)
     cases = moe_bench.microbench_cases()
