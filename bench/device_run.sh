@@ -5,6 +5,7 @@
 #   bash bench/device_run.sh [--parts bridge,smoke,kernels,e2e] [--lengths 256,1K,4K,16K]
 #                            [--rounds 2] [--long-rounds 1] [--gen-tokens 32] [--model PATH]
 #                            [--lily-backend auto|cuda|reference]
+#                            [--engines stock,lily,lily-off:register_scan,...]  (switch ablations end to end)
 #
 # With MLX's CUDA backend staged and on PYTHONPATH (see docs/benchmarks.md), on the GPU machine:
 #   bash bench/device_run.sh --parts bridge,smoke,e2e
@@ -17,6 +18,7 @@ LENGTHS=256,1K,4K,16K
 ROUNDS=2
 LONG_ROUNDS=1
 GEN_TOKENS=32
+ENGINES=stock,lily
 MODEL=()
 LILY_BACKEND_CHOICE=auto
 while [ $# -gt 0 ]; do
@@ -26,6 +28,7 @@ while [ $# -gt 0 ]; do
     --rounds) ROUNDS=$2; shift 2;;
     --long-rounds) LONG_ROUNDS=$2; shift 2;;
     --gen-tokens) GEN_TOKENS=$2; shift 2;;
+    --engines) ENGINES=$2; shift 2;;
     --model) MODEL=(--model "$2"); shift 2;;
     --lily-backend) LILY_BACKEND_CHOICE=$2; shift 2;;
     *) echo "unknown argument $1"; exit 2;;
@@ -68,6 +71,6 @@ if [ ${#MODES[@]} -gt 0 ]; then
   mode=$(IFS=,; echo "${MODES[*]}")
   say "bench.run --mode $mode"
   $PY -m bench.run --mode "$mode" "${MODEL[@]}" --lengths "$LENGTHS" --rounds "$ROUNDS" \
-      --long-rounds "$LONG_ROUNDS" --gen-tokens "$GEN_TOKENS" --out "$OUT/bench" 2>&1 | tee -a "$LOG"
+      --long-rounds "$LONG_ROUNDS" --gen-tokens "$GEN_TOKENS" --engines "$ENGINES" --out "$OUT/bench" 2>&1 | tee -a "$LOG"
 fi
 say "done"

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+
+from lily_mlx import switches
 
 K = 1024
 # The write-up's ten prompt lengths (prefill) and ten context lengths (decode): 256 ... 128K.
@@ -34,8 +36,25 @@ def parse_lengths(text: str) -> List[int]:
     return out
 
 
+ABLATION_PREFIX = "lily-off:"
+
+
+def switches_off(engine: str) -> Tuple[str, ...]:
+    """Switches an engine runs with off: ``lily-off:gpu_routing+fused_dequant`` -> both; ``lily`` -> none.
+
+    An ablation engine is lily-mlx with those switches off (the write-up's ablation variants), so
+    ``--engines stock,lily,lily-off:register_scan`` measures one switch end to end."""
+    if not engine.startswith(ABLATION_PREFIX):
+        return ()
+    return tuple(switches.parse_list(engine[len(ABLATION_PREFIX):].replace("+", ",")))
+
+
+def is_lily(engine: str) -> bool:
+    return engine == "lily" or engine.startswith(ABLATION_PREFIX)
+
+
 class Engines:
-    """Switch one model between stock MLX-LM and lily-mlx."""
+    """Switch one model between stock MLX-LM and lily-mlx (with or without ablated switches)."""
 
     def __init__(self, model, lily_available: bool = True):
         self.model = model
@@ -45,14 +64,15 @@ class Engines:
         import lily_mlx
 
         patched = lily_mlx.is_patched(self.model)
-        if engine == "lily" and not patched:
+        if is_lily(engine) and not patched:
             lily_mlx.patch(self.model)
         elif engine == "stock" and patched:
             lily_mlx.unpatch(self.model)
 
 
 def prefill_step(engine: str, requested: int) -> int:
-    if engine == "lily":
+    """The chunk size ``engine`` prefills with (call under the engine's switch state)."""
+    if is_lily(engine):
         from lily_mlx.patch import prefill_step_size
 
         return prefill_step_size(requested)
@@ -104,7 +124,8 @@ def sweep(model, lengths: Sequence[int], prefill_lengths: Sequence[int], decode_
             order = list(engines) if r % 2 == 0 else list(reversed(engines))
             for engine in order:
                 sw.use(engine)
-                res = run_once(model, prompt, gen, prefill_step(engine, prefill_step_size))
+                with switches.overrides(disable=switches_off(engine)):
+                    res = run_once(model, prompt, gen, prefill_step(engine, prefill_step_size))
                 per_engine[engine].append(res)
                 log(f"[e2e] {length_label(length):>5} round {r + 1}/{n_rounds} {engine:>5}: "
                     f"prompt_tps={res['prompt_tps']:.3f}, generation_tps={res['generation_tps']:.3f}, "
@@ -124,6 +145,11 @@ def sweep(model, lengths: Sequence[int], prefill_lengths: Sequence[int], decode_
             row["prefill_ratio"] = l_["prompt_tps"] / s["prompt_tps"]
             row["decode_ratio"] = (l_["generation_tps"] / s["generation_tps"]) if gen > 1 else None
             row["same_tokens"] = s["tokens"] == l_["tokens"]
+        for engine in per_engine:
+            if engine.startswith(ABLATION_PREFIX) and "lily" in per_engine:
+                a, l_ = row[engine], row["lily"]
+                row[engine]["prefill_vs_lily"] = l_["prompt_tps"] / a["prompt_tps"]
+                row[engine]["decode_vs_lily"] = (l_["generation_tps"] / a["generation_tps"]) if gen > 1 else None
         row["rounds"] = n_rounds
         rows.append(row)
         if on_row:
@@ -151,6 +177,31 @@ def table_markdown(rows: List[Dict]) -> str:
             f"{f(l_.get('generation_tps') if r['decode'] else None)} | "
             f"{f(r.get('decode_ratio') if r['decode'] else None, 3)} | "
             f"{f(s.get('peak_memory'), 2)} / {f(l_.get('peak_memory'), 2)} | {r.get('same_tokens', '-')} |")
+    return "\n".join(lines)
+
+
+def ablation_markdown(rows: List[Dict]) -> str:
+    """Per ablation engine: what the switch buys end to end (lily with it on / lily with it off)."""
+    engines = sorted({e for r in rows for e in r if isinstance(e, str) and e.startswith(ABLATION_PREFIX)})
+    if not engines:
+        return ""
+    lines = ["| length | switch(es) off | prefill tok/s off | lily prefill tok/s | on/off | "
+             "decode tok/s off | lily decode tok/s | on/off |", "|---|---|---|---|---|---|---|---|"]
+
+    def f(x, nd=1):
+        return "-" if x is None else f"{x:,.{nd}f}"
+
+    for r in rows:
+        for e in engines:
+            a, l_ = r.get(e), r.get("lily")
+            if not a or not l_:
+                continue
+            dec = r["decode"]
+            lines.append(f"| {r['label']} | {e[len(ABLATION_PREFIX):]} | {f(a['prompt_tps'])} | "
+                         f"{f(l_['prompt_tps'])} | {f(a.get('prefill_vs_lily'), 3)} | "
+                         f"{f(a.get('generation_tps') if dec else None)} | "
+                         f"{f(l_.get('generation_tps') if dec else None)} | "
+                         f"{f(a.get('decode_vs_lily') if dec else None, 3)} |")
     return "\n".join(lines)
 
 

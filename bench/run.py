@@ -65,7 +65,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--long-rounds", type=int, default=None, help="rounds for long lengths (default: --rounds)")
     p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated after the first (decode timing)")
     p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--engines", default="stock,lily")
+    p.add_argument("--engines", default="stock,lily",
+                   help="comma-separated: stock, lily, lily-off:<switch>[+<switch>] (lily with switches off)")
     p.add_argument("--warmup-length", type=int, default=256, help="one untimed run per engine first")
     p.add_argument("--kernel-prefill-tokens", type=int, default=2048)
     p.add_argument("--op-cases", default="auto", choices=("auto", "on", "off"),
@@ -149,6 +150,9 @@ def main(argv=None) -> int:
                          rounds_for=lambda n: long_rounds if n >= long_from else args.rounds, on_row=partial)
         results["e2e"] = {"rows": rows, "seconds": time.perf_counter() - t0, "complete": True}
         table = e2e.table_markdown(rows)
+        ablations = e2e.ablation_markdown(rows)
+        if ablations:
+            table += "\n\nSwitch ablations (lily with the switch on / off):\n\n" + ablations
         log(table)
         if out_dir:
             (out_dir / "e2e.md").write_text(table + "\n")

@@ -47,6 +47,35 @@ def test_sweep_compares_both_engines_on_one_model(monkeypatch):
     assert not lily_mlx.is_patched(model)  # the sweep leaves the model stock
 
 
+def test_ablation_engines_run_lily_with_switches_off(monkeypatch):
+    """``lily-off:a+b`` is lily with those switches off during its runs only; names are validated."""
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    from bench.model_setup import load_model
+    from lily_mlx import switches
+
+    assert e2e.switches_off("lily-off:gpu_routing+chunked_prefill") == ("gpu_routing", "chunked_prefill")
+    assert e2e.switches_off("lily") == () and e2e.switches_off("stock") == ()
+    with pytest.raises(ValueError, match="Valid switches"):
+        e2e.switches_off("lily-off:no_such_switch")
+
+    seen = []
+    real_run_once = e2e.run_once
+
+    def spy(model, prompt, gen, step):
+        seen.append((switches.is_enabled("chunked_prefill"), step))
+        return real_run_once(model, prompt, gen, step)
+
+    monkeypatch.setattr(e2e, "run_once", spy)
+    model, _ = load_model(None, "tiny", log=None)
+    rows = e2e.sweep(model, [24], [24], [24], rounds=1, gen_tokens=2, prefill_step_size=8,
+                     engines=("lily", "lily-off:chunked_prefill"), vocab_size=1024, log=lambda m: None)
+    assert seen[0] == (True, 8)  # lily: MLX-LM's chunking
+    assert seen[1][0] is False and seen[1][1] > 24  # ablation: the whole prompt in one chunk
+    assert switches.is_enabled("chunked_prefill")  # restored after the run
+    assert rows[0]["lily-off:chunked_prefill"]["prefill_vs_lily"] > 0
+    assert "chunked_prefill" in e2e.ablation_markdown(rows)
+
+
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [{"length": n, "label": e2e.length_label(n), "prefill": True, "decode": True,
