@@ -139,3 +139,26 @@ def get_kernel(spec: KernelSpec, backend: Optional[str] = None) -> Callable:
 def clear_cache() -> None:
     _cache.clear()
     load_kernel_file.cache_clear()
+
+
+# Small constant inputs (sizes, flags, epsilons) recur with the same values on every layer and token.
+# Building a fresh mx.array per call costs a host allocation and an upload per kernel launch on a GPU;
+# these caches hand back one concrete (already materialised) array per distinct value instead.
+@lru_cache(maxsize=1024)
+def _int32_params(values: Tuple[int, ...]):
+    import mlx.core as mx
+
+    return mx.array(list(values), dtype=mx.int32)
+
+
+def int32_params(*values: int):
+    """``params`` input of a kernel: a cached int32 vector of ``values``."""
+    return _int32_params(tuple(int(v) for v in values))
+
+
+@lru_cache(maxsize=64)
+def float32_scalar(value: float):
+    """A cached one-element float32 input (e.g. a norm's epsilon)."""
+    import mlx.core as mx
+
+    return mx.array([float(value)], dtype=mx.float32)

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ..kernel_registry import KernelSpec, get_kernel
+from ..kernel_registry import KernelSpec, float32_scalar, get_kernel, int32_params
 
 # Dispatch table: one row per kernel of kernels/deltanet.metal.
 _FILE = "deltanet.metal"
@@ -90,8 +90,7 @@ def backend_unavailable_reason(backend: str) -> Optional[str]:
     return None
 
 
-def _params(*values: int) -> mx.array:
-    return mx.array([int(x) for x in values], dtype=mx.int32)
+_params = int32_params
 
 
 def _scan_threadgroup_y(simdgroups: int) -> int:
@@ -168,7 +167,7 @@ def gated_norm(x, z, weight, eps: float, *, backend: str, init_value=None, out_d
     tg_y = 4
     grid_y = max(tg_y, -(-rows // tg_y) * tg_y)
     (out,) = get_kernel(KERNELS["deltanet_gated_norm"], backend)(
-        inputs=[x, z, weight, mx.array([eps], dtype=mx.float32), _params(rows)],
+        inputs=[x, z, weight, float32_scalar(eps), _params(rows)],
         template=[("OutT", out_dtype), ("Dv", Dv)],
         grid=(32, grid_y, 1),
         threadgroup=(32, tg_y, 1),
@@ -200,7 +199,7 @@ def decode(q, k, v, a, b, A_log, dt_bias, state, z, weight, eps: float, mask=Non
     has_mask = mask is not None
     out, state_out = get_kernel(KERNELS["deltanet_decode_fused"], backend)(
         inputs=[q, k, v, a, b, A_log, dt_bias, state if has_state else _ONE_FLOAT,
-                mask if has_mask else _ONE_BOOL, z, weight, mx.array([eps], dtype=mx.float32),
+                mask if has_mask else _ONE_BOOL, z, weight, float32_scalar(eps),
                 _params(B, Hk, Hv, has_state, has_mask)],
         template=[("InT", q.dtype), ("Dk", Dk), ("Dv", Dv)],
         grid=(32, simdgroups, B * Hv),
@@ -241,7 +240,7 @@ def conv_qk_norm_decode(qkv, conv_state, weight, mask, Hk: int, Dk: int, Hv: int
     has_mask = mask is not None
     q, k, v, new_state = get_kernel(KERNELS["deltanet_conv_qk_norm_decode"], backend)(
         inputs=[qkv, conv_state if has_state else _ONE_FLOAT.astype(qkv.dtype), weight,
-                mask if has_mask else _ONE_BOOL, mx.array([eps], dtype=mx.float32),
+                mask if has_mask else _ONE_BOOL, float32_scalar(eps),
                 _params(B, Hk, C, has_state, has_mask)],
         template=[("InT", qkv.dtype), ("Dk", Dk), ("K", K)],
         grid=(32, C // Dk, B),

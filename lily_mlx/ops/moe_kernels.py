@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import switches
-from ..kernel_registry import KernelSpec, get_kernel
+from ..kernel_registry import KernelSpec, get_kernel, int32_params
 from ..log import log_once
 from . import moe as _moe  # noqa: F401  (registers the MoE ops in OPS)
 from . import op_backend
@@ -57,8 +57,7 @@ def _kernel(name: str, backend: Optional[str] = None):
     return get_kernel(KERNELS[name], backend or op_backend("moe_routing"))
 
 
-def _params(*values) -> mx.array:
-    return mx.array(list(values), dtype=mx.int32)
+_params = int32_params
 
 
 def _scan_threads(num_experts: int) -> int:

@@ -192,3 +192,13 @@ def test_sim_kernel_built_cached_and_correct(kernel_dir):
     (out,) = kernel(inputs=[a, b], grid=(n, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(n,)],
                     output_dtypes=[mx.float32], init_value=float("nan"))
     assert mx.allclose(out, 2 * a + b).item()
+
+
+def test_small_constant_inputs_are_cached():
+    import mlx.core as mx
+
+    a, b = kr.int32_params(2, 3, 1), kr.int32_params(2, 3, True)
+    assert a is b and a.dtype == mx.int32 and a.tolist() == [2, 3, 1]
+    assert kr.int32_params(2, 3, 0) is not a
+    eps = kr.float32_scalar(1e-6)
+    assert eps is kr.float32_scalar(1e-6) and eps.dtype == mx.float32 and eps.shape == (1,)
