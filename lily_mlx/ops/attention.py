@@ -11,8 +11,9 @@ Four ops, each a function with a reference in plain MLX ops and one dispatch poi
 
 ``attention_forward(self, x, mask, cache)`` is the whole layer with the stock module as ``self``.
 On the reference backend it is exactly stock's computation: the same MLX primitives in the same
-order, mlx_lm's own ``scaled_dot_product_attention`` (quantized KV caches included). No kernels
-yet: every op resolves to its reference.
+order, mlx_lm's own ``scaled_dot_product_attention`` (quantized KV caches included). Kernels:
+``attention_decode`` (``attention_kernels``, kernels/attention.metal); the other ops run their
+reference.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from mlx_lm.models import base as mlx_lm_base
 from ..backend import resolve_backend
 from ..log import log_once
 from ..switches import is_enabled
-from . import Op, op_backend, register_op
+from . import Op, attention_kernels, op_backend, register_op
 
 QK_PREP = register_op(Op(
     "attention_qk_prep", "attention",
@@ -40,6 +41,7 @@ DECODE = register_op(Op(
     "attention_decode", "attention",
     "one query row per sequence over the KV cache (GQA)",
     switches=("coalesced_kv", "gqa_packing"),
+    kernel_backends=frozenset({"metal", "cuda", "sim"}),
 ))
 LONG_CONTEXT = register_op(Op(
     "attention_decode_long", "attention",
@@ -54,8 +56,11 @@ FIXED_BLOCK_HEAD_DIM = 256
 FIXED_BLOCK_GQA_FACTOR = 8
 FIXED_BLOCK_SIZE = 4096  # KV rows per block; a starting point for tuning
 
-# (op name, backend) -> kernel launcher, filled as kernels land. Empty: every op runs its reference.
-KERNELS: dict = {}
+# (op name, backend) -> kernel launcher, filled as kernels land; ops without a row run their reference.
+KERNELS: dict = {
+    (DECODE.name, backend): attention_kernels.decode_attention_from_cache(backend)
+    for backend in DECODE.kernel_backends
+}
 
 
 def _kernel_for(op: Op, unsupported: Optional[str] = None) -> Optional[Callable]:
@@ -154,10 +159,11 @@ def prefill_attention(queries, keys, values, *, scale, mask=None, cache=None):
 
 
 def decode_attention(queries, keys, values, *, scale, mask=None, cache=None):
-    """One query row (L == 1) over the KV cache. Kernel variants: ``coalesced_kv``, ``gqa_packing``."""
-    kernel = _kernel_for(DECODE, _unsupported_kv(keys, mask))
-    if kernel is not None:  # pragma: no cover
-        return kernel(queries, keys, values, scale=scale, mask=mask,
+    """One query row (L == 1) over the KV cache. Kernel variants: ``coalesced_kv``, ``gqa_packing``.
+    The kernel takes a plain ``KVCache`` without a mask (shape rules: ``attention_kernels``)."""
+    kernel = _kernel_for(DECODE, attention_kernels.unsupported_reason(queries, keys, values, mask, cache))
+    if kernel is not None:
+        return kernel(queries, keys, values, scale=scale, mask=mask, cache=cache,
                       coalesced=is_enabled("coalesced_kv"), gqa_packed=is_enabled("gqa_packing"))
     return attention_reference(queries, keys, values, scale=scale, mask=mask, cache=cache)
 

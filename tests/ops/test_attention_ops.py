@@ -237,7 +237,9 @@ def test_ops_registered_with_their_switches():
     assert "fixed_block_attention" in ops["attention_decode_long"].switches
     used = {s for op in ops.values() for s in op.switches}
     assert used == {n for n, s in switches.SWITCHES.items() if s.family == "attention"}
+    with_kernels = {"attention_decode": frozenset({"metal", "cuda", "sim"})}  # update as kernels land
     for op in ops.values():
-        assert op.kernel_backends == frozenset()  # no kernels yet: update when one lands
+        assert op.kernel_backends == with_kernels.get(op.name, frozenset())
         for backend in ("metal", "cuda", "sim", "reference"):
-            assert op_backend(op.name, backend) == "reference"
+            expected = backend if backend in op.kernel_backends else "reference"
+            assert op_backend(op.name, backend) == expected

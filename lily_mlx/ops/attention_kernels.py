@@ -1,0 +1,108 @@
+"""Decode-attention kernel, host side: dispatch table, shape rules, launch geometry.
+
+The kernel lives in ``kernels/attention.metal`` (layout notes there and in docs/attention.md). The
+host function has the signature of ``attention.attention_reference`` for one query row, plus the
+switch states, ``backend`` (``metal``, ``sim`` or ``cuda``) and ``init_value`` (tests poison
+outputs with it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+
+from ..kernel_registry import KernelSpec, float32_scalar, get_kernel, int32_params
+
+# Dispatch table: one row per kernel of kernels/attention.metal.
+_FILE = "attention.metal"
+KERNELS = {
+    spec.name: spec
+    for spec in (
+        KernelSpec("attention_decode", _FILE, ("q", "k", "v", "scale", "params"), ("out",)),
+    )
+}
+
+# Simdgroups per threadgroup: the KV rows are dealt round-robin over them (a tuning knob; no GPU
+# timing yet). Threadgroup memory: SIMDGROUPS * D fp32 (8 KiB at D = 256).
+DECODE_SIMDGROUPS = 4
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+KV_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+MAX_HEADS_PER_THREADGROUP = 8  # registers: 2 * G * D / 32 fp32 per lane with gqa_packing
+
+
+def unsupported_reason(queries: mx.array, keys: Any, values: Any, mask: Any = None,
+                       cache: Any = None) -> Optional[str]:
+    """Why the decode kernel cannot run these inputs; None when it can.
+
+    queries: [B, Hq, L, D]; keys, values: [B, Hkv, S, D] from a plain mlx_lm ``KVCache``."""
+    from mlx_lm.models.cache import KVCache
+
+    if isinstance(keys, tuple):
+        return "quantized KV cache"
+    if mask is not None:
+        return "a mask"
+    if type(cache) is not KVCache:  # rotating, quantized, batch caches or none at all
+        return f"cache {type(cache).__name__} is not a plain KVCache"
+    B, Hq, L, D = queries.shape
+    if L != 1:
+        return f"L={L} query rows (decode takes one)"
+    if keys.ndim != 4 or values.shape != keys.shape or keys.shape[0] != B or keys.shape[3] != D:
+        return f"keys {tuple(keys.shape)} / values {tuple(values.shape)} do not match queries {tuple(queries.shape)}"
+    if D not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {D} not in {SUPPORTED_HEAD_DIMS}"
+    Hkv = keys.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        return f"Hq={Hq} not a multiple of Hkv={Hkv}"
+    if Hq // Hkv > MAX_HEADS_PER_THREADGROUP:
+        return f"{Hq // Hkv} query heads per KV head (at most {MAX_HEADS_PER_THREADGROUP})"
+    if queries.dtype not in KV_DTYPES or keys.dtype != queries.dtype or values.dtype != queries.dtype:
+        return f"dtypes q={queries.dtype}, k={keys.dtype}, v={values.dtype} not supported"
+    if keys.shape[2] == 0:
+        return "an empty KV cache"
+    if cache.keys is None or cache.offset != keys.shape[2]:
+        return "keys are not the cache's live rows"
+    return None
+
+
+def decode_attention(
+    queries: mx.array,  # [B, Hq, 1, D]
+    keys: mx.array,  # [B, Hkv, S_cap, D]: rows < kv_length are live
+    values: mx.array,  # [B, Hkv, S_cap, D]
+    *,
+    scale: float,
+    kv_length: Optional[int] = None,  # live rows S (default: all of S_cap)
+    gqa_packed: bool = True,
+    coalesced: bool = True,
+    backend: str,
+    init_value=None,
+) -> mx.array:  # [B, Hq, 1, D] in queries' dtype
+    """Single-query attention over a contiguous KV buffer, GQA (query head h reads KV head h // G)."""
+    B, Hq, _, D = queries.shape
+    Hkv, S_cap = keys.shape[1], keys.shape[2]
+    S = S_cap if kv_length is None else kv_length
+    G = Hq // Hkv
+    heads_per_tg = G if gqa_packed else 1
+    sg = DECODE_SIMDGROUPS
+    (out,) = get_kernel(KERNELS["attention_decode"], backend)(
+        inputs=[queries, keys, values, float32_scalar(scale), int32_params(Hkv, G, S, S_cap)],
+        template=[("InT", queries.dtype), ("D", D), ("GT", heads_per_tg), ("SG", sg),
+                  ("COALESCED", int(coalesced))],
+        grid=(32, sg, B * Hkv * (G // heads_per_tg)),
+        threadgroup=(32, sg, 1),
+        output_shapes=[queries.shape],
+        output_dtypes=[queries.dtype],
+        init_value=init_value,
+    )
+    return out
+
+
+def decode_attention_from_cache(backend: str):
+    """The launcher ``attention.decode_attention`` dispatches to on ``backend``: reads the cache's
+    whole buffer (no copy of the live slice) with the live length as a parameter."""
+
+    def launch(queries, keys, values, *, scale, mask=None, cache=None, coalesced=True, gqa_packed=True):
+        return decode_attention(queries, cache.keys, cache.values, scale=scale, kv_length=keys.shape[2],
+                                gqa_packed=gqa_packed, coalesced=coalesced, backend=backend)
+
+    return launch
