@@ -23,6 +23,7 @@ from lily_mlx.ops import deltanet
 from lily_mlx.ops import deltanet_kernels as dk
 from lily_mlx.ops import deltanet_reference as ref
 from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
+from tests.kernels.model_checks import teacher_forced_logits as shared_teacher_forced_logits
 from tests.ops.deltanet_cases import make_cache, make_module, random_inputs, rel_l2, same, ssm_mask
 
 SIM_MISSING = kernel_backend_problem() or dk.backend_unavailable_reason(KERNEL_BACKEND)
@@ -363,7 +364,6 @@ def test_embedded_model_greedy_tokens_match_stock(monkeypatch, off):
         pytest.skip(f"embedded model / patch layer not available: {e}")
     from mlx_lm import load
     from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
 
     model, tokenizer = load(str(path))
     prompt = mx.array(tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the"))
@@ -373,11 +373,7 @@ def test_embedded_model_greedy_tokens_match_stock(monkeypatch, off):
         return [int(t) for t, _ in zip((tok for tok, _ in generate_step(prompt, model, max_tokens=n)), range(n))]
 
     def teacher_forced_logits(tokens):
-        cache = make_prompt_cache(model)
-        logits = [model(prompt[None], cache=cache)[0, -1]]
-        for t in tokens[:-1]:
-            logits.append(model(mx.array([[t]]), cache=cache)[0, -1])
-        return mx.stack(logits).astype(mx.float32)  # [n, vocab]
+        return shared_teacher_forced_logits(model, prompt, tokens)
 
     stock_tokens = greedy()
     stock_logits = teacher_forced_logits(stock_tokens)
