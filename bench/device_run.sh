@@ -2,10 +2,16 @@
 # One call on an NVIDIA GPU machine: Metal->CUDA bridge checks, a lily-vs-stock smoke test, kernel
 # microbenchmarks and the end-to-end sweep, results under $OUT (default ./device_out).
 #
-#   bash bench/device_run.sh [--parts bridge,smoke,kernels,e2e] [--lengths 256,1K,4K,16K]
+#   bash bench/device_run.sh [--parts bridge,smoke,tests,kernels,e2e] [--lengths 256,1K,4K,16K]
 #                            [--rounds 2] [--long-rounds 1] [--gen-tokens 32] [--model PATH]
 #                            [--lily-backend auto|cuda|reference]
 #                            [--engines stock,lily,lily-off:register_scan,...]  (switch ablations end to end)
+#                            [--smoke-timeout 330] [--tests-timeout 240] [--tests-k EXPR]
+#
+# Parts: bridge (bridge feature checks), smoke (fp32-oracle agreement of lily's kernels with stock on a
+# 4-layer full-width random model, all kernels and one family at a time), tests (the kernel test files
+# on this GPU, LILY_TEST_KERNEL_BACKEND=cuda), kernels (each kernel alone), e2e (stock vs lily sweep).
+# A fresh machine spends minutes in first-time NVRTC compiles: give smoke at least 5 minutes.
 #
 # With MLX's CUDA backend staged and on PYTHONPATH (see docs/benchmarks.md), on the GPU machine:
 #   bash bench/device_run.sh --parts bridge,smoke,e2e
@@ -21,6 +27,9 @@ GEN_TOKENS=32
 ENGINES=stock,lily
 MODEL=()
 LILY_BACKEND_CHOICE=auto
+SMOKE_TIMEOUT=330
+TESTS_TIMEOUT=240
+TESTS_K="not embedded and not forward_with_sim"
 while [ $# -gt 0 ]; do
   case "$1" in
     --parts) PARTS=$2; shift 2;;
@@ -31,6 +40,9 @@ while [ $# -gt 0 ]; do
     --engines) ENGINES=$2; shift 2;;
     --model) MODEL=(--model "$2"); shift 2;;
     --lily-backend) LILY_BACKEND_CHOICE=$2; shift 2;;
+    --smoke-timeout) SMOKE_TIMEOUT=$2; shift 2;;
+    --tests-timeout) TESTS_TIMEOUT=$2; shift 2;;
+    --tests-k) TESTS_K=$2; shift 2;;
     *) echo "unknown argument $1"; exit 2;;
   esac
 done
@@ -55,7 +67,8 @@ if [ "$LILY_BACKEND_CHOICE" = auto ]; then
   LILY_BACKEND_CHOICE=cuda
   if has smoke; then
     say "smoke: lily (cuda kernels) vs stock on a 4-layer full-width random model"
-    if ! $PY -m bench.smoke --size full --num-layers 4 --prompt 300,40 2>&1 | tee -a "$LOG"; then
+    if ! timeout "$SMOKE_TIMEOUT" $PY -m bench.smoke --size full --num-layers 4 --prompt 300,40 \
+        --decode-steps 4 --per-family 2>&1 | tee -a "$LOG" "$OUT/smoke.txt"; then
       say "smoke MISMATCH: lily runs on the reference backend for the benchmarks"
       LILY_BACKEND_CHOICE=reference
     fi
@@ -63,6 +76,14 @@ if [ "$LILY_BACKEND_CHOICE" = auto ]; then
 fi
 export LILY_BACKEND=$LILY_BACKEND_CHOICE
 say "lily backend for benchmarks: $LILY_BACKEND"
+
+if has tests; then
+  say "kernel tests on this GPU (-k '$TESTS_K', limit ${TESTS_TIMEOUT}s)"
+  CI=true LILY_TEST_KERNEL_BACKEND=cuda timeout "$TESTS_TIMEOUT" $PY -m pytest -q -p no:cacheprovider -o addopts= \
+    tests/kernels/test_deltanet_kernels.py tests/kernels/test_moe_kernels.py -k "$TESTS_K" -rA --durations=15 \
+    2>&1 | tee "$OUT/pytest_output.txt" | tee -a "$LOG" >/dev/null
+  say "kernel tests: $(tail -n 1 "$OUT/pytest_output.txt")"
+fi
 
 MODES=()
 has kernels && [ "$LILY_BACKEND" = cuda ] && MODES+=(kernels)
