@@ -141,6 +141,16 @@ def _assert_close_bf16(got, want, what, max_rel=3e-2, rms_rel=1e-2):
     assert rms <= rms_rel, f"{what}: relative RMS error {rms}"
 
 
+def _stock_on_cpu(fn, *args):
+    """Stock's result as the oracle, computed on MLX's CPU backend: on MLX CUDA 0.32.4 stock's own
+    quantised MoE matmuls at these small test shapes gave different results on identical calls and,
+    now and then, NaN (measured on an H200; see docs/moe.md), so the GPU copy cannot be the oracle."""
+    with mx.stream(mx.cpu):
+        out = fn(*args)
+        mx.eval(out)
+    return out
+
+
 def _exact_switch_glu(sw, x, inds):
     """SwitchGLU in fp32 on the dequantised weights: x [..., D], inds [..., k] -> [..., k, D]."""
     xf = x.astype(mx.float32)
@@ -214,7 +224,7 @@ def test_routed_experts_kernel_vs_stock(gemm_sim, disabled, monkeypatch):
     with switches.overrides(disable=disabled):
         got = mk.routed_experts_kernel(block.switch_mlp, x, inds)
     assert got is not None
-    stock = switch_glu_reference(block.switch_mlp, x, inds)
+    stock = _stock_on_cpu(switch_glu_reference, block.switch_mlp, x, inds)
     _assert_as_good_as_stock(got, stock, _exact_switch_glu(block.switch_mlp, x, inds), "routed experts")
 
 
@@ -225,7 +235,8 @@ def test_sparse_moe_forward_sim_vs_stock(gemm_sim, monkeypatch):
     for batch, tokens, k in [(1, 16, 4), (3, 7, 4), (1, 64, 1)]:
         block = make_sparse_moe_block(num_experts=16, top_k=k, seed=tokens)
         x = make_inputs(batch, tokens, 128, seed=tokens)
-        _assert_close_bf16(sparse_moe_forward(block, x), block(x), f"forward B={batch} T={tokens} k={k}",
+        want = _stock_on_cpu(block, x)
+        _assert_close_bf16(sparse_moe_forward(block, x), want, f"forward B={batch} T={tokens} k={k}",
                            max_rel=0.1, rms_rel=0.05)
 
 
@@ -237,7 +248,7 @@ def test_grouped_gemm_larger_shape(gemm_sim, monkeypatch):
     x = make_inputs(1, 96, 512, seed=5, mean=0.3)
     inds = mx.argpartition(block.gate(x), kth=-8, axis=-1)[..., -8:]
     got = mk.routed_experts_kernel(block.switch_mlp, x, inds)
-    stock = switch_glu_reference(block.switch_mlp, x, inds)
+    stock = _stock_on_cpu(switch_glu_reference, block.switch_mlp, x, inds)
     _assert_as_good_as_stock(got, stock, _exact_switch_glu(block.switch_mlp, x, inds), "routed experts (larger)")
 
 
