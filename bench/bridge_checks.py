@@ -13,10 +13,11 @@ Also here: MLX-LM's own Gated DeltaNet Metal kernels (generic and packed), captu
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Tuple
-from unittest import mock
 
 import mlx.core as mx
 import numpy as np
+
+from lily_mlx.ops.deltanet_stock_kernels import mlx_lm_kernels, mlx_lm_scan
 
 # ---------------------------------------------------------------------------------------------
 # simd_*: reductions, scans, shuffles, broadcasts, quad ops (one simdgroup = 32 consecutive threads).
@@ -216,26 +217,6 @@ def check_simdgroup_matrix(factory: Callable, dtype=mx.bfloat16, seed: int = 0):
 # ---------------------------------------------------------------------------------------------
 # MLX-LM's Gated DeltaNet Metal kernels, captured from its module (which builds them only on Metal).
 
-def mlx_lm_gdn_kernel_args() -> Dict[str, dict]:
-    """{kernel name: metal_kernel keyword arguments} for MLX-LM's GDN kernels (generic, masked,
-    vector-gated, packed), read from ``mlx_lm.models.gated_delta`` without a Metal device."""
-    from mlx_lm.models import gated_delta as gd
-
-    captured: Dict[str, dict] = {}
-
-    def capture(**kwargs):
-        captured[kwargs["name"]] = kwargs
-        return kwargs
-
-    with mock.patch.object(mx.metal, "is_available", return_value=True), \
-            mock.patch.object(mx.fast, "metal_kernel", side_effect=capture):
-        gd._make_gated_delta_kernel(has_mask=False, vectorized=False)
-        gd._make_gated_delta_kernel(has_mask=True, vectorized=False)
-        gd._make_gated_delta_kernel(has_mask=False, vectorized=True)
-        gd._make_gated_delta_packed_kernel()
-    return captured
-
-
 def gdn_inputs(B, T, Hk, Hv, Dk, Dv, dtype=mx.bfloat16, seed=0, vector_gate=False):
     mx.random.seed(seed)
     q = (mx.random.normal((B, T, Hk, Dk)) * Dk ** -0.5).astype(dtype)
@@ -253,15 +234,9 @@ def check_gdn(factory: Callable, variant: str, shape=(1, 33, 4, 8, 128, 128), se
     dispatch (grid, threadgroup, template) and compare with ``gated_delta_ops``."""
     from mlx_lm.models import gated_delta as gd
 
-    args = mlx_lm_gdn_kernel_args()
-    generic = factory(**args["gated_delta_step"])
-    packed = factory(**args["gated_delta_step_packed_btree"])
     B, T, Hk, Hv, Dk, Dv = shape
     q, k, v, g, beta, state = gdn_inputs(B, T, Hk, Hv, Dk, Dv, seed=seed)
-    with mock.patch.object(gd, "_gated_delta_kernel", generic), \
-            mock.patch.object(gd, "_gated_delta_kernel_packed", packed), \
-            mock.patch.object(gd, "_ENABLE_GDN_PACKED", True):
-        y, s = gd._gated_delta_kernel_impl(q, k, v, g, beta, state, None, allow_packed=(variant == "packed"))
+    y, s = mlx_lm_scan(q, k, v, g, beta, state, packed=(variant == "packed"), kernels=mlx_lm_kernels(factory))
     y_ref, s_ref = gd.gated_delta_ops(q, k, v, g, beta, state)
     mx.eval(y, s, y_ref, s_ref)
     y32, yr = np.array(y.astype(mx.float32)), np.array(y_ref.astype(mx.float32))

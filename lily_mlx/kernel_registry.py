@@ -113,6 +113,11 @@ def _factory(backend: str) -> Callable:
     raise ValueError(f"backend {backend!r} runs no kernels")
 
 
+def metal_kernel_factory(backend: str) -> Callable:
+    """The ``mx.fast.metal_kernel``-compatible factory of a kernel backend (metal, sim or cuda)."""
+    return _factory(backend)
+
+
 _cache: Dict[Tuple[str, str, str], Callable] = {}
 
 

@@ -15,6 +15,7 @@ import mlx.core as mx
 from ..backend import resolve_backend
 from . import deltanet_kernels as dk
 from . import deltanet_reference as ref
+from .deltanet_stock_kernels import mlx_lm_scan
 
 # Qwen3.6-35B-A3B Gated DeltaNet heads (one rank).
 QWEN36 = dict(Hk=16, Hv=32, Dk=128, Dv=128)
@@ -78,7 +79,8 @@ def microbench_cases(backend: Optional[str] = None, B: int = 1, dtype=mx.bfloat1
 
                 name = f"deltanet_scan_{'register' if register else 'blockwise'}_T{T}"
                 cases.append((name, run, _scan_bytes(B, T, Hk, Hv, Dk, Dv, isz, blocks), flops))
-        cases += _stock_scan_cases(x, g, beta, T, _scan_bytes(B, T, Hk, Hv, Dk, Dv, isz), flops)
+        cases += _stock_scan_cases(x, g, beta, T, _scan_bytes(B, T, Hk, Hv, Dk, Dv, isz), flops,
+                                   backend if kernels else None)
 
     x = _inputs(B, 1, Hk, Hv, Dk, Dv, dtype, seed=1)
     decode_bytes = (2 * B * Hk * Dk + 3 * B * Hv * Dv) * isz + 2 * B * Hv * 4 + 2 * B * Hv * Dv * Dk * 4
@@ -129,9 +131,11 @@ def _conv_decode_cases(backend, B, Hk, Hv, Dk, Dv, dtype, isz, K: int = 4) -> Li
     return cases
 
 
-def _stock_scan_cases(x, g, beta, T, nbytes, flops) -> List[Case]:
+def _stock_scan_cases(x, g, beta, T, nbytes, flops, backend: Optional[str] = None) -> List[Case]:
     """Stock comparators: MLX-LM's scan as it dispatches here (its Metal kernel on an Apple GPU, the
-    per-token loop elsewhere: left out beyond T = 512 there) and MLX core's chunked kernel."""
+    per-token loop elsewhere: left out beyond T = 512 there), MLX core's ``gated_delta_update`` and,
+    on a kernel ``backend``, MLX-LM's own generic and packed Metal kernels built for it (through the
+    bridge on an NVIDIA GPU): the kernel-against-kernel comparison an Apple GPU would make."""
     cases: List[Case] = []
     q, k, v, state = x["q"], x["k"], x["v"], x["state"]
     if ref.stock_uses_metal_kernel(k, True) or T <= 512:
@@ -144,4 +148,10 @@ def _stock_scan_cases(x, g, beta, T, nbytes, flops) -> List[Case]:
             mx.eval(mx.fast.gated_delta_update(q, k, v, g, beta, state))
 
         cases.append((f"mlx_fast_gated_delta_update_T{T}", run_mlx_fast, nbytes, flops))
+    if backend is not None:
+        for packed in (False, True):
+            def run_mlx_lm_kernel(packed=packed):
+                mx.eval(mlx_lm_scan(q, k, v, g, beta, state, packed=packed, backend=backend))
+
+            cases.append((f"mlx_lm_kernel_{'packed' if packed else 'generic'}_T{T}", run_mlx_lm_kernel, nbytes, flops))
     return cases

@@ -76,3 +76,21 @@ def test_our_and_stock_scan_kernels_agree(stock_kernels, shape, dtype):
     y0, s0 = results["mlx_lm_generic"]
     for name, (y, s) in results.items():
         assert rel_l2(y, y0) < tol and rel_l2(s, s0) < 1e-5, name
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["generic", "packed"])
+def test_mlx_lm_scan_with_its_own_dispatch(packed):
+    """``mlx_lm_scan`` (the benchmarks' stock-kernel comparator) rebuilds MLX-LM's kernels for a
+    backend and launches them with MLX-LM's own dispatch: same function as the reference."""
+    from lily_mlx.ops.deltanet_stock_kernels import mlx_lm_scan
+
+    B, T, Hk, Hv, Dk, Dv = 1, 6, 1, 2, 128, 64
+    rng = np.random.default_rng(7)
+    f = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    q, k = ref.qk_norm(f(B, T, Hk, Dk), f(B, T, Hk, Dk), Dk)
+    v = f(B, T, Hv, Dv)
+    g, beta = ref.gates(f(B, T, Hv), f(B, T, Hv), mx.log(mx.array(rng.uniform(1, 16, Hv).astype(np.float32))), f(Hv))
+    state = 0.1 * f(B, Hv, Dv, Dk)
+    y_ref, s_ref = ref.scan_ops(q, k, v, g, beta, state)
+    y, s = mlx_lm_scan(q, k, v, g, beta, state, packed=packed, backend="sim")
+    assert rel_l2(y, y_ref) < 1e-5 and rel_l2(s, s_ref) < 1e-5

@@ -24,6 +24,13 @@ ROUTING_KINDS = st.sampled_from(["uniform", "skewed", "one", "empty"])
 
 SIM_PROBLEM = kernel_backend_problem() or (simulator_problem() if KERNEL_BACKEND == "sim" else None)
 needs_sim = pytest.mark.skipif(SIM_PROBLEM is not None, reason=str(SIM_PROBLEM))
+# Tests whose result also depends on stock's own quantised matmuls running on the kernel backend's
+# device (router, shared expert, the fallback block). On MLX CUDA 0.32.4 those gave different values
+# on identical calls and now and then NaN at these small shapes (H200, 2026-11-29; docs/moe.md), so
+# there a failure says nothing about lily's kernels. They must pass on the simulator and on Metal.
+stock_gpu_matmuls = pytest.mark.xfail(
+    KERNEL_BACKEND == "cuda", strict=False,
+    reason="stock's quantised matmuls on MLX CUDA 0.32.4 misbehave at hidden 128 (docs/moe.md)")
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +235,7 @@ def test_routed_experts_kernel_vs_stock(gemm_sim, disabled, monkeypatch):
     _assert_as_good_as_stock(got, stock, _exact_switch_glu(block.switch_mlp, x, inds), "routed experts")
 
 
+@stock_gpu_matmuls
 def test_sparse_moe_forward_sim_vs_stock(gemm_sim, monkeypatch):
     from lily_mlx.ops.moe import sparse_moe_forward
 
@@ -253,6 +261,7 @@ def test_grouped_gemm_larger_shape(gemm_sim, monkeypatch):
 
 
 @needs_sim
+@stock_gpu_matmuls
 def test_unsupported_falls_back(monkeypatch):
     """Non-quantised experts and other bit widths take the reference path, saying why once."""
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)

@@ -17,6 +17,7 @@ import pytest
 
 from bench import bridge_checks as bc
 from lily_mlx.kernel_registry import kernels_dir, load_kernel_file
+from lily_mlx.ops.deltanet_stock_kernels import mlx_lm_kernel_args
 from lily_mlx.msl.cuda import UnbridgeableError, metal_kernel, translate, wrap_like_mlx
 from lily_mlx.msl.cuda.compile_check import compile_cuda, compiler_available, record_model_translations
 
@@ -143,7 +144,7 @@ def _feature_units():
 
 
 def _gdn_units():
-    args = bc.mlx_lm_gdn_kernel_args()
+    args = mlx_lm_kernel_args()
     B, T, Hk, Hv, Dk, Dv = 1, 5, 16, 32, 128, 128
     units = {}
     for name, kw in args.items():
