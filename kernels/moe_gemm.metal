@@ -2,6 +2,7 @@
 //   moe_gemm_gate_up_swiglu   h[slot] = silu(x[token] . Wg[e]^T) * (x[token] . Wu[e]^T)
 //   moe_gemm_down             y[slot] = h[slot] . Wd[e]^T
 //   moe_dequant_experts_q4    the fused_dequant=off ablation: experts dequantised to [E, O, K] first
+//   moe_combine_weighted_rows out[token] = sum_j score[token, j] * y[slot of (token, j)] (fused_combine)
 // Weights either 4-bit affine group-64 (uint32 words of 8 nibbles, low nibble first; one scale and
 // one bias per 64 weights; w = scale * q + bias), dequantised one 32 x 64 tile at a time into
 // threadgroup memory, or already dequantised [E, O, K]. simdgroup_matrix<float, 8, 8>, fp32
@@ -240,5 +241,28 @@ if (counts[e] > 0) {
   const float bias = float(biases[row * (K / 64) + col / 64]);
   for (int j = 0; j < 8; ++j) {
     w_out[row * K + col + j] = static_cast<T>(scale * float((bits >> (4 * j)) & 0xfu) + bias);
+  }
+}
+
+// @kernel moe_combine_weighted_rows
+// grid (ceil(D / 4 / 128) * 128, N, 1), threadgroup (128, 1, 1). params: [k, D] (D % 4 == 0).
+// y [A, D] the down GEMM's rows in slot order; slot_of_row [A]: slot of assignment a = token * k + j;
+// scores [N, k] routing weights. out [N, D]: each token's k rows read straight from slot order,
+// weighted and summed in fp32, rounded once (no [A, D] gather or product arrays in between).
+const int k = params[0];
+const int D = params[1];
+const int d0 = int(thread_position_in_grid.x) * 4;
+const long n = long(thread_position_in_grid.y);
+if (d0 < D) {
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int j = 0; j < k; ++j) {
+    const float w = float(scores[n * k + j]);
+    const long src = long(slot_of_row[n * k + j]) * D + d0;
+    for (int c = 0; c < 4; ++c) {
+      acc[c] += w * float(y[src + c]);
+    }
+  }
+  for (int c = 0; c < 4; ++c) {
+    out[n * D + d0 + c] = static_cast<T>(acc[c]);
   }
 }

@@ -45,8 +45,9 @@ register_op(Op(
 ))
 register_op(Op(
     "moe_grouped_gemm", "moe",
-    "Grouped 4-bit (affine, group 64) expert GEMMs of prefill: gate+up+SwiGLU and down.",
-    switches=("fused_dequant", "adaptive_tile"), kernel_backends=KERNEL_BACKENDS,
+    "Grouped 4-bit (affine, group 64) expert GEMMs of prefill: gate+up+SwiGLU and down, then the "
+    "routing-weighted sum over each token's experts.",
+    switches=("fused_dequant", "adaptive_tile", "fused_combine"), kernel_backends=KERNEL_BACKENDS,
 ))
 register_op(Op(
     "moe_expert_up", "moe", "Decode expert GEMV: gate and up projections with SwiGLU.",
@@ -62,11 +63,11 @@ register_op(Op(
 def routed_experts_prefill(switch_mlp, x: mx.array, inds: mx.array, scores: mx.array) -> mx.array:
     """Routed experts of a prefill chunk, weighted and summed: x [..., D], inds [..., k] -> [..., D]."""
     if op_backend("moe_grouped_gemm") != "reference":
-        from .moe_kernels import routed_experts_kernel
+        from .moe_kernels import routed_experts_combined_kernel
 
-        y = routed_experts_kernel(switch_mlp, x, inds)
+        y = routed_experts_combined_kernel(switch_mlp, x, inds, scores)
         if y is not None:
-            return combine_reference(y, scores)
+            return y
     return combine_reference(switch_glu_reference(switch_mlp, x, inds), scores)
 
 

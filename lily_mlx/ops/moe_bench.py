@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import switches
 from . import moe_kernels as mk
-from .moe_reference import switch_glu_reference
+from .moe_reference import combine_reference, switch_glu_reference
 from .moe_testing import make_routing
 
 HIDDEN, EXPERT_WIDTH, NUM_EXPERTS, TOP_K = 2048, 512, 256, 8
@@ -124,4 +124,17 @@ def microbench_cases() -> List[Tuple[str, Callable[[], None], int, int]]:
         cases.append((f"gemm_down_unfused[{t}]",
                       _run(lambda h=h, s=sched: mk.gemm_down(h, s["blocks"], sw.down_proj, False, s["counts"], backend)),
                       down_bytes + dense_up // 2, down_flops))
+        # fused_combine on / off: the routing-weighted sum of the down GEMM's slot-order rows.
+        y = mx.random.normal((a, HIDDEN), key=mx.random.key(2)).astype(mx.bfloat16)
+        scores = mx.random.uniform(shape=(tokens, TOP_K), key=mx.random.key(3)).astype(mx.bfloat16)
+        mx.eval(y, scores)
+        combine_bytes = a * HIDDEN * 2 + tokens * HIDDEN * 2 + a * (4 + 2)
+        combine_flops = 2 * a * HIDDEN
+        cases.append((f"combine_fused[{t}]",
+                      _run(lambda y=y, s=sched, sc=scores: mk.combine_rows(y, s["slot_of_row"], sc, backend)),
+                      combine_bytes, combine_flops))
+        cases.append((f"combine_gather_sum[{t}]",
+                      _run(lambda y=y, s=sched, sc=scores: combine_reference(
+                          mx.take(y, s["slot_of_row"], axis=0).reshape(tokens, TOP_K, HIDDEN), sc)),
+                      combine_bytes, combine_flops))
     return cases

@@ -7,7 +7,8 @@ Data flow for one prefill chunk (A = tokens * top_k assignments, a = token * k +
          --scatter--> sorted_rows (slot -> a), slot_of_row (a -> slot)
          --block map--> blocks [max_blocks, 4] (expert, first slot, rows, tile rows)
     x, sorted_rows, blocks --gate_up_swiglu--> h [A, I] (slot order) --down--> y [A, D] (slot order)
-    y[slot_of_row] -> [..., k, D], then stock's weighted sum over k.
+    fused_combine on:  y, slot_of_row, scores --combine--> out [..., D] (weighted sum over k, token order)
+    fused_combine off: y[slot_of_row] -> [..., k, D], then stock's weighted sum over k.
 
 With ``gpu_routing`` on, all of it is one lazy graph (no host synchronisation); ``max_blocks`` is an
 upper bound and padding entries of the block map make their threadgroups return at once. Off, the
@@ -26,7 +27,7 @@ from ..kernel_registry import KernelSpec, get_kernel, int32_params
 from ..log import log_once
 from . import moe as _moe  # noqa: F401  (registers the MoE ops in OPS)
 from . import op_backend
-from .moe_reference import is_quantized_switch_linear
+from .moe_reference import combine_reference, is_quantized_switch_linear
 
 ROUTING = "moe_routing.metal"
 GEMM = "moe_gemm.metal"
@@ -43,11 +44,13 @@ KERNELS: Dict[str, KernelSpec] = {
                            "w_up", "scales_up", "biases_up", "params"), ("h",)),
     "down": KernelSpec("moe_gemm_down", GEMM, ("h", "blocks", "w_down", "scales_down", "biases_down", "params"), ("y",)),
     "dequant": KernelSpec("moe_dequant_experts_q4", GEMM, ("w", "scales", "biases", "counts", "params"), ("w_out",)),
+    "combine": KernelSpec("moe_combine_weighted_rows", GEMM, ("y", "slot_of_row", "scores", "params"), ("out",)),
 }
 
 CHUNK = 256  # assignments per threadgroup in the histogram and scatter kernels
 GEMM_THREADS = 128  # 4 simdgroups
 GEMM_COLS = 32  # output columns per threadgroup
+COMBINE_THREADS = 128  # threads per threadgroup of the combine kernel, 4 columns each
 SMALL_TILE, LARGE_TILE = 16, 32
 MAX_EXPERTS = 1024  # the scan and block-map kernels keep one thread per expert in one threadgroup
 NEVER = 1 << 30
@@ -224,6 +227,21 @@ def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = Tr
     return y
 
 
+def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: Optional[str] = None,
+                 init_value=None) -> mx.array:
+    """out [N, D] = sum_j scores[n, j] * y[slot_of_row[n * k + j]]: y [A, D] (slot order),
+    scores [N, k] (any float dtype), fp32 accumulation, output in y's dtype."""
+    a, d = y.shape
+    n, k = scores.shape
+    groups = -(-d // (4 * COMBINE_THREADS))
+    (out,) = _kernel("combine", backend)(
+        inputs=[y, slot_of_row, scores, _params(k, d)], template=[("T", y.dtype)],
+        grid=(groups * COMBINE_THREADS, n, 1), threadgroup=(COMBINE_THREADS, 1, 1),
+        output_shapes=[(n, d)], output_dtypes=[y.dtype], init_value=init_value,
+    )
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # The routed-experts forward of a prefill chunk
 
@@ -261,9 +279,9 @@ def kernels_unavailable(backend: str) -> Optional[str]:
     return None
 
 
-def routed_experts_kernel(switch_mlp, x: mx.array, inds: mx.array) -> Optional[mx.array]:
-    """Routed experts with the kernels: x [..., D], inds [..., k] -> [..., k, D] (stock's SwitchGLU
-    output), or None when the kernels do not apply (then the caller runs the reference)."""
+def _routed_rows(switch_mlp, x: mx.array, inds: mx.array):
+    """Routing schedule and the down GEMM's output: (y [A, D] in slot order, schedule, backend), or
+    None when the kernels do not apply (said once in the log)."""
     backend = op_backend("moe_grouped_gemm")
     num_experts = switch_mlp.gate_proj["weight"].shape[0]
     reason = unsupported_reason(switch_mlp, x, num_experts)
@@ -277,11 +295,40 @@ def routed_experts_kernel(switch_mlp, x: mx.array, inds: mx.array) -> Optional[m
     schedule = routing_schedule(
         inds, num_experts, switches.is_enabled("gpu_routing"), switches.is_enabled("adaptive_tile"), backend)
     top_k = inds.shape[-1]
-    d = x.shape[-1]
     fused = switches.is_enabled("fused_dequant")
-    x2d = x.reshape(-1, d)
+    x2d = x.reshape(-1, x.shape[-1])
     h = gemm_gate_up_swiglu(x2d, schedule["sorted_rows"], schedule["blocks"], switch_mlp.gate_proj,
                             switch_mlp.up_proj, top_k, fused, schedule["counts"], backend)
     y = gemm_down(h, schedule["blocks"], switch_mlp.down_proj, fused, schedule["counts"], backend)
+    return y, schedule, backend
+
+
+def routed_experts_kernel(switch_mlp, x: mx.array, inds: mx.array) -> Optional[mx.array]:
+    """Routed experts with the kernels: x [..., D], inds [..., k] -> [..., k, D] (stock's SwitchGLU
+    output), or None when the kernels do not apply (then the caller runs the reference)."""
+    routed = _routed_rows(switch_mlp, x, inds)
+    if routed is None:
+        return None
+    y, schedule, _ = routed
     y = mx.take(y, schedule["slot_of_row"], axis=0)  # back to assignment order
-    return y.reshape(*inds.shape, d)
+    return y.reshape(*inds.shape, x.shape[-1])
+
+
+def routed_experts_combined_kernel(switch_mlp, x: mx.array, inds: mx.array, scores: mx.array) -> Optional[mx.array]:
+    """Routed experts weighted and summed over k: x [..., D], inds/scores [..., k] -> [..., D], or
+    None when the kernels do not apply. ``fused_combine`` off: gather, multiply, sum (stock's ops)."""
+    fused = switches.is_enabled("fused_combine")
+    if fused and x.shape[-1] % 4 != 0:
+        log_once("fused_combine:width", f"fused_combine: hidden size {x.shape[-1]} is not a multiple of 4, "
+                 "combining with gather + weighted sum instead")
+        fused = False
+    if not fused:
+        y = routed_experts_kernel(switch_mlp, x, inds)
+        return None if y is None else combine_reference(y, scores)
+    routed = _routed_rows(switch_mlp, x, inds)
+    if routed is None:
+        return None
+    y, schedule, backend = routed
+    k = inds.shape[-1]
+    out = combine_rows(y, schedule["slot_of_row"], scores.reshape(-1, k), backend)
+    return out.reshape(x.shape)

@@ -23,6 +23,7 @@ from lily_mlx.ops import attention as att
 from lily_mlx.ops import attention_kernels as ak
 from lily_mlx.ops import deltanet_kernels
 from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
+from tests.kernels.model_checks import decided_positions
 from tests.kernels.model_checks import teacher_forced_logits as shared_teacher_forced_logits
 from tests.ops.deltanet_cases import rel_l2
 
@@ -172,9 +173,6 @@ def test_reference_backend_never_launches(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # the patched embedded model, attention decode simulated
 
-# As in test_deltanet_kernels: a greedy choice is a property of the model only where stock's top-2
-# logit margin exceeds the bf16 noise of the logits themselves.
-NEAR_TIE = 0.25
 LOGIT_TOL = 2e-2  # relative L2 of a position's bf16 logits (measured 0 to 8.4e-3: about 1-2 bf16 ulps)
 
 
@@ -202,8 +200,7 @@ def test_embedded_model_decode_matches_stock(monkeypatch, off):
 
     stock_tokens = [int(t) for t, _ in zip((tok for tok, _ in generate_step(prompt, model, max_tokens=n)), range(n))]
     stock_logits = teacher_forced_logits(stock_tokens)
-    top2 = mx.sort(stock_logits, axis=-1)[:, -2:]
-    decided = np.array(top2[:, 1] - top2[:, 0]) > NEAR_TIE
+    decided, _ = decided_positions(stock_logits)
 
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     monkeypatch.setenv("LILY_REFERENCE_OPS", "moe,deltanet")  # only attention goes to the kernels

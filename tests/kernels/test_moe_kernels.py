@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from lily_mlx import switches
 from lily_mlx.ops import moe_kernels as mk
-from lily_mlx.ops.moe_reference import dequantize_experts_reference, switch_glu_reference
+from lily_mlx.ops.moe_reference import combine_reference, dequantize_experts_reference, switch_glu_reference
 from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
 from lily_mlx.ops.moe_testing import make_inputs, make_routing, make_sparse_moe_block, simulator_problem
 
@@ -212,6 +212,50 @@ def test_dequant_experts(gemm_sim):
     got, want = np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32))
     np.testing.assert_allclose(got[used], want[used], rtol=1e-2, atol=1e-2)
     assert np.isnan(got[~used]).all()  # experts without rows are skipped
+
+
+# ----------------------------------------------------------------------------------------------
+# Weighted combine (fused_combine): token-order weighted sums straight from slot order
+
+
+@needs_sim
+@SETTINGS
+@given(tokens=st.sampled_from([1, 2, 7, 33]), k=st.sampled_from([1, 2, 4, 8]),
+       width=st.sampled_from([4, 36, 128, 520]), dtype=st.sampled_from(["bfloat16", "float32"]),
+       seed=st.integers(0, 1000))
+def test_combine_rows(tokens, k, width, dtype, seed):
+    rng = np.random.default_rng(seed)
+    dt = getattr(mx, dtype)
+    a = tokens * k
+    y = rng.standard_normal((a, width)).astype(np.float32)
+    slot_of_row = rng.permutation(a).astype(np.int32)
+    scores = rng.uniform(0, 1, (tokens, k)).astype(np.float32)
+    y_mx, scores_mx = mx.array(y).astype(dt), mx.array(scores).astype(dt)
+    got = mk.combine_rows(y_mx, mx.array(slot_of_row), scores_mx, backend=KERNEL_BACKEND, init_value=float("nan"))
+    # Oracle in float64 on the same (rounded) inputs.
+    y64 = np.asarray(y_mx.astype(mx.float32), dtype=np.float64)
+    s64 = np.asarray(scores_mx.astype(mx.float32), dtype=np.float64)
+    want = np.einsum("nk,nkd->nd", s64, y64[slot_of_row].reshape(tokens, k, width))
+    got = np.asarray(got.astype(mx.float32), dtype=np.float64)
+    assert got.shape == (tokens, width) and not np.isnan(got).any()  # every element written
+    tol = 1e-5 if dtype == "float32" else 1e-2  # fp32 accumulation, one rounding to the output type
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()))
+
+
+@pytest.mark.parametrize("fused_combine", [True, False], ids=["fused", "gather+sum"])
+def test_routed_experts_combined_vs_stock(gemm_sim, fused_combine, monkeypatch):
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    block = make_sparse_moe_block(num_experts=16, top_k=4, seed=4, skew=3.0)
+    x = make_inputs(2, 13, 128, seed=6, mean=0.3)
+    gates = mx.softmax(block.gate(x).astype(mx.float32), axis=-1)
+    inds = mx.argpartition(gates, kth=-4, axis=-1)[..., -4:]
+    scores = mx.take_along_axis(gates, inds, axis=-1).astype(x.dtype)
+    with switches.overrides(disable=() if fused_combine else ("fused_combine",)):
+        got = mk.routed_experts_combined_kernel(block.switch_mlp, x, inds, scores)
+    assert got is not None and got.shape == x.shape
+    stock = _stock_on_cpu(lambda: combine_reference(switch_glu_reference(block.switch_mlp, x, inds), scores))
+    exact = combine_reference(_exact_switch_glu(block.switch_mlp, x, inds), scores.astype(mx.float32))
+    _assert_as_good_as_stock(got, stock, exact, "combined routed experts")
 
 
 # ----------------------------------------------------------------------------------------------

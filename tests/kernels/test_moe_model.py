@@ -8,15 +8,17 @@ routing and grouped-GEMM kernels; single-token decode steps run the decode path.
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from lily_mlx import switches
 from lily_mlx.ops import moe, moe_kernels
+from tests.kernels.model_checks import decided_positions, teacher_forced_logits
 
 # Long enough that the prefill chunk has >= 64 expert assignments (MLX-LM prefills all but the last
 # prompt token before the first decode step).
-PROMPT = ("Return a new dictionary with the keys of the mapping and values set to the given value. "
-          "If the mapping is empty, the result is an empty dictionary, and")
+PROMPT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n"
+          "        return n\n    return")  # 47 tokens; stock's top-2 margin is clear at 14 of the 24 steps
 MAX_TOKENS = 24
 
 
@@ -68,14 +70,18 @@ def moe_on_sim(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("disabled", [(), ("gpu_routing", "fused_dequant", "adaptive_tile")],
+@pytest.mark.parametrize("disabled", [(), ("gpu_routing", "fused_dequant", "adaptive_tile", "fused_combine")],
                          ids=["all-on", "all-off"])
 def test_embedded_model_greedy_tokens_match_stock(embedded, moe_on_sim, disabled):
+    """Free-running greedy tokens equal stock's up to stock's first near-tie; teacher-forced along
+    stock's tokens, lily picks stock's token wherever stock's top-2 margin is not a near-tie."""
     model, tokenizer, lily_patch = embedded
     prompt = tokenizer.encode(PROMPT)
     stock = _greedy(model, prompt)
+    stock_logits = teacher_forced_logits(model, mx.array(prompt), stock)
+    decided, first_tie = decided_positions(stock_logits)
     calls = []
-    real = moe_kernels.routed_experts_kernel
+    real = moe_kernels.routed_experts_combined_kernel
 
     def counted(*args, **kwargs):
         y = real(*args, **kwargs)
@@ -85,12 +91,15 @@ def test_embedded_model_greedy_tokens_match_stock(embedded, moe_on_sim, disabled
     lily_patch.patch(model)
     try:
         with switches.overrides(disable=disabled), pytest.MonkeyPatch.context() as mp:
-            mp.setattr(moe_kernels, "routed_experts_kernel", counted)
+            mp.setattr(moe_kernels, "routed_experts_combined_kernel", counted)
             lily = _greedy(model, prompt)
+            lily_choice = np.array(mx.argmax(teacher_forced_logits(model, mx.array(prompt), stock), axis=-1))
     finally:
         lily_patch.unpatch(model)
     assert calls and all(calls), "the MoE kernels did not run"
-    assert lily == stock, f"lily {lily} vs stock {stock}"
+    assert decided.sum() >= len(stock) // 2, "the embedded model should be decided at most positions"
+    assert lily[:first_tie] == stock[:first_tie], f"lily {lily} vs stock {stock} (first near-tie at {first_tie})"
+    assert (lily_choice == np.array(stock))[decided].all(), (lily_choice, stock, decided)
 
 
 @pytest.mark.slow
@@ -98,8 +107,8 @@ def test_embedded_model_teacher_forced_vs_fp32(embedded, moe_on_sim):
     """192 positions of held-out text in one prefill chunk (the kernels run on all of it), judged
     against the same model run in fp32 (an independent, more exact oracle): lily's logits must be no
     further from it than stock bf16's own, and its next-token agreement with it no worse than
-    stock's minus a near-tie margin. (Measured at commit time: RMS logit error vs fp32 0.0516 lily,
-    0.0513 stock; argmax agreement with fp32 94.3 % lily, 96.4 % stock; lily vs stock 94.8 %.
+    stock's minus a near-tie margin. (Measured at commit time, all switches on: RMS logit error vs
+    fp32 0.05128 lily, 0.05125 stock; argmax agreement with fp32 96.4 % both; lily vs stock 96.9 %.
     The embedded model is small, so near-ties are common.)"""
     import mlx_lm
 
