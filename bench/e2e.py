@@ -37,6 +37,15 @@ def parse_lengths(text: str) -> List[int]:
 
 
 ABLATION_PREFIX = "lily-off:"
+# Engine modifier: evaluate after every decoder layer of a prefill chunk (one host wait per layer).
+# A diagnostic, not an optimisation: it tests whether peak memory comes from the host encoding a whole
+# chunk ahead of the GPU (docs/moe.md, "Peak memory"). ``stock@eval-per-layer``, ``lily@eval-per-layer``.
+EVAL_PER_LAYER = "@eval-per-layer"
+
+
+def base_engine(engine: str) -> str:
+    """The engine without its modifier: ``lily@eval-per-layer`` -> ``lily``."""
+    return engine[: -len(EVAL_PER_LAYER)] if engine.endswith(EVAL_PER_LAYER) else engine
 
 
 def switches_off(engine: str) -> Tuple[str, ...]:
@@ -44,13 +53,46 @@ def switches_off(engine: str) -> Tuple[str, ...]:
 
     An ablation engine is lily-mlx with those switches off (the write-up's ablation variants), so
     ``--engines stock,lily,lily-off:register_scan`` measures one switch end to end."""
+    engine = base_engine(engine)
     if not engine.startswith(ABLATION_PREFIX):
         return ()
     return tuple(switches.parse_list(engine[len(ABLATION_PREFIX):].replace("+", ",")))
 
 
 def is_lily(engine: str) -> bool:
+    engine = base_engine(engine)
     return engine == "lily" or engine.startswith(ABLATION_PREFIX)
+
+
+def validate_engine(engine: str) -> None:
+    """Raise ValueError unless ``engine`` is stock, lily or lily-off:<switches>, optionally with
+    the @eval-per-layer modifier (unknown switch names are reported by ``switches_off``)."""
+    base = base_engine(engine)
+    if base not in ("stock", "lily") and not base.startswith(ABLATION_PREFIX):
+        raise ValueError(f"unknown engine {engine!r}: use stock, lily or {ABLATION_PREFIX}<switch>[+<switch>], "
+                         f"each optionally followed by {EVAL_PER_LAYER}")
+    switches_off(engine)
+
+
+class _EvalAfterPrefillLayer:
+    """Mixed into a decoder layer's class: evaluate its output when it processed more than one token."""
+
+    def __call__(self, x, *args, **kwargs):
+        out = super().__call__(x, *args, **kwargs)
+        if x.ndim == 3 and x.shape[1] > 1:
+            mx.eval(out)
+        return out
+
+
+def set_eval_per_layer(model, on: bool) -> None:
+    """Swap every decoder layer's class to (or back from) one that evaluates after prefill chunks."""
+    for layer in model.layers:
+        cls = type(layer)
+        wrapped = issubclass(cls, _EvalAfterPrefillLayer)
+        if on and not wrapped:
+            layer.__class__ = type(cls.__name__, (_EvalAfterPrefillLayer, cls), {})
+        elif not on and wrapped:
+            layer.__class__ = cls.__mro__[2]
 
 
 class Engines:
@@ -63,11 +105,13 @@ class Engines:
     def use(self, engine: str) -> None:
         import lily_mlx
 
+        set_eval_per_layer(self.model, False)  # lily's patch swaps classes too: never stack on ours
         patched = lily_mlx.is_patched(self.model)
         if is_lily(engine) and not patched:
             lily_mlx.patch(self.model)
-        elif engine == "stock" and patched:
+        elif base_engine(engine) == "stock" and patched:
             lily_mlx.unpatch(self.model)
+        set_eval_per_layer(self.model, engine.endswith(EVAL_PER_LAYER))
 
 
 def prefill_step(engine: str, requested: int) -> int:
@@ -113,6 +157,8 @@ def sweep(model, lengths: Sequence[int], prefill_lengths: Sequence[int], decode_
     """Per length: each round runs every engine once (order alternating by round).
     ``rounds_for(length)`` may give fewer rounds to long lengths; ``on_row(rows)`` runs after each
     length (incremental saving)."""
+    for engine in engines:
+        validate_engine(engine)
     sw = Engines(model)
     rows = []
     for length in lengths:

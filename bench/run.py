@@ -66,7 +66,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated after the first (decode timing)")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--engines", default="stock,lily",
-                   help="comma-separated: stock, lily, lily-off:<switch>[+<switch>] (lily with switches off)")
+                   help="comma-separated: stock, lily, lily-off:<switch>[+<switch>] (lily with switches off); "
+                        "any of them + '@eval-per-layer' evaluates after every layer of a prefill chunk "
+                        "(a peak-memory diagnostic)")
     p.add_argument("--warmup-length", type=int, default=256, help="one untimed run per engine first")
     p.add_argument("--kernel-prefill-tokens", type=int, default=2048)
     p.add_argument("--op-cases", default="auto", choices=("auto", "on", "off"),
@@ -132,6 +134,8 @@ def main(argv=None) -> int:
         lengths = [n for n in lengths if lo <= n <= hi]
         decode = [] if args.prefill_only else lengths
         engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+        for engine in engines:
+            e2e.validate_engine(engine)  # before minutes of model building and warm-up
         log(f"[e2e] lengths {[e2e.length_label(n) for n in lengths]}, {args.rounds} rounds, engines {engines}, "
             f"{args.gen_tokens} decode tokens")
         t0 = time.perf_counter()

@@ -102,3 +102,37 @@ def test_op_cases_use_the_families_byte_and_flop_counts(monkeypatch):
 
 def test_device_script_is_valid_bash():
     subprocess.run(["bash", "-n", str(REPO / "bench" / "device_run.sh")], check=True)
+
+
+def test_eval_per_layer_engines(monkeypatch):
+    """``<engine>@eval-per-layer`` evaluates after each decoder layer of a prefill chunk, computes the
+    same tokens, and leaves the layers' classes as they were; unknown engines are refused."""
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    import mlx.core as mx
+
+    from bench.model_setup import load_model
+
+    model, _ = load_model(None, "tiny", log=None)
+    classes = [type(layer) for layer in model.layers]
+    evals = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a, **k: (evals.append(1), real_eval(*a, **k))[1])
+
+    def run(engines):
+        evals.clear()
+        rows = e2e.sweep(model, [24], [24], [24], rounds=1, gen_tokens=2, prefill_step_size=16,
+                         vocab_size=1024, engines=engines, log=lambda m: None)
+        return rows[0], len(evals)
+
+    plain, n_plain = run(("stock",))
+    per_layer, n_per_layer = run(("stock@eval-per-layer",))
+    lily_per_layer, _ = run(("lily@eval-per-layer",))
+    assert plain["stock"]["tokens"] == per_layer["stock@eval-per-layer"]["tokens"] \
+        == lily_per_layer["lily@eval-per-layer"]["tokens"]
+    # 24 tokens prefilled in chunks of 16: at least the first chunk evaluates once per layer.
+    assert n_per_layer - n_plain >= len(classes)
+    assert [type(layer) for layer in model.layers] == classes
+    with pytest.raises(ValueError, match="unknown engine"):
+        e2e.validate_engine("stock-fast")
+    with pytest.raises(ValueError, match="Valid switches"):
+        e2e.validate_engine("lily-off:nope@eval-per-layer")
