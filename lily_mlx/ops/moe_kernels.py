@@ -231,7 +231,7 @@ def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: 
                  init_value=None) -> mx.array:
     """out [N, D] = sum_j scores[n, j] * y[slot_of_row[n * k + j]]: y [A, D] (slot order),
     scores [N, k] (any float dtype), fp32 accumulation, output in y's dtype."""
-    a, d = y.shape
+    d = y.shape[1]
     n, k = scores.shape
     groups = -(-d // (4 * COMBINE_THREADS))
     (out,) = _kernel("combine", backend)(
