@@ -17,37 +17,40 @@ import mlx.core as mx
 
 from ..backend import resolve_backend
 
-# MLX-LM's kernel names -> the module attribute its dispatch reads.
-_MODULE_ATTRS = {
-    "gated_delta_step": "_gated_delta_kernel",
-    "gated_delta_step_packed_btree": "_gated_delta_kernel_packed",
-}
+def _makers():
+    """MLX-LM's module attribute -> the maker call that builds that kernel."""
+    from mlx_lm.models import gated_delta as gd
+
+    return {
+        "_gated_delta_kernel": lambda: gd._make_gated_delta_kernel(has_mask=False, vectorized=False),
+        "_gated_delta_kernel_masked": lambda: gd._make_gated_delta_kernel(has_mask=True, vectorized=False),
+        "_gated_delta_kernel_vec": lambda: gd._make_gated_delta_kernel(has_mask=False, vectorized=True),
+        "_gated_delta_kernel_vec_masked": lambda: gd._make_gated_delta_kernel(has_mask=True, vectorized=True),
+        "_gated_delta_kernel_xtree": gd._make_gated_delta_kernel_xtree,
+        "_gated_delta_kernel_packed": gd._make_gated_delta_packed_kernel,
+    }
 
 
 def mlx_lm_kernel_args() -> Dict[str, dict]:
-    """{kernel name: metal_kernel keyword arguments} for MLX-LM's GDN kernels (generic, masked,
-    vector-gated, packed), read from ``mlx_lm.models.gated_delta`` without a Metal device."""
-    from mlx_lm.models import gated_delta as gd
-
+    """{module attribute: metal_kernel keyword arguments} for each of MLX-LM's GDN kernels (generic,
+    masked, vector-gated, vector-gated masked, explicit-tree comparator, packed), read from
+    ``mlx_lm.models.gated_delta`` without a Metal device (its makers return None without Metal, so
+    Metal is reported available and the ``mx.fast.metal_kernel`` call is recorded instead)."""
     captured: Dict[str, dict] = {}
-
-    def capture(**kwargs):
-        captured[kwargs["name"]] = kwargs
-        return kwargs
-
-    with mock.patch.object(mx.metal, "is_available", return_value=True), \
-            mock.patch.object(mx.fast, "metal_kernel", side_effect=capture):
-        gd._make_gated_delta_kernel(has_mask=False, vectorized=False)
-        gd._make_gated_delta_kernel(has_mask=True, vectorized=False)
-        gd._make_gated_delta_kernel(has_mask=False, vectorized=True)
-        gd._make_gated_delta_packed_kernel()
+    for attr, make in _makers().items():
+        calls = []
+        with mock.patch.object(mx.metal, "is_available", return_value=True), \
+                mock.patch.object(mx.fast, "metal_kernel", side_effect=lambda **kw: calls.append(kw) or kw):
+            make()
+        if len(calls) != 1:
+            raise RuntimeError(f"MLX-LM's maker for {attr} built {len(calls)} kernels (expected 1)")
+        captured[attr] = calls[0]
     return captured
 
 
 def mlx_lm_kernels(factory: Callable) -> Dict[str, Callable]:
-    """MLX-LM's generic and packed scan kernels built with a ``metal_kernel``-compatible factory."""
-    args = mlx_lm_kernel_args()
-    return {attr: factory(**args[name]) for name, attr in _MODULE_ATTRS.items()}
+    """MLX-LM's GDN kernels built with a ``metal_kernel``-compatible factory, by module attribute."""
+    return {attr: factory(**kw) for attr, kw in mlx_lm_kernel_args().items()}
 
 
 @lru_cache(maxsize=None)
@@ -67,7 +70,5 @@ def mlx_lm_scan(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arr
     from mlx_lm.models import gated_delta as gd
 
     kernels = kernels or _kernels_for_backend(backend or resolve_backend())
-    with mock.patch.object(gd, "_gated_delta_kernel", kernels["_gated_delta_kernel"]), \
-            mock.patch.object(gd, "_gated_delta_kernel_packed", kernels["_gated_delta_kernel_packed"]), \
-            mock.patch.object(gd, "_ENABLE_GDN_PACKED", True):
+    with mock.patch.multiple(gd, _ENABLE_GDN_PACKED=True, **kernels):
         return gd._gated_delta_kernel_impl(q, k, v, g, beta, state, None, allow_packed=packed)

@@ -2,37 +2,27 @@
 all unmodified through the simulator on the same inputs, each against the fp32 reference: the stock
 kernels are the comparison the GPU benchmarks make, so they must compute the same function here."""
 
-from unittest import mock
-
 import mlx.core as mx
-import mlx_lm.models.gated_delta as stock
 import numpy as np
 import pytest
 
 from lily_mlx.ops import deltanet_kernels as dk
 from lily_mlx.ops import deltanet_reference as ref
+from lily_mlx.ops.deltanet_stock_kernels import mlx_lm_kernel_args, mlx_lm_scan
 from tests.ops.deltanet_cases import rel_l2
 
 SIM_MISSING = dk.backend_unavailable_reason("sim")
 pytestmark = pytest.mark.skipif(SIM_MISSING is not None, reason=f"CPU simulator not available: {SIM_MISSING}")
 
 
-def _stock_kernel_in_sim(make):
-    """Build one of MLX-LM's kernels with the simulator: its makers return None without Metal, so
-    report Metal as available and hand the ``mx.fast.metal_kernel`` arguments to the simulator."""
-    from lily_mlx.msl import sim
-
-    with mock.patch.object(mx.metal, "is_available", lambda: True), \
-            mock.patch.object(mx.fast, "metal_kernel", sim.metal_kernel):
-        return make()
-
-
 @pytest.fixture(scope="module")
 def stock_kernels():
-    return {
-        "generic": _stock_kernel_in_sim(lambda: stock._make_gated_delta_kernel(has_mask=False, vectorized=False)),
-        "packed": _stock_kernel_in_sim(stock._make_gated_delta_packed_kernel),
-    }
+    """MLX-LM's generic and packed kernels built with the simulator (its makers need Metal)."""
+    from lily_mlx.msl import sim
+
+    args = mlx_lm_kernel_args()
+    return {"generic": sim.metal_kernel(**args["_gated_delta_kernel"]),
+            "packed": sim.metal_kernel(**args["_gated_delta_kernel_packed"])}
 
 
 def _run_stock(kernel, packed, q, k, v, g, beta, state):
@@ -82,8 +72,6 @@ def test_our_and_stock_scan_kernels_agree(stock_kernels, shape, dtype):
 def test_mlx_lm_scan_with_its_own_dispatch(packed):
     """``mlx_lm_scan`` (the benchmarks' stock-kernel comparator) rebuilds MLX-LM's kernels for a
     backend and launches them with MLX-LM's own dispatch: same function as the reference."""
-    from lily_mlx.ops.deltanet_stock_kernels import mlx_lm_scan
-
     B, T, Hk, Hv, Dk, Dv = 1, 6, 1, 2, 128, 64
     rng = np.random.default_rng(7)
     f = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731

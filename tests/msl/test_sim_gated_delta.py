@@ -12,35 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lily_mlx.msl import sim
-
-# module attribute -> maker call that builds it in mlx_lm
-_MAKERS = {
-    "_gated_delta_kernel": lambda: gd._make_gated_delta_kernel(has_mask=False, vectorized=False),
-    "_gated_delta_kernel_masked": lambda: gd._make_gated_delta_kernel(has_mask=True, vectorized=False),
-    "_gated_delta_kernel_vec": lambda: gd._make_gated_delta_kernel(has_mask=False, vectorized=True),
-    "_gated_delta_kernel_vec_masked": lambda: gd._make_gated_delta_kernel(has_mask=True, vectorized=True),
-    "_gated_delta_kernel_xtree": gd._make_gated_delta_kernel_xtree,
-    "_gated_delta_kernel_packed": gd._make_gated_delta_packed_kernel,
-}
-
-
-def _capture_kernel_args():
-    """The exact mx.fast.metal_kernel arguments mlx_lm builds each kernel with (its makers return
-    None without Metal, so pretend Metal is there and record the call)."""
-    captured = {}
-    for attr, make in _MAKERS.items():
-        calls = []
-        with mock.patch.object(mx.metal, "is_available", lambda: True), \
-                mock.patch.object(mx.fast, "metal_kernel", lambda **kw: calls.append(kw) or object()):
-            make()
-        assert len(calls) == 1, attr
-        captured[attr] = calls[0]
-    return captured
+from lily_mlx.ops.deltanet_stock_kernels import mlx_lm_kernel_args
 
 
 @pytest.fixture(scope="module")
 def sim_kernels():
-    kernels = {attr: sim.metal_kernel(**kw) for attr, kw in _capture_kernel_args().items()}
+    kernels = {attr: sim.metal_kernel(**kw) for attr, kw in mlx_lm_kernel_args().items()}
     with mock.patch.multiple(gd, _ENABLE_GDN_PACKED=True, **kernels):
         yield kernels
 
@@ -105,7 +82,7 @@ def test_packed_kernel_bit_identical_to_xtree_and_close_to_ops(sim_kernels, B, T
 
 
 def _planted(attr, old, new):
-    kw = dict(_capture_kernel_args()[attr])
+    kw = dict(mlx_lm_kernel_args()[attr])
     assert old in kw["source"], "planting site not found in mlx_lm's source"
     kw["source"] = kw["source"].replace(old, new, 1)
     kw["name"] += "_planted"
@@ -138,7 +115,7 @@ def test_planted_divergent_simd_sum_in_mlx_lm_kernel_is_caught():
 def test_planted_missing_barrier_race_is_caught():
     # A staged variant of the decode step: q is shared through threadgroup memory. Without the
     # barrier between staging and use, the result depends on thread order.
-    kw = dict(_capture_kernel_args()["_gated_delta_kernel"])
+    kw = dict(mlx_lm_kernel_args()["_gated_delta_kernel"])
     staged = kw["source"].replace(
         "for (int t = 0; t < T; ++t) {",
         "threadgroup float q_tg[Dk];\n"
