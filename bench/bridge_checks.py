@@ -230,8 +230,8 @@ def gdn_inputs(B, T, Hk, Hv, Dk, Dv, dtype=mx.bfloat16, seed=0, vector_gate=Fals
 
 
 def check_gdn(factory: Callable, variant: str, shape=(1, 33, 4, 8, 128, 128), seed=0) -> Dict[str, float]:
-    """Run MLX-LM's ``variant`` GDN kernel ('generic' or 'packed') through ``factory`` with MLX-LM's own
-    dispatch (grid, threadgroup, template) and compare with ``gated_delta_ops``."""
+    """Run MLX-LM's ``variant`` GDN kernel ('generic' or 'packed') through ``factory`` with MLX-LM's
+    launch geometry (grid, threadgroup, template) and compare with ``gated_delta_ops``."""
     from mlx_lm.models import gated_delta as gd
 
     B, T, Hk, Hv, Dk, Dv = shape

@@ -3,8 +3,9 @@
 MLX-LM builds its DeltaNet kernels only where Metal is available. To time and check ours against
 them where they are not native (the CPU simulator; an NVIDIA GPU through the Metal->CUDA bridge), their
 ``metal_kernel`` arguments are captured from ``mlx_lm.models.gated_delta`` and rebuilt with a
-backend's factory; MLX-LM's own dispatch (grid, threadgroup, template) then launches them. On a Mac
-the rebuilt kernels are the same ``mx.fast.metal_kernel`` objects MLX-LM makes itself.
+backend's factory, then launched with MLX-LM's grid, threadgroup and template (a test pins the launch
+to MLX-LM's own dispatch, bit for bit). On a Mac the rebuilt kernels are the same
+``mx.fast.metal_kernel`` objects MLX-LM makes itself.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from unittest import mock
 import mlx.core as mx
 
 from ..backend import resolve_backend
+
 
 def _makers():
     """MLX-LM's module attribute -> the maker call that builds that kernel."""
@@ -61,14 +63,29 @@ def _kernels_for_backend(backend: str) -> Dict[str, Callable]:
 
 
 def mlx_lm_scan(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array,
-                *, packed: bool, backend: Optional[str] = None,
-                kernels: Optional[Dict[str, Callable]] = None) -> Tuple[mx.array, mx.array]:
-    """MLX-LM's unmasked scalar-gate scan with its generic or packed kernel, built for ``backend``
-    (or given as ``kernels``, from :func:`mlx_lm_kernels`):
+                *, packed: bool, backend: Optional[str] = None, kernels: Optional[Dict[str, Callable]] = None,
+                init_value: Optional[float] = None) -> Tuple[mx.array, mx.array]:
+    """MLX-LM's unmasked scalar-gate scan with its generic or packed kernel, launched with the grid,
+    threadgroup and template MLX-LM's own dispatch uses (a test pins them to it), built for
+    ``backend`` or given as ``kernels`` (from :func:`mlx_lm_kernels`). No patching per call, so a
+    benchmark times the kernel, not the plumbing.
     q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv] fp32, state [B, Hv, Dv, Dk] fp32
-    -> (y [B, T, Hv, Dv], new state). Packed needs Dk = 128 and Dv % 8 == 0 (MLX-LM's rule)."""
-    from mlx_lm.models import gated_delta as gd
-
+    -> (y [B, T, Hv, Dv], new state)."""
     kernels = kernels or _kernels_for_backend(backend or resolve_backend())
-    with mock.patch.multiple(gd, _ENABLE_GDN_PACKED=True, **kernels):
-        return gd._gated_delta_kernel_impl(q, k, v, g, beta, state, None, allow_packed=packed)
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    if packed:
+        # MLX-LM's rule: each lane holds Dk / 4 state elements, 8 value rows per simdgroup.
+        if Dk != 128 or Dv % 8 or g.ndim != 3 or g.dtype != mx.float32 or state.dtype != mx.float32:
+            raise ValueError("MLX-LM's packed kernel needs Dk = 128, Dv % 8 == 0, a scalar fp32 gate and fp32 state")
+        kernel, grid, threadgroup = kernels["_gated_delta_kernel_packed"], (32, Dv // 8, B * Hv), (32, 2, 1)
+    else:
+        kernel, grid, threadgroup = kernels["_gated_delta_kernel"], (32, Dv, B * Hv), (32, 4, 1)
+    y, new_state = kernel(
+        inputs=[q, k, v, g, beta, state, T],
+        template=[("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        grid=grid, threadgroup=threadgroup,
+        output_shapes=[(B, T, Hv, Dv), state.shape], output_dtypes=[q.dtype, state.dtype],
+        init_value=init_value,
+    )
+    return y, new_state
