@@ -26,6 +26,7 @@ from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
 from tests.kernels.model_checks import decided_positions
 from tests.kernels.model_checks import teacher_forced_logits as shared_teacher_forced_logits
 from tests.ops.deltanet_cases import make_cache, make_module, random_inputs, rel_l2, same, ssm_mask
+from tests.ops.deltanet_cases import rand_array as _rand
 
 SIM_MISSING = kernel_backend_problem() or dk.backend_unavailable_reason(KERNEL_BACKEND)
 needs_sim = pytest.mark.skipif(SIM_MISSING is not None, reason=f"{KERNEL_BACKEND} kernels not available: {SIM_MISSING}")
@@ -35,10 +36,6 @@ TOL = {"float32": 1e-5, "bfloat16": 2e-3}
 NAN = float("nan")
 # Small heads for most examples (the simulator runs every thread); the Qwen3.6 head shape once below.
 HEAD_DIMS = [(32, 32), (64, 64), (32, 64)]
-
-
-def _rand(rng, shape, dtype, scale=1.0):
-    return mx.array((scale * rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
 
 
 def _mask(rng, B, T):

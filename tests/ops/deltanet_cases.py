@@ -68,6 +68,11 @@ def ssm_mask(h: mx.array, cache) -> mx.array | None:
     return create_ssm_mask(h, cache)
 
 
+def rand_array(rng, shape, dtype, scale: float = 1.0) -> mx.array:
+    """scale * N(0, 1) drawn in fp32 from a numpy Generator, cast to ``dtype``."""
+    return mx.array((scale * rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
+
+
 def rel_l2(x: mx.array, y: mx.array) -> float:
     x = np.array(x.astype(mx.float32), dtype=np.float64)
     y = np.array(y.astype(mx.float32), dtype=np.float64)

@@ -16,6 +16,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated
 from lily_mlx.ops import OPS, deltanet, op_backend
 from lily_mlx.ops import deltanet_reference as ref
 from tests.ops.deltanet_cases import make_cache, make_module, random_inputs, same, ssm_mask
+from tests.ops.deltanet_cases import rand_array as _rand
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
@@ -23,10 +24,6 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 @pytest.fixture(autouse=True)
 def reference_backend(monkeypatch):
     monkeypatch.setenv("LILY_BACKEND", "reference")
-
-
-def _rand(rng, shape, dtype, scale=1.0):
-    return mx.array((scale * rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
 
 
 def _mask(rng, B, T):
