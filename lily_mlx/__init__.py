@@ -17,6 +17,7 @@ _LAZY = {
     "patch": ("lily_mlx.patch", "patch"),
     "unpatch": ("lily_mlx.patch", "unpatch"),
     "is_patched": ("lily_mlx.patch", "is_patched"),
+    "patch_report": ("lily_mlx.patch", "patch_report"),
     "SUPPORTED_MODEL_TYPES": ("lily_mlx.patch", "SUPPORTED_MODEL_TYPES"),
 }
 

@@ -2,6 +2,7 @@
 
 Subcommands:
     generate        mlx_lm.generate with lily-mlx on (all MLX-LM flags pass through)
+    chat            mlx_lm.chat with lily-mlx on (all MLX-LM flags pass through)
     server          mlx_lm.server with lily-mlx on (all MLX-LM flags pass through)
     switches        table of switches (default, state, phase, description) and op backends
     embedded-model  print the embedded tiny model's folder (build it first if needed)
@@ -10,7 +11,7 @@ Subcommands:
 
 How ``--lily`` reaches MLX-LM: the installed ``lily_mlx_hooks.pth`` puts a small import hook
 (``lily_mlx_patches``) on ``sys.meta_path``; when ``mlx_lm.generate`` or ``mlx_lm.server`` is imported,
-it calls :func:`instrument` on the module, which wraps the module's ``main``. Only while that ``main``
+(or ``mlx_lm.chat``) it calls :func:`instrument` on the module, which wraps the module's ``main``. Only while that ``main``
 runs, the module sees an ``ArgumentParser`` that also knows the lily flags and a ``load`` /
 ``sharded_load`` that patches the loaded model when ``--lily`` was given. Nothing else in MLX-LM
 changes, and without ``--lily`` the CLI runs exactly as stock.
@@ -42,6 +43,7 @@ _DELEGATED = {
 }
 _MLX_LM = {
     "generate": "mlx_lm.generate with lily-mlx on; every mlx_lm.generate flag passes through",
+    "chat": "mlx_lm.chat with lily-mlx on; every mlx_lm.chat flag passes through",
     "server": "mlx_lm.server with lily-mlx on; every mlx_lm.server flag passes through",
 }
 
@@ -89,8 +91,14 @@ def add_lily_arguments(parser: argparse.ArgumentParser, force: bool = False) -> 
     )
 
 
+def _fail(message: str) -> None:
+    """A one-line error on stderr and exit status 2 (as argparse), before any model loads."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def _apply_lily_arguments(ns, parser: argparse.ArgumentParser, session: _Session) -> None:
-    from . import switches
+    from . import environment, switches
     from .backend import resolve_backend
     from .patch import prefill_step_size
 
@@ -99,6 +107,9 @@ def _apply_lily_arguments(ns, parser: argparse.ArgumentParser, session: _Session
                                 ("--lily-backend", ns.lily_backend)) if v]
         if given:
             parser.error(f"{', '.join(given)} need(s) --lily")
+        problems = environment.problems()
+        if problems:  # stock MLX-LM runs regardless; one line so the typo gets noticed
+            print(f"[lily_mlx] warning: ignored without --lily: {'; '.join(problems)}", file=sys.stderr)
         return
     try:
         off = switches.parse_list(ns.lily_disable)
@@ -109,6 +120,10 @@ def _apply_lily_arguments(ns, parser: argparse.ArgumentParser, session: _Session
         parser.error(str(e))
     if ns.lily_backend:
         os.environ["LILY_BACKEND"] = ns.lily_backend
+    try:
+        environment.check()
+    except environment.LilyConfigError as e:
+        _fail(f"--lily: {e}")
     switches.disable(*off)
     switches.enable(*on)
     # chunked_prefill lives at the generation level: it sets MLX-LM's prompt chunk size.
@@ -148,28 +163,21 @@ def _patching_loader(load_fn: Callable, session: _Session) -> Callable:
     def load(*args, **kwargs):
         out = load_fn(*args, **kwargs)
         if session.active:
-            from . import switches
-            from .backend import resolve_backend
             from .log import log_once
-            from .patch import is_patched, model_architecture, patch
+            from .patch import is_patched, patch, patch_report
 
             # MLX-LM loads a draft model with a bare load(path): patch it when it is supported,
             # otherwise keep it stock with a warning. The main model must be supported.
             try:
                 model = patch(out[0], strict=bool(kwargs))
             except (ValueError, RuntimeError) as e:
-                if session.module_name == "mlx_lm.generate":  # a one-shot CLI: a clean error
+                if session.module_name in ("mlx_lm.generate", "mlx_lm.chat"):  # one user: a clean error
                     sys.exit(f"error: --lily: {e}")
                 raise  # mlx_lm.server returns load errors to the client that asked
 
             if not is_patched(model):  # an unsupported draft model, left stock
                 return out
-            off = [n for n, on in switches.state().items() if not on]
-            log_once(
-                f"cli-patched:{id(model)}",
-                f"{model_architecture(model)} model patched; backend "
-                f"{resolve_backend()}; switches off: {', '.join(off) or 'none'}",
-            )
+            log_once(f"cli-patched:{id(model)}", patch_report(model).summary())
         return out
 
     return load
@@ -196,7 +204,7 @@ def run_mlx_lm_main(module, force: bool = False):
 
 
 def instrument(module) -> None:
-    """Give MLX-LM CLI ``module`` (``mlx_lm.generate`` / ``mlx_lm.server``) the lily flags. Idempotent."""
+    """Give MLX-LM CLI ``module`` (``mlx_lm.generate`` / ``chat`` / ``server``) the lily flags. Idempotent."""
     main = getattr(module, "main", None)
     if main is None or hasattr(main, _ORIGINAL_MAIN):
         return
@@ -263,13 +271,19 @@ def switches_main(argv: List[str]) -> int:
         used = sorted({op_backend(op.name, backend) for op in ops.values() if name in op.switches})
         return ",".join(used) if used else "-"
 
+    def kernel_of(name: str) -> str:
+        if switches.SWITCHES[name].family == "generation":
+            return "-"
+        written = any(op.kernel_backends for op in ops.values() if name in op.switches)
+        return "written" if written else "no kernel yet (switch has no effect)"
+
     rows = [
         [s.name, "on" if s.default else "off", "on" if state[s.name] else "off", s.phase, s.family,
-         backends_for(s.name), s.description]
+         backends_for(s.name), kernel_of(s.name), s.description]
         for s in switches.SWITCHES.values()
     ]
     print(f"lily-mlx switches (backend in force: {backend})")
-    print(_table(["switch", "default", "state", "phase", "family", "backend", "description"], rows))
+    print(_table(["switch", "default", "state", "phase", "family", "backend", "kernel", "description"], rows))
     print()
     op_rows = [
         [op.name, op.family, ",".join(op.switches) or "-", op_backend(op.name, backend),
@@ -314,7 +328,7 @@ def usage() -> str:
     items = list(_MLX_LM.items()) + [("switches", "list switches, their state and each op's backend")]
     items += [(n, h) for n, (_, h) in _DELEGATED.items()]
     lines += [f"  {n.ljust(width)}  {h}" for n, h in items]
-    lines += ["", f"`{PROG} <command> --help` lists that command's flags. generate and server take",
+    lines += ["", f"`{PROG} <command> --help` lists that command's flags. generate, chat and server take",
               "every MLX-LM flag plus --lily-disable A,B, --lily-enable A,B, --lily-backend B.",
               "Environment: LILY_BACKEND=auto|metal|cuda|sim|reference, LILY_DISABLE=a,b,",
               "LILY_ENABLE=a,b, LILY_ALLOW_UNTESTED=1 (patch under untested MLX/MLX-LM versions)."]

@@ -25,11 +25,12 @@ import importlib
 import logging
 import os
 import sys
-import warnings
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-from . import switches
-from .log import log_once
+from . import environment, switches
+from .log import log_once, warn_caller
 
 # MLX-LM architecture modules (``mlx_lm.models.<name>``) whose layers lily-mlx can drive. MLX-LM
 # resolves config aliases (``MODEL_REMAPPING``) to these modules before building the model, and patch()
@@ -212,6 +213,57 @@ def is_patched(model) -> bool:
     return any(_stock_class(m) is not None for m in model.modules())
 
 
+@dataclass(frozen=True)
+class PatchReport:
+    """What :func:`patch` did to a model: ``lily_mlx.patch_report(model)``."""
+
+    architecture: str
+    backend: str
+    layers: Dict[str, int]  # stock layer class -> instances patched
+    op_backends: Dict[str, str]  # op -> backend it runs on
+    reference_reasons: Dict[str, str] = field(default_factory=dict)  # op on its reference -> why
+    switches_off: Tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        """One line for ``--lily``: what was patched, where the ops run, what stays on the reference."""
+        layers = ", ".join(f"{n} {name}" for name, n in self.layers.items())
+        line = (f"{self.architecture} model patched ({layers}); backend {self.backend}; "
+                f"switches off: {', '.join(self.switches_off) or 'none'}")
+        if self.backend != "reference" and self.reference_reasons:
+            by_reason: Dict[str, List[str]] = {}
+            for op, why in self.reference_reasons.items():
+                by_reason.setdefault(why, []).append(op)
+            line += "; reference path: " + "; ".join(f"{', '.join(ops)} ({why})" for why, ops in by_reason.items())
+        return line
+
+
+def _report(model, arch: str) -> PatchReport:
+    from .backend import resolve_backend
+    from .ops import OPS, load_all, op_backend, reference_ops
+
+    load_all()
+    backend = resolve_backend()
+    forced = reference_ops()
+    layers = Counter(_stock_class(m).__name__ for m in model.modules() if _stock_class(m) is not None)
+    op_backends = {name: op_backend(name, backend) for name in OPS}
+    reasons = {}
+    if backend != "reference":
+        for name, op in OPS.items():
+            if op_backends[name] != "reference":
+                continue
+            if name in forced or op.family in forced:
+                reasons[name] = "LILY_REFERENCE_OPS"
+            else:
+                reasons[name] = f"no {backend} kernel yet"
+    off = tuple(n for n, on in switches.state().items() if not on)
+    return PatchReport(arch, backend, dict(layers), op_backends, reasons, off)
+
+
+def patch_report(model) -> Optional[PatchReport]:
+    """The report of the last :func:`patch` of ``model`` (None if it was never patched)."""
+    return getattr(model, "_lily_report", None)
+
+
 def patch(model, strict: bool = True):
     """Make ``model`` (an MLX-LM Qwen3.5/3.6/Next model) run lily-mlx ops. Returns ``model``.
 
@@ -226,8 +278,9 @@ def patch(model, strict: bool = True):
         )
         if strict:
             raise ValueError(msg)
-        warnings.warn(msg + ". Running the model unpatched (stock MLX-LM).", stacklevel=2)
+        warn_caller(msg + ". Running the model unpatched (stock MLX-LM).")
         return model
+    environment.check()
     check_versions()
     targets = _target_classes(arch)
     swapped = 0
@@ -240,7 +293,8 @@ def patch(model, strict: bool = True):
         msg = f"lily-mlx found no patchable layers in this {_describe(model)} model"
         if strict:
             raise ValueError(msg)
-        warnings.warn(msg, stacklevel=2)
+        warn_caller(msg)
+    model._lily_report = _report(model, arch)
     return model
 
 
@@ -250,6 +304,7 @@ def unpatch(model):
         stock_cls = _stock_class(module)
         if stock_cls is not None:
             module.__class__ = stock_cls
+    vars(model).pop("_lily_report", None)
     return model
 
 
@@ -260,6 +315,7 @@ def load(path_or_repo, *args, strict: bool = True, **mlx_lm_load_kwargs):
     """
     from mlx_lm import utils as mlx_lm_utils
 
+    environment.check()  # a bad LILY_* value fails here, before minutes of loading
     out = mlx_lm_utils.load(path_or_repo, *args, **mlx_lm_load_kwargs)
     patch(out[0], strict=strict)
     return out

@@ -9,10 +9,11 @@ environment (``LILY_DISABLE=a,b``, ``LILY_ENABLE=a,b``) or on the command line (
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import threading
 from dataclasses import dataclass
-from typing import Dict, Iterable, Iterator, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional
 
 
 @dataclass(frozen=True)
@@ -72,19 +73,42 @@ _SWITCH_LIST = [
 
 SWITCHES: Dict[str, Switch] = {s.name: s for s in _SWITCH_LIST}
 
+ENV_VARS = ("LILY_DISABLE", "LILY_ENABLE")
+
 _lock = threading.Lock()
 _state: Dict[str, bool] = {}
+_listeners: List[Callable[[], None]] = []  # called after every change of state (dispatch re-resolves)
+
+
+def suggestion(name: str) -> str:
+    """`` (did you mean 'x'?)`` for a misspelt or wrong-case switch name, else ''."""
+    lowered = {n.lower(): n for n in SWITCHES}
+    match = lowered.get(name.lower()) or next(iter(difflib.get_close_matches(name, SWITCHES, n=1)), None)
+    return f" (did you mean {match!r}?)" if match else ""
+
+
+def _unknown_message(unknown: List[str]) -> str:
+    named = ", ".join(f"{n!r}{suggestion(n)}" for n in unknown)
+    return f"unknown lily-mlx switch(es): {named}. Valid switches: {', '.join(SWITCHES)}"
 
 
 def _check(names: Iterable[str]) -> list:
     names = [n.strip() for n in names if n and n.strip()]
     unknown = [n for n in names if n not in SWITCHES]
     if unknown:
-        raise ValueError(
-            f"unknown lily-mlx switch(es): {', '.join(unknown)}. "
-            f"Valid switches: {', '.join(SWITCHES)}"
-        )
+        raise ValueError(_unknown_message(unknown))
     return names
+
+
+def _changed() -> None:
+    for listener in list(_listeners):
+        listener()
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    """Call ``listener()`` after every change of switch state (the dispatch plan re-resolves)."""
+    if listener not in _listeners:
+        _listeners.append(listener)
 
 
 def parse_list(text: Optional[str]) -> list:
@@ -94,15 +118,38 @@ def parse_list(text: Optional[str]) -> list:
     return _check(text.split(","))
 
 
+def _from_environment(environ) -> "tuple[Dict[str, bool], List[str]]":
+    """(switch values named by LILY_DISABLE / LILY_ENABLE, one line per unknown name)."""
+    values: Dict[str, bool] = {}
+    problems = []
+    for var, value in (("LILY_DISABLE", False), ("LILY_ENABLE", True)):  # ENABLE applies last
+        names = [n.strip() for n in environ.get(var, "").split(",") if n.strip()]
+        unknown = [n for n in names if n not in SWITCHES]
+        if unknown:
+            problems.append(f"{var}={environ[var]!r}: {_unknown_message(unknown)}")
+        values.update({n: value for n in names if n in SWITCHES})
+    return values, problems
+
+
 def reset() -> None:
-    """Restore defaults, then apply ``LILY_DISABLE`` / ``LILY_ENABLE`` from the environment."""
+    """Restore defaults, then apply ``LILY_DISABLE`` / ``LILY_ENABLE`` from the environment.
+
+    Never raises: this runs when ``lily_mlx`` is imported, which MLX-LM's CLIs do through the import
+    hook even without ``--lily``, so a typo in a shell profile must not break stock MLX-LM. Unknown
+    names are skipped; ``--lily``, ``patch()`` and ``load()`` refuse to run while the environment
+    holds any (:func:`environment_problems`, checked by ``lily_mlx.environment.check``).
+    """
+    values, _ = _from_environment(os.environ)
     with _lock:
         _state.clear()
         _state.update({n: s.default for n, s in SWITCHES.items()})
-    for name in parse_list(os.environ.get("LILY_DISABLE")):
-        _state[name] = False
-    for name in parse_list(os.environ.get("LILY_ENABLE")):
-        _state[name] = True
+        _state.update(values)
+    _changed()
+
+
+def environment_problems() -> List[str]:
+    """One line per unknown name in ``LILY_DISABLE`` / ``LILY_ENABLE`` as they are now."""
+    return _from_environment(os.environ)[1]
 
 
 def _check_one(name: str) -> str:
@@ -113,13 +160,18 @@ def _check_one(name: str) -> str:
 
 
 def is_enabled(name: str) -> bool:
-    return _state[_check_one(name)]
+    try:  # hot path: one dict lookup
+        return _state[name]
+    except KeyError:
+        _check_one(name)  # raises for unknown or empty names
+        raise ValueError(f"switch name {name!r} has surrounding spaces") from None
 
 
 def set_enabled(name: str, value: bool) -> None:
     name = _check_one(name)
     with _lock:
         _state[name] = bool(value)
+    _changed()
 
 
 def disable(*names: str) -> None:
@@ -156,6 +208,7 @@ def overrides(disable: Iterable[str] = (), enable: Iterable[str] = ()) -> Iterat
         with _lock:
             _state.clear()
             _state.update(saved)
+        _changed()
 
 
 reset()

@@ -74,17 +74,22 @@ def _kernel_for(op: Op, unsupported: Optional[str] = None) -> Optional[Callable]
     if backend == "reference":
         return None
     if op_backend(op.name, backend) == "reference" or (op.name, backend) not in KERNELS:
-        log_once(f"{op.name}:{backend}:none", f"{op.name}: no {backend} kernel yet, using the reference")
-        return None
+        return None  # said once, at patch time (lily_mlx.patch_report)
     if unsupported:
         log_once(f"{op.name}:{backend}:{unsupported}", f"{op.name}: {unsupported}, using the reference")
         return None
     return KERNELS[(op.name, backend)]
 
 
+def is_quantized_kv(keys: Any) -> bool:
+    """Quantized KV caches hand out (packed, scales, biases) as a tuple or a list (MLX-LM's
+    ``QuantizedKVCache`` and ``KVCache.to_quantized`` differ), plain caches an array."""
+    return isinstance(keys, (tuple, list))
+
+
 def _kv_shape(keys: Any) -> Tuple[int, ...]:
-    """[B, Hkv, S, ...] of keys; quantized KV caches hand out (packed, scales, biases) tuples."""
-    return (keys[0] if isinstance(keys, tuple) else keys).shape
+    """[B, Hkv, S, ...] of keys (of the packed part for a quantized cache)."""
+    return (keys[0] if is_quantized_kv(keys) else keys).shape
 
 
 # --- q/k preparation ------------------------------------------------------------------------------
@@ -146,7 +151,7 @@ def attention_reference(
 
 
 def _unsupported_kv(keys: Any, mask: Any) -> Optional[str]:
-    if isinstance(keys, tuple):
+    if is_quantized_kv(keys):
         return "quantized KV cache"
     if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
         return "additive mask"
@@ -251,6 +256,8 @@ def blockwise_attention(
 def attention_forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
     """``Qwen3NextAttention.__call__`` with the stock module as ``self`` (attributes read now, so a
     sharded module's per-rank head counts apply). x: [B, L, hidden] -> [B, L, hidden]."""
+    if self.training:  # the kernels have no gradients: training runs stock's ops, stock's gradients
+        return self._lily_stock_class.__call__(self, x, mask=mask, cache=cache)
     B, L, _ = x.shape
     q_proj_out = self.q_proj(x)  # [B, L, H * 2D]
     k_proj_out, v_proj_out = self.k_proj(x), self.v_proj(x)  # [B, L, Hkv * D]

@@ -38,7 +38,7 @@ def unsupported_reason(queries: mx.array, keys: Any, values: Any, mask: Any = No
     queries: [B, Hq, L, D]; keys, values: [B, Hkv, S, D] from a plain mlx_lm ``KVCache``."""
     from mlx_lm.models.cache import KVCache
 
-    if isinstance(keys, tuple):
+    if isinstance(keys, (tuple, list)):  # QuantizedKVCache: (packed, scales, biases)
         return "quantized KV cache"
     if mask is not None:
         return "a mask"

@@ -72,7 +72,7 @@ def _kernel_backend(op: Op, module) -> Optional[str]:
     return None if backend == "reference" else backend
 
 
-def _kernels_for(op: Op, module, q: mx.array, v: mx.array):
+def _kernels_for(op: Op, module, q: mx.array, v: mx.array, state: Optional[mx.array] = None):
     """(kernel module, backend) if ``op`` runs a kernel for these shapes, else (None, None); the
     reason for a fallback is logged once."""
     backend = _kernel_backend(op, module)
@@ -83,7 +83,7 @@ def _kernels_for(op: Op, module, q: mx.array, v: mx.array):
     except ImportError as e:  # kernels module missing from this install
         dk, reason = None, f"kernel host code unavailable ({e})"
     else:
-        reason = dk.unsupported_reason(q, v) or dk.backend_unavailable_reason(backend)
+        reason = dk.unsupported_reason(q, v, state=state) or dk.backend_unavailable_reason(backend)
     if reason is not None:
         log_once(f"{op.name}:{backend}:{reason}", f"{op.name}: {reason}; using the reference")
         return None, None
@@ -99,7 +99,7 @@ def recurrence(module, q, k, v, a, b, z, state, mask):
     norm = module.norm
 
     if q.shape[1] == 1:
-        dk, backend = _kernels_for(OP_DECODE, module, q, v)
+        dk, backend = _kernels_for(OP_DECODE, module, q, v, state)
         if dk is not None:
             return dk.decode(
                 q, k, v, a, b, module.A_log, module.dt_bias, state, z, norm.weight, norm.eps, mask,
@@ -112,7 +112,7 @@ def recurrence(module, q, k, v, a, b, z, state, mask):
     else:
         g, beta = ref.gates(a, b, module.A_log, module.dt_bias)
 
-    dk, backend = _kernels_for(OP_SCAN, module, q, v)
+    dk, backend = _kernels_for(OP_SCAN, module, q, v, state)
     if dk is not None:
         register = switches.is_enabled("register_scan")
         out, state = dk.scan(q, k, v, g, beta, state, mask, register=register, backend=backend)

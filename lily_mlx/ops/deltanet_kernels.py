@@ -57,8 +57,14 @@ def rows_per_simdgroup(Dk: int) -> int:
     return 32 * STATE_ELEMENTS_PER_LANE // Dk
 
 
-def unsupported_reason(q: mx.array, v: mx.array) -> Optional[str]:
-    """Why the kernels cannot run q [B, T, Hk, Dk], v [B, T, Hv, Dv]; None when they can."""
+def unsupported_reason(q: mx.array, v: mx.array, g: Optional[mx.array] = None,
+                       state: Optional[mx.array] = None) -> Optional[str]:
+    """Why the kernels cannot run q [B, T, Hk, Dk], v [B, T, Hv, Dv] (and, where given, the gate g and
+    the recurrent state); None when they can."""
+    if g is not None and g.ndim != 3:
+        return f"gate g of shape {tuple(g.shape)}: the kernels take one decay per head, g [B, T, Hv]"
+    if state is not None and state.dtype != mx.float32:
+        return f"recurrent state in {state.dtype}: the kernels keep it in float32"
     Hk, Dk = q.shape[-2:]
     Hv, Dv = v.shape[-2:]
     if Dk not in SUPPORTED_DK:
@@ -93,6 +99,13 @@ def backend_unavailable_reason(backend: str) -> Optional[str]:
 _params = int32_params
 
 
+def _refuse_unsupported(q, v, g, state) -> None:
+    """Launchers take only what the kernels compute correctly (the op layer falls back before)."""
+    reason = unsupported_reason(q, v, g, state)
+    if reason is not None:
+        raise ValueError(f"DeltaNet kernel: {reason}")
+
+
 def _scan_threadgroup_y(simdgroups: int) -> int:
     return math.gcd(simdgroups, 4)
 
@@ -124,6 +137,7 @@ def scan(q, k, v, g, beta, state, mask=None, *, register: bool = True, backend: 
     ``register``: state in registers for the whole scan; else the blockwise ablation.
     ``out_dtype``: y's dtype (default q's).
     """
+    _refuse_unsupported(q, v, g, state)
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     simdgroups = Dv // rows_per_simdgroup(Dk)
@@ -192,6 +206,7 @@ def decode(q, k, v, a, b, A_log, dt_bias, state, z, weight, eps: float, mask=Non
                         out_dtype=mx.float32)
         out = gated_norm(y, z, weight, eps, backend=backend, init_value=init_value, out_dtype=q.dtype)
         return out, state
+    _refuse_unsupported(q, v, None, state)
     B, _, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     simdgroups = Dv // rows_per_simdgroup(Dk)

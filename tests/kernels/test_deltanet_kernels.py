@@ -390,3 +390,45 @@ def test_embedded_model_greedy_tokens_match_stock(monkeypatch, off):
         assert (lily_choice == np.array(stock_tokens))[decided].all()
     finally:
         lily_patch.unpatch(model)
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs outside the kernels: refused by the launchers, reference path in the forwards
+
+
+def test_launchers_refuse_vector_gates_and_non_fp32_states():
+    """A vector gate g [B, T, Hv, Dk] (MLX-LM's gated_delta accepts one) or a bf16 state would give a
+    wrong answer or a compile error in the kernels: the launchers refuse them with the reason."""
+    rng = np.random.default_rng(0)
+    q, k, v, a, b, A_log, dt_bias, state, mask = _problem(rng, 1, 3, 1, 2, 32, 32, mx.float32, True, False)
+    g, beta = ref.gates(a, b, A_log, dt_bias)
+    with pytest.raises(ValueError, match="one decay per head"):
+        dk.scan(q, k, v, mx.broadcast_to(g[..., None], (*g.shape, 32)), beta, state, backend="sim")
+    with pytest.raises(ValueError, match="float32"):
+        dk.scan(q, k, v, g, beta, state.astype(mx.bfloat16), backend="sim")
+    z, weight = _rand(rng, (1, 1, 2, 32), mx.float32), _rand(rng, (32,), mx.float32)
+    with pytest.raises(ValueError, match="float32"):
+        dk.decode(q[:, :1], k[:, :1], v[:, :1], a[:, :1], b[:, :1], A_log, dt_bias,
+                  state.astype(mx.bfloat16), z, weight, 1e-6, backend="sim")
+
+
+@needs_sim
+@settings(max_examples=4)
+@given(kind=st.sampled_from(sorted(FORWARDS)), T=st.sampled_from([1, 5]), seed=st.integers(0, 2**16))
+def test_bf16_recurrent_state_takes_the_reference_path(kind, T, seed):
+    """A cache holding a bf16 state (MLX-LM accepts one): the scan takes its reference (the kernels
+    keep the state in fp32), so the forward on the kernel backend matches stock's module call to fp32
+    rounding (the gates and conv kernels still run), the new state in stock's dtype."""
+    module = make_module(kind, 1, 2, 32, 32, seed=seed)
+    h = random_inputs(1, T, 32, mx.float32, seed)
+    rng = np.random.default_rng(seed)
+    prefilled = make_cache(1)
+    prefilled[0] = _rand(rng, (1, 3, module.conv_dim), mx.float32)
+    prefilled[1] = _rand(rng, (1, 2, 32, 32), mx.float32, 0.1).astype(mx.bfloat16)
+    stock_cache, lily_cache = make_cache(1, prefilled=prefilled), make_cache(1, prefilled=prefilled)
+    expected = type(module).__call__(module, h, cache=stock_cache)
+    with _lily_backend(KERNEL_BACKEND):
+        out = FORWARDS[kind](module, h, cache=lily_cache)
+    assert rel_l2(out, expected) < 1e-5
+    assert lily_cache[1].dtype == stock_cache[1].dtype
+    assert rel_l2(lily_cache[1], stock_cache[1]) < 1e-5

@@ -1,0 +1,69 @@
+"""Every ``LILY_*`` environment variable, checked in one place.
+
+Importing lily-mlx never fails because of the environment (MLX-LM's CLIs import it through the hook
+even without ``--lily``). Whatever turns lily-mlx on (``--lily``, ``patch()``, ``load()``) calls
+:func:`check` first, so a bad value is one clear error before any model loads, not a traceback in
+the middle of generation.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List
+
+from . import switches
+from .backend import resolve_backend
+
+ENV_VARS = {
+    "LILY_BACKEND": "auto|metal|cuda|sim|reference: where kernels run",
+    "LILY_DISABLE": "comma-separated switches to turn off",
+    "LILY_ENABLE": "comma-separated switches to turn on",
+    "LILY_REFERENCE_OPS": "comma-separated ops or op families kept on their reference (bisecting)",
+    "LILY_ALLOW_UNTESTED": "1: patch under untested MLX / MLX-LM versions",
+}
+
+
+class LilyConfigError(ValueError):
+    """A lily-mlx setting (environment variable or flag) that cannot be honoured; one-line message."""
+
+
+def _backend_problem() -> List[str]:
+    try:
+        resolve_backend()
+    except (ValueError, RuntimeError) as e:
+        return [str(e)]
+    return []
+
+
+def _reference_ops_problem() -> List[str]:
+    text = os.environ.get("LILY_REFERENCE_OPS", "")
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        return []
+    from .ops import load_all
+
+    ops = load_all()
+    known = set(ops) | {op.family for op in ops.values()}
+    unknown = [n for n in names if n not in known]
+    if not unknown:
+        return []
+    return [f"LILY_REFERENCE_OPS={text!r}: unknown op or family {', '.join(map(repr, unknown))}; "
+            f"valid: {', '.join(sorted(known))}"]
+
+
+def _allow_untested_problem() -> List[str]:
+    value = os.environ.get("LILY_ALLOW_UNTESTED", "")
+    return [] if value in ("", "0", "1") else [f"LILY_ALLOW_UNTESTED={value!r} is not 0 or 1"]
+
+
+def problems() -> List[str]:
+    """One line per lily-mlx environment variable that cannot be honoured (empty when all is well)."""
+    return (switches.environment_problems() + _backend_problem() + _reference_ops_problem()
+            + _allow_untested_problem())
+
+
+def check() -> None:
+    """Raise :class:`LilyConfigError` (one line) when any lily-mlx environment variable is bad."""
+    found = problems()
+    if found:
+        raise LilyConfigError("lily-mlx: " + "; ".join(found))
