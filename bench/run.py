@@ -3,10 +3,12 @@
     python -m bench.run --mode e2e --max-length 16K --rounds 3 --out results/
     python -m bench.run --mode kernels --out results/
     python -m bench.run --mode bridge --out results/        # Metal->CUDA bridge checks (CUDA/sim)
+    python -m bench.run --mode decode-profile --context 4096 --out results/   # host cost per decode step
 
 Modes (comma-separated): ``e2e`` (stock MLX-LM vs lily-mlx sweep), ``kernels`` (each lily kernel alone
 at the model's shapes vs the device's copy/matmul ceilings), ``bridge`` (bridge feature checks and
-MLX-LM's GDN kernels through the bridge). The model is a checkpoint (``--model PATH``) or
+MLX-LM's GDN kernels through the bridge), ``decode-profile`` (graph-build and evaluation time,
+primitives and pipelined tok/s of one decode step, per engine). The model is a checkpoint (``--model PATH``) or
 Qwen3.6-35B-A3B's architecture with random 4-bit weights built in process (``--size full``; ``tiny``
 for a quick run anywhere). Results: ``results.json`` plus Markdown tables and a PNG plot in ``--out``.
 """
@@ -51,7 +53,7 @@ def environment() -> dict:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", default="e2e", help="comma-separated: e2e, kernels, bridge")
+    p.add_argument("--mode", default="e2e", help="comma-separated: e2e, kernels, bridge, decode-profile")
     p.add_argument("--model", default=None, help="checkpoint path or repo (default: random weights in process)")
     p.add_argument("--size", default="full", choices=("full", "tiny"), help="random model size")
     p.add_argument("--num-layers", type=int, default=None, help="random model: fewer layers (quick runs)")
@@ -73,6 +75,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel-prefill-tokens", type=int, default=2048)
     p.add_argument("--op-cases", default="auto", choices=("auto", "on", "off"),
                    help="kernels mode: also time the op modules' own microbench cases (auto: on a GPU)")
+    p.add_argument("--context", type=int, default=4096, help="decode-profile: context length before decoding")
+    p.add_argument("--profile-steps", type=int, default=16, help="decode-profile: timed decode steps per round")
     p.add_argument("--out", default=None, help="directory for results.json, tables and plot")
     return p
 
@@ -92,13 +96,13 @@ def main(argv=None) -> int:
 
     if "bridge" in modes:
         from . import bridge_checks
-        from lily_mlx.kernel_registry import _factory
+        from lily_mlx.kernel_registry import metal_kernel_factory
 
         backend = results["environment"]["lily_backend"]
         if backend not in ("cuda", "sim", "metal"):
             log(f"[bridge] skipped: backend {backend!r} runs no kernels")
         else:
-            checks, arrays = bridge_checks.run_all(_factory(backend), log=log)
+            checks, arrays = bridge_checks.run_all(metal_kernel_factory(backend), log=log)
             results["bridge"] = {"backend": backend, "checks": checks}
             if out_dir:
                 import numpy as np
@@ -107,7 +111,7 @@ def main(argv=None) -> int:
             save()
 
     model = None
-    if "e2e" in modes or "kernels" in modes:
+    if {"e2e", "kernels", "decode-profile"} & set(modes):
         model, desc = __import__("bench.model_setup", fromlist=["load_model"]).load_model(
             args.model, args.size, args.seed, args.num_layers, log=log)
         results["model"] = desc
@@ -126,6 +130,20 @@ def main(argv=None) -> int:
             text += "\nOp microbenchmarks (lily_mlx.ops.<family>.microbench_cases):\n\n" + kernels.op_cases_markdown(cases) + "\n"
         if out_dir:
             (out_dir / "kernels.md").write_text(text)
+        save()
+
+    if "decode-profile" in modes:
+        from . import decode_profile
+
+        engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+        profile = decode_profile.run(model, args.context, engines, args.rounds, args.profile_steps, vocab,
+                                     seed=args.seed, log=log)
+        results["decode_profile"] = profile
+        log(decode_profile.table_markdown(profile))
+        if out_dir:
+            (out_dir / "decode_profile.json").write_text(json.dumps(
+                {"environment": results["environment"], "model": results["model"], **profile}, indent=1))
+            (out_dir / "decode_profile.md").write_text(decode_profile.table_markdown(profile) + "\n")
         save()
 
     if "e2e" in modes:

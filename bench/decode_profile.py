@@ -1,0 +1,145 @@
+"""Host cost of one decode step: graph-build time, evaluation time, primitives, pipelined tok/s.
+
+    python -m bench.run --mode decode-profile --context 4096 [--size full] [--engines stock,lily]
+
+Per engine, on one model in one process (engines alternate order every round): the context is
+prefilled once per round into a fresh cache, then ``--profile-steps`` decode steps are
+
+- built (the model call and the greedy pick: Python and MLX graph construction, no evaluation) and
+  evaluated, each timed on its own: ``build_ms``, ``eval_ms`` (medians over steps and rounds);
+- run pipelined as MLX-LM's ``generate_step`` does (the next step is built while the last one
+  evaluates, ``mx.async_eval``): ``decode_tok_s``;
+- and one step's graph is exported (``mx.export_to_dot``) to count its primitives, not counting
+  views (reshape, slice, transpose, broadcast, ...), which launch no kernel.
+
+Writes ``decode_profile.json``: ``{"environment": ..., "context": N, "engines": {"stock":
+{"primitives_per_step", "build_ms", "eval_ms", "decode_tok_s", ...}, "lily": {...}}}``.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import statistics
+import tempfile
+import time
+from typing import Dict, List, Sequence
+
+import mlx.core as mx
+
+from .e2e import Engines, validate_engine
+
+# Primitives that only describe a view of their input (no kernel of their own on any backend).
+VIEW_PRIMITIVES = frozenset({
+    "Reshape", "Slice", "Transpose", "Broadcast", "AsStrided", "ExpandDims", "Squeeze", "Flatten",
+    "Unflatten", "StopGradient", "Depends", "AsType_view", "BroadcastAxes",
+})
+_LABEL = re.compile(r'\[label ="([A-Za-z_]+)[^"]*", shape=rectangle\]')
+
+
+def count_primitives(outputs) -> Dict[str, int]:
+    """Primitive name -> number of nodes in the graph that computes ``outputs`` (nothing evaluated)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "step.dot")
+        mx.export_to_dot(path, outputs)
+        text = open(path).read()
+    return dict(collections.Counter(_LABEL.findall(text)))
+
+
+def _prefill(model, context: int, vocab: int, seed: int, step: int = 2048):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(seed))
+    for start in range(0, context - 1, step):
+        model(tokens[None, start:min(start + step, context - 1)], cache=cache)
+        mx.eval([c.state for c in cache])
+    mx.clear_cache()
+    return tokens[-1:], cache
+
+
+def _step(model, y, cache):
+    logits = model(y[None], cache=cache)
+    return mx.argmax(logits[:, -1, :], axis=-1)
+
+
+def profile_engine(model, context: int, steps: int, vocab: int, seed: int) -> Dict:
+    """One round for the engine in force: build/eval split, primitives, pipelined decode."""
+    y, cache = _prefill(model, context, vocab, seed)
+    mx.eval(_step(model, y, cache))  # first decode step: compiles, allocates
+
+    nxt = _step(model, y, cache)
+    primitives = count_primitives(nxt)
+    mx.eval(nxt)
+    y = nxt
+
+    build, evaluate = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        nxt = _step(model, y, cache)
+        t1 = time.perf_counter()
+        mx.eval(nxt)
+        t2 = time.perf_counter()
+        build.append(t1 - t0)
+        evaluate.append(t2 - t1)
+        y = nxt
+
+    # Pipelined, as generate_step: build step n + 1 while step n evaluates.
+    nxt = _step(model, y, cache)
+    mx.async_eval(nxt)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        following = _step(model, nxt, cache)
+        mx.async_eval(following)
+        nxt.item()
+        nxt = following
+    nxt.item()
+    elapsed = time.perf_counter() - t0
+    non_view = sum(n for name, n in primitives.items() if name not in VIEW_PRIMITIVES)
+    return {"build_s": build, "eval_s": evaluate, "decode_tok_s": steps / elapsed,
+            "primitives_per_step": non_view, "primitives": primitives}
+
+
+def run(model, context: int, engines: Sequence[str], rounds: int, steps: int, vocab: int, seed: int = 0,
+        log=print) -> Dict:
+    for engine in engines:
+        validate_engine(engine)
+    switcher = Engines(model)
+    per_engine: Dict[str, List[Dict]] = {e: [] for e in engines}
+    for r in range(rounds):
+        order = list(engines) if r % 2 == 0 else list(reversed(engines))
+        for engine in order:
+            switcher.use(engine)
+            result = profile_engine(model, context, steps, vocab, seed + r)
+            per_engine[engine].append(result)
+            log(f"[decode-profile] round {r + 1}/{rounds} {engine}: build "
+                f"{1e3 * statistics.median(result['build_s']):.2f} ms, eval "
+                f"{1e3 * statistics.median(result['eval_s']):.2f} ms, {result['decode_tok_s']:.1f} tok/s, "
+                f"{result['primitives_per_step']} primitives")
+    switcher.use("stock")
+    out = {}
+    for engine, results in per_engine.items():
+        build = [t for res in results for t in res["build_s"]]
+        evaluate = [t for res in results for t in res["eval_s"]]
+        out[engine] = {
+            "primitives_per_step": results[-1]["primitives_per_step"],
+            "build_ms": 1e3 * statistics.median(build),
+            "build_ms_range": [1e3 * min(build), 1e3 * max(build)],
+            "eval_ms": 1e3 * statistics.median(evaluate),
+            "decode_tok_s": statistics.median(res["decode_tok_s"] for res in results),
+            "decode_tok_s_rounds": [res["decode_tok_s"] for res in results],
+            "primitives": results[-1]["primitives"],
+        }
+    return {"context": context, "rounds": rounds, "steps": steps, "engines": out}
+
+
+def table_markdown(profile: Dict) -> str:
+    lines = [f"Decode step at context {profile['context']} (medians of {profile['rounds']} rounds x "
+             f"{profile['steps']} steps)", "",
+             "| engine | graph build ms/step | eval ms/step | pipelined decode tok/s | non-view primitives/step |",
+             "|---|---|---|---|---|"]
+    for engine, row in profile["engines"].items():
+        lines.append(f"| {engine} | {row['build_ms']:.2f} | {row['eval_ms']:.2f} | {row['decode_tok_s']:.1f} | "
+                     f"{row['primitives_per_step']:,} |")
+    return "\n".join(lines)
