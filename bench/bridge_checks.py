@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Tuple
 import mlx.core as mx
 import numpy as np
 
-from lily_mlx.ops.deltanet_stock_kernels import mlx_lm_kernels, mlx_lm_scan
+from lily_dev.deltanet_stock_kernels import mlx_lm_kernels, mlx_lm_scan
 
 # ---------------------------------------------------------------------------------------------
 # simd_*: reductions, scans, shuffles, broadcasts, quad ops (one simdgroup = 32 consecutive threads).

@@ -101,6 +101,29 @@ def profile_engine(model, context: int, steps: int, vocab: int, seed: int) -> Di
             "primitives_per_step": non_view, "primitives": primitives}
 
 
+def host_profile(model, engine: str, context: int, steps: int, vocab: int, seed: int = 0, top: int = 30) -> str:
+    """cProfile of building ``steps`` decode steps' graphs (evaluation excluded): where host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    Engines(model).use(engine)
+    y, cache = _prefill(model, context, vocab, seed)
+    mx.eval(_step(model, y, cache))
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        profiler.enable()
+        nxt = _step(model, y, cache)
+        profiler.disable()
+        mx.eval(nxt)
+        y = nxt
+    Engines(model).use("stock")
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out).sort_stats("tottime")
+    stats.print_stats(top)
+    return out.getvalue()
+
+
 def run(model, context: int, engines: Sequence[str], rounds: int, steps: int, vocab: int, seed: int = 0,
         log=print) -> Dict:
     for engine in engines:

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from lily_mlx import switches
+from lily_mlx.core import switches
 
 K = 1024
 # The write-up's ten prompt lengths (prefill) and ten context lengths (decode): 256 ... 128K.

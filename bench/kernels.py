@@ -48,48 +48,24 @@ def ceilings(log=print) -> Dict[str, float]:
     return out
 
 
-class _Recorder:
-    def __init__(self, name: str, kernel, calls: List, phase: Callable[[], str]):
-        self.name, self.kernel, self.calls, self.phase = name, kernel, calls, phase
-
-    def __call__(self, **kwargs):
-        out = self.kernel(**kwargs)
-        self.calls.append((self.phase(), self.name, self.kernel, kwargs))
-        return out
-
-
 def record_kernel_calls(model, prefill_tokens: int, vocab_size: int, log=print) -> List[Tuple]:
     """[(phase, kernel name, kernel, call kwargs)] from one prefill chunk and one decode step of the
     patched model (the model is left unpatched)."""
     import lily_mlx
-    from lily_mlx import kernel_registry
+    from lily_mlx.core.kernel_registry import record_launches
     from mlx_lm.models.cache import make_prompt_cache
 
     calls: List[Tuple] = []
-    phase = {"now": "prefill"}
-    original = kernel_registry._factory
-
-    def recording_factory(backend):
-        make = original(backend)
-
-        def factory(**kw):
-            return _Recorder(kw["name"], make(**kw), calls, lambda: phase["now"])
-
-        return factory
-
-    kernel_registry.clear_cache()
-    kernel_registry._factory = recording_factory
     try:
         lily_mlx.patch(model)
         cache = make_prompt_cache(model)
         prompt = mx.random.randint(0, vocab_size, (1, prefill_tokens), key=mx.random.key(1))
-        mx.eval(model(prompt, cache=cache))
-        phase["now"] = "decode"
-        mx.eval(model(prompt[:, -1:], cache=cache))
+        for phase, tokens in (("prefill", prompt), ("decode", prompt[:, -1:])):
+            with record_launches() as record:
+                mx.eval(model(tokens, cache=cache))
+            calls += [(phase, launch.name, launch.kernel, launch.kwargs) for launch in record]
         mx.eval([kw["inputs"] for _, _, _, kw in calls])
     finally:
-        kernel_registry._factory = original
-        kernel_registry.clear_cache()
         lily_mlx.unpatch(model)
     if log:
         log(f"[kernels] recorded {len(calls)} kernel calls "
@@ -144,9 +120,9 @@ def table_markdown(rows: List[Dict], ceil: Dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def op_cases(families=("moe", "deltanet", "attention"), min_seconds: float = 0.2, max_iters: int = 50,
+def op_cases(families=("moe", "deltanet"), min_seconds: float = 0.2, max_iters: int = 50,
              ceil: Dict[str, float] = None, log=print) -> List[Dict]:
-    """The op modules' own microbenchmarks (``lily_mlx.ops.<family>.microbench_cases()`` ->
+    """Each family's microbenchmarks (``lily_dev.<family>_bench.microbench_cases()`` ->
     ``[(name, run_once, bytes_moved, flops)]``, each at Qwen3.6 shapes, lily and stock paths), timed
     here against the ceilings."""
     import importlib
@@ -154,13 +130,7 @@ def op_cases(families=("moe", "deltanet", "attention"), min_seconds: float = 0.2
     rows = []
     for family in families:
         try:
-            mod = importlib.import_module(f"lily_mlx.ops.{family}")
-        except ImportError:
-            continue
-        if not hasattr(mod, "microbench_cases"):
-            continue
-        try:
-            cases = mod.microbench_cases()
+            cases = importlib.import_module(f"lily_dev.{family}_bench").microbench_cases()
         except Exception as e:  # a family's cases failing to build is reported, the rest still run
             rows.append({"family": family, "error": f"{type(e).__name__}: {e}"})
             log(f"[kernels] {family}: microbench cases failed: {e}")

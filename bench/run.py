@@ -37,7 +37,7 @@ def environment() -> dict:
     import mlx_lm
 
     import lily_mlx
-    from lily_mlx.backend import resolve_backend
+    from lily_mlx.core.backend import resolve_backend
 
     info = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "lily_mlx": lily_mlx.__version__,
@@ -77,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
                    help="kernels mode: also time the op modules' own microbench cases (auto: on a GPU)")
     p.add_argument("--context", type=int, default=4096, help="decode-profile: context length before decoding")
     p.add_argument("--profile-steps", type=int, default=16, help="decode-profile: timed decode steps per round")
+    p.add_argument("--host-profile", default=None, metavar="ENGINE",
+                   help="decode-profile: also cProfile ENGINE's graph building (host_profile_<ENGINE>.txt)")
     p.add_argument("--out", default=None, help="directory for results.json, tables and plot")
     return p
 
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
 
     if "bridge" in modes:
         from . import bridge_checks
-        from lily_mlx.kernel_registry import metal_kernel_factory
+        from lily_mlx.core.kernel_registry import metal_kernel_factory
 
         backend = results["environment"]["lily_backend"]
         if backend not in ("cuda", "sim", "metal"):
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
         text = kernels.table_markdown(rows, ceil) + "\n"
         if args.op_cases == "on" or (args.op_cases == "auto" and mx.default_device() == mx.gpu):
             results["kernels"]["op_cases"] = cases = kernels.op_cases(ceil=ceil, log=log)
-            text += "\nOp microbenchmarks (lily_mlx.ops.<family>.microbench_cases):\n\n" + kernels.op_cases_markdown(cases) + "\n"
+            text += "\nOp microbenchmarks (lily_dev.<family>_bench.microbench_cases):\n\n" + kernels.op_cases_markdown(cases) + "\n"
         if out_dir:
             (out_dir / "kernels.md").write_text(text)
         save()
@@ -144,6 +146,11 @@ def main(argv=None) -> int:
             (out_dir / "decode_profile.json").write_text(json.dumps(
                 {"environment": results["environment"], "model": results["model"], **profile}, indent=1))
             (out_dir / "decode_profile.md").write_text(decode_profile.table_markdown(profile) + "\n")
+        if args.host_profile:
+            text = decode_profile.host_profile(model, args.host_profile, args.context, args.profile_steps, vocab)
+            log(text)
+            if out_dir:
+                (out_dir / f"host_profile_{args.host_profile}.txt").write_text(text)
         save()
 
     if "e2e" in modes:

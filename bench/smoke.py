@@ -92,7 +92,8 @@ def agrees(r: dict, fp32_tol: float) -> bool:
 
 def main(argv=None) -> int:
     from bench.model_setup import load_model
-    from lily_mlx.backend import resolve_backend
+    from lily_mlx.core import dispatch
+    from lily_mlx.core.backend import resolve_backend
 
     p = argparse.ArgumentParser(prog="python -m bench.smoke")
     p.add_argument("--size", default="full", choices=("full", "tiny"))
@@ -112,7 +113,8 @@ def main(argv=None) -> int:
     if args.per_family:
         variants += [(f, ",".join(o for o in families if o != f)) for f in ("deltanet", "moe")]
     for label, forced in variants:
-        os.environ["LILY_REFERENCE_OPS"] = forced  # read by lily_mlx.ops.op_backend at each call
+        os.environ["LILY_REFERENCE_OPS"] = forced
+        dispatch.resolve()  # the plan reads the environment when resolved, not at each call
         for n in (int(x) for x in args.prompt.split(",")):
             t0 = time.perf_counter()
             r = compare(model, n, args.decode_steps, vocab)
@@ -123,6 +125,7 @@ def main(argv=None) -> int:
                 ok &= good
             print(f"[smoke] {'ok' if good else 'MISMATCH'} {json.dumps(r)}", flush=True)
     os.environ.pop("LILY_REFERENCE_OPS", None)
+    dispatch.invalidate()
     return 0 if ok else 1
 
 

@@ -9,8 +9,8 @@ lily-mlx and stock on the same weights. Switches: ``lily_mlx.switches``.
 
 __version__ = "0.1.0"
 
-from . import switches  # noqa: E402,F401
-from .backend import resolve_backend  # noqa: E402,F401
+from .core import switches  # noqa: E402,F401
+from .core.backend import resolve_backend  # noqa: E402,F401
 
 _LAZY = {
     "load": ("lily_mlx.patch", "load"),

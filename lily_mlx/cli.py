@@ -64,8 +64,8 @@ class _Session:
 
 def add_lily_arguments(parser: argparse.ArgumentParser, force: bool = False) -> None:
     """Add ``--lily``, ``--lily-disable``, ``--lily-enable``, ``--lily-backend`` to ``parser``."""
-    from . import switches
-    from .backend import CHOICES
+    from .core import switches
+    from .core.backend import CHOICES
 
     names = ", ".join(switches.SWITCHES)
     group = parser.add_argument_group(
@@ -98,15 +98,19 @@ def _fail(message: str) -> None:
 
 
 def _apply_lily_arguments(ns, parser: argparse.ArgumentParser, session: _Session) -> None:
-    from . import environment, switches
-    from .backend import resolve_backend
-    from .patch import prefill_step_size
+    from .core import environment, switches
+    from .core.backend import resolve_backend
+    from .patch import check_environment, prefill_step_size
 
     if not (session.force or getattr(ns, "lily", False)):
         given = [f for f, v in (("--lily-disable", ns.lily_disable), ("--lily-enable", ns.lily_enable),
                                 ("--lily-backend", ns.lily_backend)) if v]
         if given:
             parser.error(f"{', '.join(given)} need(s) --lily")
+        from .ops import load_all
+
+        if os.environ.get("LILY_REFERENCE_OPS"):
+            load_all()  # op names, to check that variable
         problems = environment.problems()
         if problems:  # stock MLX-LM runs regardless; one line so the typo gets noticed
             print(f"[lily_mlx] warning: ignored without --lily: {'; '.join(problems)}", file=sys.stderr)
@@ -121,7 +125,7 @@ def _apply_lily_arguments(ns, parser: argparse.ArgumentParser, session: _Session
     if ns.lily_backend:
         os.environ["LILY_BACKEND"] = ns.lily_backend
     try:
-        environment.check()
+        check_environment()
     except environment.LilyConfigError as e:
         _fail(f"--lily: {e}")
     switches.disable(*off)
@@ -163,7 +167,7 @@ def _patching_loader(load_fn: Callable, session: _Session) -> Callable:
     def load(*args, **kwargs):
         out = load_fn(*args, **kwargs)
         if session.active:
-            from .log import log_once
+            from .core.log import log_once
             from .patch import is_patched, patch, patch_report
 
             # MLX-LM loads a draft model with a bare load(path): patch it when it is supported,
@@ -252,8 +256,8 @@ def switches_main(argv: List[str]) -> int:
                         help="show op backends for this backend (auto|metal|cuda|sim|reference)")
     args = parser.parse_args(argv)
 
-    from . import switches
-    from .backend import resolve_backend
+    from .core import switches
+    from .core.backend import resolve_backend
     from .ops import load_all, op_backend
 
     try:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lily_mlx.backend import CHOICES as BACKEND_CHOICES
+from lily_mlx.core.backend import CHOICES as BACKEND_CHOICES
 
 MODES = ("decode", "prefill")
 
@@ -85,7 +85,7 @@ def _perplexity(logits: np.ndarray, targets: np.ndarray) -> float:
 def compare_engines(model, tokens, *, positions: int = 192, mode: str = "decode", name: str = "") -> ConsistencyResult:
     """Teacher-forced lily vs stock on an already loaded MLX-LM model; restores its patch state."""
     import lily_mlx
-    from lily_mlx.backend import resolve_backend
+    from lily_mlx.core.backend import resolve_backend
 
     tokens = np.asarray(tokens, dtype=np.int64)
     if len(tokens) < positions + 1:
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     if args.backend is not None:
-        os.environ["LILY_BACKEND"] = args.backend  # read by lily_mlx.backend at dispatch time
+        os.environ["LILY_BACKEND"] = args.backend  # read when patch() resolves the dispatch plan
 
     import mlx_lm
 

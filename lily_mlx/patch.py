@@ -29,8 +29,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-from . import environment, switches
-from .log import log_once, warn_caller
+from .core import environment, switches
+from .core.log import log_once, warn_caller
 
 # MLX-LM architecture modules (``mlx_lm.models.<name>``) whose layers lily-mlx can drive. MLX-LM
 # resolves config aliases (``MODEL_REMAPPING``) to these modules before building the model, and patch()
@@ -238,11 +238,10 @@ class PatchReport:
 
 
 def _report(model, arch: str) -> PatchReport:
-    from .backend import resolve_backend
-    from .ops import OPS, load_all, op_backend, reference_ops
+    from .core.dispatch import active_backend
+    from .ops import OPS, op_backend, reference_ops
 
-    load_all()
-    backend = resolve_backend()
+    backend = active_backend()
     forced = reference_ops()
     layers = Counter(_stock_class(m).__name__ for m in model.modules() if _stock_class(m) is not None)
     op_backends = {name: op_backend(name, backend) for name in OPS}
@@ -257,6 +256,17 @@ def _report(model, arch: str) -> PatchReport:
                 reasons[name] = f"no {backend} kernel yet"
     off = tuple(n for n, on in switches.state().items() if not on)
     return PatchReport(arch, backend, dict(layers), op_backends, reasons, off)
+
+
+def check_environment() -> None:
+    """Every LILY_* variable valid, or :class:`~lily_mlx.core.environment.LilyConfigError`; then the
+    dispatch plan is resolved from them (the hot path reads no environment)."""
+    from .core import dispatch
+    from .ops import load_all
+
+    load_all()  # op names, for LILY_REFERENCE_OPS
+    environment.check()
+    dispatch.resolve()
 
 
 def patch_report(model) -> Optional[PatchReport]:
@@ -280,7 +290,7 @@ def patch(model, strict: bool = True):
             raise ValueError(msg)
         warn_caller(msg + ". Running the model unpatched (stock MLX-LM).")
         return model
-    environment.check()
+    check_environment()
     check_versions()
     targets = _target_classes(arch)
     swapped = 0
@@ -315,7 +325,7 @@ def load(path_or_repo, *args, strict: bool = True, **mlx_lm_load_kwargs):
     """
     from mlx_lm import utils as mlx_lm_utils
 
-    environment.check()  # a bad LILY_* value fails here, before minutes of loading
+    check_environment()  # a bad LILY_* value fails here, before minutes of loading
     out = mlx_lm_utils.load(path_or_repo, *args, **mlx_lm_load_kwargs)
     patch(out[0], strict=strict)
     return out

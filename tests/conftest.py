@@ -7,7 +7,10 @@ examples are printed with a reproduction blob (``@reproduce_failure``).
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from lily_mlx.core import dispatch
 
 settings.register_profile(
     "dev",
@@ -26,3 +29,13 @@ settings.register_profile(
 
 _ci = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if _ci else "dev"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dispatch_plan():
+    """lily-mlx reads LILY_BACKEND / LILY_REFERENCE_OPS when its dispatch plan is resolved (patch time,
+    or first use), not on every call: each test starts and ends with no plan, so the environment a
+    test sets (monkeypatch) is the one its first dispatch sees."""
+    dispatch.invalidate()
+    yield
+    dispatch.invalidate()

@@ -12,7 +12,7 @@ Four ops, each a function with a reference in plain MLX ops and one dispatch poi
 ``attention_forward(self, x, mask, cache)`` is the whole layer with the stock module as ``self``.
 On the reference backend it is exactly stock's computation: the same MLX primitives in the same
 order, mlx_lm's own ``scaled_dot_product_attention`` (quantized KV caches included). Kernels:
-``attention_decode`` (``attention_kernels``, kernels/attention.metal); the other ops run their
+``attention_decode`` (``attention_kernels``, kernels/attention/decode.metal); the other ops run their
 reference.
 """
 
@@ -23,9 +23,9 @@ from typing import Any, Callable, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models import base as mlx_lm_base
 
-from ..backend import resolve_backend
-from ..log import log_once
-from ..switches import is_enabled
+from ..core.dispatch import active_backend
+from ..core.log import log_once
+from ..core.switches import is_enabled
 from . import Op, attention_kernels, op_backend, register_op
 
 QK_PREP = register_op(Op(
@@ -70,7 +70,7 @@ def _kernel_for(op: Op, unsupported: Optional[str] = None) -> Optional[Callable]
     """The kernel that runs ``op`` on the active backend, or None for the reference.
 
     ``unsupported`` names why these shapes/inputs are outside the kernel (logged once)."""
-    backend = resolve_backend()
+    backend = active_backend()
     if backend == "reference":
         return None
     if op_backend(op.name, backend) == "reference" or (op.name, backend) not in KERNELS:
@@ -257,7 +257,7 @@ def attention_forward(self, x: mx.array, mask: Any = None, cache: Any = None) ->
     """``Qwen3NextAttention.__call__`` with the stock module as ``self`` (attributes read now, so a
     sharded module's per-rank head counts apply). x: [B, L, hidden] -> [B, L, hidden]."""
     if self.training:  # the kernels have no gradients: training runs stock's ops, stock's gradients
-        return self._lily_stock_class.__call__(self, x, mask=mask, cache=cache)
+        return getattr(type(self), "_lily_stock_class", type(self)).__call__(self, x, mask=mask, cache=cache)
     B, L, _ = x.shape
     q_proj_out = self.q_proj(x)  # [B, L, H * 2D]
     k_proj_out, v_proj_out = self.k_proj(x), self.v_proj(x)  # [B, L, Hkv * D]

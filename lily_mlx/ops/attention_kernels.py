@@ -1,6 +1,6 @@
 """Decode-attention kernel, host side: dispatch table, shape rules, launch geometry.
 
-The kernel lives in ``kernels/attention.metal`` (layout notes there and in docs/attention.md). The
+The kernel lives in ``kernels/attention/decode.metal`` (layout notes there and in docs/attention.md). The
 host function has the signature of ``attention.attention_reference`` for one query row, plus the
 switch states, ``backend`` (``metal``, ``sim`` or ``cuda``) and ``init_value`` (tests poison
 outputs with it).
@@ -12,10 +12,10 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from ..kernel_registry import KernelSpec, float32_scalar, get_kernel, int32_params
+from ..core.kernel_registry import KernelSpec, float32_scalar, get_kernel, int32_params
 
-# Dispatch table: one row per kernel of kernels/attention.metal.
-_FILE = "attention.metal"
+# Dispatch table: one row per kernel of kernels/attention/decode.metal.
+_FILE = "attention/decode.metal"
 KERNELS = {
     spec.name: spec
     for spec in (

@@ -8,13 +8,18 @@ primitives in stock's order (``deltanet_reference``). Otherwise each op runs its
 with a one-time log line.
 
 Ops (``lily_mlx.ops.OPS``):
-- ``deltanet_conv1d_silu``: depthwise causal conv1d + SiLU and the conv-state update; at decode one
-  kernel also does ``deltanet_qk_norm`` (L2 normalisation of q/k with the read-out scale).
+- ``deltanet_conv1d_silu``: depthwise causal conv1d + SiLU and the conv-state update; one kernel
+  also does ``deltanet_qk_norm`` (L2 normalisation of q/k with the read-out scale), for every chunk.
 - ``deltanet_gates``: g = exp(-exp(A_log) softplus(a + dt_bias)) and beta = sigmoid(b).
 - ``deltanet_scan``: prefill delta-rule scan; switch ``register_scan`` (off: blockwise scan).
 - ``deltanet_decode``: one recurrent step + gated RMSNorm; switch ``fused_recurrent_norm``
   (off: gates, step and norm as separate kernels).
 - ``deltanet_gated_norm``: rms_norm(out) * weight * silu(z) after the prefill scan.
+
+Batch invariance: a token's result must not depend on the call it is in (MLX-LM's batched generator
+pads a row's prompt chunk to the batch's longest, and a 1-token chunk alone is a decode-shaped
+call). So the conv kernel runs every chunk, and the prefill path (gates, scan, gated norm, y in fp32
+between them) and the decode kernels compute a token with the same arithmetic.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx.nn.layers.distributed import sum_gradients
 
-from .. import switches
-from ..log import log_once
+from ..core import switches
+from ..core.log import log_once
 from . import Op, op_backend, register_op
 from . import deltanet_reference as ref
 
@@ -34,12 +39,12 @@ KERNEL_BACKENDS = frozenset({"metal", "sim", "cuda"})
 OP_CONV = register_op(Op(
     "deltanet_conv1d_silu", "deltanet",
     "Depthwise causal conv1d + SiLU over [conv state; q k v projections], and the conv-state update "
-    "(kernel: decode, fused with the q/k normalisation).",
+    "(kernel: every chunk, fused with the q/k normalisation).",
     kernel_backends=KERNEL_BACKENDS,
 ))
 OP_QK_NORM = register_op(Op(
     "deltanet_qk_norm", "deltanet",
-    "L2 normalisation of q and k, read-out scale folded into q (kernel: inside the decode conv kernel).",
+    "L2 normalisation of q and k, read-out scale folded into q (kernel: inside the conv kernel).",
     kernel_backends=KERNEL_BACKENDS,
 ))
 OP_GATES = register_op(Op(
@@ -112,16 +117,20 @@ def recurrence(module, q, k, v, a, b, z, state, mask):
     else:
         g, beta = ref.gates(a, b, module.A_log, module.dt_bias)
 
+    norm_dk, norm_backend = _kernels_for(OP_GATED_NORM, module, q, v)
     dk, backend = _kernels_for(OP_SCAN, module, q, v, state)
     if dk is not None:
         register = switches.is_enabled("register_scan")
-        out, state = dk.scan(q, k, v, g, beta, state, mask, register=register, backend=backend)
+        # y stays fp32 into the gated-norm kernel, as in the decode kernels: a token's output is then
+        # the same from a prefill chunk and from a decode step (batch invariance).
+        out_dtype = mx.float32 if norm_dk is not None else None
+        out, state = dk.scan(q, k, v, g, beta, state, mask, register=register, backend=backend,
+                             out_dtype=out_dtype)
     else:
         out, state = ref.scan_stock(q, k, v, g, beta, state, mask, use_kernel=not module.training)
 
-    dk, backend = _kernels_for(OP_GATED_NORM, module, q, v)
-    if dk is not None:
-        out = dk.gated_norm(out, z, norm.weight, norm.eps, backend=backend)
+    if norm_dk is not None:
+        out = norm_dk.gated_norm(out, z, norm.weight, norm.eps, backend=norm_backend, out_dtype=q.dtype)
     else:
         out = norm(out, z)
     return out, state
@@ -131,31 +140,33 @@ def recurrence(module, q, k, v, a, b, z, state, mask):
 # forwards (stock call signature, stock instance as ``self``)
 
 
-def _conv_qk_decode_kernel(self, qkv, mask, cache, S):
-    """q, k, v and the new conv state from the fused decode kernel, or None (reference path)."""
-    if S != 1:
-        return None
+def _conv_qk_kernel(self, qkv, mask, cache):
+    """q, k, v and the new conv state from the conv + q/k-norm kernel, or None (reference path).
+
+    It runs for every chunk, decode (S = 1) and prefill alike: a token's q, k, v then never depend
+    on the chunk it came in, so a 1-token prompt chunk alone (a decode-shaped call) and the same
+    token padded into a batch's longer chunk get the same bits (batch invariance)."""
     if (backend := _kernel_backend(OP_CONV, self)) is None:
         return None
-    if cache is not None and cache.lengths is not None:
-        return None  # right-padded batch prefill of one token: the reference picks the state rows
     from . import deltanet_kernels as dk
 
+    conv_state = cache[0] if cache is not None else None
     reason = dk.conv_unsupported_reason(self.conv1d, qkv, self.num_k_heads, self.head_k_dim)
+    if reason is None and conv_state is not None and conv_state.dtype != qkv.dtype:
+        reason = f"conv state in {conv_state.dtype}, activations in {qkv.dtype}"
     reason = reason or dk.backend_unavailable_reason(backend)
     if reason is not None:
         log_once(f"{OP_CONV.name}:{backend}:{reason}", f"{OP_CONV.name}: {reason}; using the reference")
         return None
-    conv_state = cache[0] if cache is not None else None
-    return dk.conv_qk_norm_decode(
+    return dk.conv_qk_norm(
         qkv, conv_state, self.conv1d.weight, mask, self.num_k_heads, self.head_k_dim, self.num_v_heads,
-        self.head_v_dim, backend=backend,
+        self.head_v_dim, lengths=cache.lengths if cache is not None else None, backend=backend,
     )
 
 
 def _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, dtype):
     """Shared by both module types from the q|k|v projections on: normalised out [B, S, Hv, Dv]."""
-    fused = _conv_qk_decode_kernel(self, qkv, mask, cache, S)
+    fused = _conv_qk_kernel(self, qkv, mask, cache)
     if fused is not None:
         q, k, v, conv_state = fused
         if cache is not None:
@@ -221,11 +232,3 @@ def qwen3_next_deltanet_forward(self, inputs: mx.array, mask: Optional[mx.array]
     qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
     out = _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, inputs.dtype)
     return self.out_proj(out.reshape(B, S, -1))
-
-
-def microbench_cases(backend: Optional[str] = None):
-    """Kernel microbenchmarks at Qwen3.6 shapes for the bench harness: a list of
-    (name, run_once, bytes_moved, flops); see ``deltanet_bench``."""
-    from .deltanet_bench import microbench_cases as cases
-
-    return cases(backend)

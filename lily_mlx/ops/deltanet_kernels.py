@@ -1,6 +1,6 @@
 """Gated DeltaNet kernels, host side: dispatch table, shape rules, launch geometry.
 
-Kernels live in ``kernels/deltanet.metal`` (layout notes there and in docs/deltanet.md). Each host
+Kernels live in ``kernels/deltanet/deltanet.metal`` (layout notes there and in docs/deltanet.md). Each host
 function has the signature of its reference in ``deltanet_reference`` plus ``backend`` (``metal``,
 ``sim`` or ``cuda``) and ``init_value`` (tests poison outputs with it).
 """
@@ -12,10 +12,10 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ..kernel_registry import KernelSpec, float32_scalar, get_kernel, int32_params
+from ..core.kernel_registry import KernelSpec, float32_scalar, get_kernel, int32_params
 
-# Dispatch table: one row per kernel of kernels/deltanet.metal.
-_FILE = "deltanet.metal"
+# Dispatch table: one row per kernel of kernels/deltanet/deltanet.metal.
+_FILE = "deltanet/deltanet.metal"
 KERNELS = {
     spec.name: spec
     for spec in (
@@ -36,7 +36,7 @@ KERNELS = {
         ),
         KernelSpec(
             "deltanet_conv_qk_norm_decode", _FILE,
-            ("qkv", "conv_state", "weight", "mask", "eps", "params"), ("q", "k", "v", "conv_state_out"),
+            ("qkv", "conv_state", "weight", "mask", "lengths", "eps", "params"), ("q", "k", "v", "conv_state_out"),
         ),
     )
 }
@@ -50,6 +50,7 @@ ACTIVATION_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 _ONE_BOOL = mx.array([True])
 _ONE_FLOAT = mx.array([0.0], dtype=mx.float32)
+_ONE_INT = mx.array([0], dtype=mx.int32)
 
 
 def rows_per_simdgroup(Dk: int) -> int:
@@ -241,27 +242,38 @@ def conv_unsupported_reason(conv1d, qkv: mx.array, Hk: int, Dk: int) -> Optional
     return None
 
 
-def conv_qk_norm_decode(qkv, conv_state, weight, mask, Hk: int, Dk: int, Hv: int, Dv: int, *, backend: str,
-                        eps: float = 1e-6, init_value=None):
-    """One decode token: conv1d + SiLU + conv-state shift + q/k normalisation (references:
-    ``conv_input_with_state``, ``next_conv_state``, ``conv1d_silu``, ``qk_norm``).
+def conv_qk_norm(qkv, conv_state, weight, mask, Hk: int, Dk: int, Hv: int, Dv: int, *, lengths=None,
+                 backend: str, eps: float = 1e-6, init_value=None):
+    """The tokens of a chunk (any T; decode is T = 1): conv1d + SiLU + q/k normalisation and the new
+    conv state (references: ``conv_input_with_state``, ``conv1d_silu``, ``qk_norm``,
+    ``next_conv_state``). A token's q, k, v are computed the same way whatever the chunk and the
+    batch around it (batch invariance).
 
-    qkv: [B, 1, C]; conv_state: [B, K-1, C] or None (zeros); weight: [C, K, 1]; mask: [B, 1] or None.
-    Returns q, k [B, 1, Hk, Dk], v [B, 1, Hv, Dv] and the new conv state [B, K-1, C].
+    qkv: [B, T, C]; conv_state: [B, K-1, C] or None (zeros); weight: [C, K, 1]; mask: [B, T] bool or
+    None; lengths: [B] valid tokens per row of a right-padded chunk (the cache's ``lengths``) or None.
+    Returns q, k [B, T, Hk, Dk], v [B, T, Hv, Dv] and the new conv state [B, K-1, C].
     """
-    B, _, C = qkv.shape
+    B, T, C = qkv.shape
     K = weight.shape[1]
     has_state = conv_state is not None
     has_mask = mask is not None
+    has_lengths = lengths is not None
     q, k, v, new_state = get_kernel(KERNELS["deltanet_conv_qk_norm_decode"], backend)(
         inputs=[qkv, conv_state if has_state else _ONE_FLOAT.astype(qkv.dtype), weight,
-                mask if has_mask else _ONE_BOOL, float32_scalar(eps),
-                _params(B, Hk, C, has_state, has_mask)],
+                mask if has_mask else _ONE_BOOL, lengths.astype(mx.int32) if has_lengths else _ONE_INT,
+                float32_scalar(eps), _params(B, Hk, C, has_state, has_mask, T, has_lengths)],
         template=[("InT", qkv.dtype), ("Dk", Dk), ("K", K)],
-        grid=(32, C // Dk, B),
+        grid=(32, C // Dk, B * T),
         threadgroup=(32, math.gcd(C // Dk, 4), 1),
-        output_shapes=[(B, 1, Hk, Dk), (B, 1, Hk, Dk), (B, 1, Hv, Dv), (B, K - 1, C)],
+        output_shapes=[(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv), (B, K - 1, C)],
         output_dtypes=[qkv.dtype] * 4,
         init_value=init_value,
     )
     return q, k, v, new_state
+
+
+def conv_qk_norm_decode(qkv, conv_state, weight, mask, Hk: int, Dk: int, Hv: int, Dv: int, *, backend: str,
+                        eps: float = 1e-6, init_value=None):
+    """One decode token (``conv_qk_norm`` with T = 1): qkv [B, 1, C]; mask [B, 1] or None."""
+    return conv_qk_norm(qkv, conv_state, weight, mask, Hk, Dk, Hv, Dv, backend=backend, eps=eps,
+                        init_value=init_value)

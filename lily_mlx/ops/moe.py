@@ -3,7 +3,7 @@
 ``sparse_moe_forward(self, x)`` replaces ``Qwen3NextSparseMoeBlock.__call__`` (``self`` is the stock
 module; attributes are read at call time, so sharding just works). It is split into ops, each with
 a plain-MLX reference (``moe_reference``) and, where written, kernels (``moe_kernels``,
-``kernels/moe_routing.metal``, ``kernels/moe_gemm.metal``):
+``kernels/moe/routing.metal``, ``kernels/moe/gemm.metal``):
 
 - ``moe_router``: softmax, top-k, renormalise (reference only: stock's exact primitives).
 - ``moe_routing``: histogram, prefix scan, scatter + inverse map, block map (switch ``gpu_routing``).
@@ -77,7 +77,7 @@ def routed_experts_kernels(switch_mlp, x: mx.array, inds: mx.array, scores: mx.a
 def sparse_moe_forward(self, x: mx.array) -> mx.array:
     """``Qwen3NextSparseMoeBlock.__call__`` on lily ops. x: [B, T, D] -> [B, T, D]."""
     if self.training:  # the kernels have no gradients: training runs stock's ops, stock's gradients
-        return self._lily_stock_class.__call__(self, x)
+        return getattr(type(self), "_lily_stock_class", type(self)).__call__(self, x)
     if self.sharding_group is not None:
         x = sum_gradients(self.sharding_group)(x)
 
@@ -103,10 +103,3 @@ def sparse_moe_forward(self, x: mx.array) -> mx.array:
     if self.sharding_group is not None:
         y = mx.distributed.all_sum(y, group=self.sharding_group)
     return y
-
-
-def microbench_cases():
-    """GPU microbenchmarks at Qwen3.6 shapes; see ``moe_bench.microbench_cases``."""
-    from .moe_bench import microbench_cases as cases
-
-    return cases()

@@ -1,7 +1,10 @@
-"""Host side of the MoE prefill kernels (``kernels/moe_routing.metal``, ``kernels/moe_gemm.metal``): dispatch table, launch geometry,
+"""Host side of the MoE kernels (``kernels/moe/routing.metal``, ``kernels/moe/gemm.metal``): dispatch table, launch geometry,
 the routing schedule (GPU-resident or host-built) and the grouped expert GEMMs.
 
-Data flow for one prefill chunk (A = tokens * top_k assignments, a = token * k + j):
+They run for every call size where they apply, decode steps included (``moe.sparse_moe_forward``:
+batch invariance), and a token's result never depends on the other tokens of the call.
+
+Data flow for one call (A = tokens * top_k assignments, a = token * k + j):
 
     inds [A] --histogram--> chunk_counts, local_rank --scan--> counts, offsets, chunk_offsets
          --scatter--> sorted_rows (slot -> a), slot_of_row (a -> slot)
@@ -22,17 +25,17 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
-from .. import switches
-from ..kernel_registry import KernelSpec, get_kernel, int32_params
-from ..log import log_once
+from ..core import switches
+from ..core.kernel_registry import KernelSpec, get_kernel, int32_params
+from ..core.log import log_once
 from . import moe as _moe  # noqa: F401  (registers the MoE ops in OPS)
 from . import op_backend
 from .moe_reference import combine_reference, is_quantized_switch_linear
 
-ROUTING = "moe_routing.metal"
-GEMM = "moe_gemm.metal"
+ROUTING = "moe/routing.metal"
+GEMM = "moe/gemm.metal"
 
-# Dispatch table: one KernelSpec per kernel of kernels/moe_routing.metal and kernels/moe_gemm.metal.
+# Dispatch table: one KernelSpec per kernel of kernels/moe/routing.metal and kernels/moe/gemm.metal.
 KERNELS: Dict[str, KernelSpec] = {
     "histogram": KernelSpec("moe_route_histogram_i32", ROUTING, ("inds", "params"), ("chunk_counts", "local_rank")),
     "scan": KernelSpec("moe_route_scan_i32", ROUTING, ("chunk_counts", "params"), ("counts", "offsets", "chunk_offsets")),

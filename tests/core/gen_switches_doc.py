@@ -65,7 +65,7 @@ def _cell(text: str) -> str:
 
 
 def switch_table() -> str:
-    from lily_mlx.switches import SWITCHES
+    from lily_mlx.core.switches import SWITCHES
 
     lines = [
         "## Switch table",
@@ -82,7 +82,7 @@ def switch_table() -> str:
 
 
 def render() -> str:
-    from lily_mlx.backend import CHOICES
+    from lily_mlx.core.backend import CHOICES
 
     rules = BACKEND_RULES.format(choices="|".join(CHOICES))
     return "\n".join([INTRO, switch_table(), rules])

@@ -1,8 +1,8 @@
-"""lily_mlx.backend: LILY_BACKEND values, automatic choice, errors."""
+"""lily_mlx.core.backend: LILY_BACKEND values, automatic choice, errors."""
 
 import pytest
 
-from lily_mlx import backend
+from lily_mlx.core import backend
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
-"""lily_mlx.kernel_registry: kernel file sections, kernel directory, per-backend build cache."""
+"""lily_mlx.core.kernel_registry: kernel file sections, kernel directory, per-backend build cache."""
 
 import importlib
 
 import mlx.core as mx
 import pytest
 
-from lily_mlx import kernel_registry as kr
+from lily_mlx.core import kernel_registry as kr
 
 FILE_TEXT = """\
 // lily-mlx test kernels

@@ -1,11 +1,11 @@
-"""lily_mlx.log.log_once: each key logs once per process."""
+"""lily_mlx.core.log.log_once: each key logs once per process."""
 
 import logging
 import os
 import subprocess
 import sys
 
-from lily_mlx.log import log_once, reset_log_once
+from lily_mlx.core.log import log_once, reset_log_once
 
 
 def test_log_once_logs_each_key_once(caplog):
@@ -31,7 +31,7 @@ def test_level_passed_through(caplog):
 
 def test_visible_once_without_logging_configured():
     """A user who configured no logging still sees a fallback note, exactly once, on stderr."""
-    code = ("from lily_mlx.log import log_once\n"
+    code = ("from lily_mlx.core.log import log_once\n"
             "for _ in range(3): log_once('k', 'falling back to the reference')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))

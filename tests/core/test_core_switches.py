@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from lily_mlx import switches
+from lily_mlx.core import switches
 
 ENV = ("LILY_DISABLE", "LILY_ENABLE")
 REQUIRED = (  # the names the write-up's optimisations go by; they must stay stable
@@ -79,7 +79,7 @@ def test_env_read_by_reset(monkeypatch):
 
 
 def test_env_read_at_import():
-    code = ("from lily_mlx import switches as s; "
+    code = ("from lily_mlx.core import switches as s; "
             "print(s.is_enabled('gqa_packing'), s.is_enabled('coalesced_kv'), s.is_enabled('row_gemv'))")
     out = run_python(code, LILY_DISABLE="gqa_packing,coalesced_kv", LILY_ENABLE="coalesced_kv")
     assert out.returncode == 0, out.stderr
@@ -89,7 +89,7 @@ def test_env_read_at_import():
 def test_unknown_env_name_never_breaks_import_and_is_reported():
     """A typo in a shell profile must not break ``import lily_mlx`` (MLX-LM's CLIs import it through
     the hook even without --lily): the valid names apply, the bad one is reported with the valid list."""
-    code = ("from lily_mlx import switches as s; print(s.is_enabled('gpu_routing')); "
+    code = ("from lily_mlx.core import switches as s; print(s.is_enabled('gpu_routing')); "
             "print(s.environment_problems()[0])")
     out = run_python(code, LILY_DISABLE="gpu_routing,no_such_switch")
     assert out.returncode == 0, out.stderr

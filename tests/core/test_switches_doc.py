@@ -3,8 +3,8 @@
 import importlib.util
 from pathlib import Path
 
-from lily_mlx.backend import CHOICES
-from lily_mlx.switches import SWITCHES
+from lily_mlx.core.backend import CHOICES
+from lily_mlx.core.switches import SWITCHES
 
 _GEN = Path(__file__).with_name("gen_switches_doc.py")
 

@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 
 import lily_mlx
 from lily_mlx import patch as lily_patch
-from lily_mlx import switches
+from lily_mlx.core import switches
 
 from .conftest import PROMPT
 

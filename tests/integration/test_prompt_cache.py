@@ -9,7 +9,7 @@ from mlx_lm.generate import batch_generate, generate_step
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 import lily_mlx
-from lily_mlx import switches
+from lily_mlx.core import switches
 
 TURNS = [
     "Return a shallow copy of the mapping.",

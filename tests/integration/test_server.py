@@ -135,3 +135,75 @@ def test_server_lily_concurrent_streams(servers):
         assert finish in ("stop", "length")
         assert text is not None
     assert lily.proc.poll() is None  # still serving
+
+
+# Batch invariance under load, kernels on: the simulator backend in the server process. Prompts of
+# mixed lengths; "def f" is 2 tokens, so its prefill chunk is 1 token alone and padded to the longest
+# chunk in a batch. Greedy answers must not depend on which other requests share the batch.
+LOAD_PROMPTS = ["def fibonacci(n):", "def f", "Why?", "for i in range(", "import os\nimport sys\n\ndef main():",
+                "Return a new dictionary with the keys of the mapping and values set to", "class Node:",
+                "Return the number of", "def g", "x = [i * i for i in range(10)]"]
+LOAD_CHATS = ["Return a shallow copy.", "Explain nested values in a long sentence.", "Why?",
+              "Write a function that adds two numbers.", "What is a dictionary?", "Sort a list."]
+LOAD_MAX_TOKENS = 16
+
+
+@pytest.mark.slow  # a server on the CPU simulator; ~30 s on one core
+def test_server_answers_do_not_depend_on_load_with_kernels_on(installed_hook, model_path, tmp_path, monkeypatch):
+    """``mlx_lm.server --lily`` with ``LILY_BACKEND=sim`` (kernels on, simulated): 16 concurrent
+    temperature-0 requests (10 completions, 6 chats) get exactly the text each gets alone. At least
+    half of the streams must have been in flight together (the server's one generator: one batch)."""
+    import sys
+
+    def sim_env(base=subprocess_env):
+        return {**base(), "LILY_BACKEND": "sim"}
+
+    monkeypatch.setattr(sys.modules[__name__], "subprocess_env", sim_env)
+    server = Server(model_path, tmp_path, lily=True)
+
+    def request(i):
+        """(text, time of the first and of the last streamed chunk) of request i."""
+        common = dict(model="default_model", max_tokens=LOAD_MAX_TOKENS, temperature=0.0, stream=True)
+        if i < len(LOAD_PROMPTS):
+            chunks = server.client.completions.create(prompt=LOAD_PROMPTS[i], **common)
+            texts = ((c.choices[0].text if c.choices else "") for c in chunks)
+        else:
+            messages = [{"role": "user", "content": LOAD_CHATS[i - len(LOAD_PROMPTS)]}]
+            chunks = server.client.chat.completions.create(messages=messages, **common)
+            texts = (((c.choices[0].delta.content or "") if c.choices else "") for c in chunks)
+        parts, times = [], []
+        for text in texts:
+            parts.append(text or "")
+            times.append(time.monotonic())
+        return "".join(parts), times[0], times[-1]
+
+    n = len(LOAD_PROMPTS) + len(LOAD_CHATS)
+    try:
+        server.wait_ready()
+        concurrent = [None] * n
+
+        def run(i):
+            try:
+                concurrent[i] = request(i)
+            except Exception as e:  # noqa: BLE001 - reported below
+                concurrent[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        alone = [request(i) for i in range(n)]
+        assert server.proc.poll() is None, server.log()
+    finally:
+        server.stop()
+    errors = [r for r in concurrent if not isinstance(r, tuple)]
+    assert not errors, errors
+    assert "model patched" in server.log_path.read_text()
+    # Most streams were in flight at one instant, so the server's one generator ran them as a batch.
+    in_flight = max(sum(first <= t <= last for _, first, last in concurrent) for _, t, _ in concurrent)
+    assert in_flight >= n // 2, concurrent
+    assert all(text for text, _, _ in alone), alone
+    differ = [f"request {i}: under load {concurrent[i][0]!r}, alone {alone[i][0]!r}"
+              for i in range(n) if concurrent[i][0] != alone[i][0]]
+    assert not differ, f"{len(differ)} of {n} answers depend on the load:\n" + "\n".join(differ)

@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 import lily_mlx
-from lily_mlx.environment import LilyConfigError
+from lily_mlx.core.environment import LilyConfigError
 
 from .conftest import free_port, generated_text, mlx_lm_command, subprocess_env
 
@@ -211,3 +211,21 @@ def test_unsupported_model_warning_points_at_the_caller():
     with pytest.warns(UserWarning, match="does not support model type") as record:
         lily_mlx.patch(model, strict=False)
     assert record[0].filename == __file__
+
+
+def test_patch_report_names_each_op_backend_and_why_reference(loaded_model, monkeypatch):
+    monkeypatch.setenv("LILY_BACKEND", "sim")
+    monkeypatch.setenv("LILY_REFERENCE_OPS", "moe_routing")
+    model, _ = loaded_model
+    try:
+        report = lily_mlx.patch(model)._lily_report
+        assert lily_mlx.patch_report(model) is report and report.backend == "sim"
+        assert report.op_backends["deltanet_scan"] == "sim"
+        assert report.reference_reasons["attention_prefill"] == "no sim kernel yet"
+        assert report.reference_reasons["moe_routing"] == "LILY_REFERENCE_OPS"
+        assert "deltanet_scan" not in report.reference_reasons
+        assert report.layers == {"Qwen3NextSparseMoeBlock": 4, "Qwen3NextAttention": 1, "GatedDeltaNet": 3}
+        assert "reference path:" in report.summary()
+    finally:
+        lily_mlx.unpatch(model)
+    assert lily_mlx.patch_report(model) is None

@@ -6,7 +6,7 @@ The same tests check every execution of one Metal source: the CPU simulator by d
 
 import os
 
-from lily_mlx.backend import resolve_backend
+from lily_mlx.core.backend import resolve_backend
 
 KERNEL_BACKEND = os.environ.get("LILY_TEST_KERNEL_BACKEND", "sim")
 

@@ -1,4 +1,4 @@
-"""Decode-attention kernel (kernels/attention.metal) in the CPU simulator vs the reference.
+"""Decode-attention kernel (kernels/attention/decode.metal) in the CPU simulator vs the reference.
 
 The kernel on hypothesis-drawn shapes in every switch state (gqa_packing, coalesced_kv), outputs
 poisoned with NaN so unwritten elements show, reading only the live rows of a KV buffer with spare
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from lily_mlx import switches
-from lily_mlx.log import reset_log_once
+from lily_mlx.core import switches
+from lily_mlx.core.log import reset_log_once
 from lily_mlx.ops import attention as att
 from lily_mlx.ops import attention_kernels as ak
 from lily_mlx.ops import deltanet_kernels
@@ -224,8 +224,8 @@ def test_embedded_model_decode_matches_stock(monkeypatch, off):
 
 def test_every_switch_state_compiles_for_cuda():
     from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
-    from lily_mlx.msl.cuda.compile_check import compile_cuda, compiler_available
-    from lily_mlx.kernel_registry import kernel_source
+    from lily_dev.compile_check import compile_cuda, compiler_available
+    from lily_mlx.core.kernel_registry import kernel_source
 
     if compiler_available() is None:
         pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")

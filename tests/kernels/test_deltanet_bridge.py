@@ -8,11 +8,11 @@ from unittest import mock
 import mlx.core as mx
 import pytest
 
-from lily_mlx import backend, kernel_registry
+from lily_mlx.core import backend, kernel_registry
 from lily_mlx.ops import deltanet_kernels as dk
-from lily_mlx.ops.deltanet_bench import QWEN36, _inputs
+from lily_dev.deltanet_bench import QWEN36, _inputs
 
-compile_check = pytest.importorskip("lily_mlx.msl.cuda.compile_check", reason="Metal->CUDA bridge not available")
+compile_check = pytest.importorskip("lily_dev.compile_check", reason="Metal->CUDA bridge not available")
 pytestmark = [
     pytest.mark.skipif(compile_check.nvcc_path() is None, reason="nvcc (CUDA toolkit) not installed"),
     pytest.mark.slow,

@@ -1,4 +1,4 @@
-"""Gated DeltaNet kernels (kernels/deltanet.metal) in the CPU simulator vs the reference ops.
+"""Gated DeltaNet kernels (kernels/deltanet/deltanet.metal) in the CPU simulator vs the reference ops.
 
 Every kernel variant (register scan, blockwise scan, gates, gated norm, fused and unfused decode) on
 hypothesis-drawn shapes, outputs poisoned with NaN so unwritten elements show. The oracle is the
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 from mlx.utils import tree_map
 
-from lily_mlx import switches
+from lily_mlx.core import dispatch, switches
 from lily_mlx.ops import deltanet
 from lily_mlx.ops import deltanet_kernels as dk
 from lily_mlx.ops import deltanet_reference as ref
@@ -235,6 +235,7 @@ FORWARDS = {"qwen3_5": deltanet.qwen3_5_deltanet_forward, "qwen3_next": deltanet
 def _lily_backend(name):
     saved = os.environ.get("LILY_BACKEND")
     os.environ["LILY_BACKEND"] = name
+    dispatch.invalidate()
     try:
         yield
     finally:
@@ -242,6 +243,7 @@ def _lily_backend(name):
             del os.environ["LILY_BACKEND"]
         else:
             os.environ["LILY_BACKEND"] = saved
+        dispatch.invalidate()
 
 
 def _turns(module, forward, turns, left_padding, lengths):

@@ -10,7 +10,7 @@ import pytest
 
 from lily_mlx.ops import deltanet_kernels as dk
 from lily_mlx.ops import deltanet_reference as ref
-from lily_mlx.ops.deltanet_stock_kernels import mlx_lm_kernels, mlx_lm_scan
+from lily_dev.deltanet_stock_kernels import mlx_lm_kernels, mlx_lm_scan
 from tests.ops.deltanet_cases import rel_l2
 
 SIM_MISSING = dk.backend_unavailable_reason("sim")

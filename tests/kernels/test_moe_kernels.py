@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from lily_mlx import switches
+from lily_mlx.core import switches
 from lily_mlx.ops import moe_kernels as mk
 from lily_mlx.ops.moe_reference import combine_reference, dequantize_experts_reference, switch_glu_reference
 from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
-from lily_mlx.ops.moe_testing import make_inputs, make_routing, make_sparse_moe_block, simulator_problem
+from lily_dev.moe_testing import make_inputs, make_routing, make_sparse_moe_block, simulator_problem
 
 POISON_INT = -777
 SETTINGS = settings(deadline=None, max_examples=10, derandomize=True)
@@ -333,7 +333,7 @@ def _trace_forward_with_metal_kernels(monkeypatch, tmp_path, disabled=()):
     MLX refuses any evaluation while tracing (``.item()``, ``.tolist()``, ``np.array``, ``mx.eval``
     all raise), so a successful export proves the chunk's graph is built with no host sync.
     """
-    from lily_mlx import kernel_registry
+    from lily_mlx.core import kernel_registry
     from lily_mlx.ops.moe import sparse_moe_forward
 
     def metal_kernel(spec, backend=None):
@@ -376,7 +376,7 @@ def test_host_routing_does_sync(monkeypatch, tmp_path):
 
 def test_microbench_cases_small(gemm_sim, monkeypatch):
     """The benchmark cases run (shrunk shapes) and report positive bytes and flops."""
-    from lily_mlx.ops import moe_bench
+    from lily_dev import moe_bench
 
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     for name, value in dict(HIDDEN=128, EXPERT_WIDTH=64, NUM_EXPERTS=16, TOP_K=4, TOKENS=(24,)).items():

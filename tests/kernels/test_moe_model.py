@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from lily_mlx import switches
+from lily_mlx.core import switches
 from lily_mlx.ops import moe, moe_kernels
 from tests.kernels.model_checks import decided_positions, teacher_forced_logits
 
@@ -56,7 +56,7 @@ def _greedy(model, prompt_ids, max_tokens=MAX_TOKENS):
 
 @pytest.fixture
 def moe_on_sim(monkeypatch):
-    from lily_mlx.ops.moe_testing import simulator_problem
+    from lily_dev.moe_testing import simulator_problem
 
     problem = simulator_problem(need_matrix=True)
     if problem:

@@ -51,7 +51,7 @@ def test_ablation_engines_run_lily_with_switches_off(monkeypatch):
     """``lily-off:a+b`` is lily with those switches off during its runs only; names are validated."""
     monkeypatch.setenv("LILY_BACKEND", "reference")
     from bench.model_setup import load_model
-    from lily_mlx import switches
+    from lily_mlx.core import switches
 
     assert e2e.switches_off("lily-off:gpu_routing+chunked_prefill") == ("gpu_routing", "chunked_prefill")
     assert e2e.switches_off("lily") == () and e2e.switches_off("stock") == ()
@@ -85,11 +85,11 @@ def test_plot(tmp_path):
 
 
 def test_op_cases_use_the_families_byte_and_flop_counts(monkeypatch):
-    fake = types.ModuleType("lily_mlx.ops.fakefamily")
+    fake = types.ModuleType("lily_dev.fakefamily_bench")
     calls = []
     fake.microbench_cases = lambda: [("ok_case", lambda: calls.append(1), 10**9, 2 * 10**12),
                                      ("bad_case", lambda: 1 / 0, 1, 1)]
-    monkeypatch.setitem(sys.modules, "lily_mlx.ops.fakefamily", fake)
+    monkeypatch.setitem(sys.modules, "lily_dev.fakefamily_bench", fake)
     rows = kernels.op_cases(families=("fakefamily",), min_seconds=0.0, max_iters=3,
                             ceil={"copy_GBps": 1000.0, "matmul_bf16_TFLOPs": 500.0}, log=lambda m: None)
     ok, bad = rows

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from bench import bridge_checks as bc
-from lily_mlx.kernel_registry import kernels_dir, load_kernel_file
-from lily_mlx.ops.deltanet_stock_kernels import mlx_lm_kernel_args
+from lily_mlx.core.kernel_registry import kernels_dir, load_kernel_file
+from lily_dev.deltanet_stock_kernels import mlx_lm_kernel_args
 from lily_mlx.msl.cuda import UnbridgeableError, metal_kernel, translate, wrap_like_mlx
-from lily_mlx.msl.cuda.compile_check import compile_cuda, compiler_available, record_model_translations
+from lily_dev.compile_check import compile_cuda, compiler_available, record_model_translations
 
 needs_nvcc = pytest.mark.skipif(compiler_available() is None, reason="no CUDA compiler (NVRTC or nvcc) installed")
 REPO = Path(__file__).resolve().parents[2]
@@ -186,12 +186,11 @@ def test_every_kernel_the_patched_model_launches_compiles_for_cuda():
 
 
 def test_every_shipped_kernel_translates():
-    """Each kernels/*.metal kernel (launched by the model or not) passes the bridge's translation."""
-    files = sorted(glob.glob(str(kernels_dir() / "*.metal")))
-    if not files:
-        pytest.skip("no kernel files yet")
+    """Each kernels/<family>/*.metal kernel (launched by the model or not) passes the bridge's translation."""
+    files = sorted(kernels_dir().rglob("*.metal"))
+    assert files, f"no kernel files under {kernels_dir()}"
     for path in files:
-        header, bodies = load_kernel_file(os.path.basename(path))
+        header, bodies = load_kernel_file(path.relative_to(kernels_dir()).as_posix())
         for name, body in bodies.items():
             metal_kernel(name, ["x"], ["y"], body, header=header)
 
@@ -199,15 +198,14 @@ def test_every_shipped_kernel_translates():
 @needs_nvcc
 @pytest.mark.slow
 def test_every_shipped_kernel_header_compiles_for_cuda():
-    files = sorted(glob.glob(str(kernels_dir() / "*.metal")))
-    if not files:
-        pytest.skip("no kernel files yet")
+    files = sorted(kernels_dir().rglob("*.metal"))
+    assert files, f"no kernel files under {kernels_dir()}"
     units = {}
     for path in files:
-        header, _ = load_kernel_file(os.path.basename(path))
-        k = metal_kernel(os.path.basename(path).split(".")[0], ["x"], ["y"], "y[0] = x[0] + thread_position_in_grid.x;",
+        header, _ = load_kernel_file(path.relative_to(kernels_dir()).as_posix())
+        k = metal_kernel(path.stem, ["x"], ["y"], "y[0] = x[0] + thread_position_in_grid.x;",
                          header=header)
-        units[path] = wrap_like_mlx(k, [mx.zeros((8,))], [mx.float32])[1]
+        units[str(path)] = wrap_like_mlx(k, [mx.zeros((8,))], [mx.float32])[1]
     _compile_all(units)
 
 

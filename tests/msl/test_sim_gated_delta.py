@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lily_mlx.msl import sim
-from lily_mlx.ops.deltanet_stock_kernels import mlx_lm_kernel_args
+from lily_dev.deltanet_stock_kernels import mlx_lm_kernel_args
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, strategies as st
 from mlx_lm.models.base import create_causal_mask
 
-from lily_mlx import switches
+from lily_mlx.core import switches
 from lily_mlx.ops import OPS, op_backend
 from lily_mlx.ops import attention as att
 

@@ -168,7 +168,9 @@ def test_forward_reads_per_rank_head_counts():
 
 def test_microbench_cases_for_the_bench_harness():
     """(name, run_once, bytes, flops) at Qwen3.6 shapes; the stock cases run on any backend."""
-    cases = deltanet.microbench_cases(backend="reference")
+    from lily_dev import deltanet_bench
+
+    cases = deltanet_bench.microbench_cases(backend="reference")
     names = [c[0] for c in cases]
     assert "deltanet_decode_stock" in names and "mlx_fast_gated_delta_update_T8192" in names
     assert not any(n.startswith("deltanet_scan_") for n in names)  # no kernels on the reference backend

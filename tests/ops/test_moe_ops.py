@@ -15,7 +15,7 @@ from lily_mlx.ops.moe_reference import (
     routing_scatter_reference,
     router_reference,
 )
-from lily_mlx.ops.moe_testing import make_inputs, make_routing, make_sparse_moe_block
+from lily_dev.moe_testing import make_inputs, make_routing, make_sparse_moe_block
 
 SETTINGS = settings(deadline=None, max_examples=12, derandomize=True)
 

@@ -28,7 +28,7 @@ import mlx.core as mx
 from .. import signature
 from .translate import UnbridgeableError, code_only, translate
 
-PRELUDE_PATH = Path(__file__).resolve().parent.parent / "cuda_prelude.cuh"
+PRELUDE_PATH = Path(__file__).resolve().parent / "prelude.cuh"
 MAX_THREADS_PER_THREADGROUP = 1024
 
 _CUDA_TYPES = {

@@ -1,7 +1,7 @@
 """Metal Shading Language text -> CUDA text for the bridge (pure text, no MLX calls).
 
 The bridge keeps the kernel text as written and defines Metal's names in a CUDA prelude
-(``cuda_prelude.cuh``). What cannot be a definition is rewritten here, on code only (comments and
+(``cuda/prelude.cuh``). What cannot be a definition is rewritten here, on code only (comments and
 string literals are left alone):
 
 - address-space qualifiers: ``device``/``thread``/``constant`` are dropped (``constant`` at namespace

@@ -153,7 +153,7 @@ class RecordedCudaKernel:
                  init_value=None, verbose=False, stream=None):
         import mlx.core as mx
 
-        from .kernel import mlx_cuda_translation_unit
+        from lily_mlx.msl.cuda.kernel import mlx_cuda_translation_unit
 
         inputs = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
         kname = "custom_kernel_" + self.name
@@ -178,7 +178,7 @@ def record_model_translations(model, prompt_tokens: int = 40, vocab_size: int = 
     import mlx.core as mx
 
     import lily_mlx
-    from lily_mlx import backend, kernel_registry, switches
+    from lily_mlx.core import backend, dispatch, kernel_registry, switches
     from mlx_lm.models.cache import make_prompt_cache
 
     records: dict = {}
@@ -201,4 +201,5 @@ def record_model_translations(model, prompt_tokens: int = 40, vocab_size: int = 
         finally:
             lily_mlx.unpatch(model)
             kernel_registry.clear_cache()
+    dispatch.invalidate()  # the plan was resolved for the stand-in CUDA backend
     return records

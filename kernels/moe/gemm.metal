@@ -1,4 +1,5 @@
-// MoE prefill grouped GEMMs over the routing block map (lily_mlx/ops/moe_kernels.py dispatches them).
+// MoE grouped GEMMs over the routing block map (lily_mlx/ops/moe_kernels.py dispatches them; every
+// call size, prefill and decode, where the kernels apply).
 //   moe_gemm_gate_up_swiglu   h[slot] = silu(x[token] . Wg[e]^T) * (x[token] . Wu[e]^T)
 //   moe_gemm_down             y[slot] = h[slot] . Wd[e]^T
 //   moe_dequant_experts_q4    the fused_dequant=off ablation: experts dequantised to [E, O, K] first
@@ -11,6 +12,13 @@
 // Tiles: a threadgroup is 4 simdgroups (128 threads) computing one block of TILE rows (16 or 32,
 // from the block map) x 32 output columns, stepping K by 64 (one quantisation group). 32-row tiles:
 // simdgroups in a 2 x 2 layout of 16 x 16; 16-row tiles: 1 x 4 of 16 x 8.
+//
+// Batch invariance (keep it): a row's results must not depend on the other rows of the call, yet the
+// tile size and a row's place in its tile do (they follow the rows per expert). So every output
+// element has one fp32 accumulator that takes the same 8 x 8 multiply-accumulates in the same K
+// order (K step 64, then 8 at a time) in either tile, from the same operand values (x converted
+// from T, w = scale * q + bias, or the dequantised array); SwiGLU, the roundings and the combine are
+// per element / per token. No split-K, no reduction across rows or tiles.
 
 // @header
 #define MOE_BN 32         // output columns per threadgroup

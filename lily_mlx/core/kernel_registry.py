@@ -1,4 +1,4 @@
-"""Kernel registry: Metal sources in ``kernels/*.metal`` -> a callable for the active backend.
+"""Kernel registry: Metal sources in ``kernels/<family>/*.metal`` -> a callable for the active backend.
 
 A kernel file holds sections::
 
@@ -13,15 +13,16 @@ Every backend returns an object with the call convention of an ``mx.fast.metal_k
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-from .backend import resolve_backend
+from .dispatch import active_backend
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # lily_mlx/
 # Installed wheel: lily_mlx/_kernels; source checkout: <repo>/kernels.
 _KERNEL_DIRS = (_PACKAGE_DIR / "_kernels", _PACKAGE_DIR.parent / "kernels")
 
@@ -36,7 +37,7 @@ class KernelSpec:
     """Host-side description of one Metal kernel (one row of an op's dispatch table)."""
 
     name: str  # kernel name, also the section name in the file
-    file: str  # e.g. "deltanet.metal"
+    file: str  # relative to kernels/, e.g. "deltanet/deltanet.metal"
     input_names: Tuple[str, ...]
     output_names: Tuple[str, ...]
     atomic_outputs: bool = False
@@ -103,11 +104,11 @@ def _factory(backend: str) -> Callable:
 
         return mx.fast.metal_kernel
     if backend == "sim":
-        from .msl import sim
+        from ..msl import sim
 
         return sim.metal_kernel
     if backend == "cuda":
-        from .msl import cuda
+        from ..msl import cuda
 
         return cuda.metal_kernel
     raise ValueError(f"backend {backend!r} runs no kernels")
@@ -118,17 +119,75 @@ def metal_kernel_factory(backend: str) -> Callable:
     return _factory(backend)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch seen by :func:`record_launches`."""
+
+    name: str  # kernel name (the section name in its .metal file)
+    backend: str
+    kernel: Callable  # the built kernel, to launch again (benchmarks)
+    kwargs: Dict  # the call's arguments: inputs, template, grid, threadgroup, output shapes/dtypes
+
+    @property
+    def template(self) -> Dict:
+        return dict(self.kwargs.get("template") or ())
+
+
+class LaunchRecord(list):
+    """The launches made while a :func:`record_launches` block was active, in order."""
+
+    def names(self) -> List[str]:
+        return [launch.name for launch in self]
+
+    def counts(self) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for launch in self:
+            out[launch.name] = out.get(launch.name, 0) + 1
+        return out
+
+
+_recorders: List[LaunchRecord] = []
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[LaunchRecord]:
+    """Record every lily-mlx kernel launch in the block (tests assert which kernels a switch state
+    runs; benchmarks re-time them): ``with record_launches() as rec: ...; rec.counts()``."""
+    record = LaunchRecord()
+    _recorders.append(record)
+    try:
+        yield record
+    finally:
+        _recorders.remove(record)
+
+
+class _Launcher:
+    """A built kernel plus its name: launching it is one call, recorded while anyone listens."""
+
+    __slots__ = ("name", "backend", "kernel")
+
+    def __init__(self, name: str, backend: str, kernel: Callable):
+        self.name, self.backend, self.kernel = name, backend, kernel
+
+    def __call__(self, **kwargs):
+        if _recorders:
+            launch = Launch(self.name, self.backend, self.kernel, kwargs)
+            for record in _recorders:
+                record.append(launch)
+        return self.kernel(**kwargs)
+
+
 _cache: Dict[Tuple[str, str, str], Callable] = {}
 
 
 def get_kernel(spec: KernelSpec, backend: Optional[str] = None) -> Callable:
     """The kernel ``spec`` built for ``backend`` (default: the active backend), cached."""
-    backend = backend or resolve_backend()
+    backend = backend or active_backend()
     key = (spec.file, spec.name, backend)
     kernel = _cache.get(key)
     if kernel is None:
         header, body = kernel_source(spec)
-        kernel = _factory(backend)(
+        kernel = _Launcher(spec.name, backend, _factory(backend)(
             name=spec.name,
             input_names=list(spec.input_names),
             output_names=list(spec.output_names),
@@ -136,7 +195,7 @@ def get_kernel(spec: KernelSpec, backend: Optional[str] = None) -> Callable:
             header=header,
             ensure_row_contiguous=spec.ensure_row_contiguous,
             atomic_outputs=spec.atomic_outputs,
-        )
+        ))
         _cache[key] = kernel
     return kernel
 

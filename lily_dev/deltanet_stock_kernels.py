@@ -16,7 +16,7 @@ from unittest import mock
 
 import mlx.core as mx
 
-from ..backend import resolve_backend
+from lily_mlx.core.backend import resolve_backend
 
 
 def _makers():
@@ -57,7 +57,7 @@ def mlx_lm_kernels(factory: Callable) -> Dict[str, Callable]:
 
 @lru_cache(maxsize=None)
 def _kernels_for_backend(backend: str) -> Dict[str, Callable]:
-    from ..kernel_registry import metal_kernel_factory
+    from lily_mlx.core.kernel_registry import metal_kernel_factory
 
     return mlx_lm_kernels(metal_kernel_factory(backend))
 

@@ -137,7 +137,7 @@ def reset() -> None:
     Never raises: this runs when ``lily_mlx`` is imported, which MLX-LM's CLIs do through the import
     hook even without ``--lily``, so a typo in a shell profile must not break stock MLX-LM. Unknown
     names are skipped; ``--lily``, ``patch()`` and ``load()`` refuse to run while the environment
-    holds any (:func:`environment_problems`, checked by ``lily_mlx.environment.check``).
+    holds any (:func:`environment_problems`, checked by ``lily_mlx.core.environment.check``).
     """
     values, _ = _from_environment(os.environ)
     with _lock:

@@ -47,6 +47,19 @@ inline float deltanet_beta(float b) {
   return 1.0f / (1.0f + exp(-b));
 }
 
+// Row i of the conv input [conv_state; masked tokens] of batch row b, channel c, in fp32: rows
+// i < K-1 are the conv state (zeros without one), row K-1 + t is token t (zero where masked).
+template <typename X, typename S>
+inline float deltanet_conv_input(
+    const device X* qkv, const device S* conv_state, const device bool* mask,
+    int b, int i, int c, int T, int C, int K, bool has_state, bool has_mask) {
+  if (i < K - 1) {
+    return has_state ? static_cast<float>(conv_state[(static_cast<size_t>(b) * (K - 1) + i) * C + c]) : 0.0f;
+  }
+  const size_t bt = static_cast<size_t>(b) * T + (i - (K - 1));
+  return (!has_mask || mask[bt]) ? static_cast<float>(qkv[bt * C + c]) : 0.0f;
+}
+
 // @kernel deltanet_gates
 // Elementwise gates for [B, T, Hv]: g and beta, fp32.
 // params: [n = B*T*Hv, Hv]. Grid: n rounded up to the threadgroup; tail guarded.
@@ -254,8 +267,8 @@ inline float deltanet_beta(float b) {
 {
   constexpr int LANES = Dk / DELTANET_EPL;
   constexpr int ROWS = 32 / LANES;
-  constexpr int SIMDGROUPS = Dv / ROWS;
-  threadgroup float row_group_ss[SIMDGROUPS];
+  constexpr int PER_LANE = Dv / 32;
+  threadgroup float y_head[Dv];  // the head's fp32 read-outs, for the norm
 
   const int Hk = params[1];
   const int Hv = params[2];
@@ -306,64 +319,70 @@ inline float deltanet_beta(float b) {
     state_out[row + col0 + i * LANES] = state[i];
   }
 
-  // Gated RMSNorm over the head's Dv outputs: one partial sum of squares per simdgroup.
-  const float ss = simd_sum(col0 == 0 ? y_dv * y_dv : 0.0f);
-  if (lane == 0) {
-    row_group_ss[sg] = ss;
+  // Gated RMSNorm over the head's Dv outputs. Every simdgroup sums the squares exactly as
+  // deltanet_gated_norm sums a row (lane l: elements l, l + 32, ... in turn, then simd_sum), so this
+  // kernel, the unfused decode and the prefill path (scan, then gated norm) give a token the same
+  // bits (batch invariance: a 1-token prompt chunk alone takes this kernel, padded in a batch the
+  // prefill path).
+  if (col0 == 0) {
+    y_head[dv] = y_dv;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  float total = 0.0f;
-  for (int s = 0; s < SIMDGROUPS; ++s) {
-    total += row_group_ss[s];
+  float ss = 0.0f;
+  for (int i = 0; i < PER_LANE; ++i) {
+    const float x = y_head[lane + i * 32];
+    ss += x * x;
   }
+  ss = simd_sum(ss);
   if (col0 == 0) {
-    const float inv_rms = rsqrt(total / Dv + eps[0]);
+    const float inv_rms = rsqrt(ss / Dv + eps[0]);
     const float normed = y_dv * inv_rms * static_cast<float>(weight[dv]);
     const float zc = static_cast<float>(z[static_cast<size_t>(n) * Dv + dv]);
-    out[static_cast<size_t>(n) * Dv + dv] = static_cast<InT>(zc / (1.0f + exp(-zc)) * normed);
+    const float silu_z = zc / (1.0f + exp(-zc));
+    out[static_cast<size_t>(n) * Dv + dv] = static_cast<InT>(silu_z * normed);
   }
 }
 
 // @kernel deltanet_conv_qk_norm_decode
-// One decode token in front of the recurrence: the depthwise causal conv1d over
-// [conv_state; qkv] + SiLU, the conv-state shift, and the L2 normalisation of the q and k heads
-// with the read-out scale folded into q (q * Dk^-1 after rms_norm, k * Dk^-0.5), as stock's
-// conv1d / silu / split / normalize_qk, in one kernel.
-// qkv: [B, C] InT (C = conv_dim = 2 Hk Dk + Hv Dv); conv_state: [B, K-1, C] InT (if has_state);
-// weight: [C, K, 1]; mask: [B] bool (if has_mask: a masked row feeds zeros, as stock);
-// eps: [1] fp32, the l2norm eps (added to sum(x^2)).
-// q, k: [B, Hk, Dk] InT; v: [B, C - 2 Hk Dk] InT; conv_state_out: [B, K-1, C] InT.
-// params: [B, Hk, C, has_state, has_mask]. Rows of Dk channels: row r < Hk is q head r,
-// Hk <= r < 2 Hk is k head r - Hk, the rest are value channels. Grid (32, C / Dk, B): one simdgroup
-// per row, Dk / 32 channels per lane (lane + 32 i: adjacent lanes, adjacent channels).
+// Each token of a chunk in front of the recurrence (named for decode, T = 1, where it began; it runs
+// every chunk so that a token's q, k, v never depend on the chunk it came in or on its batch): the
+// depthwise causal conv1d over [conv_state; qkv] + SiLU, the L2 normalisation of the q and k heads
+// with the read-out scale folded into q (q * Dk^-1 after rms_norm, k * Dk^-0.5), and the new conv
+// state, as stock's conv1d / silu / split / normalize_qk / state update, in one kernel.
+// qkv: [B, T, C] InT (C = conv_dim = 2 Hk Dk + Hv Dv); conv_state: [B, K-1, C] InT (if has_state,
+// else zeros); weight: [C, K, 1]; mask: [B, T] bool (if has_mask: a masked token feeds zeros, as
+// stock); lengths: [B] int32 (if has_lengths: valid tokens of each row of a right-padded chunk; the
+// new state ends there, clamped to [0, T], as stock's); eps: [1] fp32, the l2norm eps (added to
+// sum(x^2)).
+// q, k: [B, T, Hk, Dk] InT; v: [B, T, C - 2 Hk Dk] InT; conv_state_out: [B, K-1, C] InT.
+// params: [B, Hk, C, has_state, has_mask, T, has_lengths]. Rows of Dk channels: row r < Hk is q head
+// r, Hk <= r < 2 Hk is k head r - Hk, the rest are value channels. Grid (32, C / Dk, B * T): one
+// simdgroup per (row, token), Dk / 32 channels per lane (lane + 32 i: adjacent lanes, adjacent
+// channels). A token's arithmetic is the same whatever T, B and the other tokens are.
 {
   constexpr int PER_LANE = Dk / 32;
   const int Hk = params[1];
   const int C = params[2];
   const bool has_state = params[3] != 0;
   const bool has_mask = params[4] != 0;
-  const int b_idx = static_cast<int>(thread_position_in_grid.z);
+  const int T = params[5];
+  const bool has_lengths = params[6] != 0;
+  const int bt = static_cast<int>(thread_position_in_grid.z);
+  const int b_idx = bt / T;
+  const int t = bt % T;
   const int r = static_cast<int>(thread_position_in_grid.y);
   const int lane = static_cast<int>(thread_index_in_simdgroup);
-  const bool live = !has_mask || mask[b_idx];
-  const size_t state_row0 = static_cast<size_t>(b_idx) * (K - 1) * C;
 
   float xs[PER_LANE];
   float ss = 0.0f;
   for (int i = 0; i < PER_LANE; ++i) {
     const int c = r * Dk + lane + 32 * i;
-    const float x_new = live ? static_cast<float>(qkv[static_cast<size_t>(b_idx) * C + c]) : 0.0f;
+    // Window of token t: conv-input rows t .. t + K - 1 (the token itself last).
     float acc = 0.0f;
-    for (int j = 0; j < K - 1; ++j) {
-      const float s = has_state ? static_cast<float>(conv_state[state_row0 + static_cast<size_t>(j) * C + c]) : 0.0f;
-      acc += s * static_cast<float>(weight[c * K + j]);
-      // Shift the window: row j of the new state is row j + 1 of the old one (the token last).
-      if (j > 0) {
-        conv_state_out[state_row0 + static_cast<size_t>(j - 1) * C + c] = static_cast<InT>(s);
-      }
+    for (int j = 0; j < K; ++j) {
+      const float x = deltanet_conv_input(qkv, conv_state, mask, b_idx, t + j, c, T, C, K, has_state, has_mask);
+      acc += x * static_cast<float>(weight[c * K + j]);
     }
-    acc += x_new * static_cast<float>(weight[c * K + K - 1]);
-    conv_state_out[state_row0 + static_cast<size_t>(K - 2) * C + c] = static_cast<InT>(x_new);
     // SiLU kept fp32 into the norm (stock rounds the conv output and the SiLU to the model dtype
     // first; emulating that does not reproduce stock's bits anyway: its CPU exp is approximate).
     xs[i] = acc / (1.0f + exp(-acc));
@@ -371,19 +390,33 @@ inline float deltanet_beta(float b) {
   }
   ss = simd_sum(ss);  // all lanes; used by the q and k rows only
 
+  const size_t tok = static_cast<size_t>(bt);
   if (r < 2 * Hk) {
     // rms_norm(x, eps / Dk) = x * rsqrt(sum(x^2) / Dk + eps / Dk); then the scale.
     const float inv = rsqrt(ss / Dk + eps[0] / Dk);
     const float scale = r < Hk ? 1.0f / Dk : rsqrt(static_cast<float>(Dk));
-    device InT* dst = r < Hk ? q + (static_cast<size_t>(b_idx) * Hk + r) * Dk
-                             : k + (static_cast<size_t>(b_idx) * Hk + (r - Hk)) * Dk;
+    device InT* dst = r < Hk ? q + (tok * Hk + r) * Dk : k + (tok * Hk + (r - Hk)) * Dk;
     for (int i = 0; i < PER_LANE; ++i) {
       dst[lane + 32 * i] = static_cast<InT>(xs[i] * inv * scale);
     }
   } else {
     const int value_dim = C - 2 * Hk * Dk;
     for (int i = 0; i < PER_LANE; ++i) {
-      v[static_cast<size_t>(b_idx) * value_dim + (r - 2 * Hk) * Dk + lane + 32 * i] = static_cast<InT>(xs[i]);
+      v[tok * value_dim + (r - 2 * Hk) * Dk + lane + 32 * i] = static_cast<InT>(xs[i]);
+    }
+  }
+
+  // The new conv state (one simdgroup per row of channels writes it): the K-1 conv-input rows
+  // before the row's end, i.e. the last K-1 valid inputs (state rows where fewer tokens are valid).
+  if (t == 0) {
+    const int end = has_lengths ? min(max(lengths[b_idx], 0), T) : T;
+    const size_t state_row0 = static_cast<size_t>(b_idx) * (K - 1) * C;
+    for (int i = 0; i < PER_LANE; ++i) {
+      const int c = r * Dk + lane + 32 * i;
+      for (int j = 0; j < K - 1; ++j) {
+        const float x = deltanet_conv_input(qkv, conv_state, mask, b_idx, end + j, c, T, C, K, has_state, has_mask);
+        conv_state_out[state_row0 + static_cast<size_t>(j) * C + c] = static_cast<InT>(x);
+      }
     }
   }
 }

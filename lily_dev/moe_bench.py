@@ -14,9 +14,9 @@ from typing import Callable, List, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .. import switches
-from . import moe_kernels as mk
-from .moe_reference import combine_reference, switch_glu_reference
+from lily_mlx.core import switches
+from lily_mlx.ops import moe_kernels as mk
+from lily_mlx.ops.moe_reference import combine_reference, switch_glu_reference
 from .moe_testing import make_routing
 
 HIDDEN, EXPERT_WIDTH, NUM_EXPERTS, TOP_K = 2048, 512, 256, 8

@@ -40,9 +40,8 @@ def _reference_ops_problem() -> List[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
         return []
-    from .ops import load_all
+    from .dispatch import OPS as ops  # filled by lily_mlx.ops.load_all(), which callers run first
 
-    ops = load_all()
     known = set(ops) | {op.family for op in ops.values()}
     unknown = [n for n in names if n not in known]
     if not unknown:

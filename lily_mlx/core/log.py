@@ -34,7 +34,7 @@ def reset_log_once() -> None:
         _seen.clear()
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lily_mlx/
 
 
 def _caller_stacklevel() -> int:
