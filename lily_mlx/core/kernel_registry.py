@@ -216,8 +216,9 @@ def _int32_params(values: Tuple[int, ...]):
 
 
 def int32_params(*values: int):
-    """``params`` input of a kernel: a cached int32 vector of ``values``."""
-    return _int32_params(tuple(int(v) for v in values))
+    """``params`` input of a kernel: a cached int32 vector of ``values`` (ints or bools; equal values
+    hash alike, so a bool and its int share one entry)."""
+    return _int32_params(values)
 
 
 @lru_cache(maxsize=64)

@@ -8,6 +8,7 @@ function has the signature of its reference in ``deltanet_reference`` plus ``bac
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -81,6 +82,7 @@ def unsupported_reason(q: mx.array, v: mx.array, g: Optional[mx.array] = None,
     return None
 
 
+@lru_cache(maxsize=None)
 def backend_unavailable_reason(backend: str) -> Optional[str]:
     """Why ``backend`` cannot build kernels in this process (its toolchain missing); None if it can."""
     try:

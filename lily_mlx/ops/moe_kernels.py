@@ -20,6 +20,7 @@ counts come to the host (one sync) and the block map is built there, exactly siz
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Dict, Optional
 
 import mlx.core as mx
@@ -171,6 +172,31 @@ def routing_schedule(inds: mx.array, num_experts: int, gpu_routing: bool, adapti
     return {"counts": counts, "sorted_rows": sorted_rows, "slot_of_row": slot_of_row, "blocks": blocks}
 
 
+# Calls with at most this many assignments (decode: B * top_k rows) skip the routing kernels: each
+# assignment becomes its own one-row block, in assignment order. The GEMMs' arithmetic per output
+# element is the same in any block layout (one fp32 accumulator, same K order: kernels/moe/gemm.metal),
+# so this changes launches, not results: a token gets the same bits alone, in a decode batch or in a
+# prefill chunk (tests/kernels/test_batch_invariance.py). 4 routing launches saved per MoE layer.
+PER_ASSIGNMENT_MAX = 64
+
+
+@lru_cache(maxsize=PER_ASSIGNMENT_MAX)
+def _per_assignment_tail(a: int):
+    """(identity [A], block columns 1..3 [A, 3] = (slot a, 1 row, 16-row tile)), built once per A."""
+    identity = np.arange(a, dtype=np.int32)
+    tail = np.stack([identity, np.ones(a, np.int32), np.full(a, SMALL_TILE, np.int32)], axis=1)
+    return mx.array(identity), mx.array(tail)
+
+
+def per_assignment_schedule(inds: mx.array):
+    """The schedule of a small call without routing kernels: sorted_rows = slot_of_row = identity,
+    block a = (expert inds[a], slot a, 1 row, 16-row tile). Two MLX ops, no kernel launch."""
+    flat = inds.reshape(-1, 1).astype(mx.int32)  # [A, 1]
+    identity, tail = _per_assignment_tail(flat.shape[0])
+    blocks = mx.concatenate([flat, tail], axis=1)  # [A, 4]
+    return {"counts": None, "sorted_rows": identity, "slot_of_row": identity, "blocks": blocks}
+
+
 # ----------------------------------------------------------------------------------------------
 # Grouped expert GEMMs
 
@@ -272,8 +298,10 @@ def unsupported_reason(switch_mlp, x: mx.array, num_experts: int) -> Optional[st
     return None
 
 
+@lru_cache(maxsize=None)
 def kernels_unavailable(backend: str) -> Optional[str]:
-    """Why this backend cannot build the MoE kernels (its runtime missing), or None."""
+    """Why this backend cannot build the MoE kernels (its runtime missing), or None. Cached: the
+    answer does not change within a process."""
     try:
         for spec in KERNELS.values():
             get_kernel(spec, backend)
@@ -282,12 +310,22 @@ def kernels_unavailable(backend: str) -> Optional[str]:
     return None
 
 
+def _static_reason(switch_mlp, x: mx.array, num_experts: int) -> Optional[str]:
+    """``unsupported_reason`` for this layer and activation dtype, computed once per (layer, dtype):
+    it depends only on the layer's weights and quantisation, which a forward never changes."""
+    cache = switch_mlp.__dict__.setdefault("_lily_moe_support", {})
+    key = x.dtype
+    if key not in cache:
+        cache[key] = unsupported_reason(switch_mlp, x, num_experts)
+    return cache[key]
+
+
 def _routed_rows(switch_mlp, x: mx.array, inds: mx.array):
     """Routing schedule and the down GEMM's output: (y [A, D] in slot order, schedule, backend), or
     None when the kernels do not apply (said once in the log)."""
     backend = op_backend("moe_grouped_gemm")
     num_experts = switch_mlp.gate_proj["weight"].shape[0]
-    reason = unsupported_reason(switch_mlp, x, num_experts)
+    reason = _static_reason(switch_mlp, x, num_experts)
     if reason is not None:
         log_once(f"moe_grouped_gemm:{reason}", f"moe_grouped_gemm: reference path ({reason})")
         return None
@@ -295,10 +333,13 @@ def _routed_rows(switch_mlp, x: mx.array, inds: mx.array):
     if reason is not None:
         log_once(f"moe_grouped_gemm:{backend}:unavailable", f"moe_grouped_gemm: reference path ({reason})")
         return None
-    schedule = routing_schedule(
-        inds, num_experts, switches.is_enabled("gpu_routing"), switches.is_enabled("adaptive_tile"), backend)
-    top_k = inds.shape[-1]
     fused = switches.is_enabled("fused_dequant")
+    if inds.size <= PER_ASSIGNMENT_MAX and fused:
+        schedule = per_assignment_schedule(inds)
+    else:
+        schedule = routing_schedule(
+            inds, num_experts, switches.is_enabled("gpu_routing"), switches.is_enabled("adaptive_tile"), backend)
+    top_k = inds.shape[-1]
     x2d = x.reshape(-1, x.shape[-1])
     h = gemm_gate_up_swiglu(x2d, schedule["sorted_rows"], schedule["blocks"], switch_mlp.gate_proj,
                             switch_mlp.up_proj, top_k, fused, schedule["counts"], backend)
