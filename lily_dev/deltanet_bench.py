@@ -13,8 +13,8 @@ from typing import Callable, List, Optional, Tuple
 import mlx.core as mx
 
 from lily_mlx.core.backend import resolve_backend
-from lily_mlx.ops import deltanet_kernels as dk
-from lily_mlx.ops import deltanet_reference as ref
+from lily_mlx.ops.deltanet import kernels as dk
+from lily_mlx.ops.deltanet import reference as ref
 from .deltanet_stock_kernels import mlx_lm_scan
 
 # Qwen3.6-35B-A3B Gated DeltaNet heads (one rank).

@@ -15,8 +15,8 @@ import mlx.core as mx
 import numpy as np
 
 from lily_mlx.core import switches
-from lily_mlx.ops import moe_kernels as mk
-from lily_mlx.ops.moe_reference import combine_reference, switch_glu_reference
+from lily_mlx.ops.moe import kernels as mk
+from lily_mlx.ops.moe.reference import combine_reference, switch_glu_reference
 from .moe_testing import make_routing
 
 HIDDEN, EXPERT_WIDTH, NUM_EXPERTS, TOP_K = 2048, 512, 256, 8

@@ -1,4 +1,4 @@
-// MoE grouped GEMMs over the routing block map (lily_mlx/ops/moe_kernels.py dispatches them; every
+// MoE grouped GEMMs over the routing block map (lily_mlx/ops/moe/kernels.py dispatches them; every
 // call size, prefill and decode, where the kernels apply).
 //   moe_gemm_gate_up_swiglu   h[slot] = silu(x[token] . Wg[e]^T) * (x[token] . Wu[e]^T)
 //   moe_gemm_down             y[slot] = h[slot] . Wd[e]^T

@@ -1,4 +1,4 @@
-// MoE routing bookkeeping for one prefill chunk (lily_mlx/ops/moe_kernels.py dispatches these).
+// MoE routing bookkeeping for one prefill chunk (lily_mlx/ops/moe/kernels.py dispatches these).
 // All integer results are exact and deterministic (no atomics); no host synchronisation needed.
 //   moe_route_histogram_i32   per chunk of CHUNK assignments: rows per expert, and each assignment's
 //                             rank among the chunk's earlier assignments to the same expert

@@ -1,5 +1,8 @@
-"""Operation families (deltanet, moe, attention). Each op has a reference in plain MLX ops, switches,
-shape rules and one dispatch point into a kernel; they register in ``lily_mlx.core.dispatch``."""
+"""Operation families (deltanet, moe, attention), one package each: ``lily_mlx.ops.<family>``
+registers the family's ops in ``lily_mlx.core.dispatch`` when imported and gives its layer forwards;
+its modules are ``layer`` (forwards, dispatch), ``kernels`` (kernel launchers, shape rules) and
+``reference`` (plain-MLX references). Each op has a reference, switches, shape rules and one
+dispatch point into a kernel."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 - no import circles between lily-mlx modules (every import statement counts, lazy ones included);
 - ``lily_mlx.msl`` stands alone: it imports nothing else from lily-mlx;
 - ``lily_mlx.core`` (the bottom layer) imports only itself and ``msl``;
-- an op family never imports another family;
+- an op family never imports another family (every module of ``lily_mlx.ops`` but the package itself
+  belongs to one);
 - every ``.metal`` file sits in the folder of the family that launches it, and its kernels are named
   ``<family>_<op>[_<variant>]``;
 - the wheel ships no test, benchmark or dev-only code.
@@ -107,6 +108,8 @@ def test_core_is_the_bottom_layer():
 
 
 def _family_of(module: str):
+    """The op family of ``lily_mlx.ops.<family>`` and of its modules ``lily_mlx.ops.<family>.<module>``
+    (a flat ``lily_mlx.ops.<family>_<module>`` counts too); None for any other module."""
     parts = module.split(".")
     if len(parts) >= 3 and parts[:2] == ["lily_mlx", "ops"]:
         return next((f for f in FAMILIES if parts[2] == f or parts[2].startswith(f + "_")), None)
@@ -115,11 +118,23 @@ def _family_of(module: str):
 
 def test_families_never_import_each_other():
     for name, deps in _imports_of("lily_mlx.ops").items():
-        own = _family_of(name)
-        if own is None:
+        if name == "lily_mlx.ops":
             continue
+        own = _family_of(name)
+        assert own is not None, f"{name} belongs to no op family {FAMILIES}"
         others = {d for d in deps if _family_of(d) not in (None, own)}
         assert not others, f"{name} ({own}) imports {others}"
+
+
+def test_family_of_understands_both_module_layouts():
+    assert _family_of("lily_mlx.ops.deltanet") == "deltanet"
+    assert _family_of("lily_mlx.ops.deltanet.kernels") == "deltanet"
+    assert _family_of("lily_mlx.ops.moe.reference") == "moe"
+    assert _family_of("lily_mlx.ops.moe_kernels") == "moe"
+    assert _family_of("lily_mlx.ops.attention.layer.attention_forward") == "attention"
+    assert _family_of("lily_mlx.ops") is None
+    assert _family_of("lily_mlx.ops.moelike") is None
+    assert _family_of("lily_mlx.core.dispatch") is None
 
 
 def test_kernel_files_sit_in_their_family_folder():

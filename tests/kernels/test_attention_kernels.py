@@ -19,9 +19,10 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from lily_mlx.core import switches
 from lily_mlx.core.log import reset_log_once
-from lily_mlx.ops import attention as att
-from lily_mlx.ops import attention_kernels as ak
-from lily_mlx.ops import deltanet_kernels
+from lily_mlx.ops.attention import kernels as ak
+from lily_mlx.ops.attention import layer as att
+from lily_mlx.ops.attention import reference as attref
+from lily_mlx.ops.deltanet import kernels as deltanet_kernels
 from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
 from tests.kernels.model_checks import decided_positions
 from tests.kernels.model_checks import teacher_forced_logits as shared_teacher_forced_logits
@@ -50,7 +51,7 @@ def _problem(rng, B, Hkv, G, D, S, dtype, spare=0):
 
 def _oracle(q, k, v, S, scale):
     f32 = [x.astype(mx.float32) for x in (q, k[:, :, :S], v[:, :, :S])]
-    return att.attention_reference(*f32, scale=scale).astype(q.dtype)
+    return attref.attention_reference(*f32, scale=scale).astype(q.dtype)
 
 
 def _check(out, ref, tol):
@@ -154,7 +155,7 @@ def test_unsupported_inputs_fall_back_to_stock(monkeypatch, caplog):
         for reason, q, keys, values, mask, cache in _fallback_cases(rng):
             out = att.decode_attention(q, keys, values, scale=0.125, mask=mask, cache=cache)
             if not isinstance(keys, tuple):  # stock's quantized attention is not repeatable on CPU here
-                stock = att.attention_reference(q, keys, values, scale=0.125, mask=mask, cache=cache)
+                stock = attref.attention_reference(q, keys, values, scale=0.125, mask=mask, cache=cache)
                 assert bool(mx.array_equal(out, stock).item()), reason
             assert reason in caplog.text
     reset_log_once()
@@ -167,7 +168,7 @@ def test_reference_backend_never_launches(monkeypatch):
     cache = _filled_cache(KVCache, k, v)
     with mock.patch.object(ak, "get_kernel", side_effect=AssertionError("kernel launched")):
         out = att.decode_attention(q, cache.keys[..., :4, :], cache.values[..., :4, :], scale=0.125, cache=cache)
-    assert bool(mx.array_equal(out, att.attention_reference(q, k, v, scale=0.125)).item())
+    assert bool(mx.array_equal(out, attref.attention_reference(q, k, v, scale=0.125)).item())
 
 
 # ---------------------------------------------------------------------------------------------

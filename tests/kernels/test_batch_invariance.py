@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from lily_mlx.core import switches
-from lily_mlx.ops import deltanet
-from lily_mlx.ops import moe_kernels as mk
+from lily_mlx.ops.deltanet import layer as deltanet
+from lily_mlx.ops.moe import kernels as mk
 from lily_dev.moe_testing import make_inputs, make_sparse_moe_block, simulator_problem
 from tests.ops.deltanet_cases import make_cache, make_module, random_inputs, ssm_mask
 
@@ -158,7 +158,7 @@ def test_decode_attention_kernel_rows_independent(sim, off):
     batched row never takes the kernel, alone or not: the choice cannot depend on the other rows.)"""
     from mlx_lm.models.cache import KVCache
 
-    from lily_mlx.ops import attention as att
+    from lily_mlx.ops.attention import layer as att
 
     rng = np.random.default_rng(3)
     B, Hkv, G, D, S = 3, 2, 4, 64, 12

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from lily_mlx.core import backend, kernel_registry
-from lily_mlx.ops import deltanet_kernels as dk
+from lily_mlx.ops.deltanet import kernels as dk
 from lily_dev.deltanet_bench import QWEN36, _inputs
 
 compile_check = pytest.importorskip("lily_dev.compile_check", reason="Metal->CUDA bridge not available")

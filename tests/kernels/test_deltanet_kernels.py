@@ -19,9 +19,9 @@ from hypothesis import example, given, settings, strategies as st
 from mlx.utils import tree_map
 
 from lily_mlx.core import dispatch, switches
-from lily_mlx.ops import deltanet
-from lily_mlx.ops import deltanet_kernels as dk
-from lily_mlx.ops import deltanet_reference as ref
+from lily_mlx.ops.deltanet import kernels as dk
+from lily_mlx.ops.deltanet import layer as deltanet
+from lily_mlx.ops.deltanet import reference as ref
 from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
 from tests.kernels.model_checks import decided_positions
 from tests.kernels.model_checks import teacher_forced_logits as shared_teacher_forced_logits
@@ -340,9 +340,9 @@ def test_unsupported_shapes_fall_back_to_reference(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="lily_mlx"):
         out = deltanet.qwen3_5_deltanet_forward(module, h)
     assert same(out, type(module).__call__(module, h))
-    assert dk.unsupported_reason(mx.zeros((1, 1, 1, 16)), mx.zeros((1, 1, 2, 16))) is not None
-    assert dk.unsupported_reason(mx.zeros((1, 1, 16, 128), mx.bfloat16), mx.zeros((1, 1, 32, 128), mx.bfloat16)) is None
-    assert dk.unsupported_reason(mx.zeros((1, 1, 2, 64)), mx.zeros((1, 1, 4, 64))) is None
+    assert dk.supports(mx.zeros((1, 1, 1, 16)), mx.zeros((1, 1, 2, 16))) is not None
+    assert dk.supports(mx.zeros((1, 1, 16, 128), mx.bfloat16), mx.zeros((1, 1, 32, 128), mx.bfloat16)) is None
+    assert dk.supports(mx.zeros((1, 1, 2, 64)), mx.zeros((1, 1, 4, 64))) is None
 
 
 

@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from lily_mlx.ops import deltanet_kernels as dk
-from lily_mlx.ops import deltanet_reference as ref
+from lily_mlx.ops.deltanet import kernels as dk
+from lily_mlx.ops.deltanet import reference as ref
 from lily_dev.deltanet_stock_kernels import mlx_lm_kernels, mlx_lm_scan
 from tests.ops.deltanet_cases import rel_l2
 

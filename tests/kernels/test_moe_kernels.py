@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from lily_mlx.core import switches
-from lily_mlx.ops import moe_kernels as mk
-from lily_mlx.ops.moe_reference import combine_reference, dequantize_experts_reference, switch_glu_reference
+from lily_mlx.ops.moe import kernels as mk
+from lily_mlx.ops.moe.reference import combine_reference, dequantize_experts_reference, switch_glu_reference
 from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
 from lily_dev.moe_testing import make_inputs, make_routing, make_sparse_moe_block, simulator_problem
 

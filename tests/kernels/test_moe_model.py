@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from lily_mlx.core import switches
-from lily_mlx.ops import moe, moe_kernels
+from lily_mlx.ops.moe import kernels as moe_kernels
+from lily_mlx.ops.moe import layer as moe
 from tests.kernels.model_checks import decided_positions, teacher_forced_logits
 
 # Long enough that the prefill chunk has >= 64 expert assignments (MLX-LM prefills all but the last

@@ -13,7 +13,9 @@ from mlx_lm.models.base import create_causal_mask
 
 from lily_mlx.core import switches
 from lily_mlx.ops import OPS, op_backend
-from lily_mlx.ops import attention as att
+from lily_mlx.ops.attention import kernels as ak
+from lily_mlx.ops.attention import layer as att
+from lily_mlx.ops.attention import reference as attref
 
 
 def np64(a):
@@ -160,7 +162,7 @@ def test_blockwise_attention_vs_math(case, block_size):
     if isinstance(mask, str):
         mask = mx.array(mask_np)
     scale = 1 / math.sqrt(case["head_dim"])
-    out = att.blockwise_attention(mx.array(q), mx.array(k), mx.array(v), scale=scale, mask=mask,
+    out = attref.blockwise_attention(mx.array(q), mx.array(k), mx.array(v), scale=scale, mask=mask,
                                   block_size=block_size)
     ref = attention_math(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), scale,
                          mask_np)
@@ -195,7 +197,7 @@ def test_quantized_kv_attention_vs_math_on_dequantized_cache(batch, length, cach
 
 @switches.overrides(enable=["fixed_block_attention"])  # whatever LILY_DISABLE says
 def test_decode_path_rules():
-    n = att.FIXED_BLOCK_MIN_CONTEXT
+    n = ak.FIXED_BLOCK_MIN_CONTEXT
     assert att.decode_path(n, 256, 8) == "fixed_block"
     assert att.decode_path(n - 1, 256, 8) == "ordinary"
     assert att.decode_path(n, 128, 8) == "ordinary"
@@ -208,7 +210,7 @@ def test_decode_path_rules():
 def test_long_context_decode_vs_blockwise_and_math(monkeypatch):
     """A real 32K-token decode step at the Qwen3.6 attention shape (head dim 256, 8 query heads per
     KV head) goes through the long-context op; it agrees with the fixed-block algorithm and math."""
-    S, D, H, Hkv = att.FIXED_BLOCK_MIN_CONTEXT, 256, 8, 1
+    S, D, H, Hkv = ak.FIXED_BLOCK_MIN_CONTEXT, 256, 8, 1
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, H, 1, D)).astype(np.float32)
     k = rng.standard_normal((1, Hkv, S, D)).astype(np.float32)
@@ -219,7 +221,7 @@ def test_long_context_decode_vs_blockwise_and_math(monkeypatch):
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out = att.attention(mx.array(q), mx.array(k), mx.array(v), scale=D**-0.5)
     assert calls, "a 32K decode step at head dim 256, GQA 8 must take the long-context op"
-    blocks = att.blockwise_attention(mx.array(q), mx.array(k), mx.array(v), scale=D**-0.5)
+    blocks = attref.blockwise_attention(mx.array(q), mx.array(k), mx.array(v), scale=D**-0.5)
     ref = attention_math(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
                          D**-0.5, None)
     np.testing.assert_allclose(np64(out), ref, atol=1e-5, rtol=1e-4)

@@ -14,7 +14,7 @@ from mlx_lm.models import gated_delta as stock
 from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated
 
 from lily_mlx.ops import OPS, deltanet, op_backend
-from lily_mlx.ops import deltanet_reference as ref
+from lily_mlx.ops.deltanet import reference as ref
 from tests.ops.deltanet_cases import make_cache, make_module, random_inputs, same, ssm_mask
 from tests.ops.deltanet_cases import rand_array as _rand
 

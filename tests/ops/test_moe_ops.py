@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from lily_mlx.ops import OPS, op_backend
 from lily_mlx.ops import moe
-from lily_mlx.ops.moe_reference import (
+from lily_mlx.ops.moe.reference import (
     routing_block_map_reference,
     routing_histogram_reference,
     routing_offsets_reference,

@@ -1,8 +1,9 @@
-"""Gated DeltaNet kernels, host side: dispatch table, shape rules, launch geometry.
+"""Gated DeltaNet kernels, host side: dispatch table, shape rules (``supports``,
+``conv_unsupported_reason``), launch geometry.
 
 Kernels live in ``kernels/deltanet/deltanet.metal`` (layout notes there and in docs/deltanet.md). Each host
-function has the signature of its reference in ``deltanet_reference`` plus ``backend`` (``metal``,
-``sim`` or ``cuda``) and ``init_value`` (tests poison outputs with it).
+function has the signature of its reference in ``reference`` (this package) plus ``backend``
+(``metal``, ``sim`` or ``cuda``) and ``init_value`` (tests poison outputs with it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ..core.kernel_registry import KernelSpec, float32_scalar, get_kernel, int32_params
+from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel, int32_params
 
 # Dispatch table: one row per kernel of kernels/deltanet/deltanet.metal.
 _FILE = "deltanet/deltanet.metal"
@@ -59,10 +60,10 @@ def rows_per_simdgroup(Dk: int) -> int:
     return 32 * STATE_ELEMENTS_PER_LANE // Dk
 
 
-def unsupported_reason(q: mx.array, v: mx.array, g: Optional[mx.array] = None,
-                       state: Optional[mx.array] = None) -> Optional[str]:
-    """Why the kernels cannot run q [B, T, Hk, Dk], v [B, T, Hv, Dv] (and, where given, the gate g and
-    the recurrent state); None when they can."""
+def supports(q: mx.array, v: mx.array, g: Optional[mx.array] = None,
+             state: Optional[mx.array] = None) -> Optional[str]:
+    """None when the kernels can run q [B, T, Hk, Dk], v [B, T, Hv, Dv] (and, where given, the gate g
+    and the recurrent state); else why they cannot."""
     if g is not None and g.ndim != 3:
         return f"gate g of shape {tuple(g.shape)}: the kernels take one decay per head, g [B, T, Hv]"
     if state is not None and state.dtype != mx.float32:
@@ -87,11 +88,11 @@ def backend_unavailable_reason(backend: str) -> Optional[str]:
     """Why ``backend`` cannot build kernels in this process (its toolchain missing); None if it can."""
     try:
         if backend == "sim":
-            from ..msl import sim
+            from ...msl import sim
 
             sim.metal_kernel  # noqa: B018
         elif backend == "cuda":
-            from ..msl import cuda
+            from ...msl import cuda
 
             cuda.metal_kernel  # noqa: B018
     except (ImportError, AttributeError) as e:
@@ -104,7 +105,7 @@ _params = int32_params
 
 def _refuse_unsupported(q, v, g, state) -> None:
     """Launchers take only what the kernels compute correctly (the op layer falls back before)."""
-    reason = unsupported_reason(q, v, g, state)
+    reason = supports(q, v, g, state)
     if reason is not None:
         raise ValueError(f"DeltaNet kernel: {reason}")
 

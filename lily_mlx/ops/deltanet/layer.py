@@ -1,20 +1,12 @@
-"""Gated DeltaNet (30 of Qwen3.6's 40 layers): forwards for the patch layer, op registry, dispatch.
+"""Gated DeltaNet layer: the forwards the patch layer swaps in, and the dispatch of each op to its
+kernel or its reference.
 
 ``qwen3_5_deltanet_forward`` / ``qwen3_next_deltanet_forward`` have the stock modules' call
 signature and take the stock instance as ``self``; they read its attributes at call time, so
 sharded (per-rank) head counts just work. On the reference backend they run exactly stock's MLX
-primitives in stock's order (``deltanet_reference``). Otherwise each op runs its kernel
-(``deltanet_kernels``) when the backend has one and the shapes are supported, else its reference
-with a one-time log line.
-
-Ops (``lily_mlx.ops.OPS``):
-- ``deltanet_conv1d_silu``: depthwise causal conv1d + SiLU and the conv-state update; one kernel
-  also does ``deltanet_qk_norm`` (L2 normalisation of q/k with the read-out scale), for every chunk.
-- ``deltanet_gates``: g = exp(-exp(A_log) softplus(a + dt_bias)) and beta = sigmoid(b).
-- ``deltanet_scan``: prefill delta-rule scan; switch ``register_scan`` (off: blockwise scan).
-- ``deltanet_decode``: one recurrent step + gated RMSNorm; switch ``fused_recurrent_norm``
-  (off: gates, step and norm as separate kernels).
-- ``deltanet_gated_norm``: rms_norm(out) * weight * silu(z) after the prefill scan.
+primitives in stock's order (``reference``). Otherwise each op (registered by the package,
+``lily_mlx.ops.deltanet``) runs its kernel (``kernels``) when the backend has one and the shapes are
+supported, else its reference with a one-time log line.
 
 Batch invariance: a token's result must not depend on the call it is in (MLX-LM's batched generator
 pads a row's prompt chunk to the batch's longest, and a 1-token chunk alone is a decode-shaped
@@ -29,68 +21,37 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx.nn.layers.distributed import sum_gradients
 
-from ..core import switches
-from ..core.log import log_once
-from . import Op, op_backend, register_op
-from . import deltanet_reference as ref
-
-KERNEL_BACKENDS = frozenset({"metal", "sim", "cuda"})
-
-OP_CONV = register_op(Op(
-    "deltanet_conv1d_silu", "deltanet",
-    "Depthwise causal conv1d + SiLU over [conv state; q k v projections], and the conv-state update "
-    "(kernel: every chunk, fused with the q/k normalisation).",
-    kernel_backends=KERNEL_BACKENDS,
-))
-OP_QK_NORM = register_op(Op(
-    "deltanet_qk_norm", "deltanet",
-    "L2 normalisation of q and k, read-out scale folded into q (kernel: inside the conv kernel).",
-    kernel_backends=KERNEL_BACKENDS,
-))
-OP_GATES = register_op(Op(
-    "deltanet_gates", "deltanet", "Decay g (fp32) and write strength beta from a, b, A_log, dt_bias.",
-    kernel_backends=KERNEL_BACKENDS,
-))
-OP_SCAN = register_op(Op(
-    "deltanet_scan", "deltanet", "Prefill delta-rule scan, fp32 state [B, Hv, Dv, Dk].",
-    switches=("register_scan",), kernel_backends=KERNEL_BACKENDS,
-))
-OP_DECODE = register_op(Op(
-    "deltanet_decode", "deltanet", "Decode step: gates, delta-rule update, read-out, gated RMSNorm.",
-    switches=("fused_recurrent_norm",), kernel_backends=KERNEL_BACKENDS,
-))
-OP_GATED_NORM = register_op(Op(
-    "deltanet_gated_norm", "deltanet", "Gated RMSNorm rms_norm(out) * weight * silu(z) after the scan.",
-    kernel_backends=KERNEL_BACKENDS,
-))
-
+from ...core import switches
+from ...core.dispatch import op_backend
+from ...core.log import log_once
+from . import reference as ref
 
 # ----------------------------------------------------------------------------------------------
 # dispatch
 
 
-def _kernel_backend(op: Op, module) -> Optional[str]:
-    """The kernel backend ``op`` runs on for this call, or None for the reference."""
+def _kernel_backend(op: str, module) -> Optional[str]:
+    """The kernel backend op ``op`` (its name) runs on for this call, or None for the reference."""
     if getattr(module, "training", False):
         return None  # stock trains through the ops; so do we
-    backend = op_backend(op.name)
+    backend = op_backend(op)
     return None if backend == "reference" else backend
 
 
-def _kernels_for(op: Op, module, q: mx.array, v: mx.array, state: Optional[mx.array] = None):
-    """(kernel module, backend) if ``op`` runs a kernel for these shapes, else (None, None); the
-    reason for a fallback is logged once."""
+def _kernels_for(op: str, module, q: mx.array, v: mx.array, state: Optional[mx.array] = None):
+    """(kernel module, backend) if op ``op`` (its name) runs a kernel for these shapes, else
+    (None, None); the reason for a fallback is logged once."""
     backend = _kernel_backend(op, module)
     if backend is None:
         return None, None
     try:
-        from . import deltanet_kernels as dk
+        from . import kernels as dk
     except ImportError as e:  # kernels module missing from this install
         dk, reason = None, f"kernel host code unavailable ({e})"
     else:
-        reason = dk.unsupported_reason(q, v, state=state) or dk.backend_unavailable_reason(backend)
+        reason = dk.supports(q, v, state=state) or dk.backend_unavailable_reason(backend)
     if reason is not None:
-        log_once(f"{op.name}:{backend}:{reason}", f"{op.name}: {reason}; using the reference")
+        log_once(f"{op}:{backend}:{reason}", f"{op}: {reason}; using the reference")
         return None, None
     return dk, backend
 
@@ -104,21 +65,21 @@ def recurrence(module, q, k, v, a, b, z, state, mask):
     norm = module.norm
 
     if q.shape[1] == 1:
-        dk, backend = _kernels_for(OP_DECODE, module, q, v, state)
+        dk, backend = _kernels_for("deltanet_decode", module, q, v, state)
         if dk is not None:
             return dk.decode(
                 q, k, v, a, b, module.A_log, module.dt_bias, state, z, norm.weight, norm.eps, mask,
                 fused=switches.is_enabled("fused_recurrent_norm"), backend=backend,
             )
 
-    dk, backend = _kernels_for(OP_GATES, module, q, v)
+    dk, backend = _kernels_for("deltanet_gates", module, q, v)
     if dk is not None:
         g, beta = dk.gates(a, b, module.A_log, module.dt_bias, backend=backend)
     else:
         g, beta = ref.gates(a, b, module.A_log, module.dt_bias)
 
-    norm_dk, norm_backend = _kernels_for(OP_GATED_NORM, module, q, v)
-    dk, backend = _kernels_for(OP_SCAN, module, q, v, state)
+    norm_dk, norm_backend = _kernels_for("deltanet_gated_norm", module, q, v)
+    dk, backend = _kernels_for("deltanet_scan", module, q, v, state)
     if dk is not None:
         register = switches.is_enabled("register_scan")
         # y stays fp32 into the gated-norm kernel, as in the decode kernels: a token's output is then
@@ -146,9 +107,10 @@ def _conv_qk_kernel(self, qkv, mask, cache):
     It runs for every chunk, decode (S = 1) and prefill alike: a token's q, k, v then never depend
     on the chunk it came in, so a 1-token prompt chunk alone (a decode-shaped call) and the same
     token padded into a batch's longer chunk get the same bits (batch invariance)."""
-    if (backend := _kernel_backend(OP_CONV, self)) is None:
+    op = "deltanet_conv1d_silu"
+    if (backend := _kernel_backend(op, self)) is None:
         return None
-    from . import deltanet_kernels as dk
+    from . import kernels as dk
 
     conv_state = cache[0] if cache is not None else None
     reason = dk.conv_unsupported_reason(self.conv1d, qkv, self.num_k_heads, self.head_k_dim)
@@ -156,7 +118,7 @@ def _conv_qk_kernel(self, qkv, mask, cache):
         reason = f"conv state in {conv_state.dtype}, activations in {qkv.dtype}"
     reason = reason or dk.backend_unavailable_reason(backend)
     if reason is not None:
-        log_once(f"{OP_CONV.name}:{backend}:{reason}", f"{OP_CONV.name}: {reason}; using the reference")
+        log_once(f"{op}:{backend}:{reason}", f"{op}: {reason}; using the reference")
         return None
     return dk.conv_qk_norm(
         qkv, conv_state, self.conv1d.weight, mask, self.num_k_heads, self.head_k_dim, self.num_v_heads,

@@ -1,7 +1,8 @@
-"""Decode-attention kernel, host side: dispatch table, shape rules, launch geometry.
+"""Attention kernels, host side: the decode kernel's dispatch table, shape rules (``supports``) and
+launch geometry, and the shape rules of the fixed-block long-context path.
 
 The kernel lives in ``kernels/attention/decode.metal`` (layout notes there and in docs/attention.md). The
-host function has the signature of ``attention.attention_reference`` for one query row, plus the
+host function has the signature of ``reference.attention_reference`` for one query row, plus the
 switch states, ``backend`` (``metal``, ``sim`` or ``cuda``) and ``init_value`` (tests poison
 outputs with it).
 """
@@ -12,7 +13,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from ..core.kernel_registry import KernelSpec, float32_scalar, get_kernel, int32_params
+from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel, int32_params
 
 # Dispatch table: one row per kernel of kernels/attention/decode.metal.
 _FILE = "attention/decode.metal"
@@ -23,6 +24,19 @@ KERNELS = {
     )
 }
 
+# Backends the decode kernel runs on (the ``attention_decode`` op's kernel backends). Simulator only
+# until timed on a GPU: the kernel runs B x Hkv threadgroups (2 per sequence at Qwen3.6's shape), too
+# few to fill a GPU at long context, so it could be slower than stock's decode attention. Add
+# "metal"/"cuda" here once a GPU run shows it pays (docs/attention.md).
+DECODE_BACKENDS = frozenset({"sim"})
+
+# Shape rules of the fixed-block path (write-up: >= 32K tokens, head dim 256, 8 query heads per KV
+# head; other shapes keep the ordinary decode path). Data, so tuning can change them.
+FIXED_BLOCK_MIN_CONTEXT = 32 * 1024
+FIXED_BLOCK_HEAD_DIM = 256
+FIXED_BLOCK_GQA_FACTOR = 8
+FIXED_BLOCK_SIZE = 4096  # KV rows per block; a starting point for tuning
+
 # Simdgroups per threadgroup: the KV rows are dealt round-robin over them (a tuning knob; no GPU
 # timing yet). Threadgroup memory: SIMDGROUPS * D fp32 (8 KiB at D = 256).
 DECODE_SIMDGROUPS = 4
@@ -31,9 +45,9 @@ KV_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 MAX_HEADS_PER_THREADGROUP = 8  # registers: 2 * G * D / 32 fp32 per lane with gqa_packing
 
 
-def unsupported_reason(queries: mx.array, keys: Any, values: Any, mask: Any = None,
-                       cache: Any = None) -> Optional[str]:
-    """Why the decode kernel cannot run these inputs; None when it can.
+def supports(queries: mx.array, keys: Any, values: Any, mask: Any = None,
+             cache: Any = None) -> Optional[str]:
+    """None when the decode kernel can run these inputs; else why it cannot.
 
     queries: [B, Hq, L, D]; keys, values: [B, Hkv, S, D] from a plain mlx_lm ``KVCache``."""
     from mlx_lm.models.cache import KVCache
@@ -98,7 +112,7 @@ def decode_attention(
 
 
 def decode_attention_from_cache(backend: str):
-    """The launcher ``attention.decode_attention`` dispatches to on ``backend``: reads the cache's
+    """The launcher ``layer.decode_attention`` dispatches to on ``backend``: reads the cache's
     whole buffer (no copy of the live slice) with the live length as a parameter."""
 
     def launch(queries, keys, values, *, scale, mask=None, cache=None, coalesced=True, gqa_packed=True):

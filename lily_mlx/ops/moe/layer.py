@@ -1,21 +1,10 @@
-"""MoE op family for Qwen3-Next / Qwen3.5-MoE / Qwen3.6 sparse MoE blocks.
+"""MoE layer: the sparse MoE forward the patch layer swaps in, and its dispatch into the kernels.
 
 ``sparse_moe_forward(self, x)`` replaces ``Qwen3NextSparseMoeBlock.__call__`` (``self`` is the stock
-module; attributes are read at call time, so sharding just works). It is split into ops, each with
-a plain-MLX reference (``moe_reference``) and, where written, kernels (``moe_kernels``,
-``kernels/moe/routing.metal``, ``kernels/moe/gemm.metal``):
-
-- ``moe_router``: softmax, top-k, renormalise (reference only: stock's exact primitives).
-- ``moe_routing``: histogram, prefix scan, scatter + inverse map, block map (switch ``gpu_routing``).
-- ``moe_grouped_gemm``: grouped 4-bit expert GEMMs, gate+up+SwiGLU and down, and the weighted
-  combine (switches ``fused_dequant``, ``adaptive_tile``, ``fused_combine``). Where they apply they
-  run for every call size, decode included, so that a token's result is the same alone and in any
-  batch (batch invariance).
-- ``moe_expert_up`` / ``moe_expert_down``: the decode GEMV path of stock (references; they run
-  where the grouped kernels do not; switches ``row_gemv``, ``fused_expert_up``, ``fused_expert_down``
-  for GEMV kernels not yet written, which must keep the grouped kernels' per-token arithmetic).
-
-With the reference backend the forward is exactly stock's computation.
+module; attributes are read at call time, so sharding just works). Its ops (registered by the
+package, ``lily_mlx.ops.moe``) run their plain-MLX references (``reference``) or, where the backend
+has them and the weights fit, the kernels (``kernels``). With the reference backend the forward is
+exactly stock's computation.
 """
 
 from __future__ import annotations
@@ -23,8 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx.nn.layers.distributed import sum_gradients
 
-from . import Op, op_backend, register_op
-from .moe_reference import (
+from ...core.dispatch import op_backend
+from .reference import (
     combine_reference,
     expert_down_reference,
     expert_up_reference,
@@ -33,35 +22,10 @@ from .moe_reference import (
     switch_glu_reference,
 )
 
-KERNEL_BACKENDS = frozenset({"metal", "sim", "cuda"})
-
 # Stock sorts rows by expert (the grouped GEMM of prefill) from this many assignments on; below it
 # runs the gather GEMV of decode. The reference path keeps that split (it is stock's computation);
 # the kernel path does not use it (batch invariance, see ``sparse_moe_forward``).
 SORT_THRESHOLD = 64
-
-register_op(Op("moe_router", "moe", "Router: softmax (precise), top-k by argpartition, renormalise."))
-register_op(Op(
-    "moe_routing", "moe",
-    "Routing bookkeeping: per-expert histogram, prefix-scan offsets, scatter into expert order, "
-    "inverse map, block map of row tiles.",
-    switches=("gpu_routing",), kernel_backends=KERNEL_BACKENDS,
-))
-register_op(Op(
-    "moe_grouped_gemm", "moe",
-    "Grouped 4-bit (affine, group 64) expert GEMMs (prefill and decode): gate+up+SwiGLU and down, then the "
-    "routing-weighted sum over each token's experts.",
-    switches=("fused_dequant", "adaptive_tile", "fused_combine"), kernel_backends=KERNEL_BACKENDS,
-))
-register_op(Op(
-    "moe_expert_up", "moe", "Decode expert GEMV: gate and up projections with SwiGLU.",
-    switches=("row_gemv", "fused_expert_up"),
-))
-register_op(Op(
-    "moe_expert_down", "moe",
-    "Decode expert GEMV: down projection with routing weights and the sigmoid-gated shared expert.",
-    switches=("row_gemv", "fused_expert_down"),
-))
 
 
 def routed_experts_kernels(switch_mlp, x: mx.array, inds: mx.array, scores: mx.array):
@@ -69,7 +33,7 @@ def routed_experts_kernels(switch_mlp, x: mx.array, inds: mx.array, scores: mx.a
     inds [..., k] -> [..., D]; None on the reference backend or where the kernels do not apply."""
     if op_backend("moe_grouped_gemm") == "reference":
         return None
-    from .moe_kernels import routed_experts_combined_kernel
+    from .kernels import routed_experts_combined_kernel
 
     return routed_experts_combined_kernel(switch_mlp, x, inds, scores)
 

@@ -1,7 +1,7 @@
 """Host side of the MoE kernels (``kernels/moe/routing.metal``, ``kernels/moe/gemm.metal``): dispatch table, launch geometry,
-the routing schedule (GPU-resident or host-built) and the grouped expert GEMMs.
+the routing schedule (GPU-resident or host-built), the grouped expert GEMMs and their shape rules (``supports``).
 
-They run for every call size where they apply, decode steps included (``moe.sparse_moe_forward``:
+They run for every call size where they apply, decode steps included (``layer.sparse_moe_forward``:
 batch invariance), and a token's result never depends on the other tokens of the call.
 
 Data flow for one call (A = tokens * top_k assignments, a = token * k + j):
@@ -26,12 +26,11 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..core import switches
-from ..core.kernel_registry import KernelSpec, get_kernel, int32_params
-from ..core.log import log_once
-from . import moe as _moe  # noqa: F401  (registers the MoE ops in OPS)
-from . import op_backend
-from .moe_reference import combine_reference, is_quantized_switch_linear
+from ...core import switches
+from ...core.dispatch import op_backend
+from ...core.kernel_registry import KernelSpec, get_kernel, int32_params
+from ...core.log import log_once
+from .reference import combine_reference, is_quantized_switch_linear
 
 ROUTING = "moe/routing.metal"
 GEMM = "moe/gemm.metal"
@@ -275,8 +274,8 @@ def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: 
 # The routed-experts forward of a prefill chunk
 
 
-def unsupported_reason(switch_mlp, x: mx.array, num_experts: int) -> Optional[str]:
-    """Why the kernels cannot run this block/input (None if they can)."""
+def supports(switch_mlp, x: mx.array, num_experts: int) -> Optional[str]:
+    """None when the kernels can run this block/input; else why they cannot."""
     from mlx_lm.models.switch_layers import SwiGLU
 
     if not isinstance(getattr(switch_mlp, "activation", None), SwiGLU):
@@ -311,12 +310,12 @@ def kernels_unavailable(backend: str) -> Optional[str]:
 
 
 def _static_reason(switch_mlp, x: mx.array, num_experts: int) -> Optional[str]:
-    """``unsupported_reason`` for this layer and activation dtype, computed once per (layer, dtype):
+    """``supports`` for this layer and activation dtype, computed once per (layer, dtype):
     it depends only on the layer's weights and quantisation, which a forward never changes."""
     cache = switch_mlp.__dict__.setdefault("_lily_moe_support", {})
     key = x.dtype
     if key not in cache:
-        cache[key] = unsupported_reason(switch_mlp, x, num_experts)
+        cache[key] = supports(switch_mlp, x, num_experts)
     return cache[key]
 
 

@@ -1,0 +1,48 @@
+"""Attention of the Qwen3.5/3.6 full-attention layers (mlx_lm's ``Qwen3NextAttention``): the op
+family. Importing it registers its ops in ``lily_mlx.core.dispatch`` and gives ``attention_forward``,
+the forward the patch layer swaps in.
+
+Modules: ``layer`` (the forward and the dispatch of each op), ``kernels`` (the decode-attention
+kernel's launcher and the shape rules; kernels/attention/decode.metal), ``reference`` (plain-MLX
+references and the fixed-block algorithm).
+
+Four ops, each a function of ``layer`` with a reference in plain MLX ops and one dispatch point into
+a kernel:
+
+- ``qk_prep``: q_norm, k_norm, partial RoPE and the split of the output gate off ``q_proj``.
+- ``prefill_attention``: a chunk of T > 1 queries over cache + chunk (causal or given mask).
+- ``decode_attention``: one query row per sequence over the KV cache, GQA.
+- ``long_context_attention``: decode at long context, where the write-up splits the KV cache into
+  fixed blocks processed in parallel and merges them (``reference.blockwise_attention`` is that
+  algorithm in plain MLX; the reference stays stock's primitive so the reference path is
+  token-identical).
+
+Kernels: ``attention_decode``; the other ops run their reference.
+"""
+
+from __future__ import annotations
+
+from ...core.dispatch import Op, register_op
+from . import kernels
+from .layer import attention_forward  # noqa: F401
+
+QK_PREP = register_op(Op(
+    "attention_qk_prep", "attention",
+    "q/k RMSNorm, partial RoPE and output-gate split of a full-attention layer",
+    switches=("fused_qk_prep",),
+))
+PREFILL = register_op(Op(
+    "attention_prefill", "attention",
+    "attention of a T > 1 chunk over KV cache + chunk (head dim 256, GQA)",
+))
+DECODE = register_op(Op(
+    "attention_decode", "attention",
+    "one query row per sequence over the KV cache (GQA)",
+    switches=("coalesced_kv", "gqa_packing"),
+    kernel_backends=kernels.DECODE_BACKENDS,  # simulator only until timed on a GPU (kernels.py)
+))
+LONG_CONTEXT = register_op(Op(
+    "attention_decode_long", "attention",
+    "decode attention at long context: fixed KV blocks in parallel, then merged",
+    switches=("fixed_block_attention", "coalesced_kv", "gqa_packing"),
+))

@@ -1,0 +1,153 @@
+"""Attention layer: ``attention_forward(self, x, mask, cache)``, the whole layer with the stock
+module as ``self``, and the dispatch of each op (``qk_prep``, ``prefill_attention``,
+``decode_attention``, ``long_context_attention``; registered by the package,
+``lily_mlx.ops.attention``) to its kernel or its reference.
+
+On the reference backend it is exactly stock's computation: the same MLX primitives in the same
+order, mlx_lm's own ``scaled_dot_product_attention`` (quantized KV caches included; ``reference``).
+Kernels: ``attention_decode`` (``kernels``, kernels/attention/decode.metal); the other ops run their
+reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Tuple
+
+import mlx.core as mx
+
+from ...core.dispatch import active_backend, op_backend
+from ...core.log import log_once
+from ...core.switches import is_enabled
+from . import kernels
+from .reference import attention_reference, qk_prep_reference
+
+# (op name, backend) -> kernel launcher, filled as kernels land; ops without a row run their reference.
+KERNELS: dict = {
+    ("attention_decode", backend): kernels.decode_attention_from_cache(backend)
+    for backend in kernels.DECODE_BACKENDS
+}
+
+
+def _kernel_for(op: str, unsupported: Optional[str] = None) -> Optional[Callable]:
+    """The kernel that runs op ``op`` (its name) on the active backend, or None for the reference.
+
+    ``unsupported`` names why these shapes/inputs are outside the kernel (logged once)."""
+    backend = active_backend()
+    if backend == "reference":
+        return None
+    if op_backend(op, backend) == "reference" or (op, backend) not in KERNELS:
+        return None  # said once, at patch time (lily_mlx.patch_report)
+    if unsupported:
+        log_once(f"{op}:{backend}:{unsupported}", f"{op}: {unsupported}, using the reference")
+        return None
+    return KERNELS[(op, backend)]
+
+
+def is_quantized_kv(keys: Any) -> bool:
+    """Quantized KV caches hand out (packed, scales, biases) as a tuple or a list (MLX-LM's
+    ``QuantizedKVCache`` and ``KVCache.to_quantized`` differ), plain caches an array."""
+    return isinstance(keys, (tuple, list))
+
+
+def _kv_shape(keys: Any) -> Tuple[int, ...]:
+    """[B, Hkv, S, ...] of keys (of the packed part for a quantized cache)."""
+    return (keys[0] if is_quantized_kv(keys) else keys).shape
+
+
+# --- q/k preparation ------------------------------------------------------------------------------
+
+def qk_prep(q_proj_out, k_proj_out, v_proj_out, *, n_heads, n_kv_heads, q_norm, k_norm, rope,
+            offset=0):
+    """q/k preparation; see ``qk_prep_reference`` for shapes. Kernel: ``fused_qk_prep``."""
+    kernel = _kernel_for("attention_qk_prep")
+    if kernel is not None:  # pragma: no cover - no kernels yet
+        return kernel(q_proj_out, k_proj_out, v_proj_out, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                      q_norm=q_norm, k_norm=k_norm, rope=rope, offset=offset,
+                      fused=is_enabled("fused_qk_prep"))
+    return qk_prep_reference(q_proj_out, k_proj_out, v_proj_out, n_heads=n_heads,
+                             n_kv_heads=n_kv_heads, q_norm=q_norm, k_norm=k_norm, rope=rope,
+                             offset=offset)
+
+
+# --- attention over the cache ---------------------------------------------------------------------
+
+def _unsupported_kv(keys: Any, mask: Any) -> Optional[str]:
+    if is_quantized_kv(keys):
+        return "quantized KV cache"
+    if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+        return "additive mask"
+    return None
+
+
+def prefill_attention(queries, keys, values, *, scale, mask=None, cache=None):
+    """Chunk of L queries over cache + chunk; shapes as ``attention_reference``."""
+    kernel = _kernel_for("attention_prefill", _unsupported_kv(keys, mask))
+    if kernel is not None:  # pragma: no cover
+        return kernel(queries, keys, values, scale=scale, mask=mask)
+    return attention_reference(queries, keys, values, scale=scale, mask=mask, cache=cache)
+
+
+def decode_attention(queries, keys, values, *, scale, mask=None, cache=None):
+    """One query row (L == 1) over the KV cache. Kernel variants: ``coalesced_kv``, ``gqa_packing``.
+    The kernel takes a plain ``KVCache`` without a mask (shape rules: ``kernels.supports``)."""
+    kernel = _kernel_for("attention_decode", kernels.supports(queries, keys, values, mask, cache))
+    if kernel is not None:
+        return kernel(queries, keys, values, scale=scale, mask=mask, cache=cache,
+                      coalesced=is_enabled("coalesced_kv"), gqa_packed=is_enabled("gqa_packing"))
+    return attention_reference(queries, keys, values, scale=scale, mask=mask, cache=cache)
+
+
+def long_context_attention(queries, keys, values, *, scale, mask=None, cache=None):
+    """Decode at long context (fixed-block split kernel). Reference: stock's attention."""
+    kernel = _kernel_for("attention_decode_long", _unsupported_kv(keys, mask))
+    if kernel is not None:  # pragma: no cover
+        return kernel(queries, keys, values, scale=scale, mask=mask, block_size=kernels.FIXED_BLOCK_SIZE,
+                      coalesced=is_enabled("coalesced_kv"), gqa_packed=is_enabled("gqa_packing"))
+    return attention_reference(queries, keys, values, scale=scale, mask=mask, cache=cache)
+
+
+def decode_path(kv_length: int, head_dim: int, gqa_factor: int) -> str:
+    """``"fixed_block"`` or ``"ordinary"``: which decode path a shape takes (switch + shape rules,
+    ``kernels.FIXED_BLOCK_*``)."""
+    if (
+        is_enabled("fixed_block_attention")
+        and kv_length >= kernels.FIXED_BLOCK_MIN_CONTEXT
+        and head_dim == kernels.FIXED_BLOCK_HEAD_DIM
+        and gqa_factor == kernels.FIXED_BLOCK_GQA_FACTOR
+    ):
+        return "fixed_block"
+    return "ordinary"
+
+
+def attention(queries, keys, values, *, scale, mask=None, cache=None):
+    """Attention of prepared queries over the (updated) KV cache: picks the op by shape."""
+    _, n_heads, L, head_dim = queries.shape
+    if L != 1:
+        return prefill_attention(queries, keys, values, scale=scale, mask=mask, cache=cache)
+    _, n_kv_heads, kv_length = _kv_shape(keys)[:3]
+    path = decode_path(kv_length, head_dim, n_heads // n_kv_heads)
+    op = long_context_attention if path == "fixed_block" else decode_attention
+    return op(queries, keys, values, scale=scale, mask=mask, cache=cache)
+
+
+# --- the layer ------------------------------------------------------------------------------------
+
+def attention_forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    """``Qwen3NextAttention.__call__`` with the stock module as ``self`` (attributes read now, so a
+    sharded module's per-rank head counts apply). x: [B, L, hidden] -> [B, L, hidden]."""
+    if self.training:  # the kernels have no gradients: training runs stock's ops, stock's gradients
+        return getattr(type(self), "_lily_stock_class", type(self)).__call__(self, x, mask=mask, cache=cache)
+    B, L, _ = x.shape
+    q_proj_out = self.q_proj(x)  # [B, L, H * 2D]
+    k_proj_out, v_proj_out = self.k_proj(x), self.v_proj(x)  # [B, L, Hkv * D]
+    queries, keys, values, gate = qk_prep(
+        q_proj_out, k_proj_out, v_proj_out,
+        n_heads=self.num_attention_heads, n_kv_heads=self.num_key_value_heads,
+        q_norm=self.q_norm, k_norm=self.k_norm, rope=self.rope,
+        offset=cache.offset if cache is not None else 0,
+    )
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
+    output = attention(queries, keys, values, scale=self.scale, mask=mask, cache=cache)
+    output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)  # [B, L, H * D]
+    return self.o_proj(output * mx.sigmoid(gate))
