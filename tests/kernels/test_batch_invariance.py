@@ -46,7 +46,14 @@ STATE_IDS = ["all-on"] + [f"{name}-off" for name in MOE_SWITCHES + DELTANET_SWIT
 
 @pytest.fixture
 def sim(monkeypatch):
+    """The simulator, with stock's ops on MLX's CPU backend too: MLX's own quantized matmuls (the
+    router, the shared expert, the projections) are not batch invariant on MLX CUDA (measured on an
+    H200: bench/batch_invariance.py), and these tests are about lily's kernels."""
     monkeypatch.setenv("LILY_BACKEND", "sim")
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
 
 
 def _equal(a: mx.array, b: mx.array) -> bool:
