@@ -27,7 +27,7 @@ class Switch:
 
 
 _SWITCH_LIST = [
-    Switch("fused_dequant", "moe", "prefill", True,
+    Switch("fused_dequant", "moe", "both", True,
            "Dequantise 4-bit expert weights tile by tile inside the grouped GEMM (threadgroup memory).",
            "Dequantise the expert weights to a bf16 array first, then multiply."),
     Switch("gpu_routing", "moe", "prefill", True,
@@ -36,7 +36,7 @@ _SWITCH_LIST = [
     Switch("adaptive_tile", "moe", "prefill", True,
            "Pick GEMM tile rows and simdgroups per threadgroup from the actual rows per expert.",
            "Fixed 16-row tiles."),
-    Switch("fused_combine", "moe", "prefill", True,
+    Switch("fused_combine", "moe", "both", True,
            "Weight and sum each token's expert rows straight from the down GEMM's slot order (one kernel).",
            "Gather the rows back to token order, multiply by the routing weights, sum over k (three ops)."),
     Switch("register_scan", "deltanet", "prefill", True,

@@ -91,3 +91,29 @@ def test_cli_prints_both_modes(monkeypatch, capsys, embedded_dir):
     out = capsys.readouterr().out
     assert "backend reference" in out
     assert out.count("top-1 agreement 100.00 %") == 2 and out.count("max |logit diff| 0") == 2
+
+
+def readme_consistency_sentence(decode, prefill) -> str:
+    """The README's consistency figures, written from the tool's results (two decimals)."""
+    return (f"top-1 agreement with stock is {decode.top1_agreement_pct:.2f} % (decode) / "
+            f"{prefill.top1_agreement_pct:.2f} % (prefill), perplexity {decode.perplexity_delta_pct:+.2f} % / "
+            f"{prefill.perplexity_delta_pct:+.2f} %")
+
+
+@pytest.mark.slow
+def test_readme_figures_are_what_the_command_prints():
+    """README.md quotes `python -m lily_mlx consistency --backend sim`; run it and compare."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LILY_")}
+    proc = subprocess.run([sys.executable, "-m", "lily_mlx", "consistency", "--backend", "sim", "--json"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    results = {r["mode"]: consistency.ConsistencyResult(**r) for r in json.loads(proc.stdout)}
+    expected = readme_consistency_sentence(results["decode"], results["prefill"])
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    assert expected in readme, f"README.md should say: {expected!r}"
