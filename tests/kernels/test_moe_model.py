@@ -1,8 +1,9 @@
 """The patched embedded model with the MoE prefill kernels on the simulator gives stock's greedy tokens.
 
 Only the MoE ops are sent to the simulator (the other op families keep their reference path), so a
-difference can only come from the MoE kernels. Prefill chunks (>= 64 expert assignments) run the
-routing and grouped-GEMM kernels; single-token decode steps run the decode path.
+difference can only come from the MoE kernels. Prefill chunks (> 64 expert assignments) run the
+routing and grouped-GEMM kernels; single-token decode steps run the same GEMMs with one block per
+assignment (batch invariance: docs/moe.md).
 """
 
 from pathlib import Path
