@@ -53,25 +53,35 @@ class ConsistencyResult:
         )
 
 
-def _engine_logits(model, tokens: np.ndarray, mode: str) -> np.ndarray:
-    """fp32 logits [P, V] predicting tokens[1:] from each prefix of tokens[:-1]."""
+def teacher_forced_logits(model, prompt, tokens):
+    """Logits predicting each of ``tokens`` from the same reference prefix: [len(tokens), vocab] fp32.
+
+    ``prompt`` [P] is prefilled in one call; its last position predicts ``tokens[0]``, then each
+    following step is fed the reference token, so an early difference between engines cannot steer
+    later inputs. The one teacher-forcing loop of the project (tools and tests use it)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    inputs = mx.array(tokens[:-1].astype(np.int32))[None]  # [1, P]
+    cache = make_prompt_cache(model)
+    logits = [model(prompt[None], cache=cache)[0, -1]]
+    for t in list(tokens)[:-1]:
+        logits.append(model(mx.array([[int(t)]]), cache=cache)[0, -1])
+        mx.eval(logits[-1])
+    return mx.stack(logits).astype(mx.float32)  # [n, vocab]
+
+
+def _engine_logits(model, tokens: np.ndarray, mode: str) -> np.ndarray:
+    """fp32 logits [P, V] predicting tokens[1:] from each prefix of tokens[:-1]."""
+    import mlx.core as mx
+
+    inputs = mx.array(tokens[:-1].astype(np.int32))  # [P]
     if mode == "prefill":
-        logits = model(inputs)[0].astype(mx.float32)  # [P, V]
+        logits = model(inputs[None])[0].astype(mx.float32)  # [P, V]
         mx.eval(logits)
         return np.array(logits)
     if mode != "decode":
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    cache = make_prompt_cache(model)
-    rows = []
-    for t in range(inputs.shape[1]):
-        out = model(inputs[:, t : t + 1], cache=cache)[0, -1].astype(mx.float32)  # [V]
-        mx.eval(out)
-        rows.append(np.array(out))
-    return np.stack(rows)
+    return np.array(teacher_forced_logits(model, inputs[:1], tokens[1:]))
 
 
 def _perplexity(logits: np.ndarray, targets: np.ndarray) -> float:

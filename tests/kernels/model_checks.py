@@ -4,25 +4,14 @@ from typing import Tuple
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+
+from lily_mlx.consistency import teacher_forced_logits  # noqa: F401  (the one loop; tests import it here)
 
 # A greedy choice is a property of the model only where its top-2 logit margin exceeds the bf16 noise
 # of the logits themselves (the embedded model's logits are bf16: one ulp is 1/32..1/8 at their scale,
 # and any rounding change anywhere in the network moves them by a few ulps, stock's own Metal vs CPU
 # paths included).
 NEAR_TIE = 0.25
-
-
-def teacher_forced_logits(model, prompt: mx.array, tokens) -> mx.array:
-    """Logits predicting each of ``tokens`` from the same reference prefix: [len(tokens), vocab] fp32.
-
-    The prompt's last position predicts ``tokens[0]``; each following step is fed the reference token,
-    so an early difference between engines cannot steer later inputs."""
-    cache = make_prompt_cache(model)
-    logits = [model(prompt[None], cache=cache)[0, -1]]
-    for t in tokens[:-1]:
-        logits.append(model(mx.array([[t]]), cache=cache)[0, -1])
-    return mx.stack(logits).astype(mx.float32)  # [n, vocab]
 
 
 def decided_positions(stock_logits: mx.array) -> Tuple[np.ndarray, int]:
