@@ -134,7 +134,7 @@ def microbench_cases() -> List[Tuple[str, Callable[[], None], int, int]]:
                       _run(lambda y=y, s=sched, sc=scores: mk.combine_rows(y, s["slot_of_row"], sc, backend)),
                       combine_bytes, combine_flops))
         cases.append((f"combine_gather_sum[{t}]",
-                      _run(lambda y=y, s=sched, sc=scores: combine_reference(
-                          mx.take(y, s["slot_of_row"], axis=0).reshape(tokens, TOP_K, HIDDEN), sc)),
+                      _run(lambda y=y, s=sched, sc=scores, n=tokens: combine_reference(  # bind n now:
+                          mx.take(y, s["slot_of_row"], axis=0).reshape(n, TOP_K, HIDDEN), sc)),  # late binding broke it
                       combine_bytes, combine_flops))
     return cases

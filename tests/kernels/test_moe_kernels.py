@@ -379,7 +379,8 @@ def test_microbench_cases_small(gemm_sim, monkeypatch):
     from lily_dev import moe_bench
 
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
-    for name, value in dict(HIDDEN=128, EXPERT_WIDTH=64, NUM_EXPERTS=16, TOP_K=4, TOKENS=(24,)).items():
+    # Two lengths: a case built for one length must not run with the other's shapes (late binding).
+    for name, value in dict(HIDDEN=128, EXPERT_WIDTH=64, NUM_EXPERTS=16, TOP_K=4, TOKENS=(24, 40)).items():
         monkeypatch.setattr(moe_bench, name, value)
     cases = moe_bench.microbench_cases()
     names = [c[0] for c in cases]
