@@ -37,6 +37,9 @@ def parse_lengths(text: str) -> List[int]:
 
 
 ABLATION_PREFIX = "lily-off:"
+# The fair baseline: stock MLX-LM running its own Gated DeltaNet Metal kernels (through the bridge on
+# CUDA, the simulator on sim), as it does on a Mac. Plain "stock" on CUDA runs a per-token op loop.
+STOCK_KERNELS = "stock-kernels"
 # Engine modifier: evaluate after every decoder layer of a prefill chunk (one host wait per layer).
 # A diagnostic, not an optimisation: it tests whether peak memory comes from the host encoding a whole
 # chunk ahead of the GPU (docs/moe.md, "Peak memory"). ``stock@eval-per-layer``, ``lily@eval-per-layer``.
@@ -68,9 +71,9 @@ def validate_engine(engine: str) -> None:
     """Raise ValueError unless ``engine`` is stock, lily or lily-off:<switches>, optionally with
     the @eval-per-layer modifier (unknown switch names are reported by ``switches_off``)."""
     base = base_engine(engine)
-    if base not in ("stock", "lily") and not base.startswith(ABLATION_PREFIX):
-        raise ValueError(f"unknown engine {engine!r}: use stock, lily or {ABLATION_PREFIX}<switch>[+<switch>], "
-                         f"each optionally followed by {EVAL_PER_LAYER}")
+    if base not in ("stock", STOCK_KERNELS, "lily") and not base.startswith(ABLATION_PREFIX):
+        raise ValueError(f"unknown engine {engine!r}: use stock, {STOCK_KERNELS}, lily or "
+                         f"{ABLATION_PREFIX}<switch>[+<switch>], each optionally followed by {EVAL_PER_LAYER}")
     switches_off(engine)
 
 
@@ -105,12 +108,17 @@ class Engines:
     def use(self, engine: str) -> None:
         import lily_mlx
 
+        from lily_dev.deltanet_stock_kernels import set_stock_kernels
+
         set_eval_per_layer(self.model, False)  # lily's patch swaps classes too: never stack on ours
         patched = lily_mlx.is_patched(self.model)
+        set_stock_kernels(False)
         if is_lily(engine) and not patched:
             lily_mlx.patch(self.model)
-        elif base_engine(engine) == "stock" and patched:
+        elif not is_lily(engine) and patched:
             lily_mlx.unpatch(self.model)
+        if base_engine(engine) == STOCK_KERNELS:
+            set_stock_kernels(True)
         set_eval_per_layer(self.model, engine.endswith(EVAL_PER_LAYER))
 
 
@@ -191,6 +199,10 @@ def sweep(model, lengths: Sequence[int], prefill_lengths: Sequence[int], decode_
             row["prefill_ratio"] = l_["prompt_tps"] / s["prompt_tps"]
             row["decode_ratio"] = (l_["generation_tps"] / s["generation_tps"]) if gen > 1 else None
             row["same_tokens"] = s["tokens"] == l_["tokens"]
+        if STOCK_KERNELS in per_engine and "lily" in per_engine:  # the fair baseline (README headline)
+            s, l_ = row[STOCK_KERNELS], row["lily"]
+            row["prefill_ratio_vs_stock_kernels"] = l_["prompt_tps"] / s["prompt_tps"]
+            row["decode_ratio_vs_stock_kernels"] = (l_["generation_tps"] / s["generation_tps"]) if gen > 1 else None
         for engine in per_engine:
             if engine.startswith(ABLATION_PREFIX) and "lily" in per_engine:
                 a, l_ = row[engine], row["lily"]
@@ -205,24 +217,32 @@ def sweep(model, lengths: Sequence[int], prefill_lengths: Sequence[int], decode_
 
 
 def table_markdown(rows: List[Dict]) -> str:
-    """The stock-vs-lily table (medians)."""
-    lines = ["| length | stock prefill tok/s | lily prefill tok/s | ratio | stock decode tok/s | "
-             "lily decode tok/s | ratio | peak GB stock / lily | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """The engines' table (medians): stock, stock-kernels (where run) and lily, with lily's ratios."""
+    fair = any(STOCK_KERNELS in r for r in rows)
+    head = "| length | stock prefill tok/s |" + (f" {STOCK_KERNELS} prefill tok/s |" if fair else "")
+    head += " lily prefill tok/s | ratio |" + (f" ratio vs {STOCK_KERNELS} |" if fair else "")
+    head += " stock decode tok/s |" + (f" {STOCK_KERNELS} decode tok/s |" if fair else "")
+    head += " lily decode tok/s | ratio |" + (f" ratio vs {STOCK_KERNELS} |" if fair else "")
+    head += " peak GB stock" + (f" / {STOCK_KERNELS}" if fair else "") + " / lily | same tokens |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def f(x, nd=1):
         return "-" if x is None else f"{x:,.{nd}f}"
 
     for r in rows:
-        s, l_ = r.get("stock", {}), r.get("lily", {})
-        lines.append(
-            f"| {r['label']} | {f(s.get('prompt_tps') if r['prefill'] else None)} | "
-            f"{f(l_.get('prompt_tps') if r['prefill'] else None)} | "
-            f"{f(r.get('prefill_ratio') if r['prefill'] else None, 3)} | "
-            f"{f(s.get('generation_tps') if r['decode'] else None)} | "
-            f"{f(l_.get('generation_tps') if r['decode'] else None)} | "
-            f"{f(r.get('decode_ratio') if r['decode'] else None, 3)} | "
-            f"{f(s.get('peak_memory'), 2)} / {f(l_.get('peak_memory'), 2)} | {r.get('same_tokens', '-')} |")
+        s, k, l_ = r.get("stock", {}), r.get(STOCK_KERNELS, {}), r.get("lily", {})
+        pre, dec = r["prefill"], r["decode"]
+        cells = [r["label"], f(s.get("prompt_tps") if pre else None)]
+        cells += [f(k.get("prompt_tps") if pre else None)] if fair else []
+        cells += [f(l_.get("prompt_tps") if pre else None), f(r.get("prefill_ratio") if pre else None, 3)]
+        cells += [f(r.get("prefill_ratio_vs_stock_kernels") if pre else None, 3)] if fair else []
+        cells += [f(s.get("generation_tps") if dec else None)]
+        cells += [f(k.get("generation_tps") if dec else None)] if fair else []
+        cells += [f(l_.get("generation_tps") if dec else None), f(r.get("decode_ratio") if dec else None, 3)]
+        cells += [f(r.get("decode_ratio_vs_stock_kernels") if dec else None, 3)] if fair else []
+        peaks = [s.get("peak_memory")] + ([k.get("peak_memory")] if fair else []) + [l_.get("peak_memory")]
+        cells += [" / ".join(f(p, 2) for p in peaks), str(r.get("same_tokens", "-"))]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -264,11 +284,12 @@ def plot(rows: List[Dict], path: str, title: str) -> Optional[str]:
     for ax, key, flag, name in ((axes[0], "prompt_tps", "prefill", "prefill (prompt tok/s)"),
                                 (axes[1], "generation_tps", "decode", "decode (generation tok/s)")):
         pts = [r for r in rows if r[flag]]
-        for engine, style in (("stock", "o-"), ("lily", "s--")):
+        labels = {"stock": "MLX-LM", STOCK_KERNELS: "MLX-LM + its own kernels", "lily": "lily-mlx"}
+        for engine, style in (("stock", "o-"), (STOCK_KERNELS, "^:"), ("lily", "s--")):
             xs = [r["length"] for r in pts if r.get(engine) and r[engine].get(key)]
             ys = [r[engine][key] for r in pts if r.get(engine) and r[engine].get(key)]
             if xs:
-                ax.plot(xs, ys, style, label="MLX-LM" if engine == "stock" else "lily-mlx")
+                ax.plot(xs, ys, style, label=labels[engine])
         ax.set_xscale("log", base=2)
         ax.set_xticks([r["length"] for r in pts])
         ax.set_xticklabels([r["label"] for r in pts], rotation=45)

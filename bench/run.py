@@ -68,7 +68,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-tokens", type=int, default=64, help="tokens generated after the first (decode timing)")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--engines", default="stock,lily",
-                   help="comma-separated: stock, lily, lily-off:<switch>[+<switch>] (lily with switches off); "
+                   help="comma-separated: stock, stock-kernels (stock running MLX-LM's own Gated DeltaNet "
+                        "kernels on this backend, as on a Mac: the fair baseline), lily, "
+                        "lily-off:<switch>[+<switch>] (lily with switches off); "
                         "any of them + '@eval-per-layer' evaluates after every layer of a prefill chunk "
                         "(a peak-memory diagnostic)")
     p.add_argument("--warmup-length", type=int, default=256, help="one untimed run per engine first")

@@ -89,3 +89,61 @@ def mlx_lm_scan(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arr
         init_value=init_value,
     )
     return y, new_state
+
+
+# ----------------------------------------------------------------------------------------------
+# Stock MLX-LM with its own kernels (the fair baseline: what a Mac's stock runs)
+
+_STOCK_MODULES = ("mlx_lm.models.qwen3_5", "mlx_lm.models.qwen3_next")
+_saved: Dict[str, object] = {}
+
+
+def _gated_delta_update_with_kernels(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
+                                     use_kernel: bool = True, lower_bound=None, allow_neg_eigval: bool = False):
+    """``mlx_lm.models.gated_delta.gated_delta_update`` with one change: its kernel path is taken on any
+    device (MLX-LM takes it only where ``mx.metal.is_available()``). Same gates, same state, same
+    dispatch into ``gated_delta_kernel`` (generic, masked, vector-gated or packed), whose kernel objects
+    are MLX-LM's own Metal sources rebuilt for this backend (:func:`stock_kernels`)."""
+    from mlx_lm.models import gated_delta as gd
+
+    beta = mx.sigmoid(b)
+    if allow_neg_eigval:
+        beta = beta * 2.0
+    g = gd.compute_g(A_log, a, dt_bias) if lower_bound is None else gd.compute_lower_bound_g(
+        A_log, a, dt_bias, lower_bound)
+    if state is None:
+        B, _, _, Dk = q.shape
+        Hv, Dv = v.shape[-2:]
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if not use_kernel or k.shape[-1] < 32 or k.shape[-1] % 32 != 0:
+        return gd.gated_delta_ops(q, k, v, g, beta, state, mask)
+    return gd.gated_delta_kernel(q, k, v, g, beta, state, mask)
+
+
+def stock_kernels_active() -> bool:
+    return bool(_saved)
+
+
+def set_stock_kernels(on: bool, backend: Optional[str] = None) -> None:
+    """Make stock MLX-LM run its own Gated DeltaNet kernels on ``backend`` (the bridge on CUDA, the
+    simulator on ``sim``): the fair baseline ``stock-kernels`` of the benchmarks, i.e. what stock runs
+    on a Mac. Off restores MLX-LM exactly. Applies to unpatched (stock) layers only."""
+    import importlib
+
+    from mlx_lm.models import gated_delta as gd
+
+    if on and not _saved:
+        kernels = _kernels_for_backend(backend or resolve_backend())
+        for attr, kernel in kernels.items():
+            _saved[f"gd.{attr}"] = getattr(gd, attr)
+            setattr(gd, attr, kernel)
+        for name in _STOCK_MODULES:
+            module = importlib.import_module(name)
+            _saved[f"{name}.gated_delta_update"] = module.gated_delta_update
+            module.gated_delta_update = _gated_delta_update_with_kernels
+    elif not on and _saved:
+        for key, value in _saved.items():
+            owner, attr = key.rsplit(".", 1)
+            target = gd if owner == "gd" else importlib.import_module(owner)
+            setattr(target, attr, value)
+        _saved.clear()
