@@ -29,11 +29,12 @@ import numpy as np
 
 from . import qwen3_6
 from .corpus import load_corpus
-from .tokenizer import IM_END, save_tokenizer, train_tokenizer
+from .tokenizer import END_OF_TEXT, IM_END, save_tokenizer, train_tokenizer
 
 EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "embedded" / "qwen3_6_tiny"
 HELDOUT_FILE = "heldout.txt"
 BUILD_INFO_FILE = "build_info.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 HELDOUT_EVAL_TOKENS = 1024  # perplexity recorded in build_info.json
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -72,6 +73,14 @@ def _token_stream(tokenizer, docs: list[str]) -> np.ndarray:
         ids.extend(enc.ids)
         ids.append(sep)
     return np.asarray(ids, dtype=np.int32)
+
+
+def generation_config(tokenizer) -> dict:
+    """generation_config.json as Qwen's checkpoints have it: generation stops at the end of a chat
+    turn (``<|im_end|>``, config.json's eos) and at the end of a document (``<|endoftext|>``, the
+    separator the model was trained with). MLX-LM's ``load`` takes these eos ids over config.json's."""
+    im_end, end_of_text = tokenizer.token_to_id(IM_END), tokenizer.token_to_id(END_OF_TEXT)
+    return {"eos_token_id": [im_end, end_of_text], "pad_token_id": end_of_text}
 
 
 def _build_stock_model(config: dict, seed: int):
@@ -233,6 +242,7 @@ def _build(out_dir, seed, settings, overrides, max_corpus_chars, heldout_eval_to
         save_model(tmp, model)
         save_config(config, tmp / "config.json")
         save_tokenizer(tokenizer, tmp)
+        (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(generation_config(tokenizer), indent=2) + "\n")
         (tmp / HELDOUT_FILE).write_text(corpus.heldout_text)
         info = {
             "seed": seed,

@@ -117,8 +117,15 @@ def test_batched_generation_identical_to_stock(model):
     batch is left-padded and the DeltaNet caches carry per-row lengths."""
     m, tok = model
     prompts = [tok.encode(t) for t in (TURNS[0], TURNS[1] + TURNS[2], "Return")]
-    stock = batch_generate(m, tok, prompts, max_tokens=24, return_token_ids=True).token_ids
-    lily_mlx.patch(m)
-    lily = batch_generate(m, tok, prompts, max_tokens=24, return_token_ids=True).token_ids
+    # The docstring model ends a document within a few tokens; stopping only at <|im_end|> (which it
+    # never emits) keeps every row generating, so the comparison covers all 24 tokens of each row.
+    eos = set(tok.eos_token_ids)
+    tok._eos_token_ids = {tok.convert_tokens_to_ids("<|im_end|>")}
+    try:
+        stock = batch_generate(m, tok, prompts, max_tokens=24, return_token_ids=True).token_ids
+        lily_mlx.patch(m)
+        lily = batch_generate(m, tok, prompts, max_tokens=24, return_token_ids=True).token_ids
+    finally:
+        tok._eos_token_ids = eos
     assert lily == stock
-    assert len(stock) == 3
+    assert len(stock) == 3 and all(len(row) == 24 for row in stock)

@@ -93,7 +93,13 @@ def test_tokenizer_and_chat_template(loaded):
     _, tokenizer, config = loaded
     text = "Return a new list containing all items from the iterable."
     assert tokenizer.decode(tokenizer.encode(text)) == text
-    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == config["eos_token_id"]
+    # Generation stops at the end of a chat turn and at the end of a document, as in Qwen's checkpoints:
+    # generation_config.json's eos ids, which MLX-LM's load takes over config.json's.
+    eos = {tokenizer.vocab["<|im_end|>"], tokenizer.vocab["<|endoftext|>"]}
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_ids == eos
+    assert config["eos_token_id"] == [tokenizer.vocab["<|im_end|>"], tokenizer.vocab["<|endoftext|>"]]
+    raw = json.loads((embedded.EMBEDDED_DIR / "config.json").read_text())
+    assert raw["eos_token_id"] == raw["text_config"]["eos_token_id"] == tokenizer.eos_token_id
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert len(tokenizer.vocab) == model_vocab(loaded)
@@ -151,5 +157,7 @@ def test_build_pipeline_smoke_and_determinism(tmp_path):
     built = json.loads((a / "config.json").read_text())
     shipped = json.loads((embedded.EMBEDDED_DIR / "config.json").read_text())
     assert built["quantization"] == shipped["quantization"]
+    generation = embedded.GENERATION_CONFIG_FILE  # the shipped file is the builder's
+    assert (a / generation).read_bytes() == (embedded.EMBEDDED_DIR / generation).read_bytes()
     info = json.loads((a / embedded.BUILD_INFO_FILE).read_text())
     assert info["train_settings"]["steps"] == 2 and math.isfinite(info["heldout_perplexity"])
