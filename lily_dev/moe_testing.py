@@ -108,3 +108,22 @@ def simulator_problem(need_matrix: bool = False):
     except build.CompileError as e:
         return str(e)
     return None
+
+
+def routing_with_counts(counts, top_k: int, seed: int = 0) -> np.ndarray:
+    """Expert indices [tokens, top_k] in which expert e has exactly ``counts[e]`` assignments
+    (sum(counts) must be a multiple of top_k). A token's k experts are distinct whenever every count
+    is at most the number of tokens (as a router's top-k gives them); tokens and slots shuffled."""
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    if total % top_k:
+        raise ValueError(f"{total} assignments are not a multiple of top_k={top_k}")
+    tokens = total // top_k
+    flat = np.repeat(np.arange(counts.size), counts)
+    # Column-major fill: an expert's run of c <= tokens assignments lands on c different tokens.
+    out = flat.reshape(top_k, tokens).T.copy()
+    rng = np.random.default_rng(seed)
+    out = out[rng.permutation(tokens)]
+    for row in out:
+        rng.shuffle(row)
+    return out

@@ -1,6 +1,5 @@
 """lily_mlx.core.kernel_registry: kernel file sections, kernel directory, per-backend build cache."""
 
-import importlib
 
 import mlx.core as mx
 import pytest
@@ -175,15 +174,13 @@ def test_reference_backend_runs_no_kernels(kernel_dir):
         kr.get_kernel(SPEC, "reference")
 
 
-def _sim_module():
-    try:
-        sim = importlib.import_module("lily_mlx.msl.sim")
-    except ImportError:
-        return None
-    return sim if hasattr(sim, "metal_kernel") else None
+def _simulator_problem():
+    from lily_dev.moe_testing import simulator_problem
+
+    return simulator_problem()
 
 
-@pytest.mark.skipif(_sim_module() is None, reason="lily_mlx.msl.sim (CPU simulator) not available yet")
+@pytest.mark.skipif(_simulator_problem() is not None, reason=f"no C++ compiler for the simulator: {_simulator_problem()}")
 def test_sim_kernel_built_cached_and_correct(kernel_dir):
     kernel = kr.get_kernel(SPEC, "sim")
     assert kr.get_kernel(SPEC, "sim") is kernel

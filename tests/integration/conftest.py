@@ -1,9 +1,9 @@
 """Fixtures for the integration tests: the test model, random checkpoints of each supported
 architecture, and helpers to run MLX-LM's CLIs as real subprocesses.
 
-The default test model is the embedded tiny Qwen3.6 when its files are present (it is not built here:
-building trains it, which takes minutes); otherwise a random 4-bit tiny ``qwen3_5_moe`` checkpoint
-built in seconds. ``LILY_TEST_MODEL=<folder>`` picks another local model.
+The default test model is the embedded tiny Qwen3.6, shipped in the tree (a missing or incomplete copy
+is an error, not a silent switch to another model); random 4-bit tiny checkpoints built in seconds
+cover the other architectures. ``LILY_TEST_MODEL=<folder>`` picks another local model.
 """
 
 from __future__ import annotations
@@ -22,16 +22,12 @@ from .tiny_models import build_random_model
 PROMPT = "Return a new dictionary with the keys of the mapping and values set to"
 
 
-def _embedded_model_dir():
-    try:
-        from lily_mlx.models import embedded
-    except ImportError:
-        return None
-    folder = Path(getattr(embedded, "EMBEDDED_DIR", ""))
-    required = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-    if folder.is_dir() and all((folder / f).exists() for f in required):
-        return folder
-    return None
+def _embedded_model_dir() -> Path:
+    from lily_mlx.models import embedded
+
+    folder = Path(embedded.EMBEDDED_DIR)
+    assert embedded._is_complete(folder), f"the embedded model is part of the tree: {folder}"
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +48,7 @@ def model_path(random_model) -> Path:
     """The folder of the default test model (see module docstring)."""
     if os.environ.get("LILY_TEST_MODEL"):
         return Path(os.environ["LILY_TEST_MODEL"])
-    return _embedded_model_dir() or random_model("qwen3_5_moe")
+    return _embedded_model_dir()
 
 
 @pytest.fixture(scope="session")

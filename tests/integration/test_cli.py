@@ -156,6 +156,8 @@ def stock_text(model_path):
 
 @pytest.mark.parametrize("name", [None] + list(switches.SWITCHES))
 def test_lily_mlx_generate_each_switch_off(model_path, in_process, stock_text, name):
+    """Reference backend: each ``--lily-disable`` leaves stock's text (and chunked_prefill the chunk
+    size MLX-LM gets). That the flags reach the kernels: the next test, on the simulator."""
     gen = mlx_lm_module("generate")
 
     argv = ["generate", *generate_args(model_path)]
@@ -189,6 +191,30 @@ def test_lily_mlx_generate_each_switch_off(model_path, in_process, stock_text, n
 
     assert loaded and is_patched(loaded[0])
     assert gen.load is real_load and gen.argparse is cli.argparse  # MLX-LM's globals restored
+
+
+def test_cli_switch_flags_reach_the_kernels(model_path, in_process, monkeypatch):
+    """The test above runs on the reference backend, where no kernel switch changes anything. Here
+    ``--lily-backend sim --lily-disable register_scan,fused_combine,gqa_packing``: the launch record
+    shows each flag in the kernels the CLI ran (blockwise scan, no combine kernel, one query head per
+    decode-attention threadgroup), and the other switches kept their kernels."""
+    from lily_dev.moe_testing import simulator_problem
+    from lily_mlx.core.kernel_registry import record_launches
+
+    if simulator_problem() is not None:
+        pytest.skip(f"no C++ compiler for the simulator: {simulator_problem()}")
+    argv = ["generate", "--model", str(model_path), "--prompt", PROMPT, "--max-tokens", "3",
+            "--ignore-chat-template", "--lily-backend", "sim",
+            "--lily-disable", "register_scan,fused_combine,gqa_packing"]
+    monkeypatch.delenv("LILY_BACKEND")  # restored afterwards (the flag sets it for the run)
+    with record_launches() as rec:
+        rc, out, err = in_process(lambda: cli.main(argv))
+    assert rc == 0 and generated_text(out)
+    names = set(rec.names())
+    assert {"deltanet_scan_blockwise", "deltanet_decode_fused", "moe_gemm_gate_up_swiglu", "attention_decode"} <= names, names
+    assert not names & {"deltanet_scan_register", "moe_combine_weighted_rows"}, names
+    assert {launch.template["GT"] for launch in rec if launch.name == "attention_decode"} == {1}
+    assert {launch.template["COALESCED"] for launch in rec if launch.name == "attention_decode"} == {1}
 
 
 def test_without_lily_mlx_lm_main_runs_stock(model_path, in_process):

@@ -68,6 +68,9 @@ def test_patched_equals_stock_100_tokens(model, stock_tokens):
 
 @pytest.mark.parametrize("name", list(switches.SWITCHES))
 def test_each_switch_off_still_identical(model, stock_tokens, name):
+    """Reference backend (this module's default): every switch state is still exactly stock (only
+    chunked_prefill changes anything here: the chunk size). The kernels each state runs, on the
+    simulator: tests/kernels/test_switch_paths.py."""
     m, tok = model
     lily_mlx.patch(m)
     with switches.overrides(disable=[name]):

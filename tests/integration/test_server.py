@@ -117,23 +117,34 @@ def test_server_lily_answers_openai_client_like_stock(servers):
 
 @pytest.mark.slow
 def test_server_lily_concurrent_streams(servers):
-    """Three streams at once: MLX-LM batches them (B > 1) through the patched model."""
-    lily = servers["lily"]
+    """Three streams at once: MLX-LM batches them (B > 1) through the patched model (reference
+    backend). Each stream's temperature-0 answer is the one the same request gets alone, from lily
+    and from stock (the reference backend is stock's computation, and stock on the CPU is batch
+    invariant on this model: tests/kernels/test_batch_invariance.py)."""
+    lily, stock = servers["lily"], servers["stock"]
     prompts = [[{"role": "user", "content": text}] for text in
                ("Return a shallow copy.", "Explain nested values in a long sentence.", "Why?")]
     results = [None] * len(prompts)
 
     def run(i):
-        results[i] = lily.stream_chat(prompts[i])
+        try:
+            results[i] = lily.stream_chat(prompts[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            results[i] = e
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=180)
-    for text, finish in results:
+    assert all(isinstance(r, tuple) for r in results), results
+    for i, (text, finish) in enumerate(results):
         assert finish in ("stop", "length")
-        assert text is not None
+        alone, _ = lily.stream_chat(prompts[i])
+        stock_alone, _ = stock.stream_chat(prompts[i])
+        assert alone, f"request {i}: empty answer"
+        assert text == alone, f"request {i}: concurrent {text!r}, alone {alone!r}"
+        assert alone == stock_alone, f"request {i}: lily {alone!r}, stock {stock_alone!r}"
     assert lily.proc.poll() is None  # still serving
 
 

@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from lily_mlx.core import switches
+from lily_mlx.core.kernel_registry import record_launches
 from lily_mlx.core.log import reset_log_once
 from lily_mlx.ops.attention import kernels as ak
 from lily_mlx.ops.attention import layer as att
@@ -121,9 +122,10 @@ def test_dispatch_uses_kernel_for_plain_kv_cache(monkeypatch, packed, coalesced)
     keys, values = cache.update_and_fetch(k[:, :, 19:], v[:, :, 19:])  # the decode step's row
     assert cache.keys.shape[2] > keys.shape[2]  # spare capacity the kernel must not read
     off = [n for n, on in (("gqa_packing", packed), ("coalesced_kv", coalesced)) if not on]
-    with switches.overrides(disable=off), mock.patch.object(ak, "get_kernel", wraps=ak.get_kernel) as built:
+    with switches.overrides(disable=off), record_launches() as rec:
         out = att.attention(q, keys, values, scale=0.125, mask=None, cache=cache)
-    assert [c.args[0].name for c in built.call_args_list] == ["attention_decode"]
+    assert rec.names() == ["attention_decode"]
+    assert (rec[0].template["GT"], rec[0].template["COALESCED"]) == (4 if packed else 1, int(coalesced))
     _check(out, _oracle(q, keys, values, 20, 0.125), TOL["bfloat16"])
 
 
@@ -146,18 +148,23 @@ def _fallback_cases(rng):
 
 def test_unsupported_inputs_fall_back_to_stock(monkeypatch, caplog):
     """Masks, rotating/quantized/no caches, other head dims: stock's attention bit for bit (no
-    simulator needed), each reason logged once."""
+    simulator needed), no launch, each reason logged once (the cases run twice)."""
     monkeypatch.setenv("LILY_BACKEND", "sim")
     reset_log_once()
     rng = np.random.default_rng(6)
-    with caplog.at_level(logging.INFO, logger="lily_mlx"), \
-            mock.patch.object(ak, "get_kernel", side_effect=AssertionError("kernel launched")):
-        for reason, q, keys, values, mask, cache in _fallback_cases(rng):
-            out = att.decode_attention(q, keys, values, scale=0.125, mask=mask, cache=cache)
-            if not isinstance(keys, tuple):  # stock's quantized attention is not repeatable on CPU here
-                stock = attref.attention_reference(q, keys, values, scale=0.125, mask=mask, cache=cache)
-                assert bool(mx.array_equal(out, stock).item()), reason
-            assert reason in caplog.text
+    cases = _fallback_cases(rng)
+    with caplog.at_level(logging.INFO, logger="lily_mlx"), record_launches() as rec:
+        for _ in range(2):
+            for reason, q, keys, values, mask, cache in cases:
+                out = att.decode_attention(q, keys, values, scale=0.125, mask=mask, cache=cache)
+                if not isinstance(keys, tuple):  # stock's quantized attention is not repeatable on CPU here
+                    stock = attref.attention_reference(q, keys, values, scale=0.125, mask=mask, cache=cache)
+                    assert bool(mx.array_equal(out, stock).item()), reason
+    assert rec.names() == []
+    notes = [r.getMessage() for r in caplog.records if r.name == "lily_mlx"]
+    assert len(notes) == len(cases), notes  # one line per case (five distinct reasons), not per call
+    for (reason, *_), note in zip(cases, notes):
+        assert reason in note, (reason, note)
     reset_log_once()
 
 
@@ -183,16 +190,14 @@ def test_embedded_model_decode_matches_stock(monkeypatch, off):
     """Stock's greedy tokens teacher-forced through the patched model (prefill on the reference,
     then one simulated decode-attention step per token; the other families stay reference): logits
     within bf16 noise of stock's, and stock's token wherever stock's top-2 margin is not a near-tie."""
-    try:
-        from lily_mlx import patch as lily_patch
-        from lily_mlx.models.embedded import embedded_model_path
-        path = embedded_model_path()
-    except Exception as e:  # noqa: BLE001 - another part of the project
-        pytest.skip(f"embedded model / patch layer not available: {e}")
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    model, tokenizer = load(str(path))
+    from lily_mlx import patch as lily_patch
+    from lily_mlx.models.embedded import EMBEDDED_DIR, _is_complete
+
+    assert _is_complete(EMBEDDED_DIR), f"the embedded model is part of the tree: {EMBEDDED_DIR}"
+    model, tokenizer = load(str(EMBEDDED_DIR))
     prompt = mx.array(tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the"))
     n = 8
 
@@ -207,9 +212,12 @@ def test_embedded_model_decode_matches_stock(monkeypatch, off):
     monkeypatch.setenv("LILY_REFERENCE_OPS", "moe,deltanet")  # only attention goes to the kernels
     lily_patch.patch(model)
     try:
-        with switches.overrides(disable=list(off)), mock.patch.object(ak, "get_kernel", wraps=ak.get_kernel) as built:
+        with switches.overrides(disable=list(off)), record_launches() as rec:
             logits = teacher_forced_logits(stock_tokens)
-        assert len(built.call_args_list) >= n - 1, "every decode step runs the kernel"
+        assert rec.names() == ["attention_decode"] * (n - 1), "every decode step runs the kernel, nothing else"
+        packed = "gqa_packing" not in off
+        assert {(launch.template["GT"], launch.template["COALESCED"]) for launch in rec} == {
+            (8 if packed else 1, int("coalesced_kv" not in off))}
         for pos in range(n):
             assert rel_l2(logits[pos], stock_logits[pos]) < LOGIT_TOL, pos
         choice = np.array(mx.argmax(logits, axis=-1))

@@ -206,14 +206,11 @@ CHECKED_ROWS = (0, 1, 2)  # compared with their B = 1 runs (each alone run costs
 def embedded_model():
     import mlx_lm
 
-    try:
-        from lily_mlx import patch as lily_patch
-        from lily_mlx.models import embedded
-    except ImportError as e:
-        pytest.skip(f"patch layer / embedded model not available: {e}")
+    from lily_mlx import patch as lily_patch
+    from lily_mlx.models import embedded
+
     folder = Path(embedded.EMBEDDED_DIR)
-    if not (folder / "model.safetensors").exists():
-        pytest.skip("embedded model not built (python -m lily_mlx embedded-model builds it)")
+    assert embedded._is_complete(folder), f"the embedded model is part of the tree: {folder}"
     model, tokenizer = mlx_lm.load(str(folder))
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     assert len(prompts[0]) == 2 and 1 < len(prompts[1]) < 16 and max(map(len, prompts)) >= 30, [len(p) for p in prompts]

@@ -10,9 +10,9 @@ import pytest
 
 from lily_mlx.core import backend, kernel_registry
 from lily_mlx.ops.deltanet import kernels as dk
+from lily_dev import compile_check
 from lily_dev.deltanet_bench import QWEN36, _inputs
 
-compile_check = pytest.importorskip("lily_dev.compile_check", reason="Metal->CUDA bridge not available")
 pytestmark = [
     pytest.mark.skipif(compile_check.nvcc_path() is None, reason="nvcc (CUDA toolkit) not installed"),
     pytest.mark.slow,

@@ -2,20 +2,27 @@
 
 Integer bookkeeping (histogram, scan, scatter + inverse map, block map) must be bit-exact; the
 grouped GEMMs agree within bf16 tolerance. Every output is poisoned (``init_value``) so an
-unwritten element shows. Routings are hypothesis-drawn: uniform, skewed, all-to-one-expert and
-mostly-empty experts.
+unwritten element shows. Routings are hypothesis-drawn (uniform, skewed, all-to-one-expert and
+mostly-empty experts) and, so that every tile and chunk path runs whatever the draws, built explicitly:
+experts with 0, 1, 15, 16, 17, 31, 32, 33, 55 and 200 rows, calls across the 256-assignment histogram
+chunks. Which kernels each switch state launches: tests/kernels/test_switch_paths.py.
 """
 
+import logging
+
+import ml_dtypes
 import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from lily_mlx.core import switches
+from lily_mlx.core.kernel_registry import record_launches
+from lily_mlx.core.log import reset_log_once
 from lily_mlx.ops.moe import kernels as mk
 from lily_mlx.ops.moe.reference import combine_reference, dequantize_experts_reference, switch_glu_reference
 from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
-from lily_dev.moe_testing import make_inputs, make_routing, make_sparse_moe_block, simulator_problem
+from lily_dev.moe_testing import make_inputs, make_routing, make_sparse_moe_block, routing_with_counts, simulator_problem
 
 POISON_INT = -777
 SETTINGS = settings(deadline=None, max_examples=10, derandomize=True)
@@ -111,6 +118,43 @@ def test_route_block_map(kind, tokens, experts_topk, adaptive, seed):
     assert np.all(covered == 1)
 
 
+# Rows per expert that reach every tile path: empty, one row, both sides of 16 and of 32, several
+# 32-row tiles with a partial last one.
+EDGE_COUNTS = [0, 1, 15, 16, 17, 31, 32, 33, 55, 200]
+
+
+@needs_sim
+@pytest.mark.parametrize("counts", [EDGE_COUNTS, [0, 255, 1, 0], [256, 0, 0, 0], [0, 128, 129, 0],
+                                    [0, 0, 0, 600]],
+                         ids=["edges-400", "chunk-256", "chunk-256-one-expert", "chunk-257", "chunks-600"])
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed-16"])
+def test_route_kernels_explicit_counts(counts, adaptive):
+    """Histogram, scan, scatter and block map on routings built to hit each path (k = 1 so any count
+    is a routing): bit-exact against numpy, the tile rule on both sides of 32 rows."""
+    inds = routing_with_counts(counts, 1, seed=len(counts) + sum(counts))
+    flat = inds.reshape(-1)
+    e = len(counts)
+    chunk_counts, local_rank = mk.route_histogram(mx.array(inds), e, KERNEL_BACKEND, init_value=POISON_INT)
+    counts_got, offsets, chunk_offsets = mk.route_scan(chunk_counts, flat.size, KERNEL_BACKEND, init_value=POISON_INT)
+    sorted_rows, slot_of_row = mk.route_scatter(mx.array(inds), local_rank, chunk_offsets, KERNEL_BACKEND,
+                                                init_value=POISON_INT)
+    want_counts, want_order, want_slots = _numpy_routing(flat, e)
+    assert np.array_equal(np.asarray(counts_got), counts) and np.array_equal(want_counts, counts)
+    assert np.array_equal(np.asarray(offsets), np.concatenate([[0], np.cumsum(counts)]))
+    assert np.array_equal(np.asarray(sorted_rows), want_order)
+    assert np.array_equal(np.asarray(slot_of_row), want_slots)
+    blocks = np.asarray(mk.route_block_map(counts_got, offsets, flat.size, adaptive, KERNEL_BACKEND,
+                                           init_value=POISON_INT))
+    want, first = [], 0
+    for expert, c in enumerate(counts):  # written out from the documented tile rule
+        tile = 32 if adaptive and c >= 32 else 16
+        want += [(expert, first + s, min(tile, c - s), tile) for s in range(0, c, tile)]
+        first += c
+    n = len(want)
+    assert np.array_equal(blocks[:n], np.asarray(want)), blocks[:n]
+    assert np.all(blocks[n:] == [-1, 0, 0, 0])
+
+
 # ----------------------------------------------------------------------------------------------
 # Grouped GEMMs: bf16 tolerance against dequantised weights in fp32
 
@@ -136,7 +180,11 @@ def _rms_rel(got, want) -> float:
 
 
 def _assert_close_bf16(got, want, what, max_rel=3e-2, rms_rel=1e-2):
-    """bf16 tolerance: max error within ``max_rel`` of the largest value, RMS error within ``rms_rel``."""
+    """bf16 tolerance: max error within ``max_rel`` of the largest value, RMS error within ``rms_rel``.
+    The defaults are for a GEMM output against its fp32 oracle: measured over 540 cases (30 seeds x the
+    3 GEMM_SHAPES x uniform/skewed/one-expert routings x fused/dense dequant, 40 tokens) the kernels'
+    RMS error was at most 0.0058 and their largest error 0.011 of the scale (bf16 weights and output
+    roundings); the defaults leave about 2x on top of that."""
     got_np = np.asarray(got.astype(mx.float32))
     want_np = np.asarray(want.astype(mx.float32))
     assert got_np.shape == want_np.shape, what
@@ -168,10 +216,12 @@ def _exact_switch_glu(sw, x, inds):
 
 def _assert_as_good_as_stock(got, stock, exact, what):
     """Stock rounds its intermediates to bf16 (gate/up outputs, SwiGLU); the kernels keep them in
-    fp32 up to h. Both are compared with the fp32 computation: the kernels must be no worse."""
+    fp32 up to h. Both are compared with the fp32 computation. Rule: the kernels' relative RMS error
+    is at most stock's own on the same input (measured lily/stock: median 0.32, max 0.39 over 560
+    cases: 40 weight seeds x 2 routing skews x every switch state of the two tests below)."""
     _assert_close_bf16(got, stock, what + " vs stock", max_rel=0.1, rms_rel=0.06)
     err_kernel, err_stock = _rms_rel(got, exact), _rms_rel(stock, exact)
-    assert err_kernel <= 1.25 * err_stock + 2e-3, f"{what}: RMS error vs fp32 {err_kernel} (stock {err_stock})"
+    assert err_kernel <= err_stock, f"{what}: RMS error vs fp32 {err_kernel} (stock {err_stock})"
 
 
 GEMM_SHAPES = st.sampled_from([(128, 64, 16, 4), (64, 128, 8, 2), (192, 128, 4, 1)])  # D, I, E, k
@@ -197,6 +247,32 @@ def test_grouped_gemms(gemm_sim, kind, tokens, shape, adaptive, fused, seed):
     u = mx.einsum("ad,aod->ao", xs, _dense(sw.up_proj)[e_of_slot])
     want_h = g * mx.sigmoid(g) * u
     _assert_close_bf16(h, want_h, "gate_up_swiglu")
+    y = mk.gemm_down(h, sched["blocks"], sw.down_proj, fused, sched["counts"], KERNEL_BACKEND, init_value=float("nan"))
+    want_y = mx.einsum("ai,adi->ad", h.astype(mx.float32), _dense(sw.down_proj)[e_of_slot])
+    _assert_close_bf16(y, want_y, "down")
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-dequant", "dense"])
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed-16"])
+def test_grouped_gemms_every_tile_path(gemm_sim, adaptive, fused):
+    """EDGE_COUNTS (k = 2, 200 tokens, distinct experts per token): 16-row tiles full and partial,
+    32-row tiles full and partial (31, 32, 33 rows; a hot expert of 200 rows), an empty expert."""
+    d, i, k = 64, 64, 2
+    block = make_sparse_moe_block(hidden=d, expert_width=i, num_experts=len(EDGE_COUNTS), top_k=k, seed=3)
+    sw = block.switch_mlp
+    inds = routing_with_counts(EDGE_COUNTS, k, seed=3)
+    flat = inds.reshape(-1)
+    x = make_inputs(1, inds.shape[0], d, seed=3).reshape(-1, d)
+    sched = _schedule_numpy(flat, len(EDGE_COUNTS), adaptive)
+    tiles = {int(t) for t in np.asarray(sched["blocks"])[:, 3]}
+    assert tiles == ({16, 32} if adaptive else {16})
+    h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, k,
+                               fused, sched["counts"], KERNEL_BACKEND, init_value=float("nan"))
+    xs = x.astype(mx.float32)[mx.array(np.asarray(sched["sorted_rows"]) // k)]
+    e_of_slot = mx.array(np.sort(flat))
+    g = mx.einsum("ad,aod->ao", xs, _dense(sw.gate_proj)[e_of_slot])
+    u = mx.einsum("ad,aod->ao", xs, _dense(sw.up_proj)[e_of_slot])
+    _assert_close_bf16(h, g * mx.sigmoid(g) * u, "gate_up_swiglu")
     y = mk.gemm_down(h, sched["blocks"], sw.down_proj, fused, sched["counts"], KERNEL_BACKEND, init_value=float("nan"))
     want_y = mx.einsum("ai,adi->ad", h.astype(mx.float32), _dense(sw.down_proj)[e_of_slot])
     _assert_close_bf16(y, want_y, "down")
@@ -242,17 +318,87 @@ def test_combine_rows(tokens, k, width, dtype, seed):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()))
 
 
-@pytest.mark.parametrize("fused_combine", [True, False], ids=["fused", "gather+sum"])
-def test_routed_experts_combined_vs_stock(gemm_sim, fused_combine, monkeypatch):
-    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
-    block = make_sparse_moe_block(num_experts=16, top_k=4, seed=4, skew=3.0)
-    x = make_inputs(2, 13, 128, seed=6, mean=0.3)
+def _accumulate_in(dtype, y: np.ndarray, slot_of_row: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """The combine with its running sum held in ``dtype`` (float32: the kernel's documented
+    accumulator; bfloat16/float16: an accumulator in the activation type): each step computes
+    acc + w * y in fp32 (a product of two 16-bit floats is exact there) and stores it in ``dtype``."""
+    n, k = scores.shape
+    rows = y[slot_of_row].reshape(n, k, -1).astype(np.float32)
+    acc = np.zeros((n, rows.shape[-1]), dtype=dtype)
+    for j in range(k):
+        acc = (acc.astype(np.float32) + scores[:, j:j + 1].astype(np.float32) * rows[:, j]).astype(dtype)
+    return acc
+
+
+@needs_sim
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_combine_accumulates_in_fp32(dtype):
+    """kernels/moe/gemm.metal documents fp32 accumulation for the combine. Inputs where the running
+    sum's precision shows: k = 64 terms of a few hundred that cancel in pairs (the partial sums reach
+    thousands) around a result of order 1. Bound of an fp32 accumulator, then one rounding to the
+    output type: |err| <= g + u * (|exact| + g), g = gamma_k * sum |w * y| (gamma_k = k 2^-24 / (1 -
+    k 2^-24), the products being exact in fp32) and u the output's unit roundoff. The same sum with a
+    16-bit accumulator is computed here too: it must break that bound on most elements (the test can
+    tell them apart), and the kernel's largest error must be far below its typical one."""
+    np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+    unit_roundoff = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}[dtype] / 2
+    rng = np.random.default_rng(17)
+    tokens, k, width = 6, 64, 128
+    half = k // 2
+    big = rng.uniform(100, 400, (tokens, half, width)) * rng.choice([-1, 1], (tokens, half, width))
+    w_big = rng.uniform(0.25, 1.0, (tokens, half))
+    # Terms j < 32 and their negations at 32 + j (same weight): the big parts cancel exactly, after
+    # the partial sums have grown; the small terms on top give a result of order 1.
+    rows = np.concatenate([big, -big], axis=1) + rng.standard_normal((tokens, k, width))
+    w = np.concatenate([w_big, w_big], axis=1)
+    rows, w = rows.astype(np_dtype).astype(np.float64), w.astype(np_dtype).astype(np.float64)
+    slot_of_row = rng.permutation(tokens * k).astype(np.int32)
+    y = np.empty((tokens * k, width))
+    y[slot_of_row] = rows.reshape(tokens * k, width)
+    got = mk.combine_rows(mx.array(y.astype(np.float32)).astype(getattr(mx, dtype)), mx.array(slot_of_row),
+                          mx.array(w.astype(np.float32)).astype(getattr(mx, dtype)), backend=KERNEL_BACKEND,
+                          init_value=float("nan"))
+    got = np.asarray(got.astype(mx.float32), dtype=np.float64)
+    exact = np.einsum("nk,nkd->nd", w, rows)  # float64 on the same (rounded) inputs
+    gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
+    g = gamma * np.einsum("nk,nkd->nd", np.abs(w), np.abs(rows))
+    bound = g + unit_roundoff * (np.abs(exact) + g)
+    err = np.abs(got - exact)
+    assert not np.isnan(got).any()
+    assert (err <= bound).all(), f"{int((err > bound).sum())} elements beyond the fp32-accumulation bound; max err {err.max():.4g}"
+    err_16 = np.abs(_accumulate_in(np_dtype, y, slot_of_row, w).astype(np.float64) - exact)
+    assert np.mean(err_16 > bound) > 0.9, "the inputs do not separate a 16-bit accumulator from fp32"
+    assert err.max() < np.median(err_16) / 10, (err.max(), np.median(err_16))
+
+
+def _hot_expert_case(seed_block, skew, seed_x):
+    """A block and a [2, 21] input whose routing sends 38 of 168 assignments to one expert (a 32-row
+    tile with adaptive_tile on), router top-4 as stock's."""
+    block = make_sparse_moe_block(num_experts=16, top_k=4, seed=seed_block, skew=skew)
+    x = make_inputs(2, 21, 128, seed=seed_x, mean=0.5)
     gates = mx.softmax(block.gate(x).astype(mx.float32), axis=-1)
     inds = mx.argpartition(gates, kth=-4, axis=-1)[..., -4:]
     scores = mx.take_along_axis(gates, inds, axis=-1).astype(x.dtype)
-    with switches.overrides(disable=() if fused_combine else ("fused_combine",)):
+    assert np.bincount(np.asarray(inds).reshape(-1), minlength=16).max() >= 32, "no expert reaches 32 rows"
+    return block, x, inds, scores
+
+
+def _tiles_run(record) -> set:
+    """Tile rows of the blocks the gate_up GEMM ran (padding blocks excluded)."""
+    (gate_up,) = [launch for launch in record if launch.name == "moe_gemm_gate_up_swiglu"]
+    blocks = np.asarray(gate_up.kwargs["inputs"][2])
+    return set(blocks[blocks[:, 2] > 0, 3].tolist())
+
+
+@pytest.mark.parametrize("fused_combine", [True, False], ids=["fused", "gather+sum"])
+def test_routed_experts_combined_vs_stock(gemm_sim, fused_combine, monkeypatch):
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    block, x, inds, scores = _hot_expert_case(4, 10.0, 6)
+    with switches.overrides(disable=() if fused_combine else ("fused_combine",)), record_launches() as rec:
         got = mk.routed_experts_combined_kernel(block.switch_mlp, x, inds, scores)
+        mx.eval(got)
     assert got is not None and got.shape == x.shape
+    assert ("moe_combine_weighted_rows" in rec.names()) == fused_combine, rec.names()
     stock = _stock_on_cpu(lambda: combine_reference(switch_glu_reference(block.switch_mlp, x, inds), scores))
     exact = combine_reference(_exact_switch_glu(block.switch_mlp, x, inds), scores.astype(mx.float32))
     _assert_as_good_as_stock(got, stock, exact, "combined routed experts")
@@ -268,13 +414,17 @@ SWITCH_STATES = [(), ("gpu_routing",), ("fused_dequant",), ("adaptive_tile",),
 
 @pytest.mark.parametrize("disabled", SWITCH_STATES, ids=lambda d: "off:" + ",".join(d) if d else "all-on")
 def test_routed_experts_kernel_vs_stock(gemm_sim, disabled, monkeypatch):
+    """B > 1, odd T, a hot expert with 38 rows: adaptive_tile on gives it a 32-row tile, off only
+    16-row tiles (the launch record shows which ran); every state is as accurate as stock."""
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
-    block = make_sparse_moe_block(num_experts=16, top_k=4, seed=1, skew=5.0)
-    x = make_inputs(2, 21, 128, seed=3, mean=0.5)  # B > 1, odd T, a hot expert
-    inds = mx.argpartition(block.gate(x), kth=-4, axis=-1)[..., -4:]
-    with switches.overrides(disable=disabled):
+    block, x, inds, _ = _hot_expert_case(1, 10.0, 3)
+    with switches.overrides(disable=disabled), record_launches() as rec:
         got = mk.routed_experts_kernel(block.switch_mlp, x, inds)
+        mx.eval(got)
     assert got is not None
+    assert _tiles_run(rec) == ({16} if "adaptive_tile" in disabled else {16, 32})
+    assert ("moe_dequant_experts_q4" in rec.names()) == ("fused_dequant" in disabled)
+    assert ("moe_route_block_map_i32" in rec.names()) == ("gpu_routing" not in disabled)
     stock = _stock_on_cpu(switch_glu_reference, block.switch_mlp, x, inds)
     _assert_as_good_as_stock(got, stock, _exact_switch_glu(block.switch_mlp, x, inds), "routed experts")
 
@@ -306,21 +456,28 @@ def test_grouped_gemm_larger_shape(gemm_sim, monkeypatch):
 
 @needs_sim
 @stock_gpu_matmuls
-def test_unsupported_falls_back(monkeypatch):
-    """Non-quantised experts and other bit widths take the reference path, saying why once."""
+def test_unsupported_falls_back(monkeypatch, caplog):
+    """Non-quantised experts and other bit widths take the reference path, saying why once (each
+    reason one log line however many calls)."""
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
-    notes = []
-    monkeypatch.setattr(mk, "log_once", lambda key, message, *a, **k: notes.append(message))
+    reset_log_once()
     x = make_inputs(1, 20, 128)
-    for block in (make_sparse_moe_block(quantized=False), make_sparse_moe_block(bits=8)):
-        inds = mx.argpartition(block.gate(x), kth=-4, axis=-1)[..., -4:]
-        assert mk.routed_experts_kernel(block.switch_mlp, x, inds) is None
+    blocks = [make_sparse_moe_block(quantized=False), make_sparse_moe_block(bits=8)]
+    with caplog.at_level(logging.INFO, logger="lily_mlx"), record_launches() as rec:
+        for _ in range(2):
+            for block in blocks:
+                inds = mx.argpartition(block.gate(x), kth=-4, axis=-1)[..., -4:]
+                assert mk.routed_experts_kernel(block.switch_mlp, x, inds) is None
+    assert rec.names() == []
+    notes = [r.getMessage() for r in caplog.records if r.name == "lily_mlx"]
+    assert len(notes) == 2, notes
     assert "not quantised" in notes[0] and "8-bit" in notes[1], notes
     # The forward still computes stock's result (the reference path).
     from lily_mlx.ops.moe import sparse_moe_forward
 
-    block = make_sparse_moe_block(bits=8)
+    block = blocks[1]
     assert mx.array_equal(sparse_moe_forward(block, x), block(x)).item()
+    reset_log_once()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,13 +25,10 @@ MAX_TOKENS = 24
 
 
 def _embedded_model_dir():
-    try:
-        from lily_mlx.models import embedded
-    except ImportError as e:
-        pytest.skip(f"embedded model module not available: {e}")
+    from lily_mlx.models import embedded
+
     folder = Path(embedded.EMBEDDED_DIR)
-    if not all((folder / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json")):
-        pytest.skip("embedded model not built (python -m lily_mlx embedded-model builds it)")
+    assert embedded._is_complete(folder), f"the embedded model is part of the tree: {folder}"
     return folder
 
 
@@ -39,10 +36,8 @@ def _embedded_model_dir():
 def embedded():
     import mlx_lm
 
-    try:
-        import lily_mlx.patch as lily_patch
-    except ImportError as e:
-        pytest.skip(f"lily_mlx.patch not available: {e}")
+    import lily_mlx.patch as lily_patch
+
     model, tokenizer = mlx_lm.load(str(_embedded_model_dir()))
     return model, tokenizer, lily_patch
 
@@ -117,9 +112,8 @@ def test_embedded_model_teacher_forced_vs_fp32(embedded, moe_on_sim):
     from lily_mlx.models import embedded as emb
 
     model, tokenizer, lily_patch = embedded
-    heldout = Path(emb.EMBEDDED_DIR) / "heldout.txt"
-    if not heldout.exists():
-        pytest.skip("the embedded model has no heldout.txt")
+    heldout = Path(emb.EMBEDDED_DIR) / emb.HELDOUT_FILE
+    assert heldout.exists(), "the embedded model ships its held-out text"
     ids = mx.array(tokenizer.encode(heldout.read_text()[:4000])[:192])[None]
     model32, _ = mlx_lm.load(str(emb.EMBEDDED_DIR))
     model32.set_dtype(mx.float32)  # same 4-bit weights; scales, activations and the rest in fp32

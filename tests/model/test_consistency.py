@@ -38,28 +38,16 @@ def test_identical_engines_give_perfect_scores():
     assert (r.top1_agreement_pct, r.max_abs_logit_diff, r.perplexity_delta_pct) == (100.0, 0.0, 0.0)
 
 
-def _patch_layer_or_skip():
-    try:
-        import lily_mlx
-
-        lily_mlx.patch  # noqa: B018  (lazy attribute: imports lily_mlx.patch)
-        lily_mlx.unpatch  # noqa: B018
-    except (ImportError, AttributeError) as e:
-        pytest.skip(f"lily_mlx.patch / unpatch not available yet: {e}")
-
-
 @pytest.fixture
 def embedded_dir():
     from lily_mlx.models import embedded
 
-    if not embedded._is_complete(embedded.EMBEDDED_DIR):
-        pytest.skip("embedded model not shipped in this tree")
+    assert embedded._is_complete(embedded.EMBEDDED_DIR), f"the embedded model is part of the tree: {embedded.EMBEDDED_DIR}"
     return embedded.EMBEDDED_DIR
 
 
 @pytest.mark.parametrize("mode", consistency.MODES)
 def test_embedded_model_reference_backend_is_exactly_stock(monkeypatch, embedded_dir, mode):
-    _patch_layer_or_skip()
     monkeypatch.setenv("LILY_BACKEND", "reference")
     r = consistency.run_consistency(embedded_dir, positions=192, mode=mode)
     assert r.backend == "reference" and r.positions == 192 and r.mode == mode
@@ -70,7 +58,6 @@ def test_embedded_model_reference_backend_is_exactly_stock(monkeypatch, embedded
 
 
 def test_compare_engines_restores_patch_state(monkeypatch, embedded_dir):
-    _patch_layer_or_skip()
     import lily_mlx
     import mlx_lm
 
@@ -85,7 +72,6 @@ def test_compare_engines_restores_patch_state(monkeypatch, embedded_dir):
 
 
 def test_cli_prints_both_modes(monkeypatch, capsys, embedded_dir):
-    _patch_layer_or_skip()
     monkeypatch.setenv("LILY_BACKEND", "auto")
     assert consistency.main(["--model", str(embedded_dir), "--positions", "32", "--backend", "reference"]) == 0
     out = capsys.readouterr().out

@@ -7,13 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 
+import mlx.core as mx
+import mlx_lm
 import numpy as np
 import pytest
 
-mx = pytest.importorskip("mlx.core")
-mlx_lm = pytest.importorskip("mlx_lm")
-
-from lily_mlx.models import qwen3_6, random_weights  # noqa: E402
+from lily_mlx.models import qwen3_6, random_weights
 
 TINY = {
     "hidden_size": 128,
@@ -159,12 +158,6 @@ def test_full_size_plan_matches_qwen3_6_35b_a3b():
 
 def test_consistency_tool_on_random_checkpoint_reference_backend(monkeypatch, checkpoints):
     """Skewed routing (experts with zero rows) through lily's reference path: exactly stock."""
-    try:
-        import lily_mlx
-
-        lily_mlx.patch  # noqa: B018
-    except (ImportError, AttributeError) as e:
-        pytest.skip(f"lily_mlx.patch not available yet: {e}")
     from lily_mlx import consistency
 
     monkeypatch.setenv("LILY_BACKEND", "reference")

@@ -180,8 +180,7 @@ def test_every_kernel_the_patched_model_launches_compiles_for_cuda():
 
     model, _ = load_model(None, "tiny", log=None)
     units = record_model_translations(model, prompt_tokens=40, vocab_size=1024)
-    if not units:
-        pytest.skip("the patched model launches no kernel on the cuda backend yet")
+    assert units, "the patched model launched no kernel on the cuda backend (the MoE and DeltaNet kernels run there)"
     _compile_all(units)
 
 
@@ -213,7 +212,8 @@ def test_every_shipped_kernel_header_compiles_for_cuda():
 # The same feature checks on the CPU simulator: references, and the GPU's outputs through the bridge
 
 def _sim_factory():
-    sim = pytest.importorskip("lily_mlx.msl.sim")
+    from lily_mlx.msl import sim
+
     return sim.metal_kernel
 
 

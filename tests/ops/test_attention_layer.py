@@ -126,6 +126,8 @@ def test_attention_forward_identical_to_stock(case):
 
 @pytest.mark.parametrize("flipped", [n for n, s in switches.SWITCHES.items() if s.family == "attention"])
 def test_every_attention_switch_keeps_stock_results(flipped):
+    """Reference backend: no switch state changes stock's computation (bit for bit). Which kernel
+    variant each state runs on the simulator: tests/kernels/test_switch_paths.py."""
     module = make_attention(8, 1, 32, seed=3)
     mx.random.seed(4)
     xs = [mx.random.normal((2, t, HIDDEN)) for t in (5, 1, 1)]

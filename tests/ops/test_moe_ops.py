@@ -99,3 +99,25 @@ def test_routing_bookkeeping_references(kind, tokens, experts_topk, tile, seed):
         covered[start:start + rows] += 1
     assert np.all(covered == 1)
     assert len(blocks) == int(np.sum((counts + tile - 1) // tile))
+
+
+# Rows per expert on both sides of each tile size (16 and 32), an empty expert and a hot one: built
+# explicitly so these paths run whatever hypothesis draws.
+EDGE_COUNTS = [0, 1, 15, 16, 17, 31, 32, 33, 55, 200]
+
+
+@pytest.mark.parametrize("tile", [16, 32])
+def test_routing_bookkeeping_references_edge_counts(tile):
+    from lily_dev.moe_testing import routing_with_counts
+    from lily_mlx.ops.moe.reference import tile_rows_for_count
+
+    inds = routing_with_counts(EDGE_COUNTS, 2, seed=tile)
+    assert all(len(set(row)) == 2 for row in inds)  # distinct experts per token, as a router gives
+    got = np.asarray(routing_histogram_reference(mx.array(inds), len(EDGE_COUNTS)))
+    assert got.tolist() == EDGE_COUNTS
+    offsets = np.concatenate([[0], np.cumsum(EDGE_COUNTS)])
+    blocks = routing_block_map_reference(EDGE_COUNTS, tile)
+    want = [(e, offsets[e] + s, min(tile, c - s)) for e, c in enumerate(EDGE_COUNTS) for s in range(0, c, tile)]
+    assert np.array_equal(np.asarray(blocks).reshape(-1, 3), np.asarray(want))
+    assert [tile_rows_for_count(c, True) for c in (0, 1, 31, 32, 33, 200)] == [16, 16, 16, 32, 32, 32]
+    assert {tile_rows_for_count(c, False) for c in EDGE_COUNTS} == {16}
