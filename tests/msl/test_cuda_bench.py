@@ -136,3 +136,26 @@ def test_eval_per_layer_engines(monkeypatch):
         e2e.validate_engine("stock-fast")
     with pytest.raises(ValueError, match="Valid switches"):
         e2e.validate_engine("lily-off:nope@eval-per-layer")
+
+
+def test_ablations_command_writes_the_table_and_resumes(monkeypatch, tmp_path):
+    """`python -m bench.ablations` on the tiny model: one timed ablation (lily vs lily with the switch
+    off), one switch without a kernel listed as such, the write-up's figure beside ours; --resume keeps
+    what is in ablations.json."""
+    import json
+
+    from bench import ablations
+
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    argv = ["--size", "tiny", "--num-layers", "4", "--lengths-scale", "0.01", "--rounds", "1", "--gen-tokens", "2",
+            "--only", "register_scan,row_gemv", "--out", str(tmp_path)]
+    assert ablations.main(argv) == 0
+    rows = {r["switch"]: r for r in json.loads((tmp_path / "ablations.json").read_text())["rows"]}
+    assert rows["row_gemv"]["skipped"] == "no kernel yet"
+    scan = rows["register_scan"]
+    assert scan["phase"] == "prefill" and scan["on"] > 0 and scan["off"] > 0 and scan["writeup_pct"] == 5.6
+    table = (tmp_path / "ablations.md").read_text()
+    assert "| `register_scan` | prefill |" in table and "+5.6 %" in table
+    assert ablations.main(argv + ["--resume"]) == 0
+    again = {r["switch"]: r for r in json.loads((tmp_path / "ablations.json").read_text())["rows"]}
+    assert again["register_scan"]["on"] == scan["on"]  # kept, not re-measured
