@@ -335,7 +335,9 @@ def usage() -> str:
     lines += ["", f"`{PROG} <command> --help` lists that command's flags. generate, chat and server take",
               "every MLX-LM flag plus --lily-disable A,B, --lily-enable A,B, --lily-backend B.",
               "Environment: LILY_BACKEND=auto|metal|cuda|sim|reference, LILY_DISABLE=a,b,",
-              "LILY_ENABLE=a,b, LILY_ALLOW_UNTESTED=1 (patch under untested MLX/MLX-LM versions)."]
+              "LILY_ENABLE=a,b, LILY_REFERENCE_OPS=op_or_family,... (keep those on their reference),",
+              "LILY_ALLOW_UNTESTED=1 (patch under untested MLX/MLX-LM versions). A bad value is one",
+              "warning line without --lily and a one-line error (exit 2) with it."]
     return "\n".join(lines)
 
 
