@@ -35,17 +35,12 @@ inline int attention_element(int lane, int i) {
 // @kernel attention_decode
 // q: [B, Hq, 1, D] InT; k, v: [B, Hkv, S_cap, D] InT (rows < S read); scale: [1] fp32.
 // out: [B, Hq, 1, D] InT.
-// params: [Hkv, G, S, S_cap].
+// params: named in the launcher's KernelSpec (a generated prologue declares them).
 {
   constexpr int EPL = D / 32;
   threadgroup float sg_max[GT * SG];
   threadgroup float sg_sum[GT * SG];
   threadgroup float sg_acc[SG * D];
-
-  const int Hkv = params[0];
-  const int G = params[1];
-  const int S = params[2];
-  const int S_cap = params[3];
   const int Hq = Hkv * G;
 
   const int lane = static_cast<int>(thread_index_in_simdgroup);

@@ -62,10 +62,8 @@ inline float deltanet_conv_input(
 
 // @kernel deltanet_gates
 // Elementwise gates for [B, T, Hv]: g and beta, fp32.
-// params: [n = B*T*Hv, Hv]. Grid: n rounded up to the threadgroup; tail guarded.
+// params: named in the launcher's KernelSpec (a generated prologue declares them). Grid: n rounded up to the threadgroup; tail guarded.
 {
-  const int n = params[0];
-  const int Hv = params[1];
   const int i = static_cast<int>(thread_position_in_grid.x);
   if (i < n) {
     const int hv = i % Hv;
@@ -80,16 +78,10 @@ inline float deltanet_conv_input(
 // state_in: [B, Hv, Dv, Dk] fp32 (read if has_state); mask: [B, T] bool (read if has_mask).
 // y: [B, T, Hv, Dv] OutT (InT in prefill; fp32 between the unfused decode kernels), 0 where masked;
 // state_out: [B, Hv, Dv, Dk] fp32.
-// params: [B, T, Hk, Hv, has_state, has_mask].
+// params: named in the launcher's KernelSpec (a generated prologue declares them).
 {
   constexpr int LANES = Dk / DELTANET_EPL;
   constexpr int ROWS = 32 / LANES;
-  const int T = params[1];
-  const int Hk = params[2];
-  const int Hv = params[3];
-  const bool has_state = params[4] != 0;
-  const bool has_mask = params[5] != 0;
-
   const int n = static_cast<int>(thread_position_in_grid.z);  // b * Hv + hv
   const int b_idx = n / Hv;
   const int hv = n % Hv;
@@ -148,18 +140,10 @@ inline float deltanet_conv_input(
 // memory after every block of `block` tokens (block_states[n, blk] = state after block blk) and
 // read back from there to start the next block. Same inputs as deltanet_scan_register.
 // block_states: [B * Hv, n_blocks, Dv, Dk] fp32; state_out: [B, Hv, Dv, Dk] fp32.
-// params: [B, T, Hk, Hv, has_state, has_mask, block, n_blocks].
+// params: named in the launcher's KernelSpec (a generated prologue declares them).
 {
   constexpr int LANES = Dk / DELTANET_EPL;
   constexpr int ROWS = 32 / LANES;
-  const int T = params[1];
-  const int Hk = params[2];
-  const int Hv = params[3];
-  const bool has_state = params[4] != 0;
-  const bool has_mask = params[5] != 0;
-  const int block = params[6];
-  const int n_blocks = params[7];
-
   const int n = static_cast<int>(thread_position_in_grid.z);
   const int b_idx = n / Hv;
   const int hv = n % Hv;
@@ -233,7 +217,6 @@ inline float deltanet_conv_input(
 // Grid: (32, rows rounded up to threadgroup.y); rows past the end do nothing (uniform per simdgroup).
 {
   constexpr int PER_LANE = Dv / 32;
-  const int rows = params[0];
   const int r = static_cast<int>(thread_position_in_grid.y);
   const int lane = static_cast<int>(thread_index_in_simdgroup);
   if (r < rows) {
@@ -263,18 +246,12 @@ inline float deltanet_conv_input(
 // q, k: [B, Hk, Dk] InT; v, z: [B, Hv, Dv] InT; a, b: [B, Hv]; A_log, dt_bias: [Hv] (any float type);
 // state_in: [B, Hv, Dv, Dk] fp32; mask: [B] bool (if has_mask); weight: [Dv]; eps: [1] fp32.
 // out: [B, Hv, Dv] InT (normalised, gated); state_out: [B, Hv, Dv, Dk] fp32.
-// params: [B, Hk, Hv, has_state, has_mask].
+// params: named in the launcher's KernelSpec (a generated prologue declares them).
 {
   constexpr int LANES = Dk / DELTANET_EPL;
   constexpr int ROWS = 32 / LANES;
   constexpr int PER_LANE = Dv / 32;
   threadgroup float y_head[Dv];  // the head's fp32 read-outs, for the norm
-
-  const int Hk = params[1];
-  const int Hv = params[2];
-  const bool has_state = params[3] != 0;
-  const bool has_mask = params[4] != 0;
-
   const int n = static_cast<int>(thread_position_in_grid.z);
   const int b_idx = n / Hv;
   const int hv = n % Hv;
@@ -355,18 +332,12 @@ inline float deltanet_conv_input(
 // new state ends there, clamped to [0, T], as stock's); eps: [1] fp32, the l2norm eps (added to
 // sum(x^2)).
 // q, k: [B, T, Hk, Dk] InT; v: [B, T, C - 2 Hk Dk] InT; conv_state_out: [B, K-1, C] InT.
-// params: [B, Hk, C, has_state, has_mask, T, has_lengths]. Rows of Dk channels: row r < Hk is q head
+// params: named in the launcher's KernelSpec (a generated prologue declares them). Rows of Dk channels: row r < Hk is q head
 // r, Hk <= r < 2 Hk is k head r - Hk, the rest are value channels. Grid (32, C / Dk, B * T): one
 // simdgroup per (row, token), Dk / 32 channels per lane (lane + 32 i: adjacent lanes, adjacent
 // channels). A token's arithmetic is the same whatever T, B and the other tokens are.
 {
   constexpr int PER_LANE = Dk / 32;
-  const int Hk = params[1];
-  const int C = params[2];
-  const bool has_state = params[3] != 0;
-  const bool has_mask = params[4] != 0;
-  const int T = params[5];
-  const bool has_lengths = params[6] != 0;
   const int bt = static_cast<int>(thread_position_in_grid.z);
   const int b_idx = bt / T;
   const int t = bt % T;

@@ -131,9 +131,6 @@ inline void moe_store_acc(
 threadgroup float xt[MOE_MAX_ROWS * MOE_BK];
 threadgroup float wg[MOE_BK * MOE_BN];
 threadgroup float wu[MOE_BK * MOE_BN];
-const int top_k = params[0];
-const int D = params[1];
-const int I = params[2];
 const uint tid = thread_index_in_threadgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const int n0 = int(threadgroup_position_in_grid.x) * MOE_BN;
@@ -190,8 +187,6 @@ for (int i = int(tid); i < tile_rows * MOE_BN; i += MOE_THREADS) {
 // dequantised [E, D, I]. y [A, D] rows in slot order.
 threadgroup float xt[MOE_MAX_ROWS * MOE_BK];
 threadgroup float wt[MOE_BK * MOE_BN];
-const int I = params[0];
-const int D = params[1];
 const uint tid = thread_index_in_threadgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const int n0 = int(threadgroup_position_in_grid.x) * MOE_BN;
@@ -237,8 +232,6 @@ for (int i = int(tid); i < tile_rows * MOE_BN; i += MOE_THREADS) {
 // grid (O * K / 8, E, 1) (a multiple of 256), threadgroup (256, 1, 1). params: [O, K].
 // w [E, O, K / 8] uint32, scales/biases [E, O, K / 64]; counts [E]: experts with no rows are skipped
 // (their rows of w_out stay unwritten, no GEMM block reads them). w_out [E, O, K].
-const int O = params[0];
-const int K = params[1];
 const int e = int(threadgroup_position_in_grid.y);
 const long word = long(thread_position_in_grid.x);  // word index within the expert
 if (counts[e] > 0) {
@@ -257,8 +250,6 @@ if (counts[e] > 0) {
 // y [A, D] the down GEMM's rows in slot order; slot_of_row [A]: slot of assignment a = token * k + j;
 // scores [N, k] routing weights. out [N, D]: each token's k rows read straight from slot order,
 // weighted and summed in fp32, rounded once (no [A, D] gather or product arrays in between).
-const int k = params[0];
-const int D = params[1];
 const int d0 = int(thread_position_in_grid.x) * 4;
 const long n = long(thread_position_in_grid.y);
 if (d0 < D) {

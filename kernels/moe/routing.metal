@@ -14,8 +14,6 @@
 // inds [A] expert ids; chunk_counts [n_chunks, E]: rows per expert in each chunk;
 // local_rank [A]: assignments to the same expert earlier in the same chunk.
 threadgroup int chunk_experts[CHUNK];
-const int A = params[0];
-const int E = params[1];
 const uint t = thread_position_in_threadgroup.x;
 const int chunk = int(threadgroup_position_in_grid.x);
 const int a = chunk * CHUNK + int(t);
@@ -42,8 +40,6 @@ for (int ex = int(t); ex < E; ex += CHUNK) {
 // counts [E] rows per expert; offsets [E + 1] exclusive prefix sum (offsets[E] = A);
 // chunk_offsets [n_chunks, E] first slot of each chunk's rows of each expert.
 threadgroup int scan[NT];
-const int E = params[1];
-const int n_chunks = params[2];
 const int t = int(thread_position_in_threadgroup.x);
 int total = 0;
 if (t < E) {
@@ -76,8 +72,6 @@ if (t == 0) {
 // @kernel moe_route_scatter_i32
 // grid (n_chunks * CHUNK, 1, 1), threadgroup (CHUNK, 1, 1). params: [A, E, n_chunks].
 // sorted_rows [A]: slot -> assignment; slot_of_row [A]: assignment -> slot (the inverse map).
-const int A = params[0];
-const int E = params[1];
 const int a = int(thread_position_in_grid.x);
 if (a < A) {
   const int chunk = a / CHUNK;
@@ -88,13 +82,10 @@ if (a < A) {
 
 // @kernel moe_route_block_map_i32
 // grid (NT, 1, 1), threadgroup (NT, 1, 1), NT >= E a multiple of 32, <= 1024.
-// params: [A, E, max_blocks, large_min_rows]. Experts with >= large_min_rows rows get 32-row tiles,
+// params: named in the launcher's KernelSpec (a generated prologue declares them). Experts with >= large_min_rows rows get 32-row tiles,
 // the others 16-row tiles. blocks [max_blocks, 4]: (expert, first slot, rows, tile rows) in expert
 // order; entries past the last block are (-1, 0, 0, 0).
 threadgroup int scan[NT];
-const int E = params[1];
-const int max_blocks = params[2];
-const int large_min_rows = params[3];
 const int t = int(thread_position_in_threadgroup.x);
 const int n = t < E ? counts[t] : 0;
 const int tile = n >= large_min_rows ? 32 : 16;

@@ -42,6 +42,16 @@ class KernelSpec:
     output_names: Tuple[str, ...]
     atomic_outputs: bool = False
     ensure_row_contiguous: bool = True
+    # The named layout of the int32 ``params`` input: launchers fill it by name (:meth:`pack`), and the
+    # kernel body gets one generated ``const int <name> = params[<i>];`` per name (:func:`params_prologue`),
+    # so the layout is written once, here, not as positions in two languages.
+    params: Tuple[str, ...] = ()
+
+    def pack(self, **values):
+        """The ``params`` input: ``values`` by name, in this spec's order (a cached int32 array)."""
+        if len(values) != len(self.params) or any(n not in values for n in self.params):
+            raise ValueError(f"{self.name}: params {sorted(values)} do not match the layout {list(self.params)}")
+        return int32_params(*(values[n] for n in self.params))
 
 
 def kernels_dir() -> Path:
@@ -90,12 +100,20 @@ def load_kernel_file(filename: str) -> Tuple[str, Dict[str, str]]:
     return parse_kernel_file(path.read_text(), filename)
 
 
+def params_prologue(params: Tuple[str, ...]) -> str:
+    """The lines that read a kernel's named ``params`` at the top of its body (empty without params)."""
+    if not params:
+        return ""
+    reads = "".join(f"  const int {name} = params[{i}];\n  (void){name};\n" for i, name in enumerate(params))
+    return "  // named params, generated from the launcher's KernelSpec.params\n" + reads
+
+
 def kernel_source(spec: KernelSpec) -> Tuple[str, str]:
-    """(header, body) of ``spec``."""
+    """(header, body) of ``spec``: the body as written in its file, after the named-params prologue."""
     header, bodies = load_kernel_file(spec.file)
     if spec.name not in bodies:
         raise KeyError(f"kernel {spec.name!r} not found in {spec.file} (has: {', '.join(bodies)})")
-    return header, bodies[spec.name]
+    return header, params_prologue(spec.params) + bodies[spec.name]
 
 
 def _factory(backend: str) -> Callable:

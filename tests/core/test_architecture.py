@@ -168,3 +168,29 @@ def test_wheel_ships_no_test_bench_or_dev_code(tmp_path):
     assert not [n for n in shipped_code if any(m in Path(n).name for m in dev_markers)], shipped_code
     assert any(n.startswith("lily_mlx/_kernels/") and n.endswith(".metal") for n in names)
     assert not [n for n in shipped_code if "unittest" in zipfile.ZipFile(wheel).read(n).decode()]
+
+
+def test_kernel_params_are_named_once():
+    """Every kernel with a ``params`` input names its layout in its KernelSpec, and no kernel body
+    indexes ``params`` by position (the generated prologue is the only reader)."""
+    import re
+
+    import pytest as _pytest
+
+    from lily_mlx.core.kernel_registry import kernel_source, load_kernel_file
+    from lily_mlx.ops import attention, deltanet, moe  # noqa: F401  (their kernels modules hold the specs)
+    from lily_mlx.ops.attention import kernels as ak
+    from lily_mlx.ops.deltanet import kernels as dk
+    from lily_mlx.ops.moe import kernels as mk
+
+    specs = [*ak.KERNELS.values(), *dk.KERNELS.values(), *mk.KERNELS.values()]
+    for spec in specs:
+        assert ("params" in spec.input_names) == bool(spec.params), spec.name
+        _, bodies = load_kernel_file(spec.file)
+        assert not re.search(r"params\s*\[", bodies[spec.name]), f"{spec.name} reads params by position"
+        _, body = kernel_source(spec)
+        for i, name in enumerate(spec.params):
+            assert f"const int {name} = params[{i}];" in body
+        with _pytest.raises(ValueError, match=spec.name):
+            spec.pack(**{n: 1 for n in spec.params[:-1]})  # one missing
+    assert len({s.name for s in specs}) == len(specs)

@@ -13,14 +13,15 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel, int32_params
+from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel
 
 # Dispatch table: one row per kernel of kernels/attention/decode.metal.
 _FILE = "attention/decode.metal"
 KERNELS = {
     spec.name: spec
     for spec in (
-        KernelSpec("attention_decode", _FILE, ("q", "k", "v", "scale", "params"), ("out",)),
+        KernelSpec("attention_decode", _FILE, ("q", "k", "v", "scale", "params"), ("out",),
+                   params=("Hkv", "G", "S", "S_cap")),
     )
 }
 
@@ -99,7 +100,7 @@ def decode_attention(
     heads_per_tg = G if gqa_packed else 1
     sg = DECODE_SIMDGROUPS
     (out,) = get_kernel(KERNELS["attention_decode"], backend)(
-        inputs=[queries, keys, values, float32_scalar(scale), int32_params(Hkv, G, S, S_cap)],
+        inputs=[queries, keys, values, float32_scalar(scale), KERNELS["attention_decode"].pack(Hkv=Hkv, G=G, S=S, S_cap=S_cap)],
         template=[("InT", queries.dtype), ("D", D), ("GT", heads_per_tg), ("SG", sg),
                   ("COALESCED", int(coalesced))],
         grid=(32, sg, B * Hkv * (G // heads_per_tg)),

@@ -14,31 +14,34 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel, int32_params
+from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel
 
 # Dispatch table: one row per kernel of kernels/deltanet/deltanet.metal.
 _FILE = "deltanet/deltanet.metal"
 KERNELS = {
     spec.name: spec
     for spec in (
-        KernelSpec("deltanet_gates", _FILE, ("a", "b", "A_log", "dt_bias", "params"), ("g", "beta")),
+        KernelSpec("deltanet_gates", _FILE, ("a", "b", "A_log", "dt_bias", "params"), ("g", "beta"), params=("n", "Hv")),
         KernelSpec(
             "deltanet_scan_register", _FILE,
             ("q", "k", "v", "g", "beta", "state_in", "mask", "params"), ("y", "state_out"),
+            params=("B", "T", "Hk", "Hv", "has_state", "has_mask"),
         ),
         KernelSpec(
             "deltanet_scan_blockwise", _FILE,
             ("q", "k", "v", "g", "beta", "state_in", "mask", "params"), ("y", "state_out", "block_states"),
+            params=("B", "T", "Hk", "Hv", "has_state", "has_mask", "block", "n_blocks"),
         ),
-        KernelSpec("deltanet_gated_norm", _FILE, ("x", "z", "weight", "eps", "params"), ("out",)),
+        KernelSpec("deltanet_gated_norm", _FILE, ("x", "z", "weight", "eps", "params"), ("out",), params=("rows",)),
         KernelSpec(
             "deltanet_decode_fused", _FILE,
             ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_in", "mask", "z", "weight", "eps", "params"),
-            ("out", "state_out"),
+            ("out", "state_out"), params=("B", "Hk", "Hv", "has_state", "has_mask"),
         ),
         KernelSpec(
             "deltanet_conv_qk_norm_decode", _FILE,
             ("qkv", "conv_state", "weight", "mask", "lengths", "eps", "params"), ("q", "k", "v", "conv_state_out"),
+            params=("B", "Hk", "C", "has_state", "has_mask", "T", "has_lengths"),
         ),
     )
 }
@@ -100,7 +103,6 @@ def backend_unavailable_reason(backend: str) -> Optional[str]:
     return None
 
 
-_params = int32_params
 
 
 def _refuse_unsupported(q, v, g, state) -> None:
@@ -123,7 +125,7 @@ def gates(a, b, A_log, dt_bias, *, backend: str, init_value=None) -> Tuple[mx.ar
     tg = 256
     grid = max(tg, -(-n // tg) * tg)
     g, beta = get_kernel(KERNELS["deltanet_gates"], backend)(
-        inputs=[a, b, A_log, dt_bias, _params(n, a.shape[-1])],
+        inputs=[a, b, A_log, dt_bias, KERNELS["deltanet_gates"].pack(n=n, Hv=a.shape[-1])],
         grid=(grid, 1, 1),
         threadgroup=(tg, 1, 1),
         output_shapes=[a.shape, a.shape],
@@ -155,7 +157,8 @@ def scan(q, k, v, g, beta, state, mask=None, *, register: bool = True, backend: 
     state_shape = (B, Hv, Dv, Dk)
     if register:
         y, state_out = get_kernel(KERNELS["deltanet_scan_register"], backend)(
-            inputs=inputs + [_params(B, T, Hk, Hv, has_state, has_mask)],
+            inputs=inputs + [KERNELS["deltanet_scan_register"].pack(
+                B=B, T=T, Hk=Hk, Hv=Hv, has_state=has_state, has_mask=has_mask)],
             template=template, **geometry,
             output_shapes=[(B, T, Hv, Dv), state_shape],
             output_dtypes=[out_dtype, mx.float32],
@@ -165,7 +168,8 @@ def scan(q, k, v, g, beta, state, mask=None, *, register: bool = True, backend: 
     block = block or BLOCKWISE_SCAN_BLOCK
     n_blocks = max(1, -(-T // block))
     y, state_out, block_states = get_kernel(KERNELS["deltanet_scan_blockwise"], backend)(
-        inputs=inputs + [_params(B, T, Hk, Hv, has_state, has_mask, block, n_blocks)],
+        inputs=inputs + [KERNELS["deltanet_scan_blockwise"].pack(
+            B=B, T=T, Hk=Hk, Hv=Hv, has_state=has_state, has_mask=has_mask, block=block, n_blocks=n_blocks)],
         template=template, **geometry,
         output_shapes=[(B, T, Hv, Dv), state_shape, (B * Hv, n_blocks, Dv, Dk)],
         output_dtypes=[out_dtype, mx.float32, mx.float32],
@@ -185,7 +189,7 @@ def gated_norm(x, z, weight, eps: float, *, backend: str, init_value=None, out_d
     tg_y = 4
     grid_y = max(tg_y, -(-rows // tg_y) * tg_y)
     (out,) = get_kernel(KERNELS["deltanet_gated_norm"], backend)(
-        inputs=[x, z, weight, float32_scalar(eps), _params(rows)],
+        inputs=[x, z, weight, float32_scalar(eps), KERNELS["deltanet_gated_norm"].pack(rows=rows)],
         template=[("OutT", out_dtype), ("Dv", Dv)],
         grid=(32, grid_y, 1),
         threadgroup=(32, tg_y, 1),
@@ -219,7 +223,8 @@ def decode(q, k, v, a, b, A_log, dt_bias, state, z, weight, eps: float, mask=Non
     out, state_out = get_kernel(KERNELS["deltanet_decode_fused"], backend)(
         inputs=[q, k, v, a, b, A_log, dt_bias, state if has_state else _ONE_FLOAT,
                 mask if has_mask else _ONE_BOOL, z, weight, float32_scalar(eps),
-                _params(B, Hk, Hv, has_state, has_mask)],
+                KERNELS["deltanet_decode_fused"].pack(
+                    B=B, Hk=Hk, Hv=Hv, has_state=has_state, has_mask=has_mask)],
         template=[("InT", q.dtype), ("Dk", Dk), ("Dv", Dv)],
         grid=(32, simdgroups, B * Hv),
         threadgroup=(32, simdgroups, 1),
@@ -264,7 +269,8 @@ def conv_qk_norm(qkv, conv_state, weight, mask, Hk: int, Dk: int, Hv: int, Dv: i
     q, k, v, new_state = get_kernel(KERNELS["deltanet_conv_qk_norm_decode"], backend)(
         inputs=[qkv, conv_state if has_state else _ONE_FLOAT.astype(qkv.dtype), weight,
                 mask if has_mask else _ONE_BOOL, lengths.astype(mx.int32) if has_lengths else _ONE_INT,
-                float32_scalar(eps), _params(B, Hk, C, has_state, has_mask, T, has_lengths)],
+                float32_scalar(eps), KERNELS["deltanet_conv_qk_norm_decode"].pack(
+                    B=B, Hk=Hk, C=C, has_state=has_state, has_mask=has_mask, T=T, has_lengths=has_lengths)],
         template=[("InT", qkv.dtype), ("Dk", Dk), ("K", K)],
         grid=(32, C // Dk, B * T),
         threadgroup=(32, math.gcd(C // Dk, 4), 1),

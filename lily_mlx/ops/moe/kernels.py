@@ -28,7 +28,7 @@ import numpy as np
 
 from ...core import switches
 from ...core.dispatch import op_backend
-from ...core.kernel_registry import KernelSpec, get_kernel, int32_params
+from ...core.kernel_registry import KernelSpec, get_kernel
 from ...core.log import log_once
 from .reference import combine_reference, is_quantized_switch_linear
 
@@ -37,17 +37,23 @@ GEMM = "moe/gemm.metal"
 
 # Dispatch table: one KernelSpec per kernel of kernels/moe/routing.metal and kernels/moe/gemm.metal.
 KERNELS: Dict[str, KernelSpec] = {
-    "histogram": KernelSpec("moe_route_histogram_i32", ROUTING, ("inds", "params"), ("chunk_counts", "local_rank")),
-    "scan": KernelSpec("moe_route_scan_i32", ROUTING, ("chunk_counts", "params"), ("counts", "offsets", "chunk_offsets")),
+    "histogram": KernelSpec("moe_route_histogram_i32", ROUTING, ("inds", "params"), ("chunk_counts", "local_rank"),
+                            params=("A", "E", "n_chunks")),
+    "scan": KernelSpec("moe_route_scan_i32", ROUTING, ("chunk_counts", "params"), ("counts", "offsets", "chunk_offsets"),
+                       params=("A", "E", "n_chunks")),
     "scatter": KernelSpec("moe_route_scatter_i32", ROUTING, ("inds", "local_rank", "chunk_offsets", "params"),
-                          ("sorted_rows", "slot_of_row")),
-    "block_map": KernelSpec("moe_route_block_map_i32", ROUTING, ("counts", "offsets", "params"), ("blocks",)),
+                          ("sorted_rows", "slot_of_row"), params=("A", "E", "n_chunks")),
+    "block_map": KernelSpec("moe_route_block_map_i32", ROUTING, ("counts", "offsets", "params"), ("blocks",),
+                            params=("A", "E", "max_blocks", "large_min_rows")),
     "gate_up": KernelSpec("moe_gemm_gate_up_swiglu", GEMM,
                           ("x", "sorted_rows", "blocks", "w_gate", "scales_gate", "biases_gate",
-                           "w_up", "scales_up", "biases_up", "params"), ("h",)),
-    "down": KernelSpec("moe_gemm_down", GEMM, ("h", "blocks", "w_down", "scales_down", "biases_down", "params"), ("y",)),
-    "dequant": KernelSpec("moe_dequant_experts_q4", GEMM, ("w", "scales", "biases", "counts", "params"), ("w_out",)),
-    "combine": KernelSpec("moe_combine_weighted_rows", GEMM, ("y", "slot_of_row", "scores", "params"), ("out",)),
+                           "w_up", "scales_up", "biases_up", "params"), ("h",), params=("top_k", "D", "I")),
+    "down": KernelSpec("moe_gemm_down", GEMM, ("h", "blocks", "w_down", "scales_down", "biases_down", "params"), ("y",),
+                       params=("I", "D")),
+    "dequant": KernelSpec("moe_dequant_experts_q4", GEMM, ("w", "scales", "biases", "counts", "params"), ("w_out",),
+                          params=("O", "K")),
+    "combine": KernelSpec("moe_combine_weighted_rows", GEMM, ("y", "slot_of_row", "scores", "params"), ("out",),
+                          params=("k", "D")),
 }
 
 CHUNK = 256  # assignments per threadgroup in the histogram and scatter kernels
@@ -63,7 +69,6 @@ def _kernel(name: str, backend: Optional[str] = None):
     return get_kernel(KERNELS[name], backend or op_backend("moe_routing"))
 
 
-_params = int32_params
 
 
 def _scan_threads(num_experts: int) -> int:
@@ -91,7 +96,7 @@ def route_histogram(inds: mx.array, num_experts: int, backend: Optional[str] = N
     a = inds.size
     n_chunks = -(-a // CHUNK)
     return _kernel("histogram", backend)(
-        inputs=[inds.reshape(-1).astype(mx.uint32), _params(a, num_experts, n_chunks)],
+        inputs=[inds.reshape(-1).astype(mx.uint32), KERNELS["histogram"].pack(A=a, E=num_experts, n_chunks=n_chunks)],
         template=[("CHUNK", CHUNK)],
         grid=(n_chunks * CHUNK, 1, 1), threadgroup=(CHUNK, 1, 1),
         output_shapes=[(n_chunks, num_experts), (a,)], output_dtypes=[mx.int32, mx.int32],
@@ -104,7 +109,7 @@ def route_scan(chunk_counts: mx.array, num_assignments: int, backend: Optional[s
     n_chunks, e = chunk_counts.shape
     nt = _scan_threads(e)
     return _kernel("scan", backend)(
-        inputs=[chunk_counts, _params(num_assignments, e, n_chunks)],
+        inputs=[chunk_counts, KERNELS["scan"].pack(A=num_assignments, E=e, n_chunks=n_chunks)],
         template=[("NT", nt)],
         grid=(nt, 1, 1), threadgroup=(nt, 1, 1),
         output_shapes=[(e,), (e + 1,), (n_chunks, e)], output_dtypes=[mx.int32] * 3,
@@ -118,7 +123,7 @@ def route_scatter(inds: mx.array, local_rank: mx.array, chunk_offsets: mx.array,
     a = inds.size
     n_chunks, e = chunk_offsets.shape
     return _kernel("scatter", backend)(
-        inputs=[inds.reshape(-1).astype(mx.uint32), local_rank, chunk_offsets, _params(a, e, n_chunks)],
+        inputs=[inds.reshape(-1).astype(mx.uint32), local_rank, chunk_offsets, KERNELS["scatter"].pack(A=a, E=e, n_chunks=n_chunks)],
         template=[("CHUNK", CHUNK)],
         grid=(n_chunks * CHUNK, 1, 1), threadgroup=(CHUNK, 1, 1),
         output_shapes=[(a,), (a,)], output_dtypes=[mx.int32, mx.int32],
@@ -133,7 +138,8 @@ def route_block_map(counts: mx.array, offsets: mx.array, num_assignments: int, a
     nt = _scan_threads(e)
     max_blocks = max_blocks_bound(num_assignments, e)
     (blocks,) = _kernel("block_map", backend)(
-        inputs=[counts, offsets, _params(num_assignments, e, max_blocks, large_min_rows(adaptive))],
+        inputs=[counts, offsets, KERNELS["block_map"].pack(
+            A=num_assignments, E=e, max_blocks=max_blocks, large_min_rows=large_min_rows(adaptive))],
         template=[("NT", nt)],
         grid=(nt, 1, 1), threadgroup=(nt, 1, 1),
         output_shapes=[(max_blocks, 4)], output_dtypes=[mx.int32],
@@ -206,7 +212,7 @@ def dequantize_experts(layer, counts: mx.array, dtype, backend: Optional[str] = 
     e, o, kw = w.shape
     k = kw * 8
     (out,) = _kernel("dequant", backend)(
-        inputs=[w, scales, biases, counts, _params(o, k)],
+        inputs=[w, scales, biases, counts, KERNELS["dequant"].pack(O=o, K=k)],
         template=[("T", dtype)],
         grid=(o * k // 8, e, 1), threadgroup=(256, 1, 1),
         output_shapes=[(e, o, k)], output_dtypes=[dtype],
@@ -232,7 +238,7 @@ def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, 
     inputs = [x2d, sorted_rows, blocks]
     inputs += _weights(gate_proj, fused_dequant, counts, x2d.dtype, backend)
     inputs += _weights(up_proj, fused_dequant, counts, x2d.dtype, backend)
-    inputs.append(_params(top_k, d, i))
+    inputs.append(KERNELS["gate_up"].pack(top_k=top_k, D=d, I=i))
     (h,) = _kernel("gate_up", backend)(
         inputs=inputs, template=[("T", x2d.dtype)],
         grid=(i // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), threadgroup=(GEMM_THREADS, 1, 1),
@@ -246,7 +252,7 @@ def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = Tr
     """y [A, D] (slot order) = h Wd^T for the rows of every block."""
     a, i = h.shape
     d = down_proj["scales"].shape[1]
-    inputs = [h, blocks] + _weights(down_proj, fused_dequant, counts, h.dtype, backend) + [_params(i, d)]
+    inputs = [h, blocks] + _weights(down_proj, fused_dequant, counts, h.dtype, backend) + [KERNELS["down"].pack(I=i, D=d)]
     (y,) = _kernel("down", backend)(
         inputs=inputs, template=[("T", h.dtype)],
         grid=(d // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), threadgroup=(GEMM_THREADS, 1, 1),
@@ -263,7 +269,7 @@ def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: 
     n, k = scores.shape
     groups = -(-d // (4 * COMBINE_THREADS))
     (out,) = _kernel("combine", backend)(
-        inputs=[y, slot_of_row, scores, _params(k, d)], template=[("T", y.dtype)],
+        inputs=[y, slot_of_row, scores, KERNELS["combine"].pack(k=k, D=d)], template=[("T", y.dtype)],
         grid=(groups * COMBINE_THREADS, n, 1), threadgroup=(COMBINE_THREADS, 1, 1),
         output_shapes=[(n, d)], output_dtypes=[y.dtype], init_value=init_value,
     )
