@@ -3,7 +3,7 @@ weights built in process (no checkpoint on disk, seconds on a GPU).
 
 The in-process model is MLX-LM's own ``qwen3_5_moe.Model`` from the real config, initialised by MLX's
 default initialisers under a seed, cast to bf16 (A_log stays fp32, as MLX-LM's ``cast_predicate``) and
-quantised by ``nn.quantize`` with the model's ``quant_predicate`` (4-bit group 64; routers and
+quantised by MLX-LM's ``quantize_model`` with the model's ``quant_predicate`` (4-bit group 64; routers and
 shared-expert gates 8-bit): the layout of ``mlx-community/Qwen3.6-35B-A3B-4bit``. Layers are
 evaluated one at a time so the fp32 initial weights never exist all at once.
 """
@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten
 
 from lily_mlx.models.qwen3_6 import (BITS, GROUP_SIZE, QWEN3_6_35B_A3B_TEXT_CONFIG, QWEN3_6_MODEL_TYPE,
                                      TINY_TEXT_OVERRIDES)
@@ -39,20 +39,12 @@ def model_config(size: str = "full", num_layers: Optional[int] = None) -> dict:
 
 
 def build_random_model(config: dict, seed: int = 0, log=print) -> nn.Module:
-    """MLX-LM's model for ``config`` with random weights, quantised like the 4-bit checkpoint."""
-    from mlx_lm.models import qwen3_5_moe
+    """MLX-LM's model for ``config`` with random weights, quantised like the 4-bit checkpoint
+    (``lily_mlx.models.qwen3_6.random_model``), evaluated one layer at a time."""
+    from lily_mlx.models.qwen3_6 import random_model
 
     t0 = time.perf_counter()
-    mx.random.seed(seed)
-    model = qwen3_5_moe.Model(qwen3_5_moe.ModelArgs.from_dict(config))
-    cast = model.cast_predicate if hasattr(model, "cast_predicate") else (lambda p: True)
-
-    def to_bf16(path, x):
-        return x.astype(mx.bfloat16) if cast(path) and mx.issubdtype(x.dtype, mx.floating) else x
-
-    model.update(tree_map_with_path(to_bf16, model.parameters()))
-    q = config["quantization"]
-    nn.quantize(model, group_size=q["group_size"], bits=q["bits"], class_predicate=_predicate(model))
+    model, _ = random_model(config, seed)
     # Evaluate piece by piece: the fp32/bf16 initial weights of one layer at a time.
     lm = model.language_model
     mx.eval(lm.model.embed_tokens.parameters())
@@ -67,19 +59,6 @@ def build_random_model(config: dict, seed: int = 0, log=print) -> nn.Module:
         log(f"[model] random {config['text_config']['num_hidden_layers']}-layer model: {nbytes / 1e9:.2f} GB "
             f"of weights in {time.perf_counter() - t0:.1f} s")
     return model
-
-
-def _predicate(model):
-    base = model.quant_predicate if hasattr(model, "quant_predicate") else None
-
-    def predicate(path, module):
-        if not hasattr(module, "to_quantized"):
-            return False
-        if base is None:
-            return True
-        return base(path, module)
-
-    return predicate
 
 
 def load_model(path: Optional[str], size: str = "full", seed: int = 0, num_layers: Optional[int] = None,

@@ -140,26 +140,6 @@ def train(model, tokens: np.ndarray, settings: TrainSettings, seed: int, log=Non
     return losses
 
 
-def quantise_like_checkpoint(model, config: dict):
-    """bf16 (A_log stays fp32, MLX-LM's cast_predicate), then MLX-LM's quantize_model: 4-bit g64
-    everywhere, 8-bit routers and shared-expert gates (the model's quant_predicate)."""
-    import mlx.core as mx
-    from mlx.utils import tree_map_with_path
-    from mlx_lm.utils import quantize_model
-
-    cast = model.cast_predicate
-
-    def to_bf16(path, value):
-        if cast(path) and mx.issubdtype(value.dtype, mx.floating):
-            return value.astype(mx.bfloat16)
-        return value
-
-    model.update(tree_map_with_path(to_bf16, model.parameters()))
-    return quantize_model(
-        model, config, group_size=qwen3_6.GROUP_SIZE, bits=qwen3_6.BITS, mode="affine"
-    )
-
-
 def heldout_perplexity(model, tokens: np.ndarray, window: int = 256) -> float:
     """Teacher-forced perplexity of ``model`` over ``tokens`` in windows of ``window`` tokens."""
     import mlx.core as mx
@@ -232,7 +212,7 @@ def _build(out_dir, seed, settings, overrides, max_corpus_chars, heldout_eval_to
     losses = train(model, tokens, settings, seed, log=log)
 
     _say(log, "[4/5] quantising: 4-bit g64 affine, routers and shared-expert gates 8-bit")
-    model, config = quantise_like_checkpoint(model, config)
+    model, config = qwen3_6.quantise_like_checkpoint(model, config)
     ppl = heldout_perplexity(model, heldout_tokens[: heldout_eval_tokens + 1])
     _say(log, f"      held-out perplexity {ppl:.2f} (uniform: {overrides['vocab_size']})")
 

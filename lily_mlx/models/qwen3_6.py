@@ -145,3 +145,37 @@ def model_config(text_cfg: dict, *, eos_token_id: int | None = None) -> dict:
 def is_linear_layer(text_cfg: dict, layer: int) -> bool:
     """True for a Gated DeltaNet layer, False for a full-attention layer (MLX-LM's rule)."""
     return (layer + 1) % text_cfg["full_attention_interval"] != 0
+
+
+def quantise_like_checkpoint(model, config: dict):
+    """bf16 (A_log stays fp32, MLX-LM's cast_predicate), then MLX-LM's quantize_model: 4-bit g64
+    everywhere, 8-bit routers and shared-expert gates (the model's quant_predicate). Lazy: nothing is
+    evaluated, so a caller can evaluate layer by layer. Returns (model, config with quantization)."""
+    import mlx.core as mx
+    from mlx.utils import tree_map_with_path
+    from mlx_lm.utils import quantize_model
+
+    cast = getattr(model, "cast_predicate", lambda path: True)
+
+    def to_bf16(path, value):
+        if cast(path) and mx.issubdtype(value.dtype, mx.floating):
+            return value.astype(mx.bfloat16)
+        return value
+
+    model.update(tree_map_with_path(to_bf16, model.parameters()))
+    return quantize_model(model, config, group_size=GROUP_SIZE, bits=BITS, mode="affine",
+                          quant_predicate=getattr(model, "quant_predicate", None))
+
+
+def random_model(config: dict, seed: int = 0):
+    """The one random-weight builder: MLX-LM's model for ``config`` (any supported architecture),
+    MLX's default initialisers under ``seed``, quantised like the checkpoint. Lazy (nothing evaluated).
+    Returns (model, config with quantization). Used by the benchmarks (full size, in process), the
+    test checkpoints of each architecture and, after training, the embedded model."""
+    import mlx.core as mx
+    from mlx_lm.utils import _get_classes
+
+    mx.random.seed(seed)
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    return quantise_like_checkpoint(model, config)

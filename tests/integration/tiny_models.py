@@ -116,29 +116,15 @@ def _write_tokenizer(out: Path) -> int:
 def build_random_model(out_dir, model_type: str = "qwen3_5_moe", seed: int = 0) -> Path:
     """Write a random 4-bit tiny ``model_type`` checkpoint into ``out_dir``; returns the folder."""
     import mlx.core as mx
-    from mlx.utils import tree_map_with_path
-    from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+    from mlx_lm.utils import save_config, save_model
+
+    from lily_mlx.models.qwen3_6 import random_model
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = config_for(model_type)
     config["eos_token_id"] = _write_tokenizer(out)
-
-    mx.random.seed(seed)
-    model_cls, args_cls = _get_classes(config)
-    model = model_cls(args_cls.from_dict(config))
-    cast = getattr(model, "cast_predicate", lambda path: True)
-
-    def to_bf16(path, value):  # bf16 like the real checkpoints; A_log stays fp32 (cast_predicate)
-        if cast(path) and mx.issubdtype(value.dtype, mx.floating):
-            return value.astype(mx.bfloat16)
-        return value
-
-    model.update(tree_map_with_path(to_bf16, model.parameters()))
-    model, config = quantize_model(
-        model, config, group_size=64, bits=4, mode="affine",
-        quant_predicate=getattr(model, "quant_predicate", None),
-    )
+    model, config = random_model(config, seed)
     mx.eval(model.parameters())
     save_model(out, model)
     save_config(config, out / "config.json")
