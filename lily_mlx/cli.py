@@ -100,18 +100,14 @@ def _fail(message: str) -> None:
 def _apply_lily_arguments(ns, parser: argparse.ArgumentParser, session: _Session) -> None:
     from .core import environment, switches
     from .core.backend import resolve_backend
-    from .patch import check_environment, prefill_step_size
+    from .patch import check_environment, environment_problems, prefill_step_size
 
     if not (session.force or getattr(ns, "lily", False)):
         given = [f for f, v in (("--lily-disable", ns.lily_disable), ("--lily-enable", ns.lily_enable),
                                 ("--lily-backend", ns.lily_backend)) if v]
         if given:
             parser.error(f"{', '.join(given)} need(s) --lily")
-        from .ops import load_all
-
-        if os.environ.get("LILY_REFERENCE_OPS"):
-            load_all()  # op names, to check that variable
-        problems = environment.problems()
+        problems = environment_problems()
         if problems:  # stock MLX-LM runs regardless; one line so the typo gets noticed
             print(f"[lily_mlx] warning: ignored without --lily: {'; '.join(problems)}", file=sys.stderr)
         return

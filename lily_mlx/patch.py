@@ -258,14 +258,26 @@ def _report(model, arch: str) -> PatchReport:
     return PatchReport(arch, backend, dict(layers), op_backends, reasons, off)
 
 
+def environment_problems() -> List[str]:
+    """One line per LILY_* variable that cannot be honoured. ``LILY_REFERENCE_OPS`` names ops, which
+    exist once their families are imported: that happens here, and only when the variable is set."""
+    if os.environ.get("LILY_REFERENCE_OPS"):
+        from .ops import load_all
+
+        load_all()
+    return environment.problems()
+
+
 def check_environment() -> None:
     """Every LILY_* variable valid, or :class:`~lily_mlx.core.environment.LilyConfigError`; then the
     dispatch plan is resolved from them (the hot path reads no environment)."""
     from .core import dispatch
     from .ops import load_all
 
-    load_all()  # op names, for LILY_REFERENCE_OPS
-    environment.check()
+    problems = environment_problems()
+    if problems:
+        raise environment.LilyConfigError("lily-mlx: " + "; ".join(problems))
+    load_all()  # the plan covers every op
     dispatch.resolve()
 
 

@@ -2,8 +2,9 @@
 
 Importing lily-mlx never fails because of the environment (MLX-LM's CLIs import it through the hook
 even without ``--lily``). Whatever turns lily-mlx on (``--lily``, ``patch()``, ``load()``) calls
-:func:`check` first, so a bad value is one clear error before any model loads, not a traceback in
-the middle of generation.
+``lily_mlx.patch.check_environment`` first, which raises :class:`LilyConfigError` on any of
+:func:`problems`, so a bad value is one clear error before any model loads, not a traceback in the
+middle of generation.
 """
 
 from __future__ import annotations
@@ -13,15 +14,6 @@ from typing import List
 
 from . import switches
 from .backend import resolve_backend
-
-ENV_VARS = {
-    "LILY_BACKEND": "auto|metal|cuda|sim|reference: where kernels run",
-    "LILY_DISABLE": "comma-separated switches to turn off",
-    "LILY_ENABLE": "comma-separated switches to turn on",
-    "LILY_REFERENCE_OPS": "comma-separated ops or op families kept on their reference (bisecting)",
-    "LILY_ALLOW_UNTESTED": "1: patch under untested MLX / MLX-LM versions",
-}
-
 
 class LilyConfigError(ValueError):
     """A lily-mlx setting (environment variable or flag) that cannot be honoured; one-line message."""
@@ -40,7 +32,7 @@ def _reference_ops_problem() -> List[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
         return []
-    from .dispatch import OPS as ops  # filled by lily_mlx.ops.load_all(), which callers run first
+    from .dispatch import OPS as ops  # filled by importing the op families (lily_mlx.patch does it)
 
     known = set(ops) | {op.family for op in ops.values()}
     unknown = [n for n in names if n not in known]
@@ -59,10 +51,3 @@ def problems() -> List[str]:
     """One line per lily-mlx environment variable that cannot be honoured (empty when all is well)."""
     return (switches.environment_problems() + _backend_problem() + _reference_ops_problem()
             + _allow_untested_problem())
-
-
-def check() -> None:
-    """Raise :class:`LilyConfigError` (one line) when any lily-mlx environment variable is bad."""
-    found = problems()
-    if found:
-        raise LilyConfigError("lily-mlx: " + "; ".join(found))

@@ -13,7 +13,7 @@ import difflib
 import os
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Dict, Iterable, Iterator, List, Optional
 
 
 @dataclass(frozen=True)
@@ -73,11 +73,8 @@ _SWITCH_LIST = [
 
 SWITCHES: Dict[str, Switch] = {s.name: s for s in _SWITCH_LIST}
 
-ENV_VARS = ("LILY_DISABLE", "LILY_ENABLE")
-
 _lock = threading.Lock()
 _state: Dict[str, bool] = {}
-_listeners: List[Callable[[], None]] = []  # called after every change of state (dispatch re-resolves)
 
 
 def suggestion(name: str) -> str:
@@ -98,17 +95,6 @@ def _check(names: Iterable[str]) -> list:
     if unknown:
         raise ValueError(_unknown_message(unknown))
     return names
-
-
-def _changed() -> None:
-    for listener in list(_listeners):
-        listener()
-
-
-def on_change(listener: Callable[[], None]) -> None:
-    """Call ``listener()`` after every change of switch state (the dispatch plan re-resolves)."""
-    if listener not in _listeners:
-        _listeners.append(listener)
 
 
 def parse_list(text: Optional[str]) -> list:
@@ -137,14 +123,13 @@ def reset() -> None:
     Never raises: this runs when ``lily_mlx`` is imported, which MLX-LM's CLIs do through the import
     hook even without ``--lily``, so a typo in a shell profile must not break stock MLX-LM. Unknown
     names are skipped; ``--lily``, ``patch()`` and ``load()`` refuse to run while the environment
-    holds any (:func:`environment_problems`, checked by ``lily_mlx.core.environment.check``).
+    holds any (:func:`environment_problems`, checked by ``lily_mlx.patch.check_environment``).
     """
     values, _ = _from_environment(os.environ)
     with _lock:
         _state.clear()
         _state.update({n: s.default for n, s in SWITCHES.items()})
         _state.update(values)
-    _changed()
 
 
 def environment_problems() -> List[str]:
@@ -171,7 +156,6 @@ def set_enabled(name: str, value: bool) -> None:
     name = _check_one(name)
     with _lock:
         _state[name] = bool(value)
-    _changed()
 
 
 def disable(*names: str) -> None:
@@ -208,7 +192,6 @@ def overrides(disable: Iterable[str] = (), enable: Iterable[str] = ()) -> Iterat
         with _lock:
             _state.clear()
             _state.update(saved)
-        _changed()
 
 
 reset()
