@@ -4,6 +4,11 @@
 //   moe_gemm_down             y[slot] = h[slot] . Wd[e]^T
 //   moe_dequant_experts_q4    the fused_dequant=off ablation: experts dequantised to [E, O, K] first
 //   moe_combine_weighted_rows out[token] = sum_j score[token, j] * y[slot of (token, j)] (fused_combine)
+//                             + gate[token] * y[shared slot of token] (shared expert, fused_expert_down)
+// The shared expert (fused_expert_down) is expert E of the GEMMs: its blocks carry expert id E, its
+// rows are slots A .. A + N - 1 (token order, after the A routed slots) and its weights are separate
+// inputs (the *_s arrays), 4-bit like the experts'. Its rows then get the same per-element
+// arithmetic as a routed row, in any block layout.
 // Weights either 4-bit affine group-64 (uint32 words of 8 nibbles, low nibble first; one scale and
 // one bias per 64 weights; w = scale * q + bias), dequantised one 32 x 64 tile at a time into
 // threadgroup memory, or already dequantised [E, O, K]. simdgroup_matrix<float, 8, 8>, fp32
@@ -29,6 +34,12 @@
 // Weight tile loaders: fill wt[k][n] (k-major, MOE_BK x MOE_BN floats) for output columns
 // [n0, n0 + 32) and K range [k0, k0 + 64) of expert e. O, K: the weight's output and input dims.
 
+// One 4-bit weight: w = scale * q + bias. The tile loader and the decode GEMVs both use this one
+// expression, so a weight has the same float value (and rounding) on either path.
+inline float moe_dequant_q4(uint32_t word, int j, float scale, float bias) {
+  return scale * float((word >> (4 * j)) & 0xfu) + bias;
+}
+
 // 4-bit affine, group 64: one uint32 word holds 8 consecutive K values, low nibble first.
 template <typename S>
 inline void moe_load_weight_tile(
@@ -45,8 +56,7 @@ inline void moe_load_weight_tile(
     float scale = float(scales[row * groups_per_row + k0 / 64]);
     float bias = float(biases[row * groups_per_row + k0 / 64]);
     for (int j = 0; j < 8; ++j) {
-      float q = float((word >> (4 * j)) & 0xfu);
-      wt[(wi * 8 + j) * MOE_BN + n] = scale * q + bias;
+      wt[(wi * 8 + j) * MOE_BN + n] = moe_dequant_q4(word, j, scale, bias);
     }
   }
 }
@@ -64,17 +74,19 @@ inline void moe_load_weight_tile(
 }
 
 // Activation tile xt[r][k] (rows x 64 floats) of a block; rows past `rows` are zero.
-// GATHER: row r is token sorted_rows[first + r] / top_k of x; else row first + r of x.
+// GATHER: row r is token sorted_rows[first + r] / top_k of x, or token token_base + r when
+// token_base >= 0 (shared-expert rows, in token order); else row first + r of x.
 template <bool GATHER, typename T>
 inline void moe_load_rows_tile(
     const device T* x, const device int* sorted_rows, threadgroup float* xt,
-    int first, int rows, int tile_rows, int top_k, int k0, int K, uint tid) {
+    int first, int rows, int tile_rows, int top_k, int k0, int K, uint tid, int token_base = -1) {
   for (int i = int(tid); i < tile_rows * MOE_BK; i += MOE_THREADS) {
     int r = i / MOE_BK;
     int kk = i % MOE_BK;
     float v = 0.0f;
     if (r < rows) {
-      long src = GATHER ? long(sorted_rows[first + r] / top_k) : long(first + r);
+      long src = !GATHER ? long(first + r)
+                 : token_base >= 0 ? long(token_base + r) : long(sorted_rows[first + r] / top_k);
       v = float(x[src * K + k0 + kk]);
     }
     xt[r * MOE_BK + kk] = v;
@@ -124,10 +136,42 @@ inline void moe_store_acc(
   }
 }
 
+// Decode GEMV (switch row_gemv): one output element per thread, one fp32 accumulator taking
+// acc += x[k] * w[k] for k = 0 .. K - 1 in order: exactly what the GEMMs' 8 x 8 multiply-accumulates
+// do for that element (K step 64, then 8 at a time, each in k order), so a row gets the same bits
+// from a GEMV and from a GEMM tile (batch invariance). xs: the row, as floats, in threadgroup memory.
+template <typename S>
+inline float moe_gemv_q4_dot(const device uint32_t* w, const device S* scales, const device S* biases,
+                             const threadgroup float* xs, int K) {
+  float acc = 0.0f;
+  for (int g = 0; g < K / 64; ++g) {
+    const float scale = float(scales[g]);
+    const float bias = float(biases[g]);
+    for (int wi = 0; wi < 8; ++wi) {
+      const uint32_t word = w[g * 8 + wi];
+      for (int j = 0; j < 8; ++j) {
+        acc += xs[g * 64 + wi * 8 + j] * moe_dequant_q4(word, j, scale, bias);
+      }
+    }
+  }
+  return acc;
+}
+
+// Stage one activation row (K values of type T) as floats into threadgroup memory.
+template <typename T>
+inline void moe_stage_row(const device T* row, threadgroup float* xs, int K, uint tid, uint threads) {
+  for (int k = int(tid); k < K; k += int(threads)) {
+    xs[k] = float(row[k]);
+  }
+}
+
+#define MOE_GEMV_MAX_K 4096  // threadgroup row buffer (16 KB); the host checks
+
 // @kernel moe_gemm_gate_up_swiglu
-// grid (I / 32 * 128, max_blocks, 1), threadgroup (128, 1, 1). params: [top_k, D, I].
+// grid (I / 32 * 128, max_blocks, 1), threadgroup (128, 1, 1). params: [top_k, D, I, E, A].
 // x [N, D] tokens; sorted_rows [A]; blocks [max_blocks, 4]; w_gate, w_up: [E, I, D / 8] uint32
-// (+ scales/biases [E, I, D / 64]) or dequantised [E, I, D]. h [A, I]: rows in slot order.
+// (+ scales/biases [E, I, D / 64]) or dequantised [E, I, D]; w_gate_s, w_up_s: the shared expert's
+// [I, D / 8] uint32 (+ scales/biases), read by blocks of expert E. h [A (+ N), I]: rows in slot order.
 threadgroup float xt[MOE_MAX_ROWS * MOE_BK];
 threadgroup float wg[MOE_BK * MOE_BN];
 threadgroup float wu[MOE_BK * MOE_BN];
@@ -153,10 +197,16 @@ for (int i = 0; i < 2; ++i) {
     acc_u[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
 }
+const bool shared = e == E;
 for (int k0 = 0; k0 < D; k0 += MOE_BK) {
-  moe_load_rows_tile<true>(x, sorted_rows, xt, first, rows, tile_rows, top_k, k0, D, tid);
-  moe_load_weight_tile(w_gate, scales_gate, biases_gate, wg, e, n0, k0, I, D, tid);
-  moe_load_weight_tile(w_up, scales_up, biases_up, wu, e, n0, k0, I, D, tid);
+  moe_load_rows_tile<true>(x, sorted_rows, xt, first, rows, tile_rows, top_k, k0, D, tid, shared ? first - A : -1);
+  if (shared) {
+    moe_load_weight_tile(w_gate_s, scales_gate_s, biases_gate_s, wg, 0, n0, k0, I, D, tid);
+    moe_load_weight_tile(w_up_s, scales_up_s, biases_up_s, wu, 0, n0, k0, I, D, tid);
+  } else {
+    moe_load_weight_tile(w_gate, scales_gate, biases_gate, wg, e, n0, k0, I, D, tid);
+    moe_load_weight_tile(w_up, scales_up, biases_up, wu, e, n0, k0, I, D, tid);
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (nj == 2) {
     moe_mma_step<2>(acc_g, xt, wg, row0, col0);
@@ -182,9 +232,10 @@ for (int i = int(tid); i < tile_rows * MOE_BN; i += MOE_THREADS) {
 }
 
 // @kernel moe_gemm_down
-// grid (D / 32 * 128, max_blocks, 1), threadgroup (128, 1, 1). params: [I, D].
-// h [A, I] rows in slot order; w_down [E, D, I / 8] uint32 (+ scales/biases [E, D, I / 64]) or
-// dequantised [E, D, I]. y [A, D] rows in slot order.
+// grid (D / 32 * 128, max_blocks, 1), threadgroup (128, 1, 1). params: [I, D, E].
+// h [A (+ N), I] rows in slot order; w_down [E, D, I / 8] uint32 (+ scales/biases [E, D, I / 64]) or
+// dequantised [E, D, I]; w_down_s the shared expert's [D, I / 8] (blocks of expert E).
+// y [A (+ N), D] rows in slot order.
 threadgroup float xt[MOE_MAX_ROWS * MOE_BK];
 threadgroup float wt[MOE_BK * MOE_BN];
 const uint tid = thread_index_in_threadgroup;
@@ -209,7 +260,11 @@ for (int i = 0; i < 2; ++i) {
 }
 for (int k0 = 0; k0 < I; k0 += MOE_BK) {
   moe_load_rows_tile<false>(h, blocks, xt, first, rows, tile_rows, 1, k0, I, tid);
-  moe_load_weight_tile(w_down, scales_down, biases_down, wt, e, n0, k0, D, I, tid);
+  if (e == E) {
+    moe_load_weight_tile(w_down_s, scales_down_s, biases_down_s, wt, 0, n0, k0, D, I, tid);
+  } else {
+    moe_load_weight_tile(w_down, scales_down, biases_down, wt, e, n0, k0, D, I, tid);
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (nj == 2) {
     moe_mma_step<2>(acc, xt, wt, row0, col0);
@@ -246,10 +301,12 @@ if (counts[e] > 0) {
 }
 
 // @kernel moe_combine_weighted_rows
-// grid (ceil(D / 4 / 128) * 128, N, 1), threadgroup (128, 1, 1). params: [k, D] (D % 4 == 0).
-// y [A, D] the down GEMM's rows in slot order; slot_of_row [A]: slot of assignment a = token * k + j;
-// scores [N, k] routing weights. out [N, D]: each token's k rows read straight from slot order,
-// weighted and summed in fp32, rounded once (no [A, D] gather or product arrays in between).
+// grid (ceil(D / 4 / 128) * 128, N, 1), threadgroup (128, 1, 1). params: [k, D, A, has_shared]
+// (D % 4 == 0). y [A (+ N), D] the down GEMM's rows in slot order; slot_of_row [A]: slot of
+// assignment a = token * k + j; scores [N, k] routing weights; gate [N] fp32 the shared expert's
+// sigmoid gate (has_shared: its row of token n is slot A + n). out [N, D]: each token's k rows read
+// straight from slot order, weighted and summed in fp32 (then the gated shared row), rounded once
+// (no [A, D] gather or product arrays in between).
 const int d0 = int(thread_position_in_grid.x) * 4;
 const long n = long(thread_position_in_grid.y);
 if (d0 < D) {
@@ -261,7 +318,64 @@ if (d0 < D) {
       acc[c] += w * float(y[src + c]);
     }
   }
+  if (has_shared != 0) {
+    const float g = gate[n];
+    const long src = (long(A) + n) * D + d0;
+    for (int c = 0; c < 4; ++c) {
+      acc[c] += g * float(y[src + c]);
+    }
+  }
   for (int c = 0; c < 4; ++c) {
     out[n * D + d0 + c] = static_cast<T>(acc[c]);
   }
 }
+
+// @kernel moe_gemv_gate_up_swiglu
+// grid (I, n_blocks, 1), threadgroup (TG, 1, 1) with I % TG == 0. params: [top_k, D, I, E, A].
+// The decode form of moe_gemm_gate_up_swiglu for one-row blocks (expert, slot, 1, tile): same
+// inputs, same h, the same bits per element. Rows of the shared expert (expert id E) are token
+// slot - A; routed rows are token sorted_rows[slot] / top_k.
+threadgroup float xs[MOE_GEMV_MAX_K];
+const uint tid = thread_index_in_threadgroup;
+const int blk = int(threadgroup_position_in_grid.y);
+const int e = blocks[4 * blk + 0];
+const int slot = blocks[4 * blk + 1];
+if (blocks[4 * blk + 2] == 0) {
+  return;  // padding entry
+}
+const bool shared = e == E;
+const long token = shared ? long(slot - A) : long(sorted_rows[slot] / top_k);
+moe_stage_row(x + token * D, xs, D, tid, threads_per_threadgroup.x);
+threadgroup_barrier(mem_flags::mem_threadgroup);
+const int col = int(thread_position_in_grid.x);
+const long row = shared ? long(col) : long(e) * I + col;
+const device uint32_t* wg_row = (shared ? w_gate_s : w_gate) + row * (D / 8);
+const device uint32_t* wu_row = (shared ? w_up_s : w_up) + row * (D / 8);
+const long srow = row * (D / 64);
+const float g = shared ? moe_gemv_q4_dot(wg_row, scales_gate_s + srow, biases_gate_s + srow, xs, D)
+                       : moe_gemv_q4_dot(wg_row, scales_gate + srow, biases_gate + srow, xs, D);
+const float u = shared ? moe_gemv_q4_dot(wu_row, scales_up_s + srow, biases_up_s + srow, xs, D)
+                       : moe_gemv_q4_dot(wu_row, scales_up + srow, biases_up + srow, xs, D);
+h[long(slot) * I + col] = static_cast<T>(g / (1.0f + metal::exp(-g)) * u);
+
+// @kernel moe_gemv_down
+// grid (D, n_blocks, 1), threadgroup (TG, 1, 1) with D % TG == 0. params: [I, D, E].
+// The decode form of moe_gemm_down for one-row blocks: y[slot] = h[slot] . Wd[e]^T, same bits.
+threadgroup float xs[MOE_GEMV_MAX_K];
+const uint tid = thread_index_in_threadgroup;
+const int blk = int(threadgroup_position_in_grid.y);
+const int e = blocks[4 * blk + 0];
+const int slot = blocks[4 * blk + 1];
+if (blocks[4 * blk + 2] == 0) {
+  return;  // padding entry
+}
+moe_stage_row(h + long(slot) * I, xs, I, tid, threads_per_threadgroup.x);
+threadgroup_barrier(mem_flags::mem_threadgroup);
+const int col = int(thread_position_in_grid.x);
+const bool shared = e == E;
+const long row = shared ? long(col) : long(e) * D + col;
+const long srow = row * (I / 64);
+const float acc = shared
+    ? moe_gemv_q4_dot((w_down_s) + row * (I / 8), scales_down_s + srow, biases_down_s + srow, xs, I)
+    : moe_gemv_q4_dot((w_down) + row * (I / 8), scales_down + srow, biases_down + srow, xs, I);
+y[long(slot) * D + col] = static_cast<T>(acc);

@@ -254,14 +254,14 @@ def test_embedded_model_rows_batch_invariant(sim, embedded_model, monkeypatch, o
     step; the MoE kernels run in every call."""
     model, prompts = embedded_model
     kernel_ran = []
-    real = mk.routed_experts_combined_kernel
+    real = mk.sparse_moe_kernels
 
     def counted(*args, **kwargs):
         y = real(*args, **kwargs)
         kernel_ran.append(y is not None)
         return y
 
-    monkeypatch.setattr(mk, "routed_experts_combined_kernel", counted)
+    monkeypatch.setattr(mk, "sparse_moe_kernels", counted)
     with switches.overrides(disable=off):
         alone = {r: _batched_generation(model, [prompts[r]])[0] for r in CHECKED_ROWS}
         for order in BATCHES:

@@ -548,11 +548,12 @@ def test_microbench_cases_small(gemm_sim, monkeypatch):
 
 
 def test_small_calls_run_the_gemms_without_routing_kernels(gemm_sim, monkeypatch):
-    """Up to PER_ASSIGNMENT_MAX assignments (decode) the schedule is one block per assignment: only the
-    two GEMMs and the combine launch; a prefill chunk runs the routing kernels too. With the routing
-    held fixed, a token's routed-expert output has the same bits in both (batch invariance of lily's
-    kernels; stock's router and shared-expert matmuls around them are MLX's own, which on MLX CUDA are
-    not batch invariant: bench/batch_invariance.py), and the whole block stays close to stock's."""
+    """Up to PER_ASSIGNMENT_MAX assignments (decode) the schedule is one block per assignment, written by
+    the router kernel: only the router, the two GEMV forms of the expert GEMMs and the combine launch; a
+    prefill chunk runs the routing kernels and the GEMMs. A token's whole-block output (router, routed
+    and shared experts: all lily's kernels) has the same bits alone (GEMVs) and in the chunk (GEMM tiles)
+    (batch invariance), and so does its routed-expert output with the routing held fixed; the block
+    stays close to stock's."""
     from lily_mlx.core.kernel_registry import record_launches
     from lily_mlx.ops.moe import sparse_moe_forward
 
@@ -560,13 +561,17 @@ def test_small_calls_run_the_gemms_without_routing_kernels(gemm_sim, monkeypatch
     block = make_sparse_moe_block(num_experts=16, top_k=4, seed=4, skew=3.0)
     chunk = make_inputs(1, 20, 128, seed=7, mean=0.3)  # 80 assignments: routed schedule
     with record_launches() as routed:
-        mx.eval(sparse_moe_forward(block, chunk))
+        in_chunk = sparse_moe_forward(block, chunk)
+        mx.eval(in_chunk)
     with record_launches() as small:
         alone = sparse_moe_forward(block, chunk[:, 5:6])  # 4 assignments
         mx.eval(alone)
-    assert small.counts() == {"moe_gemm_gate_up_swiglu": 1, "moe_gemm_down": 1, "moe_combine_weighted_rows": 1}
+    assert small.counts() == {"moe_router_softmax_topk_q": 1, "moe_gemv_gate_up_swiglu": 1, "moe_gemv_down": 1,
+                              "moe_combine_weighted_rows": 1}
+    assert {"moe_gemm_gate_up_swiglu", "moe_gemm_down"} <= set(routed.counts())
     assert {"moe_route_histogram_i32", "moe_route_scan_i32", "moe_route_scatter_i32",
             "moe_route_block_map_i32"} <= set(routed.counts())
+    assert mx.array_equal(alone[0, 0], in_chunk[0, 5]).item()
 
     gates = mx.softmax(block.gate(chunk).astype(mx.float32), axis=-1)
     inds = mx.argpartition(gates, kth=-4, axis=-1)[..., -4:]
@@ -578,3 +583,89 @@ def test_small_calls_run_the_gemms_without_routing_kernels(gemm_sim, monkeypatch
     stock = _stock_on_cpu(lambda: type(block).__call__(block, chunk[:, 5:6]))
     np.testing.assert_allclose(np.array(alone.astype(mx.float32)), np.array(stock.astype(mx.float32)),
                                atol=0.05 * float(mx.abs(stock).max().item()))
+
+
+# ----------------------------------------------------------------------------------------------
+# The router kernel (fused_expert_up): oracle in float64 from the dequantised weights
+
+
+def _router_block(hidden, experts, top_k, norm, bits, dtype, seed):
+    import mlx.nn as nn
+
+    block = make_sparse_moe_block(hidden=hidden, expert_width=64, num_experts=experts, top_k=top_k, shared_width=64,
+                                  norm_topk_prob=norm, dtype=dtype, seed=seed)
+    if bits != 8:  # the checkpoint's router is 8-bit; 4-bit routers exist in other quantisations
+        for name in ("gate", "shared_expert_gate"):
+            dense = getattr(block, name)
+            w = mx.dequantize(dense.weight, dense.scales, dense.biases, group_size=64, bits=8).astype(dtype)
+            linear = nn.Linear(hidden, w.shape[0], bias=False)
+            linear.weight = w
+            setattr(block, name, nn.QuantizedLinear.from_linear(linear, group_size=64, bits=bits))
+    mx.eval(block.parameters())
+    return block
+
+
+def _rounded(values: np.ndarray, dtype) -> np.ndarray:
+    np_dtype = ml_dtypes.bfloat16 if dtype == mx.bfloat16 else np.float16
+    return values.astype(np_dtype).astype(np.float64)
+
+
+@needs_sim
+@SETTINGS
+@given(tokens=st.sampled_from([1, 2, 5, 33]), hidden=st.sampled_from([64, 128, 192, 512]),
+       experts_topk=st.sampled_from([(16, 4), (256, 8), (8, 1), (300, 2), (1024, 8)]),
+       norm=st.booleans(), bits=st.sampled_from([8, 4]), dtype=st.sampled_from([mx.bfloat16, mx.float16]),
+       seed=st.integers(0, 10_000))
+def test_router_kernel(tokens, hidden, experts_topk, norm, bits, dtype, seed):
+    """Router logits, softmax, top-k, renormalisation and the shared expert's gate against a float64
+    oracle on the same quantised weights with stock's roundings: the chosen experts are a top-k of the
+    oracle's probabilities (up to one rounding of the logits: near-ties may go either way), scores and
+    gate agree to the type's rounding, the decode schedule is exact; outputs are poisoned."""
+    experts, top_k = experts_topk
+    block = _router_block(hidden, experts, top_k, norm, bits, dtype, seed)
+    x = make_inputs(1, tokens, hidden, seed=seed, dtype=dtype).reshape(tokens, hidden)
+    inds, scores, gate, blocks = mk.route_tokens(block, x, True, KERNEL_BACKEND, init_value=POISON_INT)
+    inds, scores, gate, blocks = (np.asarray(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
+                                  for a in (inds, scores, gate, blocks))
+
+    def dense(layer):
+        return np.asarray(mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=64, bits=bits)
+                          .astype(mx.float32)).astype(np.float64)
+
+    xf = np.asarray(x.astype(mx.float32)).astype(np.float64)
+    logits = _rounded(xf @ dense(block.gate).T, dtype)  # [N, E]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs = _rounded(probs / probs.sum(-1, keepdims=True), dtype)
+    gate_logit = _rounded(xf @ dense(block.shared_expert_gate).T, dtype)[:, 0]
+    ulp = 2.0 ** -(8 if dtype == mx.bfloat16 else 11)
+
+    for n in range(tokens):
+        # One rounding of a logit (summation order) moves a probability by up to ~|logit| * ulp.
+        slack = np.expm1(2 * ulp * np.abs(logits[n]).max()) + 4 * ulp
+        chosen = inds[n].astype(np.int64)
+        assert len(set(chosen.tolist())) == top_k and chosen.min() >= 0 and chosen.max() < experts, chosen
+        others = np.setdiff1d(np.arange(experts), chosen)
+        if others.size:  # every chosen probability >= every other one, up to the logits' rounding
+            assert probs[n, chosen].min() >= probs[n, others].max() * (1 - slack) - 1e-6, n
+        picked = probs[n, chosen]
+        want = picked / _rounded(picked.sum(), dtype) if norm else picked
+        np.testing.assert_allclose(scores[n], want, rtol=2 * slack, atol=1e-3)
+        np.testing.assert_allclose(gate[n], 1 / (1 + np.exp(-gate_logit[n])), rtol=4 * ulp, atol=2e-3)
+    a = tokens * top_k
+    want_blocks = np.concatenate([
+        np.stack([inds.reshape(-1), np.arange(a), np.ones(a), np.full(a, mk.SMALL_TILE)], axis=1),
+        np.stack([np.full(tokens, experts), a + np.arange(tokens), np.ones(tokens), np.full(tokens, mk.SMALL_TILE)],
+                 axis=1)])
+    assert np.array_equal(blocks, want_blocks.astype(np.int64))
+
+
+@needs_sim
+def test_router_kernel_token_alone_equals_token_in_batch():
+    """A token's routing (indices, scores, gate) has the same bits alone and among 37 others."""
+    block = _router_block(256, 256, 8, True, 8, mx.bfloat16, 3)
+    x = make_inputs(1, 38, 256, seed=5).reshape(38, 256)
+    batch = mk.route_tokens(block, x, True, KERNEL_BACKEND)
+    for t in (0, 17, 37):
+        alone = mk.route_tokens(block, x[t:t + 1], True, KERNEL_BACKEND)
+        for got, want in zip(alone[:3], batch[:3]):
+            assert mx.array_equal(got[0], want[t]).item()

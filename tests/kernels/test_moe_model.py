@@ -78,7 +78,7 @@ def test_embedded_model_greedy_tokens_match_stock(embedded, moe_on_sim, disabled
     stock_logits = teacher_forced_logits(model, mx.array(prompt), stock)
     decided, first_tie = decided_positions(stock_logits)
     calls = []
-    real = moe_kernels.routed_experts_combined_kernel
+    real = moe_kernels.sparse_moe_kernels
 
     def counted(*args, **kwargs):
         y = real(*args, **kwargs)
@@ -88,7 +88,7 @@ def test_embedded_model_greedy_tokens_match_stock(embedded, moe_on_sim, disabled
     lily_patch.patch(model)
     try:
         with switches.overrides(disable=disabled), pytest.MonkeyPatch.context() as mp:
-            mp.setattr(moe_kernels, "routed_experts_combined_kernel", counted)
+            mp.setattr(moe_kernels, "sparse_moe_kernels", counted)
             lily = _greedy(model, prompt)
             lily_choice = np.array(mx.argmax(teacher_forced_logits(model, mx.array(prompt), stock), axis=-1))
     finally:

@@ -121,12 +121,22 @@ MOE_CALLS = {
 PER_ASSIGNMENT_MAX = 64  # docs/moe.md: calls of <= 64 assignments run one block per assignment
 
 
+GEMV_GATE_UP, GEMV_DOWN = "moe_gemv_gate_up_swiglu", "moe_gemv_down"
+
+
 def expected_moe_launches(state: Dict[str, bool], assignments: int) -> List[str]:
     per_assignment = assignments <= PER_ASSIGNMENT_MAX and state["fused_dequant"]
     names = [] if per_assignment else [HIST, SCAN, SCATTER] + ([BLOCK_MAP] if state["gpu_routing"] else [])
     dequant = [] if state["fused_dequant"] else [DEQUANT]
-    names += dequant * 2 + [GATE_UP] + dequant + [DOWN]  # gate and up dequantised before their GEMM
+    gate_up, down = gemm_names(state, assignments)
+    names += dequant * 2 + [gate_up] + dequant + [down]  # gate and up dequantised before their GEMM
     return names + ([COMBINE] if state["fused_combine"] else [])
+
+
+def gemm_names(state: Dict[str, bool], assignments: int):
+    """The two expert kernels: the GEMV forms for one-row blocks (row_gemv), else the GEMMs."""
+    per_assignment = assignments <= PER_ASSIGNMENT_MAX and state["fused_dequant"]
+    return (GEMV_GATE_UP, GEMV_DOWN) if per_assignment and state.get("row_gemv", True) else (GATE_UP, DOWN)
 
 
 def expected_blocks(counts: Sequence[int], state: Dict[str, bool], flat_inds: np.ndarray) -> np.ndarray:
@@ -143,6 +153,56 @@ def expected_blocks(counts: Sequence[int], state: Dict[str, bool], flat_inds: np
         bound = max(1, min(a, (a + 15 * min(len(counts), a)) // 16))
         blocks += [(-1, 0, 0, 0)] * (bound - len(blocks))
     return np.asarray(blocks, dtype=np.int64).reshape(-1, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole MoE block: fused_expert_up (router kernel), fused_expert_down (shared expert as expert E)
+
+ROUTER = "moe_router_softmax_topk_q"
+MOE_BLOCK_SWITCHES = ("fused_expert_up", "fused_expert_down", "row_gemv")
+
+
+def expected_block_launches(state: Dict[str, bool], assignments: int) -> List[str]:
+    return ([ROUTER] if state["fused_expert_up"] else []) + expected_moe_launches(state, assignments)
+
+
+@pytest.mark.parametrize("tokens", [3, 40])
+@pytest.mark.parametrize("state", _states(MOE_BLOCK_SWITCHES + ("fused_combine",)), ids=_state_id)
+def test_moe_block_switch_paths(sim, state, tokens):
+    """The block's launches per switch state; with the shared expert fused, its rows follow the A routed
+    slots in the GEMMs (blocks of expert id E) and the combine reads them; the block stays close to
+    stock's (fp32 oracle: the same block in fp32)."""
+    from lily_mlx.ops.moe import sparse_moe_forward
+
+    num_experts = 10
+    block = make_sparse_moe_block(hidden=HIDDEN, expert_width=EXPERT_WIDTH, num_experts=num_experts, top_k=TOP_K,
+                                  shared_width=EXPERT_WIDTH, seed=tokens)
+    x = make_inputs(1, tokens, HIDDEN, seed=tokens)
+    full = {name: switches.SWITCHES[name].default for name in switches.SWITCHES}
+    full.update(state)
+    with _overrides(state), record_launches() as rec:
+        out = sparse_moe_forward(block, x)
+        mx.eval(out)
+    a = tokens * TOP_K
+    assert rec.names() == expected_block_launches(full, a), rec.names()
+    gate_up = {launch.name: launch for launch in rec}[gemm_names(full, a)[0]]
+    blocks = np.asarray(gate_up.kwargs["inputs"][2])
+    shared = state["fused_expert_down"] and state["fused_combine"]
+    assert gate_up.kwargs["output_shapes"][0][0] == a + (tokens if shared else 0)
+    shared_blocks = blocks[blocks[:, 0] == num_experts]
+    if shared:  # every token's shared row exactly once, in slots A .. A + N - 1
+        slots = np.concatenate([np.arange(f, f + r) for _, f, r, _ in shared_blocks])
+        assert np.array_equal(np.sort(slots), np.arange(a, a + tokens))
+    else:
+        assert len(shared_blocks) == 0
+
+    stock = type(block).__call__(block, x)
+    exact = make_sparse_moe_block(hidden=HIDDEN, expert_width=EXPERT_WIDTH, num_experts=num_experts, top_k=TOP_K,
+                                  shared_width=EXPERT_WIDTH, seed=tokens)
+    exact.update(block.parameters())  # the same 4-bit weights, computed in fp32
+    exact.set_dtype(mx.float32)
+    exact = type(exact).__call__(exact, x.astype(mx.float32))
+    assert _rms_rel(out, exact) <= 3 * max(_rms_rel(stock, exact), 2e-3)
 
 
 def _dense(layer):
@@ -188,7 +248,7 @@ def test_moe_switch_paths(sim, state, call):
     # Which kernels, in which order.
     assert rec.names() == expected_moe_launches(state, flat.size), rec.names()
     launches = {launch.name: launch for launch in rec}
-    gate_up, down = launches[GATE_UP], launches[DOWN]
+    gate_up, down = (launches[name] for name in gemm_names(state, flat.size))
 
     # The schedule the GEMMs ran: blocks (tile rows per expert), one threadgroup row per block.
     want_blocks = expected_blocks(counts, state, flat)
@@ -338,10 +398,9 @@ SECOND_CHUNK = 16  # tokens: 64 expert assignments, a prefill chunk on the per-a
 MODEL_ERROR_FACTOR = 1.25
 # Switches whose kernels are not written yet, and chunked_prefill (chosen by MLX-LM's prompt chunking,
 # lily_mlx.patch.prefill_step_size, before the model is called): flipping them changes no launch here.
-NO_KERNEL_SWITCHES = ("row_gemv", "fused_expert_up", "fused_expert_down", "fused_qk_prep",
-                      "fixed_block_attention", "chunked_prefill")
-assert set(NO_KERNEL_SWITCHES) | set(MOE_SWITCHES) | set(DELTANET_SWITCHES) | set(ATTENTION_SWITCHES) == set(
-    switches.SWITCHES), "a new switch needs its expected launches here"
+NO_KERNEL_SWITCHES = ("fused_qk_prep", "fixed_block_attention", "chunked_prefill")
+assert set(NO_KERNEL_SWITCHES) | set(MOE_SWITCHES) | set(MOE_BLOCK_SWITCHES) | set(DELTANET_SWITCHES) | set(
+    ATTENTION_SWITCHES) == set(switches.SWITCHES), "a new switch needs its expected launches here"
 
 
 def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Sequence[str], top_k: int) -> List[str]:
@@ -353,7 +412,7 @@ def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Se
             names += expected_deltanet_launches(state, tokens)
         elif tokens == 1:  # decode over a plain KVCache, no mask: the decode attention kernel
             names.append("attention_decode")
-        names += expected_moe_launches(state, tokens * top_k)
+        names += expected_block_launches(state, tokens * top_k)
     return names
 
 

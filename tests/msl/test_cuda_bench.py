@@ -148,10 +148,10 @@ def test_ablations_command_writes_the_table_and_resumes(monkeypatch, tmp_path):
 
     monkeypatch.setenv("LILY_BACKEND", "reference")
     argv = ["--size", "tiny", "--num-layers", "4", "--lengths-scale", "0.01", "--rounds", "1", "--gen-tokens", "2",
-            "--only", "register_scan,row_gemv", "--out", str(tmp_path)]
+            "--only", "register_scan,fused_qk_prep", "--out", str(tmp_path)]
     assert ablations.main(argv) == 0
     rows = {r["switch"]: r for r in json.loads((tmp_path / "ablations.json").read_text())["rows"]}
-    assert rows["row_gemv"]["skipped"] == "no kernel yet"
+    assert rows["fused_qk_prep"]["skipped"] == "no kernel yet"
     scan = rows["register_scan"]
     assert scan["phase"] == "prefill" and scan["on"] > 0 and scan["off"] > 0 and scan["writeup_pct"] == 5.6
     table = (tmp_path / "ablations.md").read_text()

@@ -31,7 +31,9 @@ def test_ops_registered():
     for name in ("moe_router", "moe_routing", "moe_grouped_gemm", "moe_expert_up", "moe_expert_down"):
         assert name in OPS
     assert OPS["moe_routing"].switches == ("gpu_routing",)
-    assert set(OPS["moe_grouped_gemm"].switches) == {"fused_dequant", "adaptive_tile", "fused_combine"}
+    assert set(OPS["moe_grouped_gemm"].switches) == {"fused_dequant", "adaptive_tile", "fused_combine", "fused_expert_down",
+                                                      "row_gemv"}
+    assert OPS["moe_router"].switches == ("fused_expert_up",)
     assert op_backend("moe_grouped_gemm", "reference") == "reference"
     assert op_backend("moe_expert_up", "sim") == "reference"
 

@@ -73,6 +73,9 @@ LILY_LOWP(float16_t, __half, __half2float, __float2half_rn)
 typedef bfloat16_t bfloat;
 typedef float16_t half;
 #define METAL_FUNC __forceinline__
+#ifndef INFINITY  // Metal's float infinity macro
+#define INFINITY (__int_as_float(0x7f800000))
+#endif
 
 template <class T> struct is_lowp_t { static constexpr bool value = false; };
 template <> struct is_lowp_t<bfloat16_t> { static constexpr bool value = true; };

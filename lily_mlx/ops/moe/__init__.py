@@ -8,15 +8,16 @@ references: stock's primitives in stock's order).
 
 Ops, each with a plain-MLX reference and, where written, kernels:
 
-- ``moe_router``: softmax, top-k, renormalise (reference only: stock's exact primitives).
+- ``moe_router``: router logits (quantised GEMV), softmax, top-k, renormalise, and the shared
+  expert's sigmoid gate, in one kernel (switch ``fused_expert_up``); reference: stock's ops.
 - ``moe_routing``: histogram, prefix scan, scatter + inverse map, block map (switch ``gpu_routing``).
-- ``moe_grouped_gemm``: grouped 4-bit expert GEMMs, gate+up+SwiGLU and down, and the weighted
-  combine (switches ``fused_dequant``, ``adaptive_tile``, ``fused_combine``). Where they apply they
-  run for every call size, decode included, so that a token's result is the same alone and in any
-  batch (batch invariance).
+- ``moe_grouped_gemm``: grouped 4-bit expert GEMMs, gate+up+SwiGLU and down, with the shared expert as
+  one more expert (switch ``fused_expert_down``), and the weighted combine (switches ``fused_dequant``,
+  ``adaptive_tile``, ``fused_combine``). Where they apply they run for every call size, decode
+  included, so that a token's result is the same alone and in any batch (batch invariance).
+  Decode calls run the GEMMs' one-row GEMV forms (switch ``row_gemv``), with the same bits.
 - ``moe_expert_up`` / ``moe_expert_down``: the decode GEMV path of stock (references; they run
-  where the grouped kernels do not; switches ``row_gemv``, ``fused_expert_up``, ``fused_expert_down``
-  for GEMV kernels not yet written, which must keep the grouped kernels' per-token arithmetic).
+  where the grouped kernels do not).
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ from .layer import sparse_moe_forward  # noqa: F401
 
 KERNEL_BACKENDS = frozenset({"metal", "sim", "cuda"})
 
-register_op(Op("moe_router", "moe", "Router: softmax (precise), top-k by argpartition, renormalise."))
+register_op(Op(
+    "moe_router", "moe",
+    "Router: quantised router GEMV, softmax (precise), top-k, renormalise; with the shared expert's gate.",
+    switches=("fused_expert_up",), kernel_backends=KERNEL_BACKENDS,
+))
 register_op(Op(
     "moe_routing", "moe",
     "Routing bookkeeping: per-expert histogram, prefix-scan offsets, scatter into expert order, "
@@ -35,16 +40,13 @@ register_op(Op(
 ))
 register_op(Op(
     "moe_grouped_gemm", "moe",
-    "Grouped 4-bit (affine, group 64) expert GEMMs (prefill and decode): gate+up+SwiGLU and down, then the "
-    "routing-weighted sum over each token's experts.",
-    switches=("fused_dequant", "adaptive_tile", "fused_combine"), kernel_backends=KERNEL_BACKENDS,
+    "Grouped 4-bit (affine, group 64) expert GEMMs (prefill and decode): gate+up+SwiGLU and down, the "
+    "shared expert as one more expert, then the routing-weighted sum over each token's experts.",
+    switches=("fused_dequant", "adaptive_tile", "fused_combine", "fused_expert_down", "row_gemv"),
+    kernel_backends=KERNEL_BACKENDS,
 ))
-register_op(Op(
-    "moe_expert_up", "moe", "Decode expert GEMV: gate and up projections with SwiGLU.",
-    switches=("row_gemv", "fused_expert_up"),
-))
+register_op(Op("moe_expert_up", "moe", "Decode expert GEMV (stock's): gate and up projections with SwiGLU."))
 register_op(Op(
     "moe_expert_down", "moe",
-    "Decode expert GEMV: down projection with routing weights and the sigmoid-gated shared expert.",
-    switches=("row_gemv", "fused_expert_down"),
+    "Decode expert GEMV (stock's): down projection with routing weights and the sigmoid-gated shared expert.",
 ))

@@ -20,6 +20,7 @@ counts come to the host (one sync) and the block map is built there, exactly siz
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 from typing import Dict, Optional
 
@@ -28,15 +29,20 @@ import numpy as np
 
 from ...core import switches
 from ...core.dispatch import op_backend
-from ...core.kernel_registry import KernelSpec, get_kernel
+from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel
 from ...core.log import log_once
 from .reference import combine_reference, is_quantized_switch_linear
 
+ROUTER = "moe/router.metal"
 ROUTING = "moe/routing.metal"
 GEMM = "moe/gemm.metal"
 
 # Dispatch table: one KernelSpec per kernel of kernels/moe/routing.metal and kernels/moe/gemm.metal.
 KERNELS: Dict[str, KernelSpec] = {
+    "router": KernelSpec("moe_router_softmax_topk_q", ROUTER,
+                         ("x", "w_router", "scales_router", "biases_router", "w_gate", "scales_gate", "biases_gate",
+                          "params"), ("inds", "scores", "gate", "blocks"),
+                         params=("D", "E", "top_k", "norm_topk", "has_gate", "decode_tile")),
     "histogram": KernelSpec("moe_route_histogram_i32", ROUTING, ("inds", "params"), ("chunk_counts", "local_rank"),
                             params=("A", "E", "n_chunks")),
     "scan": KernelSpec("moe_route_scan_i32", ROUTING, ("chunk_counts", "params"), ("counts", "offsets", "chunk_offsets"),
@@ -47,13 +53,25 @@ KERNELS: Dict[str, KernelSpec] = {
                             params=("A", "E", "max_blocks", "large_min_rows")),
     "gate_up": KernelSpec("moe_gemm_gate_up_swiglu", GEMM,
                           ("x", "sorted_rows", "blocks", "w_gate", "scales_gate", "biases_gate",
-                           "w_up", "scales_up", "biases_up", "params"), ("h",), params=("top_k", "D", "I")),
-    "down": KernelSpec("moe_gemm_down", GEMM, ("h", "blocks", "w_down", "scales_down", "biases_down", "params"), ("y",),
-                       params=("I", "D")),
+                           "w_up", "scales_up", "biases_up", "w_gate_s", "scales_gate_s", "biases_gate_s",
+                           "w_up_s", "scales_up_s", "biases_up_s", "params"), ("h",),
+                          params=("top_k", "D", "I", "E", "A")),
+    "down": KernelSpec("moe_gemm_down", GEMM, ("h", "blocks", "w_down", "scales_down", "biases_down",
+                                               "w_down_s", "scales_down_s", "biases_down_s", "params"), ("y",),
+                       params=("I", "D", "E")),
+    # Decode forms of the two GEMMs for one-row blocks (switch row_gemv): same inputs, same bits.
+    "gemv_gate_up": KernelSpec("moe_gemv_gate_up_swiglu", GEMM,
+                               ("x", "sorted_rows", "blocks", "w_gate", "scales_gate", "biases_gate",
+                                "w_up", "scales_up", "biases_up", "w_gate_s", "scales_gate_s", "biases_gate_s",
+                                "w_up_s", "scales_up_s", "biases_up_s", "params"), ("h",),
+                               params=("top_k", "D", "I", "E", "A")),
+    "gemv_down": KernelSpec("moe_gemv_down", GEMM, ("h", "blocks", "w_down", "scales_down", "biases_down",
+                                                    "w_down_s", "scales_down_s", "biases_down_s", "params"), ("y",),
+                            params=("I", "D", "E")),
     "dequant": KernelSpec("moe_dequant_experts_q4", GEMM, ("w", "scales", "biases", "counts", "params"), ("w_out",),
                           params=("O", "K")),
-    "combine": KernelSpec("moe_combine_weighted_rows", GEMM, ("y", "slot_of_row", "scores", "params"), ("out",),
-                          params=("k", "D")),
+    "combine": KernelSpec("moe_combine_weighted_rows", GEMM, ("y", "slot_of_row", "scores", "gate", "params"),
+                          ("out",), params=("k", "D", "A", "has_shared")),
 }
 
 CHUNK = 256  # assignments per threadgroup in the histogram and scatter kernels
@@ -228,52 +246,174 @@ def _weights(layer, fused_dequant: bool, counts, dtype, backend):
     return [dequantize_experts(layer, counts, dtype, backend), layer["scales"], layer["biases"]]
 
 
+def _shared_weights(shared_layer, fallback) -> list:
+    """The shared expert's 4-bit (weight, scales, biases) for the GEMMs' ``*_s`` inputs; without a fused
+    shared expert, the experts' own arrays stand in (no block reads them)."""
+    layer = shared_layer if shared_layer is not None else fallback
+    return [layer["weight"], layer["scales"], layer["biases"]]
+
+
+GEMV_MAX_K = 4096  # kernels/moe/gemm.metal: MOE_GEMV_MAX_K, the staged row
+
+
+def gemv_threads(width: int) -> int:
+    """Threads per GEMV threadgroup: the largest of 256, 128, 64, 32 dividing the output width."""
+    return next(t for t in (256, 128, 64, 32) if width % t == 0)
+
+
 def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, gate_proj, up_proj,
                         top_k: int, fused_dequant: bool = True, counts: Optional[mx.array] = None,
-                        backend: Optional[str] = None, init_value=None) -> mx.array:
-    """h [A, I] (slot order) = silu(x Wg^T) * (x Wu^T) for the rows of every block."""
+                        backend: Optional[str] = None, init_value=None, shared=None, gemv: bool = False) -> mx.array:
+    """h [A (+ N), I] (slot order) = silu(x Wg^T) * (x Wu^T) for the rows of every block. ``shared``:
+    the shared expert (an MLP of 4-bit gate/up/down projections) as expert E, rows A .. A + N - 1.
+    ``gemv``: the one-row-block form (every block must have one row; 4-bit weights)."""
     n, d = x2d.shape
-    i = gate_proj["scales"].shape[1]
+    e, i = gate_proj["scales"].shape[:2]
     a = sorted_rows.size
     inputs = [x2d, sorted_rows, blocks]
     inputs += _weights(gate_proj, fused_dequant, counts, x2d.dtype, backend)
     inputs += _weights(up_proj, fused_dequant, counts, x2d.dtype, backend)
-    inputs.append(KERNELS["gate_up"].pack(top_k=top_k, D=d, I=i))
-    (h,) = _kernel("gate_up", backend)(
-        inputs=inputs, template=[("T", x2d.dtype)],
-        grid=(i // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), threadgroup=(GEMM_THREADS, 1, 1),
-        output_shapes=[(a, i)], output_dtypes=[x2d.dtype], init_value=init_value,
+    inputs += _shared_weights(shared.gate_proj if shared is not None else None, gate_proj)
+    inputs += _shared_weights(shared.up_proj if shared is not None else None, up_proj)
+    inputs.append(KERNELS["gate_up"].pack(top_k=top_k, D=d, I=i, E=e, A=a))
+    rows = a + (n if shared is not None else 0)
+    if gemv:
+        grid, threads, name = (i, blocks.shape[0], 1), (gemv_threads(i), 1, 1), "gemv_gate_up"
+    else:
+        grid, threads, name = (i // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), (GEMM_THREADS, 1, 1), "gate_up"
+    (h,) = _kernel(name, backend)(
+        inputs=inputs, template=[("T", x2d.dtype)], grid=grid, threadgroup=threads,
+        output_shapes=[(rows, i)], output_dtypes=[x2d.dtype], init_value=init_value,
     )
     return h
 
 
 def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = True,
-              counts: Optional[mx.array] = None, backend: Optional[str] = None, init_value=None) -> mx.array:
-    """y [A, D] (slot order) = h Wd^T for the rows of every block."""
-    a, i = h.shape
-    d = down_proj["scales"].shape[1]
-    inputs = [h, blocks] + _weights(down_proj, fused_dequant, counts, h.dtype, backend) + [KERNELS["down"].pack(I=i, D=d)]
-    (y,) = _kernel("down", backend)(
-        inputs=inputs, template=[("T", h.dtype)],
-        grid=(d // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), threadgroup=(GEMM_THREADS, 1, 1),
-        output_shapes=[(a, d)], output_dtypes=[h.dtype], init_value=init_value,
+              counts: Optional[mx.array] = None, backend: Optional[str] = None, init_value=None,
+              shared=None, gemv: bool = False) -> mx.array:
+    """y [rows, D] (slot order) = h Wd^T for the rows of every block (``shared``: expert E's down;
+    ``gemv``: the one-row-block form)."""
+    rows, i = h.shape
+    e, d = down_proj["scales"].shape[:2]
+    inputs = [h, blocks] + _weights(down_proj, fused_dequant, counts, h.dtype, backend)
+    inputs += _shared_weights(shared.down_proj if shared is not None else None, down_proj)
+    inputs.append(KERNELS["down"].pack(I=i, D=d, E=e))
+    if gemv:
+        grid, threads, name = (d, blocks.shape[0], 1), (gemv_threads(d), 1, 1), "gemv_down"
+    else:
+        grid, threads, name = (d // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), (GEMM_THREADS, 1, 1), "down"
+    (y,) = _kernel(name, backend)(
+        inputs=inputs, template=[("T", h.dtype)], grid=grid, threadgroup=threads,
+        output_shapes=[(rows, d)], output_dtypes=[h.dtype], init_value=init_value,
     )
     return y
 
 
 def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: Optional[str] = None,
-                 init_value=None) -> mx.array:
-    """out [N, D] = sum_j scores[n, j] * y[slot_of_row[n * k + j]]: y [A, D] (slot order),
-    scores [N, k] (any float dtype), fp32 accumulation, output in y's dtype."""
+                 init_value=None, gate: Optional[mx.array] = None) -> mx.array:
+    """out [N, D] = sum_j scores[n, j] * y[slot_of_row[n * k + j]] (+ gate[n] * y[A + n], the shared
+    expert's row): y [A (+ N), D] (slot order), scores [N, k] (any float dtype), gate [N] fp32; fp32
+    accumulation, output in y's dtype."""
     d = y.shape[1]
     n, k = scores.shape
+    a = slot_of_row.size
     groups = -(-d // (4 * COMBINE_THREADS))
+    has_shared = gate is not None
     (out,) = _kernel("combine", backend)(
-        inputs=[y, slot_of_row, scores, KERNELS["combine"].pack(k=k, D=d)], template=[("T", y.dtype)],
+        inputs=[y, slot_of_row, scores, gate if has_shared else float32_scalar(0.0),
+                KERNELS["combine"].pack(k=k, D=d, A=a, has_shared=has_shared)],
+        template=[("T", y.dtype)],
         grid=(groups * COMBINE_THREADS, n, 1), threadgroup=(COMBINE_THREADS, 1, 1),
         output_shapes=[(n, d)], output_dtypes=[y.dtype], init_value=init_value,
     )
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Router kernel and the shared expert (fused_expert_up, fused_expert_down)
+
+ROUTER_THREADS = 1024  # kernels/moe/router.metal: MOE_ROUTER_THREADS
+ROUTER_MAX_EXPERTS = 1024  # kernels/moe/router.metal's threadgroup arrays
+
+
+def _quantized_linear_reason(layer, x: mx.array, bits: tuple, what: str) -> Optional[str]:
+    if not (hasattr(layer, "scales") and hasattr(layer, "bits")):
+        return f"{what} is not quantised"
+    if layer.mode != "affine" or layer.bits not in bits or layer.group_size != 64:
+        return f"{what} is {layer.mode} {layer.bits}-bit group {layer.group_size}, the kernel takes affine {bits} group 64"
+    if layer.get("biases") is None or "bias" in layer:
+        return f"{what} has no affine biases, or has an output bias"
+    if layer["scales"].dtype != x.dtype:
+        return f"{what} scales are {layer['scales'].dtype}, activations {x.dtype}"
+    return None
+
+
+def router_reason(block, x: mx.array, with_gate: bool) -> Optional[str]:
+    """None when the router kernel computes this block's routing (and, ``with_gate``, its shared
+    expert's gate) for activations like ``x``; else why not."""
+    reason = _quantized_linear_reason(block.gate, x, (4, 8), "router")
+    if reason is None and with_gate:
+        reason = _quantized_linear_reason(block.shared_expert_gate, x, (4, 8), "shared-expert gate")
+        if reason is None and block.shared_expert_gate.bits != block.gate.bits:
+            reason = "router and shared-expert gate have different bit widths"
+    if reason is None and block.gate["scales"].shape[0] > ROUTER_MAX_EXPERTS:
+        reason = f"{block.gate['scales'].shape[0]} experts (the router kernel takes <= {ROUTER_MAX_EXPERTS})"
+    return reason
+
+
+def shared_expert_reason(block, x: mx.array) -> Optional[str]:
+    """None when the grouped GEMMs can run the block's shared expert as expert E; else why not."""
+    shared = getattr(block, "shared_expert", None)
+    if shared is None or getattr(block, "shared_expert_gate", None) is None:
+        return "block has no gated shared expert"
+    if type(shared).__call__ is not _swiglu_mlp_call():
+        return f"shared expert {type(shared).__name__} is not MLX-LM's SwiGLU MLP"
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        reason = _quantized_linear_reason(getattr(shared, name), x, (4,), f"shared expert {name}")
+        if reason is not None:
+            return reason
+    if shared.gate_proj["scales"].shape[0] != block.switch_mlp.gate_proj["scales"].shape[1]:
+        return "shared expert width differs from the routed experts'"
+    return None
+
+
+@lru_cache(maxsize=1)
+def _swiglu_mlp_call():
+    from mlx_lm.models.qwen3_next import Qwen3NextMLP
+
+    return Qwen3NextMLP.__call__
+
+
+def route_tokens(block, x2d: mx.array, with_gate: bool, backend: Optional[str] = None, init_value=None):
+    """The router kernel: x [N, D] -> inds [N, k] int32, scores [N, k], gate [N] fp32 (the shared
+    expert's sigmoid gate; zeros without ``with_gate``), blocks [N * k (+ N), 4] (the one-row decode
+    schedule, shared-expert rows last)."""
+    n, d = x2d.shape
+    router, gate = block.gate, block.shared_expert_gate if with_gate else block.gate
+    e = router["scales"].shape[0]
+    k = block.top_k
+    rows = n * k + (n if with_gate else 0)
+    return _kernel("router", backend)(
+        inputs=[x2d, router["weight"], router["scales"], router["biases"],
+                gate["weight"], gate["scales"], gate["biases"],
+                KERNELS["router"].pack(D=d, E=e, top_k=k, norm_topk=bool(block.norm_topk_prob),
+                                       has_gate=with_gate, decode_tile=SMALL_TILE)],
+        template=[("T", x2d.dtype), ("BITS", router.bits)],
+        grid=(ROUTER_THREADS, n, 1), threadgroup=(ROUTER_THREADS, 1, 1),
+        output_shapes=[(n, k), (n, k), (n,), (rows, 4)],
+        output_dtypes=[mx.int32, x2d.dtype, mx.float32, mx.int32],
+        init_value=init_value,
+    )
+
+
+@lru_cache(maxsize=256)
+def shared_expert_blocks(num_tokens: int, num_routed: int, num_experts: int, tile: int, one_row: bool) -> mx.array:
+    """Blocks of the shared expert (expert id E) over slots A .. A + N - 1: tiles of ``tile`` rows, or
+    one row per block (``one_row``: the per-assignment schedule of small calls)."""
+    step = 1 if one_row else tile
+    rows = [(num_experts, num_routed + start, min(step, num_tokens - start), tile)
+            for start in range(0, num_tokens, step)]
+    return mx.array(np.asarray(rows, dtype=np.int32).reshape(-1, 4))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,30 +465,62 @@ def _static_reason(switch_mlp, x: mx.array, num_experts: int) -> Optional[str]:
     return cache[key]
 
 
-def _routed_rows(switch_mlp, x: mx.array, inds: mx.array):
-    """Routing schedule and the down GEMM's output: (y [A, D] in slot order, schedule, backend), or
-    None when the kernels do not apply (said once in the log)."""
-    backend = op_backend("moe_grouped_gemm")
+def moe_unavailable_reason(switch_mlp, x: mx.array, backend: str) -> Optional[str]:
+    """Why the grouped kernels cannot run this layer on ``backend`` (logged once), or None."""
     num_experts = switch_mlp.gate_proj["weight"].shape[0]
     reason = _static_reason(switch_mlp, x, num_experts)
     if reason is not None:
         log_once(f"moe_grouped_gemm:{reason}", f"moe_grouped_gemm: reference path ({reason})")
-        return None
+        return reason
     reason = kernels_unavailable(backend)
     if reason is not None:
         log_once(f"moe_grouped_gemm:{backend}:unavailable", f"moe_grouped_gemm: reference path ({reason})")
-        return None
-    fused = switches.is_enabled("fused_dequant")
-    if inds.size <= PER_ASSIGNMENT_MAX and fused:
+    return reason
+
+
+def _schedule(inds: mx.array, num_experts: int, fused: bool, backend: str, decode_blocks=None,
+              num_shared_rows: int = 0):
+    """The GEMMs' schedule for this call: per-assignment blocks for small calls (``decode_blocks``
+    from the router kernel when it ran), else the routing kernels' block map; with a fused shared
+    expert its blocks (expert id E, slots A ..) come last."""
+    a = inds.size
+    if a <= PER_ASSIGNMENT_MAX and fused:
+        if decode_blocks is not None:
+            schedule = {"counts": None, "sorted_rows": _per_assignment_tail(a)[0],
+                        "slot_of_row": _per_assignment_tail(a)[0], "blocks": decode_blocks}
+            return schedule
         schedule = per_assignment_schedule(inds)
+        tile, one_row = SMALL_TILE, True
     else:
-        schedule = routing_schedule(
-            inds, num_experts, switches.is_enabled("gpu_routing"), switches.is_enabled("adaptive_tile"), backend)
-    top_k = inds.shape[-1]
+        adaptive = switches.is_enabled("adaptive_tile")
+        schedule = routing_schedule(inds, num_experts, switches.is_enabled("gpu_routing"), adaptive, backend)
+        tile, one_row = (LARGE_TILE if adaptive and num_shared_rows >= LARGE_TILE else SMALL_TILE), False
+    if num_shared_rows:
+        shared = shared_expert_blocks(num_shared_rows, a, num_experts, tile, one_row)
+        schedule["blocks"] = mx.concatenate([schedule["blocks"], shared], axis=0)
+    return schedule
+
+
+def _routed_rows(switch_mlp, x: mx.array, inds: mx.array, shared=None, decode_blocks=None):
+    """Routing schedule and the down GEMM's output: (y [A (+ N), D] in slot order, schedule, backend),
+    or None when the kernels do not apply (said once in the log). ``shared``: the shared expert, run
+    as expert E (rows A .. A + N - 1)."""
+    backend = op_backend("moe_grouped_gemm")
+    if moe_unavailable_reason(switch_mlp, x, backend) is not None:
+        return None
+    num_experts = switch_mlp.gate_proj["weight"].shape[0]
+    fused = switches.is_enabled("fused_dequant")
     x2d = x.reshape(-1, x.shape[-1])
+    n_shared = x2d.shape[0] if shared is not None else 0
+    schedule = _schedule(inds, num_experts, fused, backend, decode_blocks, n_shared)
+    top_k = inds.shape[-1]
+    # One-row blocks (the per-assignment schedule) run the GEMV forms: same bits, far less work.
+    gemv = (schedule["counts"] is None and switches.is_enabled("row_gemv")
+            and max(x2d.shape[-1], switch_mlp.gate_proj["scales"].shape[1]) <= GEMV_MAX_K)
     h = gemm_gate_up_swiglu(x2d, schedule["sorted_rows"], schedule["blocks"], switch_mlp.gate_proj,
-                            switch_mlp.up_proj, top_k, fused, schedule["counts"], backend)
-    y = gemm_down(h, schedule["blocks"], switch_mlp.down_proj, fused, schedule["counts"], backend)
+                            switch_mlp.up_proj, top_k, fused, schedule["counts"], backend, shared=shared, gemv=gemv)
+    y = gemm_down(h, schedule["blocks"], switch_mlp.down_proj, fused, schedule["counts"], backend, shared=shared,
+                  gemv=gemv)
     return y, schedule, backend
 
 
@@ -363,15 +535,19 @@ def routed_experts_kernel(switch_mlp, x: mx.array, inds: mx.array) -> Optional[m
     return y.reshape(*inds.shape, x.shape[-1])
 
 
+def _fused_combine_enabled(width: int) -> bool:
+    fused = switches.is_enabled("fused_combine")
+    if fused and width % 4 != 0:
+        log_once("fused_combine:width", f"fused_combine: hidden size {width} is not a multiple of 4, "
+                 "combining with gather + weighted sum instead")
+        fused = False
+    return fused
+
+
 def routed_experts_combined_kernel(switch_mlp, x: mx.array, inds: mx.array, scores: mx.array) -> Optional[mx.array]:
     """Routed experts weighted and summed over k: x [..., D], inds/scores [..., k] -> [..., D], or
     None when the kernels do not apply. ``fused_combine`` off: gather, multiply, sum (stock's ops)."""
-    fused = switches.is_enabled("fused_combine")
-    if fused and x.shape[-1] % 4 != 0:
-        log_once("fused_combine:width", f"fused_combine: hidden size {x.shape[-1]} is not a multiple of 4, "
-                 "combining with gather + weighted sum instead")
-        fused = False
-    if not fused:
+    if not _fused_combine_enabled(x.shape[-1]):
         y = routed_experts_kernel(switch_mlp, x, inds)
         return None if y is None else combine_reference(y, scores)
     routed = _routed_rows(switch_mlp, x, inds)
@@ -381,3 +557,61 @@ def routed_experts_combined_kernel(switch_mlp, x: mx.array, inds: mx.array, scor
     k = inds.shape[-1]
     out = combine_rows(y, schedule["slot_of_row"], scores.reshape(-1, k), backend)
     return out.reshape(x.shape)
+
+
+def sparse_moe_kernels(block, x: mx.array) -> Optional[mx.array]:
+    """The whole sparse MoE block on the kernels (router, routed experts, shared expert): x [..., D]
+    -> [..., D], or None when the grouped kernels do not apply (the caller runs the reference).
+
+    fused_expert_up: the router kernel gives indices, scores, the shared expert's gate and (small
+    calls) the GEMMs' schedule; off, stock's router ops. fused_expert_down: the shared expert runs in
+    the grouped GEMMs as expert E and the combine adds it, gated; off, MLX's matmuls add it after."""
+    backend = op_backend("moe_grouped_gemm")
+    if moe_unavailable_reason(block.switch_mlp, x, backend) is not None:
+        return None
+    from .reference import router_reference, shared_expert_reference
+
+    x2d = x.reshape(-1, x.shape[-1])
+    k = block.top_k
+    fused_combine = _fused_combine_enabled(x.shape[-1])
+    fuse_shared = (fused_combine and switches.is_enabled("fused_expert_down")
+                   and _cached_reason(block, x, "shared", shared_expert_reason) is None)
+    router_backend = op_backend("moe_router")
+    fuse_router = (switches.is_enabled("fused_expert_up") and router_backend != "reference"
+                   and _cached_reason(block, x, ("router", fuse_shared),
+                                      lambda b, a: router_reason(b, a, fuse_shared)) is None)
+    decode_blocks = None
+    if fuse_router:
+        inds, scores, gate, decode_blocks = route_tokens(block, x2d, fuse_shared, router_backend)
+        gate = gate if fuse_shared else None
+    else:
+        inds, scores = router_reference(block.gate(x2d), k, block.norm_topk_prob)
+        gate = None
+        if fuse_shared:
+            gate = mx.sigmoid(block.shared_expert_gate(x2d)).reshape(-1).astype(mx.float32)
+
+    if not fused_combine:
+        y = routed_experts_kernel(block.switch_mlp, x2d, inds)
+        out = combine_reference(y, scores)
+    else:
+        shared = block.shared_expert if fuse_shared else None
+        y, schedule, backend = _routed_rows(block.switch_mlp, x2d, inds, shared, decode_blocks)
+        out = combine_rows(y, schedule["slot_of_row"], scores, backend, gate=gate)
+    if not fuse_shared:
+        out = out + shared_expert_reference(block, x2d)
+    return out.reshape(x.shape)
+
+
+def _cached_reason(block, x: mx.array, what, check) -> Optional[str]:
+    """``check(block, x)`` once per (block, activation dtype, what): it depends only on the block's
+    weights and quantisation, which a forward never changes. The reason is logged once."""
+    cache = block.__dict__.setdefault("_lily_moe_reasons", {})
+    key = (what, x.dtype)
+    if key not in cache:
+        cache[key] = reason = check(block, x)
+        if reason is not None:
+            # A debug line: the block still runs its routed experts on the kernels, and this piece on
+            # stock's ops (a correct path, not a fallback of the whole op).
+            log_once(f"moe:{what}:{reason}", f"moe {what[0] if isinstance(what, tuple) else what}: "
+                     f"{reason}; using stock's ops for it", level=logging.DEBUG)
+    return cache[key]

@@ -28,14 +28,14 @@ from .reference import (
 SORT_THRESHOLD = 64
 
 
-def routed_experts_kernels(switch_mlp, x: mx.array, inds: mx.array, scores: mx.array):
-    """Routed experts weighted and summed by the kernels (any number of tokens): x [..., D],
-    inds [..., k] -> [..., D]; None on the reference backend or where the kernels do not apply."""
+def moe_kernels(block, x: mx.array):
+    """The block on the kernels (``kernels.sparse_moe_kernels``): x [..., D] -> [..., D]; None on the
+    reference backend or where the kernels do not apply."""
     if op_backend("moe_grouped_gemm") == "reference":
         return None
-    from .kernels import routed_experts_combined_kernel
+    from .kernels import sparse_moe_kernels
 
-    return routed_experts_combined_kernel(switch_mlp, x, inds, scores)
+    return sparse_moe_kernels(block, x)
 
 
 def sparse_moe_forward(self, x: mx.array) -> mx.array:
@@ -45,24 +45,22 @@ def sparse_moe_forward(self, x: mx.array) -> mx.array:
     if self.sharding_group is not None:
         x = sum_gradients(self.sharding_group)(x)
 
-    inds, scores = router_reference(self.gate(x), self.top_k, self.norm_topk_prob)  # [B, T, k]
-
     # Batch invariance: a token's result must not depend on the tokens sharing the call (other rows
     # of a server batch, padding, the chunk it came in). A path chosen by the call's assignment count
     # (stock's 64) or by T would hand the same token to different arithmetic alone and in a batch
     # (MLX-LM pads a 1-token prompt chunk to the batch's longest one). So wherever the kernels apply
     # they run for every call size, decode included: their per-token arithmetic is fixed (a row's
     # fp32 accumulation is the same in 16- and 32-row tiles). The reference keeps stock's split.
-    y = routed_experts_kernels(self.switch_mlp, x, inds, scores)
-    if y is not None:
-        y = y + shared_expert_reference(self, x)
-    elif inds.size >= SORT_THRESHOLD:
-        y = combine_reference(switch_glu_reference(self.switch_mlp, x, inds), scores)
-        y = y + shared_expert_reference(self, x)
-    else:
-        # Decode: gate+up+SwiGLU, then down fused with routing weights and the shared expert.
-        h = expert_up_reference(self.switch_mlp, x, inds)
-        y = expert_down_reference(self.switch_mlp, h, inds, scores, shared_expert_reference(self, x))
+    y = moe_kernels(self, x)
+    if y is None:
+        inds, scores = router_reference(self.gate(x), self.top_k, self.norm_topk_prob)  # [B, T, k]
+        if inds.size >= SORT_THRESHOLD:
+            y = combine_reference(switch_glu_reference(self.switch_mlp, x, inds), scores)
+            y = y + shared_expert_reference(self, x)
+        else:
+            # Decode: gate+up+SwiGLU, then down fused with routing weights and the shared expert.
+            h = expert_up_reference(self.switch_mlp, x, inds)
+            y = expert_down_reference(self.switch_mlp, h, inds, scores, shared_expert_reference(self, x))
 
     if self.sharding_group is not None:
         y = mx.distributed.all_sum(y, group=self.sharding_group)

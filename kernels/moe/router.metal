@@ -1,0 +1,192 @@
+// MoE router in one kernel (lily_mlx/ops/moe/kernels.py dispatches it; every call size, switch
+// fused_expert_up):
+//   moe_router_softmax_topk_q   per token: router logits (quantised GEMV), softmax, top-k, renormalise,
+//                               the shared expert's sigmoid gate, and the decode GEMM schedule
+//
+// It computes what MLX-LM's Qwen3NextSparseMoeBlock does with five to seven MLX ops, with stock's
+// roundings: logits rounded to T (the quantised matmul's output type), softmax in fp32 rounded to T,
+// the k largest probabilities (ties: the lower expert id), their sum rounded to T, each score divided
+// by it and rounded to T; the shared-expert gate is sigmoid(logit rounded to T), rounded to T.
+// Quantisation: affine, BITS = 8 (4 values per uint32 word, low byte first) or 4 (8 nibbles), group
+// 64: w = scale * q + bias; scales and biases in T.
+//
+// Batch invariance (keep it): one threadgroup per token, and a token's arithmetic (lane split of D,
+// fp32 accumulation order, the simd_sum butterfly, the reductions over experts) never depends on
+// the other tokens of the call or their number.
+
+// @header
+#define MOE_ROUTER_THREADS 1024  // 32 simdgroups: one token per threadgroup must still fill an SM
+#define MOE_ROUTER_MAX_E 1024   // experts (threadgroup arrays; the host checks)
+
+// Dot product of one quantised row with x over D, reduced over the simdgroup (every lane gets it).
+template <int BITS, typename T>
+inline float moe_router_row_dot(
+    const device uint32_t* w, const device T* scales, const device T* biases,
+    const device T* x, int D, uint lane) {
+  constexpr int VALUES_PER_WORD = 32 / BITS;
+  constexpr int WORDS_PER_GROUP = 64 / VALUES_PER_WORD;
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const int words = D / VALUES_PER_WORD;
+  float acc = 0.0f;
+  // Adjacent lanes read adjacent words (coalesced); each lane sums its words in order.
+  for (int wi = int(lane); wi < words; wi += 32) {
+    const uint32_t word = w[wi];
+    const float scale = float(scales[wi / WORDS_PER_GROUP]);
+    const float bias = float(biases[wi / WORDS_PER_GROUP]);
+    for (int j = 0; j < VALUES_PER_WORD; ++j) {
+      const float q = float((word >> (BITS * j)) & MASK);
+      acc = metal::fma(float(x[wi * VALUES_PER_WORD + j]), scale * q + bias, acc);
+    }
+  }
+  return simd_sum(acc);
+}
+
+// Largest of v over the threadgroup (every thread gets it). partial: 8 floats of threadgroup memory.
+inline float moe_router_max(float v, threadgroup float* partial, uint sg, uint lane) {
+  v = simd_max(v);
+  if (lane == 0) {
+    partial[sg] = v;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float m = partial[0];
+  for (int i = 1; i < MOE_ROUTER_THREADS / 32; ++i) {
+    m = metal::max(m, partial[i]);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return m;
+}
+
+// Sum of v over the threadgroup, in a fixed order (every thread gets it).
+inline float moe_router_sum(float v, threadgroup float* partial, uint sg, uint lane) {
+  v = simd_sum(v);
+  if (lane == 0) {
+    partial[sg] = v;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float s = 0.0f;
+  for (int i = 0; i < MOE_ROUTER_THREADS / 32; ++i) {
+    s += partial[i];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return s;
+}
+
+// Largest key over the threadgroup (every thread gets it).
+inline uint moe_router_max_key(uint v, threadgroup uint* partial, uint sg, uint lane) {
+  v = simd_max(v);
+  if (lane == 0) {
+    partial[sg] = v;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  uint m = partial[0];
+  for (int i = 1; i < MOE_ROUTER_THREADS / 32; ++i) {
+    m = metal::max(m, partial[i]);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return m;
+}
+
+// @kernel moe_router_softmax_topk_q
+// grid (1024, N, 1), threadgroup (1024, 1, 1); template T (activation dtype), BITS (8 or 4).
+// params: [D, E, top_k, norm_topk, has_gate, decode_tile].
+// x [N, D]; w_router [E, D * BITS / 32] uint32 (+ scales/biases [E, D / 64]); w_gate [1, ...] the
+// shared-expert gate (same layout; unused when has_gate == 0).
+// inds [N, k] int32 (largest probability first); scores [N, k] T; gate [N] float32 (sigmoid gate,
+// 0 when has_gate == 0); blocks [N * k + N * has_gate, 4] int32: the GEMMs' one-row decode schedule,
+// assignment a = n * k + j -> (inds[a], a, 1, decode_tile), shared-expert row of token n ->
+// (E, N * k + n, 1, decode_tile).
+threadgroup float probs[MOE_ROUTER_MAX_E + 1];
+threadgroup float partial[MOE_ROUTER_THREADS / 32];
+threadgroup uint partial_key[MOE_ROUTER_THREADS / 32];
+threadgroup int chosen[MOE_ROUTER_MAX_E];
+const uint tid = thread_index_in_threadgroup;
+const uint sg = simdgroup_index_in_threadgroup;
+const uint lane = thread_index_in_simdgroup;
+const long n = long(threadgroup_position_in_grid.y);
+const int num_tokens = int(threadgroups_per_grid.y);
+const int words = D * BITS / 32;
+const device T* xn = x + n * D;
+
+// 1. Logits: simdgroup sg takes rows sg, sg + 32, ...; row E is the shared-expert gate.
+for (int row = int(sg); row < E + has_gate; row += MOE_ROUTER_THREADS / 32) {
+  float logit;
+  if (row < E) {
+    logit = moe_router_row_dot<BITS>(w_router + long(row) * words, scales_router + long(row) * (D / 64),
+                                     biases_router + long(row) * (D / 64), xn, D, lane);
+  } else {
+    logit = moe_router_row_dot<BITS>(w_gate, scales_gate, biases_gate, xn, D, lane);
+  }
+  if (lane == 0) {
+    probs[row] = float(static_cast<T>(logit));
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+// 2. Softmax over the E router logits, fp32, rounded to T.
+float local_max = -INFINITY;
+for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
+  local_max = metal::max(local_max, probs[e]);
+}
+const float top = moe_router_max(local_max, partial, sg, lane);
+float local_sum = 0.0f;
+for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
+  local_sum += metal::exp(probs[e] - top);
+}
+const float total = moe_router_sum(local_sum, partial, sg, lane);
+for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
+  probs[e] = float(static_cast<T>(metal::exp(probs[e] - top) / total));
+  chosen[e] = 0;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+// 3. Top-k: k rounds of a threadgroup max over keys = the probability's fp32 bits with the expert id
+// in the low 10 bits (1023 - e: ties go to the lower id). Probabilities are >= 0, so their bits order
+// like their values, and as T-rounded values (bf16 or fp16) their low 13 fp32 mantissa bits are zero.
+for (int j = 0; j < top_k; ++j) {
+  uint best = 0u;
+  for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
+    if (chosen[e] == 0) {
+      best = metal::max(best, as_type<uint>(probs[e]) | uint(MOE_ROUTER_MAX_E - 1 - e));
+    }
+  }
+  best = moe_router_max_key(best, partial_key, sg, lane);
+  if (tid == 0) {
+    chosen[MOE_ROUTER_MAX_E - 1 - int(best & uint(MOE_ROUTER_MAX_E - 1))] = j + 1;  // 1 + rank
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// 4. Scores, the gate and the decode schedule (one thread: k is small).
+if (tid == 0) {
+  const long a0 = n * top_k;
+  for (int e = 0; e < E; ++e) {
+    if (chosen[e] > 0) {
+      inds[a0 + chosen[e] - 1] = e;
+    }
+  }
+  float picked_sum = 0.0f;
+  for (int j = 0; j < top_k; ++j) {
+    picked_sum += probs[inds[a0 + j]];
+  }
+  const float denom = float(static_cast<T>(picked_sum));
+  for (int j = 0; j < top_k; ++j) {
+    const int e = inds[a0 + j];
+    const float p = probs[e];
+    scores[a0 + j] = static_cast<T>(norm_topk != 0 ? p / denom : p);
+    blocks[4 * (a0 + j) + 0] = e;
+    blocks[4 * (a0 + j) + 1] = int(a0 + j);
+    blocks[4 * (a0 + j) + 2] = 1;
+    blocks[4 * (a0 + j) + 3] = decode_tile;
+  }
+  if (has_gate != 0) {
+    const float g = 1.0f / (1.0f + metal::exp(-probs[E]));
+    gate[n] = float(static_cast<T>(g));
+    const long slot = long(num_tokens) * top_k + n;
+    blocks[4 * slot + 0] = E;
+    blocks[4 * slot + 1] = int(slot);
+    blocks[4 * slot + 2] = 1;
+    blocks[4 * slot + 3] = decode_tile;
+  } else {
+    gate[n] = 0.0f;
+  }
+}
