@@ -28,7 +28,9 @@ from typing import Dict, List, Sequence
 
 import mlx.core as mx
 
-from .e2e import Engines, validate_engine
+from lily_mlx.core import switches
+
+from .e2e import Engines, switches_off, validate_engine
 
 # Primitives that only describe a view of their input (no kernel of their own on any backend).
 VIEW_PRIMITIVES = frozenset({
@@ -134,7 +136,8 @@ def run(model, context: int, engines: Sequence[str], rounds: int, steps: int, vo
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
         for engine in order:
             switcher.use(engine)
-            result = profile_engine(model, context, steps, vocab, seed + r)
+            with switches.overrides(disable=switches_off(engine)):  # lily-off:<switch> engines
+                result = profile_engine(model, context, steps, vocab, seed + r)
             per_engine[engine].append(result)
             log(f"[decode-profile] round {r + 1}/{rounds} {engine}: build "
                 f"{1e3 * statistics.median(result['build_s']):.2f} ms, eval "
