@@ -40,6 +40,8 @@ _DELEGATED = {
                     "teacher-forced lily vs stock MLX-LM: top-1 agreement, perplexities, max |logit diff|"),
     "build-random": ("lily_mlx.models.random_weights",
                      "write full-size random 4-bit Qwen3.6-35B-A3B weights for benchmarks"),
+    "tune": ("lily_mlx.tuning",
+             "check and time every kernel on this machine; write the profile --lily / patch() apply"),
 }
 _MLX_LM = {
     "generate": "mlx_lm.generate with lily-mlx on; every mlx_lm.generate flag passes through",
