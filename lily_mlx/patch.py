@@ -232,8 +232,8 @@ class PatchReport:
                 f"switches off: {', '.join(self.switches_off) or 'none'}")
         if self.backend != "reference" and self.reference_reasons:
             by_reason: Dict[str, List[str]] = {}
-            for op, why in self.reference_reasons.items():
-                by_reason.setdefault(why, []).append(op)
+            for op, why in self.reference_reasons.items():  # a tune profile's reasons: in its report
+                by_reason.setdefault("tune profile" if why.startswith("tune profile") else why, []).append(op)
             line += "; reference path: " + "; ".join(f"{', '.join(ops)} ({why})" for why, ops in by_reason.items())
         return f"{line}; {self.tune_profile}"
 
