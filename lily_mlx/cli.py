@@ -7,6 +7,7 @@ Subcommands:
     switches        table of switches (default, state, phase, description) and op backends
     embedded-model  print the embedded tiny model's folder (build it first if needed)
     consistency     teacher-forced lily vs stock comparison (top-1 agreement, perplexity, logits)
+    tune            check and time every kernel on this machine; write the profile --lily applies
     build-random    write full-size random 4-bit Qwen3.6-35B-A3B weights (benchmarks)
 
 How ``--lily`` reaches MLX-LM: the installed ``lily_mlx_hooks.pth`` puts a small import hook
@@ -346,8 +347,9 @@ def usage() -> str:
               "every MLX-LM flag plus --lily-disable A,B, --lily-enable A,B, --lily-backend B.",
               "Environment: LILY_BACKEND=auto|metal|cuda|sim|reference, LILY_DISABLE=a,b,",
               "LILY_ENABLE=a,b, LILY_REFERENCE_OPS=op_or_family,... (keep those on their reference),",
-              "LILY_ALLOW_UNTESTED=1 (patch under untested MLX/MLX-LM versions). A bad value is one",
-              "warning line without --lily and a one-line error (exit 2) with it."]
+              "LILY_ALLOW_UNTESTED=1 (patch under untested MLX/MLX-LM versions), LILY_TUNE=off (ignore",
+              "the tune profile), LILY_TUNE_DIR=folder (where `tune` writes profiles and patch() reads",
+              "them). A bad value is one warning line without --lily and a one-line error (exit 2) with it."]
     return "\n".join(lines)
 
 

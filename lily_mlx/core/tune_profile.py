@@ -129,5 +129,5 @@ def describe(profile: Optional[Profile]) -> str:
         return f"tune profile: off ({TUNE_ENV}={os.environ.get(TUNE_ENV)})"
     if profile is None:
         return "tune profile: none"
-    return (f"tune profile: {profile.path} ({len(profile.reference_ops)} op(s) on reference, "
-            f"{len(profile.switches_off)} switch(es) off)")
+    return (f"tune profile: {profile.path} (tuned on {profile.model}; {len(profile.reference_ops)} op(s) on "
+            f"reference, {len(profile.switches_off)} switch(es) off)")

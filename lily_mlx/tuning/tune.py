@@ -358,6 +358,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         "patch() and --lily apply on this device, backend, MLX and lily-mlx version (an op whose kernel "
         "is slower takes its reference; a switch slower on is turned off), and a Markdown report to share. "
         "LILY_TUNE=off makes patch() ignore profiles.",
+        epilog="Shape classes: " + ", ".join(c.name for c in FULL_CLASSES) + " (--quick: "
+        + ", ".join(c.name for c in QUICK_CLASSES) + "); decode@N is one token after N in the cache, "
+        "prefill@N a prompt chunk of N tokens. Choices are per op and per switch, not per shape class: a "
+        "token must get the same arithmetic alone (a 1-token prompt chunk is decode-shaped) and padded into "
+        "a batch's longer chunk. On a Mac: python -m lily_mlx tune --model mlx-community/Qwen3.6-35B-A3B-4bit",
     )
     parser.add_argument("--model", default=None,
                         help="model folder or Hugging Face repo; tune with the model you run, the choices "
