@@ -2,4 +2,4 @@
 profile that ``patch()`` applies (``lily_mlx.core.tune_profile``). Modules: ``tune`` (the steps and
 the command), ``layers`` (one layer per op family at a shape class), ``report`` (Markdown)."""
 
-from .tune import main, tune  # noqa: F401
+from .tune import main  # noqa: F401

@@ -44,12 +44,14 @@ class LayerCase:
     family: str  # deltanet | attention | moe: the ops package its forward comes from
     index: int  # decoder layer index (its cache is the model cache's entry ``index``)
     module: nn.Module
-    hidden: int
+    norm: nn.Module  # the RMSNorm the decoder layer applies before it
     dtype: Any
 
     def inputs(self, tokens: int, seed: int) -> mx.array:
-        x = mx.random.normal((1, tokens, self.hidden), key=mx.random.key(seed))  # [1, T, hidden]
-        return x.astype(self.dtype)
+        """Random hidden states through the layer's own norm: the input scale the layer sees."""
+        hidden = self.norm.weight.shape[-1]
+        x = mx.random.normal((1, tokens, hidden), key=mx.random.key(seed)).astype(self.dtype)
+        return self.norm(x)  # [1, T, hidden]
 
     def __call__(self, x: mx.array, cache=None) -> mx.array:
         from mlx_lm.models.base import create_attention_mask, create_ssm_mask
@@ -72,11 +74,11 @@ def layer_cases(model) -> Dict[str, LayerCase]:
     """family -> the first patched layer of that family in a patched MLX-LM model."""
     cases: Dict[str, LayerCase] = {}
     for index, layer in enumerate(model.layers):
-        norm = layer.input_layernorm.weight  # [hidden]: the layers' input width and dtype
-        for module in layer.children().values():
+        for name, module in layer.children().items():
             family = _family(module)
             if family is not None and family not in cases:
-                cases[family] = LayerCase(family, index, module, norm.shape[-1], norm.dtype)
+                norm = layer.post_attention_layernorm if name == "mlp" else layer.input_layernorm
+                cases[family] = LayerCase(family, index, module, norm, norm.weight.dtype)
     return cases
 
 
@@ -102,6 +104,13 @@ class LayerCache:
         if hasattr(c, "offset"):  # KVCache: keys/values written in place up to offset
             return [a for a in (c.keys, c.values) if a is not None]
         return [a for a in c.cache if a is not None]  # ArraysCache: conv state, recurrent state
+
+    def state(self) -> List[mx.array]:
+        """What a call leaves in the cache (for KV caches the part up to the offset)."""
+        c = self.cache
+        if c is not None and hasattr(c, "offset"):
+            return [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        return self.arrays()
 
     def _snapshot(self):
         c = self.cache

@@ -34,13 +34,16 @@ FULL_CLASSES = (layers.decode(1024), layers.decode(16 * 1024), layers.prefill(51
 QUICK_CLASSES = (layers.decode(32), layers.prefill(32))
 
 SLOWER = 1.03  # a kernel (switch state) loses only beyond this time ratio: below it is timing noise
-# Largest |kernel - reference| of a layer's output over its largest |reference|: bf16 rounding of the
-# 4-bit expert GEMMs measures up to 0.02 (the model tests allow 0.05); a wrong kernel is O(1).
-TOLERANCE = 0.05
+# Largest |kernel - reference| of a layer's output (or cache) over its largest |reference|: bf16
+# rounding measures up to 0.034 on the embedded model (decode attention, then its 4-bit o_proj); a
+# wrong kernel is O(1), also where only a few rows are wrong (a relative L2 norm would dilute those).
+TOLERANCE = 0.1
 
 # The DeltaNet decode kernel computes a token with the arithmetic of the prefill kernels (batch
 # invariance: a 1-token prompt chunk alone is a decode step). When one of those runs its reference,
 # the decode op must too, so that decode-shaped calls take the prefill path, the same ops.
+NEVER_ALONE = "kept: its kernel does not run on its own at these shapes (part of another op's kernel)"
+
 FOLLOWS = {"deltanet_decode": ("deltanet_gates", "deltanet_scan", "deltanet_gated_norm")}
 
 
@@ -68,7 +71,10 @@ def variant(reference: Sequence[str] = (), disable: Sequence[str] = ()):
 
 
 def _error(got: mx.array, want: mx.array) -> float:
-    """Largest |difference| relative to the largest |reference| value (inf for NaN or inf)."""
+    """Largest |difference| relative to the largest |reference| value (inf for NaN or inf, or for
+    another shape)."""
+    if got.shape != want.shape:
+        return math.inf
     got, want = got.astype(mx.float32), want.astype(mx.float32)
     err = float(mx.max(mx.abs(got - want)).item())
     scale = float(mx.max(mx.abs(want)).item())
@@ -100,15 +106,15 @@ class Bench:
 
         return run
 
-    def check_outputs(self, case: LayerCase, shape: ShapeClass) -> mx.array:
-        """The call at the shape class, then one decode step on its cache (a state a kernel wrote
-        wrong shows in the step): both outputs, flattened."""
+    def check_outputs(self, case: LayerCase, shape: ShapeClass) -> List[mx.array]:
+        """The call at the shape class, the cache it leaves (recurrent and conv state, KV), and one
+        decode step on that cache: each compared with the reference's on its own scale."""
         cache = self.cache(case, shape)
-        first = case(case.inputs(shape.tokens, self.seed + 2), cache.rewind())
-        step = case(case.inputs(1, self.seed + 3), cache.cache)
-        out = mx.concatenate([first.reshape(-1), step.reshape(-1)])
-        mx.eval(out)
-        return out
+        outs = [case(case.inputs(shape.tokens, self.seed + 2), cache.rewind())]
+        outs += cache.state()
+        outs.append(case(case.inputs(1, self.seed + 3), cache.cache))
+        mx.eval(outs)
+        return outs
 
 
 def _launches(run: Callable[[], List[mx.array]]) -> Dict[str, int]:
@@ -161,7 +167,7 @@ def check_kernels(bench: Bench, ops) -> Tuple[List[dict], Dict[str, str], Dict[s
              for shape in bench.classes]
     families = sorted({op.family for op in ops})
     total = len(plans) + len(families) * len(bench.classes)
-    want: Dict[Tuple[str, str], mx.array] = {}
+    want: Dict[Tuple[str, str], List[mx.array]] = {}
     for family in families:
         with variant(reference=tuple(bench.cases)):
             for shape in bench.classes:
@@ -171,7 +177,7 @@ def check_kernels(bench: Bench, ops) -> Tuple[List[dict], Dict[str, str], Dict[s
     def check(n, label, family, shape, reference, off):
         with variant(reference=reference, disable=off), record_launches() as rec:
             got = bench.check_outputs(bench.cases[family], shape)
-        err = _error(got, want[family, shape.name])
+        err = max(_error(g, w) for g, w in zip(got, want[family, shape.name]))
         ran = bool(rec)
         ok = err <= TOLERANCE
         verdict = (f"{'ok' if ok else 'DIFFERS'} (error {err:.2g})" if ran
@@ -306,6 +312,7 @@ def tune(model, model_name: str, classes: Sequence[ShapeClass], rounds: int, rep
     pinned.update(slower)
     pinned.update(follow(pinned))
     switch_rows, off, untimed = time_switches(bench, ops, pinned, bad_off, rounds, reps)
+    timed = {row["op"] for row in op_rows}
     return {
         "format": tune_profile.FORMAT,
         "key": tune_profile.device_key(backend),
@@ -317,7 +324,8 @@ def tune(model, model_name: str, classes: Sequence[ShapeClass], rounds: int, rep
         "tolerance": TOLERANCE,
         "slower_ratio": SLOWER,
         "ops": {op.name: {"choice": "reference" if op.name in pinned else "kernel",
-                          **({"reason": pinned[op.name]} if op.name in pinned else {})} for op in ops},
+                          **({"reason": pinned[op.name]} if op.name in pinned else
+                             {} if op.name in timed else {"note": NEVER_ALONE})} for op in ops},
         "switches": {name: {"choice": "off" if name in off else "on",
                             **({"reason": off[name]} if name in off else
                                {"note": untimed[name]} if name in untimed else

@@ -96,6 +96,32 @@ def test_tune_quick_checks_every_kernel_and_writes_a_profile_patch_applies(tune_
     assert f"tune profile: {path}" in report.summary()
 
 
+def test_a_wrong_kernel_is_pinned_with_its_reason(tune_dir, sim_model, monkeypatch):
+    """Step 1 of tune with a planted bug: the scan kernel's final state is halved. Its output is right,
+    so only the decode step that follows each checked call shows it. The scan is pinned (not its
+    family), and the DeltaNet decode op follows it to the reference."""
+    from lily_mlx.ops.deltanet import kernels as dk
+    from lily_mlx.tuning import tune
+
+    real_scan = dk.scan
+
+    def scan_with_wrong_state(*args, **kwargs):
+        out, state = real_scan(*args, **kwargs)
+        return out, state * 0.5
+
+    monkeypatch.setattr(dk, "scan", scan_with_wrong_state)
+    monkeypatch.setenv("LILY_TUNE", "off")
+    model, _ = sim_model
+    lily_mlx.patch(model)
+    bench = tune.Bench(model, tune.QUICK_CLASSES)
+    _, pinned, bad_off = tune.check_kernels(bench, tune.kernel_ops(bench, "sim"))
+    assert list(pinned) == ["deltanet_scan"]
+    assert pinned["deltanet_scan"].startswith("kernel differs from its reference at decode@32")
+    # Off variants that run the scan kernel: the blockwise scan, and the unfused decode step.
+    assert sorted(bad_off) == ["fused_recurrent_norm", "register_scan"]
+    assert tune.follow(pinned) == {"deltanet_decode": "follows deltanet_scan to its reference (batch invariance)"}
+
+
 def test_a_profile_pinning_every_kernel_gives_stock_logits(tune_dir, sim_model):
     """Every op with a simulator kernel pinned to its reference: no kernel launches, and the logits
     are stock's bit for bit (the references are stock's primitives in stock's order)."""
