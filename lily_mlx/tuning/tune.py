@@ -39,11 +39,11 @@ SLOWER = 1.03  # a kernel (switch state) loses only beyond this time ratio: belo
 # wrong kernel is O(1), also where only a few rows are wrong (a relative L2 norm would dilute those).
 TOLERANCE = 0.1
 
+NEVER_ALONE = "kept: its kernel does not run on its own at these shapes (part of another op's kernel)"
+
 # The DeltaNet decode kernel computes a token with the arithmetic of the prefill kernels (batch
 # invariance: a 1-token prompt chunk alone is a decode step). When one of those runs its reference,
 # the decode op must too, so that decode-shaped calls take the prefill path, the same ops.
-NEVER_ALONE = "kept: its kernel does not run on its own at these shapes (part of another op's kernel)"
-
 FOLLOWS = {"deltanet_decode": ("deltanet_gates", "deltanet_scan", "deltanet_gated_norm")}
 
 
