@@ -7,6 +7,7 @@ Subcommands:
     switches        table of switches (default, state, phase, description) and op backends
     embedded-model  print the embedded tiny model's folder (build it first if needed)
     consistency     teacher-forced lily vs stock comparison (top-1 agreement, perplexity, logits)
+    tune            check and time every kernel on this machine; write the profile --lily applies
     build-random    write full-size random 4-bit Qwen3.6-35B-A3B weights (benchmarks)
 
 How ``--lily`` reaches MLX-LM: the installed ``lily_mlx_hooks.pth`` puts a small import hook
@@ -40,6 +41,8 @@ _DELEGATED = {
                     "teacher-forced lily vs stock MLX-LM: top-1 agreement, perplexities, max |logit diff|"),
     "build-random": ("lily_mlx.models.random_weights",
                      "write full-size random 4-bit Qwen3.6-35B-A3B weights for benchmarks"),
+    "tune": ("lily_mlx.tuning",
+             "check and time every kernel on this machine; write the profile --lily / patch() apply"),
 }
 _MLX_LM = {
     "generate": "mlx_lm.generate with lily-mlx on; every mlx_lm.generate flag passes through",
@@ -252,18 +255,24 @@ def switches_main(argv: List[str]) -> int:
                         help="show op backends for this backend (auto|metal|cuda|sim|reference)")
     args = parser.parse_args(argv)
 
-    from .core import switches
+    from .core import dispatch, switches, tune_profile
     from .core.backend import resolve_backend
     from .ops import load_all, op_backend
 
     try:
-        switches.disable(*switches.parse_list(args.lily_disable))
-        switches.enable(*switches.parse_list(args.lily_enable))
         backend = resolve_backend(args.lily_backend)
+        off, on = switches.parse_list(args.lily_disable), switches.parse_list(args.lily_enable)
     except (ValueError, RuntimeError) as e:
         parser.error(str(e))
+    if args.lily_backend:
+        os.environ["LILY_BACKEND"] = args.lily_backend
     ops = load_all()
+    dispatch.resolve()  # as patch() does: the tune profile's choices, then the flags on top
+    switches.disable(*off)
+    switches.enable(*on)
     state = switches.state()
+    profile = dispatch.active_profile()
+    pinned = profile.reference_ops if profile is not None else {}
 
     def backends_for(name: str) -> str:
         if switches.SWITCHES[name].family == "generation":
@@ -287,12 +296,18 @@ def switches_main(argv: List[str]) -> int:
     print()
     op_rows = [
         [op.name, op.family, ",".join(op.switches) or "-", op_backend(op.name, backend),
-         ",".join(sorted(op.kernel_backends)) or "none yet"]
+         ",".join(sorted(op.kernel_backends)) or "none yet", pinned.get(op.name, "")]
         for op in ops.values()
     ]
-    print("ops: backend each op would use here (kernel only where it has one for this backend; "
-          "otherwise its reference in plain MLX ops)")
-    print(_table(["op", "family", "switches", "backend", "kernels for"], op_rows))
+    print("ops: backend each op would use here (kernel only where it has one for this backend and the "
+          "tune profile does not pin it to its reference; otherwise its reference in plain MLX ops)")
+    print(_table(["op", "family", "switches", "backend", "kernels for", "tune profile"], op_rows))
+    print()
+    print(tune_profile.describe(profile))
+    if profile is not None:
+        for name, why in profile.switches_off.items():
+            print(f"  switch {name} off: {why}")
+        print(f"  (tuned on {profile.model}; `{PROG} tune` again after an update, LILY_TUNE=off to ignore)")
     print()
     print("switch off = the write-up's ablation variant (never stock); every state computes stock's "
           "function. Turn off with --lily-disable a,b or LILY_DISABLE=a,b.")
@@ -332,8 +347,9 @@ def usage() -> str:
               "every MLX-LM flag plus --lily-disable A,B, --lily-enable A,B, --lily-backend B.",
               "Environment: LILY_BACKEND=auto|metal|cuda|sim|reference, LILY_DISABLE=a,b,",
               "LILY_ENABLE=a,b, LILY_REFERENCE_OPS=op_or_family,... (keep those on their reference),",
-              "LILY_ALLOW_UNTESTED=1 (patch under untested MLX/MLX-LM versions). A bad value is one",
-              "warning line without --lily and a one-line error (exit 2) with it."]
+              "LILY_ALLOW_UNTESTED=1 (patch under untested MLX/MLX-LM versions), LILY_TUNE=off (ignore",
+              "the tune profile), LILY_TUNE_DIR=folder (where `tune` writes profiles and patch() reads",
+              "them). A bad value is one warning line without --lily and a one-line error (exit 2) with it."]
     return "\n".join(lines)
 
 

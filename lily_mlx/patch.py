@@ -223,6 +223,7 @@ class PatchReport:
     op_backends: Dict[str, str]  # op -> backend it runs on
     reference_reasons: Dict[str, str] = field(default_factory=dict)  # op on its reference -> why
     switches_off: Tuple[str, ...] = ()
+    tune_profile: str = "tune profile: none"  # whether a tune profile is in use, and which
 
     def summary(self) -> str:
         """One line for ``--lily``: what was patched, where the ops run, what stays on the reference."""
@@ -231,18 +232,21 @@ class PatchReport:
                 f"switches off: {', '.join(self.switches_off) or 'none'}")
         if self.backend != "reference" and self.reference_reasons:
             by_reason: Dict[str, List[str]] = {}
-            for op, why in self.reference_reasons.items():
-                by_reason.setdefault(why, []).append(op)
+            for op, why in self.reference_reasons.items():  # a tune profile's reasons: in its report
+                by_reason.setdefault("tune profile" if why.startswith("tune profile") else why, []).append(op)
             line += "; reference path: " + "; ".join(f"{', '.join(ops)} ({why})" for why, ops in by_reason.items())
-        return line
+        return f"{line}; {self.tune_profile}"
 
 
 def _report(model, arch: str) -> PatchReport:
-    from .core.dispatch import active_backend
+    from .core import tune_profile
+    from .core.dispatch import active_backend, active_profile
     from .ops import OPS, op_backend, reference_ops
 
     backend = active_backend()
     forced = reference_ops()
+    profile = active_profile()
+    pinned = profile.reference_ops if profile is not None else {}
     layers = Counter(_stock_class(m).__name__ for m in model.modules() if _stock_class(m) is not None)
     op_backends = {name: op_backend(name, backend) for name in OPS}
     reasons = {}
@@ -252,10 +256,12 @@ def _report(model, arch: str) -> PatchReport:
                 continue
             if name in forced or op.family in forced:
                 reasons[name] = "LILY_REFERENCE_OPS"
+            elif name in pinned:
+                reasons[name] = f"tune profile: {pinned[name]}"
             else:
                 reasons[name] = f"no {backend} kernel yet"
     off = tuple(n for n, on in switches.state().items() if not on)
-    return PatchReport(arch, backend, dict(layers), op_backends, reasons, off)
+    return PatchReport(arch, backend, dict(layers), op_backends, reasons, off, tune_profile.describe(profile))
 
 
 def environment_problems() -> List[str]:

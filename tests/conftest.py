@@ -5,12 +5,22 @@ No deadline anywhere: MLX's first call to an op compiles it, so timings vary wil
 examples are printed with a reproduction blob (``@reproduce_failure``).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from lily_mlx.core import dispatch
+
+# No test sees a tune profile of the machine it runs on (``~/.cache/lily_mlx/tune``): tune profiles
+# are on, as for a user, in an empty folder (subprocesses inherit it). Tune tests set their own.
+_NO_PROFILES = tempfile.mkdtemp(prefix="lily-tune-empty-")
+atexit.register(shutil.rmtree, _NO_PROFILES, True)
+os.environ["LILY_TUNE_DIR"] = _NO_PROFILES
+os.environ.pop("LILY_TUNE", None)
 
 settings.register_profile(
     "dev",

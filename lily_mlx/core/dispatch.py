@@ -3,7 +3,8 @@
 Every op family registers its ops here (:func:`register_op`): name, family, the switches it reads and
 the backends it has kernels for. The plan maps each op to the backend it runs on: the active backend
 (``LILY_BACKEND``) where the op has a kernel for it and ``LILY_REFERENCE_OPS`` does not keep it on
-its reference, else ``"reference"``. The environment is read when the plan is resolved (at
+its reference and the tune profile of this machine (``core.tune_profile``) does not pin it there,
+else ``"reference"``. The environment and the profile are read when the plan is resolved (at
 ``patch()``, or on first use after :func:`invalidate`), never on the hot path: a forward's
 ``op_backend(name)`` is one dict lookup.
 """
@@ -15,6 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Optional, Tuple
 
+from . import switches, tune_profile
 from .backend import resolve_backend
 
 REFERENCE = "reference"
@@ -36,6 +38,8 @@ OPS: Dict[str, Op] = {}
 _lock = threading.Lock()
 _backend: Optional[str] = None  # the backend in force, resolved with the plan
 _plan: Dict[str, str] = {}  # op name -> backend it runs on
+_profile: Optional[tune_profile.Profile] = None  # the tune profile the plan applies
+_profile_off: FrozenSet[str] = frozenset()  # switches that profile turned off
 
 
 def register_op(op: Op) -> Op:
@@ -52,29 +56,62 @@ def reference_ops() -> FrozenSet[str]:
     return frozenset(t.strip() for t in text.split(",") if t.strip())
 
 
-def _choose(op: Op, backend: str, forced: FrozenSet[str]) -> str:
-    if op.name in forced or op.family in forced:
+def _choose(op: Op, backend: str, forced: FrozenSet[str], pinned=()) -> str:
+    if op.name in forced or op.family in forced or op.name in pinned:
         return REFERENCE
     return backend if backend in op.kernel_backends else REFERENCE
 
 
+def _env_names(var: str) -> set:
+    return {n.strip() for n in os.environ.get(var, "").split(",") if n.strip()}
+
+
+def _apply_profile_switches(profile: Optional[tune_profile.Profile]) -> None:
+    """Turn off the switches the profile measured slower on than off, unless ``LILY_ENABLE`` names
+    them (the user's word wins); switches a previous profile turned off come back on."""
+    global _profile_off
+    wanted = set(profile.switches_off) if profile is not None else set()
+    wanted = {n for n in wanted if n in switches.SWITCHES} - _env_names("LILY_ENABLE")
+    for name in _profile_off - wanted - _env_names("LILY_DISABLE"):
+        switches.set_enabled(name, True)
+    for name in wanted:
+        switches.set_enabled(name, False)
+    _profile_off = frozenset(wanted)
+
+
 def resolve() -> str:
-    """Read ``LILY_BACKEND`` and ``LILY_REFERENCE_OPS`` now and rebuild the plan; returns the backend."""
-    global _backend
+    """Read ``LILY_BACKEND``, ``LILY_REFERENCE_OPS`` and the tune profile now and rebuild the plan
+    (and apply the profile's switch choices); returns the backend."""
+    global _backend, _profile
     backend = resolve_backend()
     forced = reference_ops()
+    profile = tune_profile.load(backend)
+    pinned = profile.reference_ops if profile is not None else {}
     with _lock:
-        _backend = backend
+        _backend, _profile = backend, profile
         _plan.clear()
-        _plan.update({name: _choose(op, backend, forced) for name, op in OPS.items()})
+        _plan.update({name: _choose(op, backend, forced, pinned) for name, op in OPS.items()})
+    _apply_profile_switches(profile)
     return backend
+
+
+def active_profile() -> Optional[tune_profile.Profile]:
+    """The tune profile the resolved plan applies (None: none for this machine, or LILY_TUNE=off)."""
+    active_backend()
+    return _profile
+
+
+def _pinned_for(backend: str):
+    """Ops the tune profile for ``backend`` pins to their reference."""
+    profile = _profile if backend == _backend else tune_profile.load(backend)
+    return profile.reference_ops if profile is not None else {}
 
 
 def invalidate() -> None:
     """Forget the plan: the next dispatch resolves it again from the environment."""
-    global _backend
+    global _backend, _profile
     with _lock:
-        _backend = None
+        _backend, _profile = None, None
         _plan.clear()
 
 
@@ -87,10 +124,10 @@ def op_backend(name: str, backend: Optional[str] = None) -> str:
     """Backend op ``name`` runs on. Hot path: a lookup in the resolved plan. With an explicit
     ``backend`` (tools, tables): what the op would use there."""
     if backend is not None:
-        return _choose(OPS[name], backend, reference_ops())
+        return _choose(OPS[name], backend, reference_ops(), _pinned_for(backend))
     chosen = _plan.get(name)
     if chosen is None or _backend is None:
         active = active_backend()
         with _lock:
-            chosen = _plan.setdefault(name, _choose(OPS[name], active, reference_ops()))
+            chosen = _plan.setdefault(name, _choose(OPS[name], active, reference_ops(), _pinned_for(active)))
     return chosen

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import List
 
-from . import switches
+from . import switches, tune_profile
 from .backend import resolve_backend
 
 class LilyConfigError(ValueError):
@@ -47,7 +47,15 @@ def _allow_untested_problem() -> List[str]:
     return [] if value in ("", "0", "1") else [f"LILY_ALLOW_UNTESTED={value!r} is not 0 or 1"]
 
 
+def _tune_problem() -> List[str]:
+    value = os.environ.get(tune_profile.TUNE_ENV, "")
+    if value.strip() in ("",) + tune_profile.TUNE_CHOICES:
+        return []
+    return [f"{tune_profile.TUNE_ENV}={value!r} is not one of {', '.join(tune_profile.TUNE_CHOICES)} "
+            "(off: ignore tune profiles)"]
+
+
 def problems() -> List[str]:
     """One line per lily-mlx environment variable that cannot be honoured (empty when all is well)."""
     return (switches.environment_problems() + _backend_problem() + _reference_ops_problem()
-            + _allow_untested_problem())
+            + _allow_untested_problem() + _tune_problem())

@@ -24,7 +24,8 @@ from .conftest import free_port, generated_text, mlx_lm_command, subprocess_env
 PROMPT = "Return the number of"
 BAD_SWITCH_ENV = [("LILY_DISABLE", "foo"), ("LILY_ENABLE", "bar"), ("LILY_DISABLE", "GPU_Routing")]
 BAD_ENV = BAD_SWITCH_ENV + [("LILY_BACKEND", "bogus"), ("LILY_BACKEND", "metal"),
-                            ("LILY_REFERENCE_OPS", "moee"), ("LILY_ALLOW_UNTESTED", "yes")]
+                            ("LILY_REFERENCE_OPS", "moee"), ("LILY_ALLOW_UNTESTED", "yes"),
+                            ("LILY_TUNE", "maybe")]
 MISSING_MODEL = "/nonexistent/lily-test-model"  # loading it would fail differently
 
 

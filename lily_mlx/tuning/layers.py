@@ -1,0 +1,133 @@
+"""One patched layer of each op family, called alone at a shape class with a cache rewound between
+calls: what tune checks and times (a layer, not the whole model, so every choice costs little)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+PREFILL_CHUNK = 2048  # a context is filled in chunks of MLX-LM's default prefill step
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    """A call shape the model sees: ``tokens`` per sequence (1: decode) after ``context`` tokens."""
+
+    name: str  # decode@4K, prefill@512
+    tokens: int
+    context: int = 0
+
+    @property
+    def phase(self) -> str:
+        return "decode" if self.tokens == 1 else "prefill"
+
+
+def _label(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def decode(context: int) -> ShapeClass:
+    return ShapeClass(f"decode@{_label(context)}", 1, context)
+
+
+def prefill(tokens: int) -> ShapeClass:
+    return ShapeClass(f"prefill@{_label(tokens)}", tokens)
+
+
+@dataclass
+class LayerCase:
+    """The first patched layer of one op family and how to call it."""
+
+    family: str  # deltanet | attention | moe: the ops package its forward comes from
+    index: int  # decoder layer index (its cache is the model cache's entry ``index``)
+    module: nn.Module
+    norm: nn.Module  # the RMSNorm the decoder layer applies before it
+    dtype: Any
+
+    def inputs(self, tokens: int, seed: int) -> mx.array:
+        """Random hidden states through the layer's own norm: the input scale the layer sees."""
+        hidden = self.norm.weight.shape[-1]
+        x = mx.random.normal((1, tokens, hidden), key=mx.random.key(seed)).astype(self.dtype)
+        return self.norm(x)  # [1, T, hidden]
+
+    def __call__(self, x: mx.array, cache=None) -> mx.array:
+        from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+        if self.family == "moe":
+            return self.module(x)
+        make_mask = create_attention_mask if self.family == "attention" else create_ssm_mask
+        return self.module(x, make_mask(x, cache), cache)
+
+
+def _family(module) -> Optional[str]:
+    """The op family whose forward a patched module runs (``lily_mlx.ops.<family>.layer``)."""
+    if "_lily_stock_class" not in type(module).__dict__:
+        return None
+    parts = getattr(type(module).__call__, "__module__", "").split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["lily_mlx", "ops"] else None
+
+
+def layer_cases(model) -> Dict[str, LayerCase]:
+    """family -> the first patched layer of that family in a patched MLX-LM model."""
+    cases: Dict[str, LayerCase] = {}
+    for index, layer in enumerate(model.layers):
+        for name, module in layer.children().items():
+            family = _family(module)
+            if family is not None and family not in cases:
+                norm = layer.post_attention_layernorm if name == "mlp" else layer.input_layernorm
+                cases[family] = LayerCase(family, index, module, norm, norm.weight.dtype)
+    return cases
+
+
+class LayerCache:
+    """The layer's cache at a shape class's context, rewound to it before every call, so each timed
+    call does the same work and every variant of a check starts from the same state."""
+
+    def __init__(self, model, case: LayerCase, context: int, seed: int):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.cache = None if case.family == "moe" else make_prompt_cache(model)[case.index]
+        if self.cache is not None and context:
+            for start in range(0, context, PREFILL_CHUNK):
+                x = case.inputs(min(PREFILL_CHUNK, context - start), seed + start)
+                mx.eval(case(x, self.cache), *self.arrays())
+        self._saved = self._snapshot()
+
+    def arrays(self) -> List[mx.array]:
+        """The cache's arrays (evaluated with a call's output: a state update is part of its work)."""
+        c = self.cache
+        if c is None:
+            return []
+        if hasattr(c, "offset"):  # KVCache: keys/values written in place up to offset
+            return [a for a in (c.keys, c.values) if a is not None]
+        return [a for a in c.cache if a is not None]  # ArraysCache: conv state, recurrent state
+
+    def state(self) -> List[mx.array]:
+        """What a call leaves in the cache (for KV caches the part up to the offset)."""
+        c = self.cache
+        if c is not None and hasattr(c, "offset"):
+            return [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        return self.arrays()
+
+    def _snapshot(self):
+        c = self.cache
+        if c is None:
+            return None
+        if hasattr(c, "offset"):  # writes past offset are overwritten by the next call
+            return c.offset
+        return list(c.cache), c.lengths, c.left_padding
+
+    def rewind(self):
+        """The cache as it was after filling the context; returns it."""
+        c = self.cache
+        if c is None:
+            return None
+        if hasattr(c, "offset"):
+            c.offset = self._saved
+        else:
+            cache, c.lengths, c.left_padding = self._saved
+            c.cache = list(cache)
+        return c

@@ -1,0 +1,199 @@
+"""``python -m lily_mlx tune`` and the tune profile ``patch()`` applies (docs/usage.md, "Tuning for your
+machine").
+
+The CLI runs for real on the simulator with the embedded model. What it chooses depends on timings,
+so no test asserts a choice it made; the tests assert that it checked every kernel, wrote a profile
+and a report, and that ``patch()`` applies exactly what the profile says. Hand-written profiles pin
+the behaviour of ``patch()`` deterministically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import lily_mlx
+from lily_mlx.consistency import teacher_forced_logits
+from lily_mlx.core import environment, switches, tune_profile
+from lily_mlx.core.kernel_registry import record_launches
+from lily_mlx.core.log import reset_log_once
+from lily_mlx.ops import load_all
+
+from .conftest import subprocess_env
+
+ROOT = Path(__file__).resolve().parents[2]
+SIM_KERNEL_OPS = sorted(name for name, op in load_all().items() if "sim" in op.kernel_backends)
+
+
+@pytest.fixture
+def tune_dir(tmp_path, monkeypatch):
+    """Profiles in a fresh folder, the simulator as backend; switch states restored afterwards."""
+    monkeypatch.setenv("LILY_TUNE_DIR", str(tmp_path))
+    monkeypatch.setenv("LILY_BACKEND", "sim")
+    monkeypatch.delenv("LILY_TUNE", raising=False)
+    reset_log_once()
+    yield tmp_path
+    switches.reset()
+    reset_log_once()
+
+
+@pytest.fixture
+def sim_model(loaded_model):
+    model, tokenizer = loaded_model
+    yield model, tokenizer
+    lily_mlx.unpatch(model)
+
+
+def write_profile(folder: Path, ops=(), switches_off=(), **key_changes) -> Path:
+    """A profile as tune writes it, by hand: ``ops`` run their reference, ``switches_off`` are off."""
+    key = {**tune_profile.device_key("sim"), **key_changes}
+    profile = {
+        "format": tune_profile.FORMAT, "key": key, "model": "hand-written",
+        "ops": {name: {"choice": "reference", "reason": "hand-written"} for name in ops},
+        "switches": {name: {"choice": "off", "reason": "hand-written"} for name in switches_off},
+    }
+    path = folder / tune_profile.profile_filename(key)
+    path.write_text(json.dumps(profile))
+    return path
+
+
+def _logits(model, tokenizer):
+    """Prefill of a prompt, then 3 teacher-forced decode steps: [4, vocab] fp32."""
+    tokens = mx.array(tokenizer.encode("Return a new dictionary with the keys of the mapping"))
+    return teacher_forced_logits(model, tokens[:-3], tokens[-4:])
+
+
+def test_tune_quick_checks_every_kernel_and_writes_a_profile_patch_applies(tune_dir, sim_model):
+    env = subprocess_env()
+    env.update(LILY_BACKEND="sim", LILY_TUNE_DIR=str(tune_dir))
+    proc = subprocess.run([sys.executable, "-m", "lily_mlx", "tune", "--quick"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    path = tune_dir / tune_profile.profile_filename(tune_profile.device_key("sim"))
+    assert sorted(p.name for p in tune_dir.iterdir()) == sorted([path.name, path.with_suffix(".md").name])
+    profile = json.loads(path.read_text())
+    assert sorted(profile["ops"]) == SIM_KERNEL_OPS
+    # Step 1: every kernel op checked at each shape class; on the simulator none differs.
+    assert {c["what"] for c in profile["checks"]} >= set(SIM_KERNEL_OPS)
+    assert all(c["ok"] for c in profile["checks"]), [c for c in profile["checks"] if not c["ok"]]
+    # Step 2 ran and said so, one line per measurement.
+    assert "[tune] check 1/" in proc.stdout and "[tune] time 1/" in proc.stdout
+    assert profile["op_timings"] and "## Choices" in path.with_suffix(".md").read_text()
+
+    # Whatever the timings chose, patch() applies exactly that.
+    model, _ = sim_model
+    report = lily_mlx.patch(model)._lily_report
+    for name, entry in profile["ops"].items():
+        assert report.op_backends[name] == ("reference" if entry["choice"] == "reference" else "sim"), name
+    for name, entry in profile["switches"].items():
+        assert switches.is_enabled(name) == (entry["choice"] == "on"), name
+    assert f"tune profile: {path}" in report.summary()
+
+
+def test_a_wrong_kernel_is_pinned_with_its_reason(tune_dir, sim_model, monkeypatch):
+    """Step 1 of tune with a planted bug: the scan kernel's final state is halved. Its output is right,
+    so only the decode step that follows each checked call shows it. The scan is pinned (not its
+    family), and the DeltaNet decode op follows it to the reference."""
+    from lily_mlx.ops.deltanet import kernels as dk
+    from lily_mlx.tuning import tune
+
+    real_scan = dk.scan
+
+    def scan_with_wrong_state(*args, **kwargs):
+        out, state = real_scan(*args, **kwargs)
+        return out, state * 0.5
+
+    monkeypatch.setattr(dk, "scan", scan_with_wrong_state)
+    monkeypatch.setenv("LILY_TUNE", "off")
+    model, _ = sim_model
+    lily_mlx.patch(model)
+    bench = tune.Bench(model, tune.QUICK_CLASSES)
+    _, pinned, bad_off = tune.check_kernels(bench, tune.kernel_ops(bench, "sim"))
+    assert list(pinned) == ["deltanet_scan"]
+    assert pinned["deltanet_scan"].startswith("kernel differs from its reference at decode@32")
+    # Off variants that run the scan kernel: the blockwise scan, and the unfused decode step.
+    assert sorted(bad_off) == ["fused_recurrent_norm", "register_scan"]
+    assert tune.follow(pinned) == {"deltanet_decode": "follows deltanet_scan to its reference (batch invariance)"}
+
+
+def test_a_profile_pinning_every_kernel_gives_stock_logits(tune_dir, sim_model):
+    """Every op with a simulator kernel pinned to its reference: no kernel launches, and the logits
+    are stock's bit for bit (the references are stock's primitives in stock's order)."""
+    model, tokenizer = sim_model
+    stock = _logits(model, tokenizer)
+    path = write_profile(tune_dir, ops=SIM_KERNEL_OPS)
+    report = lily_mlx.patch(model)._lily_report
+    assert set(report.op_backends.values()) == {"reference"}
+    assert report.reference_reasons["moe_grouped_gemm"] == "tune profile: hand-written"
+    with record_launches() as launches:
+        tuned = _logits(model, tokenizer)
+    assert not launches.names()
+    assert mx.array_equal(tuned, stock).item()
+    assert report.tune_profile.startswith(f"tune profile: {path}")
+
+
+def test_a_profile_pins_one_op_and_turns_a_switch_off_until_tune_is_off(tune_dir, sim_model, monkeypatch):
+    model, tokenizer = sim_model
+    write_profile(tune_dir, ops=["moe_grouped_gemm"], switches_off=["register_scan"])
+    report = lily_mlx.patch(model)._lily_report
+    assert report.op_backends["moe_grouped_gemm"] == "reference"
+    assert report.op_backends["deltanet_scan"] == "sim"
+    assert not switches.is_enabled("register_scan") and "register_scan" in report.switches_off
+    with record_launches() as launches:
+        _logits(model, tokenizer)
+    assert not [n for n in launches.names() if n.startswith("moe_")]
+    assert "deltanet_scan_blockwise" in launches.names()  # register_scan off: the blockwise scan
+
+    monkeypatch.setenv("LILY_TUNE", "off")
+    report = lily_mlx.patch(model)._lily_report
+    assert report.op_backends["moe_grouped_gemm"] == "sim"
+    assert switches.is_enabled("register_scan")
+    assert report.tune_profile == "tune profile: off (LILY_TUNE=off)"
+
+
+def test_the_user_enabling_a_switch_wins_over_the_profile(tune_dir, sim_model, monkeypatch):
+    model, _ = sim_model
+    write_profile(tune_dir, switches_off=["register_scan", "gpu_routing"])
+    monkeypatch.setenv("LILY_ENABLE", "register_scan")
+    switches.reset()
+    lily_mlx.patch(model)
+    assert switches.is_enabled("register_scan") and not switches.is_enabled("gpu_routing")
+
+
+def test_profiles_of_other_devices_or_versions_are_ignored_with_one_log_line(tune_dir, sim_model, caplog):
+    model, _ = sim_model
+    write_profile(tune_dir, ops=SIM_KERNEL_OPS, lily="0.0.1")  # another lily-mlx version
+    with caplog.at_level(logging.INFO, logger="lily_mlx"):
+        for _ in range(2):
+            report = lily_mlx.patch(model)._lily_report
+    assert report.tune_profile == "tune profile: none"
+    assert report.op_backends["moe_grouped_gemm"] == "sim"
+    lines = [r.getMessage() for r in caplog.records if "tune profile" in r.getMessage()]
+    assert len(lines) == 1 and "lily0.0.1" in lines[0], lines
+
+
+def test_a_copied_profile_whose_key_does_not_match_is_ignored(tune_dir, sim_model, caplog):
+    """A file with this machine's name but another machine's key inside (copied by hand)."""
+    model, _ = sim_model
+    other = write_profile(tune_dir, ops=SIM_KERNEL_OPS, device="Apple M5 Max")
+    other.rename(tune_dir / tune_profile.profile_filename(tune_profile.device_key("sim")))
+    with caplog.at_level(logging.INFO, logger="lily_mlx"):
+        report = lily_mlx.patch(model)._lily_report
+    assert report.op_backends["moe_grouped_gemm"] == "sim"
+    assert any("Apple M5 Max" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("value,ok", [("", True), ("on", True), ("off", True), ("OFF", False),
+                                      ("0", False), ("maybe", False)])
+def test_lily_tune_values(monkeypatch, value, ok):
+    monkeypatch.setenv("LILY_TUNE", value)
+    problems = [p for p in environment.problems() if "LILY_TUNE" in p]
+    assert (problems == []) == ok, problems
+    if not ok:
+        assert problems == [f"LILY_TUNE={value!r} is not one of on, off (off: ignore tune profiles)"]
