@@ -14,6 +14,7 @@ ablations.png.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 import time
@@ -108,6 +109,9 @@ def plot(rows: List[Dict], path: Path) -> Optional[Path]:
 
 
 def main(argv=None) -> int:
+    # A tune profile on this machine would change what the "lily" engines run: benchmarks measure
+    # lily's defaults unless LILY_TUNE is set explicitly.
+    os.environ.setdefault("LILY_TUNE", "off")
     from .model_setup import load_model
     from .run import environment
 

@@ -49,9 +49,13 @@ class KernelSpec:
 
     def pack(self, **values):
         """The ``params`` input: ``values`` by name, in this spec's order (a cached int32 array)."""
-        if len(values) != len(self.params) or any(n not in values for n in self.params):
-            raise ValueError(f"{self.name}: params {sorted(values)} do not match the layout {list(self.params)}")
-        return int32_params(*(values[n] for n in self.params))
+        try:
+            if len(values) != len(self.params):
+                raise KeyError
+            ordered = tuple([values[n] for n in self.params])
+        except KeyError:
+            raise ValueError(f"{self.name}: params {sorted(values)} do not match the layout {list(self.params)}") from None
+        return _int32_params(ordered)
 
 
 def kernels_dir() -> Path:

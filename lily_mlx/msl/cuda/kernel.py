@@ -225,10 +225,11 @@ class CudaMetalKernel:
         return a
 
     def _cuda_kernel(self, inputs, template):
-        scalars = tuple(a.ndim == 0 for a in inputs)
+        # The key is what changes the generated source: which inputs are 0-d, and the template.
+        # (LILY_CUDA_MMA is read when a variant is first built, not per call.)
         if isinstance(template, dict):
             template = list(template.items())
-        key = (scalars, tuple(tuple(t) for t in template) if template else (), _mma_enabled())
+        key = (tuple([a.ndim == 0 for a in inputs]), tuple(map(tuple, template)) if template else ())
         k = self._kernels.get(key)
         if k is None:
             specs = self.specs(inputs)
