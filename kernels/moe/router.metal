@@ -28,15 +28,20 @@ inline float moe_router_row_dot(
   constexpr uint32_t MASK = (1u << BITS) - 1u;
   const int words = D / VALUES_PER_WORD;
   float acc = 0.0f;
-  // Adjacent lanes read adjacent words (coalesced); each lane sums its words in order.
+  // Adjacent lanes read adjacent words (coalesced); each lane sums its words in order, per word
+  // scale * (x . q) + bias * sum(x), as MLX's own quantised GEMV factors the affine weights.
   for (int wi = int(lane); wi < words; wi += 32) {
     const uint32_t word = w[wi];
     const float scale = float(scales[wi / WORDS_PER_GROUP]);
     const float bias = float(biases[wi / WORDS_PER_GROUP]);
+    float xq = 0.0f;
+    float xsum = 0.0f;
     for (int j = 0; j < VALUES_PER_WORD; ++j) {
-      const float q = float((word >> (BITS * j)) & MASK);
-      acc = metal::fma(float(x[wi * VALUES_PER_WORD + j]), scale * q + bias, acc);
+      const float xv = float(x[wi * VALUES_PER_WORD + j]);
+      xq = metal::fma(xv, float((word >> (BITS * j)) & MASK), xq);
+      xsum += xv;
     }
+    acc += scale * xq + bias * xsum;
   }
   return simd_sum(acc);
 }
