@@ -44,6 +44,9 @@ ABLATIONS = (
 )
 
 
+WARMUP_LENGTH = 256
+
+
 def has_kernel(switch: str) -> bool:
     """Whether any op that reads ``switch`` has a kernel at all (else the switch changes nothing)."""
     from lily_mlx.ops import load_all
@@ -59,6 +62,10 @@ def run_one(model, switch: str, phase: str, length: int, rounds: int, gen_tokens
             log=print) -> Dict:
     engines = ("lily", f"{e2e.ABLATION_PREFIX}{switch}")
     decode = phase == "decode"
+    # One untimed short run per engine first: a switch state's first call compiles its kernels (on a
+    # fresh GPU machine that took seconds and turned one round's tok/s into a compile time).
+    warm = min(length, WARMUP_LENGTH)
+    e2e.sweep(model, [warm], [warm], [warm], 1, 2, step, engines, vocab, seed=999, log=lambda m: None)
     (row,) = e2e.sweep(model, [length], [] if decode else [length], [length] if decode else [], rounds,
                        gen_tokens if decode else 1, step, engines, vocab, log=log)
     metric = "generation_tps" if decode else "prompt_tps"
