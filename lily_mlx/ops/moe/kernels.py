@@ -37,7 +37,18 @@ ROUTER = "moe/router.metal"
 ROUTING = "moe/routing.metal"
 GEMM = "moe/gemm.metal"
 
-# Dispatch table: one KernelSpec per kernel of kernels/moe/routing.metal and kernels/moe/gemm.metal.
+# (inputs, outputs) of the expert GEMMs, shared by their one-row GEMV forms: the *_s arrays are the
+# shared expert's weights (expert id E).
+_GATE_UP_SIGNATURE = (
+    ("x", "sorted_rows", "blocks", "w_gate", "scales_gate", "biases_gate", "w_up", "scales_up", "biases_up",
+     "w_gate_s", "scales_gate_s", "biases_gate_s", "w_up_s", "scales_up_s", "biases_up_s", "params"), ("h",))
+_DOWN_SIGNATURE = (
+    ("h", "blocks", "w_down", "scales_down", "biases_down", "w_down_s", "scales_down_s", "biases_down_s", "params"),
+    ("y",))
+_GATE_UP_PARAMS = ("top_k", "D", "I", "E", "A")
+_DOWN_PARAMS = ("I", "D", "E")
+
+# Dispatch table: one KernelSpec per kernel of kernels/moe/router.metal, routing.metal and gemm.metal.
 KERNELS: Dict[str, KernelSpec] = {
     "router": KernelSpec("moe_router_softmax_topk_q", ROUTER,
                          ("x", "w_router", "scales_router", "biases_router", "w_gate", "scales_gate", "biases_gate",
@@ -51,23 +62,11 @@ KERNELS: Dict[str, KernelSpec] = {
                           ("sorted_rows", "slot_of_row"), params=("A", "E", "n_chunks")),
     "block_map": KernelSpec("moe_route_block_map_i32", ROUTING, ("counts", "offsets", "params"), ("blocks",),
                             params=("A", "E", "max_blocks", "large_min_rows")),
-    "gate_up": KernelSpec("moe_gemm_gate_up_swiglu", GEMM,
-                          ("x", "sorted_rows", "blocks", "w_gate", "scales_gate", "biases_gate",
-                           "w_up", "scales_up", "biases_up", "w_gate_s", "scales_gate_s", "biases_gate_s",
-                           "w_up_s", "scales_up_s", "biases_up_s", "params"), ("h",),
-                          params=("top_k", "D", "I", "E", "A")),
-    "down": KernelSpec("moe_gemm_down", GEMM, ("h", "blocks", "w_down", "scales_down", "biases_down",
-                                               "w_down_s", "scales_down_s", "biases_down_s", "params"), ("y",),
-                       params=("I", "D", "E")),
+    "gate_up": KernelSpec("moe_gemm_gate_up_swiglu", GEMM, *_GATE_UP_SIGNATURE, params=_GATE_UP_PARAMS),
+    "down": KernelSpec("moe_gemm_down", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
     # Decode forms of the two GEMMs for one-row blocks (switch row_gemv): same inputs, same bits.
-    "gemv_gate_up": KernelSpec("moe_gemv_gate_up_swiglu", GEMM,
-                               ("x", "sorted_rows", "blocks", "w_gate", "scales_gate", "biases_gate",
-                                "w_up", "scales_up", "biases_up", "w_gate_s", "scales_gate_s", "biases_gate_s",
-                                "w_up_s", "scales_up_s", "biases_up_s", "params"), ("h",),
-                               params=("top_k", "D", "I", "E", "A")),
-    "gemv_down": KernelSpec("moe_gemv_down", GEMM, ("h", "blocks", "w_down", "scales_down", "biases_down",
-                                                    "w_down_s", "scales_down_s", "biases_down_s", "params"), ("y",),
-                            params=("I", "D", "E")),
+    "gemv_gate_up": KernelSpec("moe_gemv_gate_up_swiglu", GEMM, *_GATE_UP_SIGNATURE, params=_GATE_UP_PARAMS),
+    "gemv_down": KernelSpec("moe_gemv_down", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
     "dequant": KernelSpec("moe_dequant_experts_q4", GEMM, ("w", "scales", "biases", "counts", "params"), ("w_out",),
                           params=("O", "K")),
     "combine": KernelSpec("moe_combine_weighted_rows", GEMM, ("y", "slot_of_row", "scores", "gate", "params"),
@@ -277,15 +276,22 @@ def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, 
     inputs += _shared_weights(shared.up_proj if shared is not None else None, up_proj)
     inputs.append(KERNELS["gate_up"].pack(top_k=top_k, D=d, I=i, E=e, A=a))
     rows = a + (n if shared is not None else 0)
+    return _launch_expert_kernel("gate_up", gemv, inputs, blocks, (rows, i), x2d.dtype, backend, init_value)
+
+
+def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_shape, dtype, backend,
+                          init_value) -> mx.array:
+    """Launch expert GEMM ``name`` over ``blocks``, or its one-row GEMV form: out [rows, width]."""
+    width = out_shape[1]
     if gemv:
-        grid, threads, name = (i, blocks.shape[0], 1), (gemv_threads(i), 1, 1), "gemv_gate_up"
+        grid, threads, name = (width, blocks.shape[0], 1), (gemv_threads(width), 1, 1), "gemv_" + name
     else:
-        grid, threads, name = (i // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), (GEMM_THREADS, 1, 1), "gate_up"
-    (h,) = _kernel(name, backend)(
-        inputs=inputs, template=[("T", x2d.dtype)], grid=grid, threadgroup=threads,
-        output_shapes=[(rows, i)], output_dtypes=[x2d.dtype], init_value=init_value,
+        grid, threads = (width // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), (GEMM_THREADS, 1, 1)
+    (out,) = _kernel(name, backend)(
+        inputs=inputs, template=[("T", dtype)], grid=grid, threadgroup=threads,
+        output_shapes=[out_shape], output_dtypes=[dtype], init_value=init_value,
     )
-    return h
+    return out
 
 
 def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = True,
@@ -298,15 +304,7 @@ def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = Tr
     inputs = [h, blocks] + _weights(down_proj, fused_dequant, counts, h.dtype, backend)
     inputs += _shared_weights(shared.down_proj if shared is not None else None, down_proj)
     inputs.append(KERNELS["down"].pack(I=i, D=d, E=e))
-    if gemv:
-        grid, threads, name = (d, blocks.shape[0], 1), (gemv_threads(d), 1, 1), "gemv_down"
-    else:
-        grid, threads, name = (d // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), (GEMM_THREADS, 1, 1), "down"
-    (y,) = _kernel(name, backend)(
-        inputs=inputs, template=[("T", h.dtype)], grid=grid, threadgroup=threads,
-        output_shapes=[(rows, d)], output_dtypes=[h.dtype], init_value=init_value,
-    )
-    return y
+    return _launch_expert_kernel("down", gemv, inputs, blocks, (rows, d), h.dtype, backend, init_value)
 
 
 def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: Optional[str] = None,
