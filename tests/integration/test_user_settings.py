@@ -186,7 +186,7 @@ def test_switches_without_kernels_say_so(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line and line.split()[0] in
             lily_mlx.switches.SWITCHES}
-    without = {"fused_qk_prep", "fixed_block_attention"}
+    without = {"fused_qk_prep"}
     for name, row in rows.items():
         assert ("no kernel yet" in row) == (name in without), row
 

@@ -249,3 +249,80 @@ def test_every_switch_state_compiles_for_cuda():
                                 template=template)
         ok, log = compile_cuda(unit)
         assert ok, log
+
+
+# ---------------------------------------------------------------------------------------------
+# the fixed-block split (fixed_block_attention): block partials, then the merge
+
+
+@needs_sim
+@settings(deadline=None, max_examples=16)
+@given(
+    B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 4, 8]), D=st.sampled_from([64, 256]),
+    S=st.sampled_from([1, 40, 129, 300]), block_rows=st.sampled_from([16, 64, 4096]),
+    dtype=st.sampled_from(["bfloat16", "float32"]), state=st.sampled_from(SWITCH_STATES),
+    spare=st.sampled_from([0, 5]), seed=st.integers(0, 2**16),
+)
+def test_fixed_block_kernels_match_reference(B, Hkv, G, D, S, block_rows, dtype, state, spare, seed):
+    """Any number of blocks (one, several, a short last one), every switch state, spare cache rows:
+    the merged result is the attention; partials and output are poisoned (NaN)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = _problem(rng, B, Hkv, G, D, S, DTYPES[dtype], spare)
+    packed, coalesced = state
+    out = ak.decode_attention_fixed_blocks(q, k, v, scale=D**-0.5, block_rows=block_rows, kv_length=S,
+                                           gqa_packed=packed, coalesced=coalesced, backend=KERNEL_BACKEND,
+                                           init_value=NAN)
+    _check(out, _oracle(q, k, v, S, D**-0.5), TOL[dtype])
+
+
+@needs_sim
+def test_long_context_decode_takes_the_fixed_block_kernels(monkeypatch):
+    """From the fixed-block threshold on (lowered here from 32K) Qwen3.6's head shape (D = 256, G = 8)
+    decodes through the two fixed-block launches, with the cache read in place; below it, or with
+    fixed_block_attention off, through the one-pass kernel; all match stock's attention. A row's blocks
+    depend only on its own length and the block size (data), never on other rows."""
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    monkeypatch.setattr(ak, "FIXED_BLOCK_MIN_CONTEXT", 64)
+    rng = np.random.default_rng(6)
+    q, k, v = _problem(rng, 1, 2, 8, 256, 100, mx.bfloat16)
+    for rows, off, want in ((100, (), ["attention_decode_block_partials", "attention_decode_merge_blocks"]),
+                            (100, ("fixed_block_attention",), ["attention_decode"]),
+                            (50, (), ["attention_decode"])):
+        cache = _filled_cache(KVCache, k[:, :, :rows - 1], v[:, :, :rows - 1])
+        keys, values = cache.update_and_fetch(k[:, :, rows - 1:rows], v[:, :, rows - 1:rows])
+        with switches.overrides(disable=off), record_launches() as rec, \
+                mock.patch.object(ak, "FIXED_BLOCK_SIZE", 32):
+            out = att.attention(q, keys, values, scale=0.0625, mask=None, cache=cache)
+        assert rec.names() == want, (rows, off, rec.names())
+        if want[0] == "attention_decode_block_partials":
+            assert rec[0].kwargs["grid"][2] == 2 * -(-rows // 32)  # Hkv threadgroups per block (G packed)
+        _check(out, _oracle(q, keys, values, rows, 0.0625), TOL["bfloat16"])
+
+
+def test_fixed_block_kernels_compile_for_cuda():
+    """The block-partials kernel in every switch state and the merge kernel translate and compile."""
+    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
+    from lily_dev.compile_check import compile_cuda, compiler_available
+    from lily_mlx.core.kernel_registry import kernel_source
+
+    if compiler_available() is None:
+        pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
+
+    def build(name):
+        spec = ak.KERNELS[name]
+        header, body = kernel_source(spec)
+        return metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
+
+    partials, merge = build("attention_decode_block_partials"), build("attention_decode_merge_blocks")
+    q, k = mx.zeros((1, 16, 1, 256), mx.bfloat16), mx.zeros((1, 2, 8, 256), mx.bfloat16)
+    units = []
+    for packed, coalesced in SWITCH_STATES:
+        template = [("InT", mx.bfloat16), ("D", 256), ("GT", 8 if packed else 1), ("SG", ak.DECODE_SIMDGROUPS),
+                    ("COALESCED", int(coalesced))]
+        units.append(wrap_like_mlx(partials, [q, k, k, mx.zeros((1,)), mx.zeros((6,), mx.int32)],
+                                   [mx.float32] * 3, template=template)[1])
+    parts = [mx.zeros((16, 2)), mx.zeros((16, 2)), mx.zeros((16, 2, 256)), mx.zeros((1,), mx.int32)]
+    units.append(wrap_like_mlx(merge, parts, [mx.bfloat16], template=[("InT", mx.bfloat16), ("D", 256)])[1])
+    for unit in units:
+        ok, log = compile_cuda(unit)
+        assert ok, log

@@ -17,7 +17,8 @@ a kernel:
   algorithm in plain MLX; the reference stays stock's primitive so the reference path is
   token-identical).
 
-Kernels: ``attention_decode``; the other ops run their reference.
+Kernels: ``attention_decode`` and ``attention_decode_long`` (the fixed-block split: block partials,
+then a merge); the other ops run their reference.
 """
 
 from __future__ import annotations
@@ -45,4 +46,5 @@ LONG_CONTEXT = register_op(Op(
     "attention_decode_long", "attention",
     "decode attention at long context: fixed KV blocks in parallel, then merged",
     switches=("fixed_block_attention", "coalesced_kv", "gqa_packing"),
+    kernel_backends=kernels.DECODE_BACKENDS,  # simulator only until timed on a GPU, as attention_decode
 ))

@@ -9,7 +9,7 @@ outputs with it).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -22,6 +22,10 @@ KERNELS = {
     for spec in (
         KernelSpec("attention_decode", _FILE, ("q", "k", "v", "scale", "params"), ("out",),
                    params=("Hkv", "G", "S", "S_cap")),
+        KernelSpec("attention_decode_block_partials", _FILE, ("q", "k", "v", "scale", "params"),
+                   ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S", "S_cap", "NB", "BR")),
+        KernelSpec("attention_decode_merge_blocks", _FILE, ("part_max", "part_sum", "part_acc", "params"), ("out",),
+                   params=("NB",)),
     )
 }
 
@@ -80,6 +84,28 @@ def supports(queries: mx.array, keys: Any, values: Any, mask: Any = None,
     return None
 
 
+class _Geometry(NamedTuple):
+    Hkv: int
+    G: int
+    S: int
+    S_cap: int
+    sg: int  # simdgroups per threadgroup
+    threadgroups: int  # per block: B * Hkv * G / GT
+    template: list
+
+
+def _geometry(queries, keys, kv_length, gqa_packed: bool, coalesced: bool) -> _Geometry:
+    """Sizes, threadgroups and template arguments shared by the decode kernels."""
+    B, Hq, _, D = queries.shape
+    Hkv, S_cap = keys.shape[1], keys.shape[2]
+    G = Hq // Hkv
+    heads_per_tg = G if gqa_packed else 1
+    sg = DECODE_SIMDGROUPS
+    template = [("InT", queries.dtype), ("D", D), ("GT", heads_per_tg), ("SG", sg), ("COALESCED", int(coalesced))]
+    return _Geometry(Hkv, G, S_cap if kv_length is None else kv_length, S_cap, sg, B * Hkv * (G // heads_per_tg),
+                     template)
+
+
 def decode_attention(
     queries: mx.array,  # [B, Hq, 1, D]
     keys: mx.array,  # [B, Hkv, S_cap, D]: rows < kv_length are live
@@ -93,23 +119,70 @@ def decode_attention(
     init_value=None,
 ) -> mx.array:  # [B, Hq, 1, D] in queries' dtype
     """Single-query attention over a contiguous KV buffer, GQA (query head h reads KV head h // G)."""
-    B, Hq, _, D = queries.shape
-    Hkv, S_cap = keys.shape[1], keys.shape[2]
-    S = S_cap if kv_length is None else kv_length
-    G = Hq // Hkv
-    heads_per_tg = G if gqa_packed else 1
-    sg = DECODE_SIMDGROUPS
+    g = _geometry(queries, keys, kv_length, gqa_packed, coalesced)
     (out,) = get_kernel(KERNELS["attention_decode"], backend)(
-        inputs=[queries, keys, values, float32_scalar(scale), KERNELS["attention_decode"].pack(Hkv=Hkv, G=G, S=S, S_cap=S_cap)],
-        template=[("InT", queries.dtype), ("D", D), ("GT", heads_per_tg), ("SG", sg),
-                  ("COALESCED", int(coalesced))],
-        grid=(32, sg, B * Hkv * (G // heads_per_tg)),
-        threadgroup=(32, sg, 1),
+        inputs=[queries, keys, values, float32_scalar(scale),
+                KERNELS["attention_decode"].pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap)],
+        template=g.template, grid=(32, g.sg, g.threadgroups),
+        threadgroup=(32, g.sg, 1),
         output_shapes=[queries.shape],
         output_dtypes=[queries.dtype],
         init_value=init_value,
     )
     return out
+
+
+def decode_attention_fixed_blocks(
+    queries: mx.array,  # [B, Hq, 1, D]
+    keys: mx.array,  # [B, Hkv, S_cap, D]: rows < kv_length are live
+    values: mx.array,
+    *,
+    scale: float,
+    block_rows: int,
+    kv_length: Optional[int] = None,
+    gqa_packed: bool = True,
+    coalesced: bool = True,
+    backend: str,
+    init_value=None,
+) -> mx.array:  # [B, Hq, 1, D]
+    """``decode_attention`` with the KV rows cut into fixed blocks of ``block_rows`` processed by
+    separate threadgroups (fp32 partials), then merged: two launches."""
+    B, Hq, _, D = queries.shape
+    g = _geometry(queries, keys, kv_length, gqa_packed, coalesced)
+    nb = -(-g.S // block_rows)
+    partials = KERNELS["attention_decode_block_partials"]
+    part_max, part_sum, part_acc = get_kernel(partials, backend)(
+        inputs=[queries, keys, values, float32_scalar(scale),
+                partials.pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap, NB=nb, BR=block_rows)],
+        template=g.template, grid=(32, g.sg, g.threadgroups * nb),
+        threadgroup=(32, g.sg, 1),
+        output_shapes=[(B * Hq, nb), (B * Hq, nb), (B * Hq, nb, D)],
+        output_dtypes=[mx.float32] * 3,
+        init_value=init_value,
+    )
+    merge = KERNELS["attention_decode_merge_blocks"]
+    (out,) = get_kernel(merge, backend)(
+        inputs=[part_max, part_sum, part_acc, merge.pack(NB=nb)],
+        template=[("InT", queries.dtype), ("D", D)],
+        grid=(D, B * Hq, 1),
+        threadgroup=(min(D, 256), 1, 1),
+        output_shapes=[queries.shape],
+        output_dtypes=[queries.dtype],
+        init_value=init_value,
+    )
+    return out
+
+
+def decode_attention_fixed_blocks_from_cache(backend: str):
+    """The launcher ``layer.long_context_attention`` dispatches to on ``backend`` (cache read in place)."""
+
+    def launch(queries, keys, values, *, scale, mask=None, cache=None, block_size=FIXED_BLOCK_SIZE,
+               coalesced=True, gqa_packed=True):
+        return decode_attention_fixed_blocks(queries, cache.keys, cache.values, scale=scale, block_rows=block_size,
+                                             kv_length=keys.shape[2], gqa_packed=gqa_packed, coalesced=coalesced,
+                                             backend=backend)
+
+    return launch
 
 
 def decode_attention_from_cache(backend: str):

@@ -23,8 +23,10 @@ from .reference import attention_reference, qk_prep_reference
 
 # (op name, backend) -> kernel launcher, filled as kernels land; ops without a row run their reference.
 KERNELS: dict = {
-    ("attention_decode", backend): kernels.decode_attention_from_cache(backend)
-    for backend in kernels.DECODE_BACKENDS
+    **{("attention_decode", backend): kernels.decode_attention_from_cache(backend)
+       for backend in kernels.DECODE_BACKENDS},
+    **{("attention_decode_long", backend): kernels.decode_attention_fixed_blocks_from_cache(backend)
+       for backend in kernels.DECODE_BACKENDS},
 }
 
 
@@ -98,10 +100,11 @@ def decode_attention(queries, keys, values, *, scale, mask=None, cache=None):
 
 
 def long_context_attention(queries, keys, values, *, scale, mask=None, cache=None):
-    """Decode at long context (fixed-block split kernel). Reference: stock's attention."""
-    kernel = _kernel_for("attention_decode_long", _unsupported_kv(keys, mask))
-    if kernel is not None:  # pragma: no cover
-        return kernel(queries, keys, values, scale=scale, mask=mask, block_size=kernels.FIXED_BLOCK_SIZE,
+    """Decode at long context: the fixed-block split kernels (same shape rules as the decode kernel).
+    Reference: stock's attention."""
+    kernel = _kernel_for("attention_decode_long", kernels.supports(queries, keys, values, mask, cache))
+    if kernel is not None:
+        return kernel(queries, keys, values, scale=scale, mask=mask, cache=cache, block_size=kernels.FIXED_BLOCK_SIZE,
                       coalesced=is_enabled("coalesced_kv"), gqa_packed=is_enabled("gqa_packing"))
     return attention_reference(queries, keys, values, scale=scale, mask=mask, cache=cache)
 
