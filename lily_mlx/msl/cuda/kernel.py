@@ -259,18 +259,17 @@ class CudaMetalKernel:
                                         "atomic int, uint and float only)")
         launch_key = (tuple(grid), tuple(threadgroup))
         launch = self._launches.get(launch_key)
-        if launch is None:
-            launch = self._launches[launch_key] = self._check_launch(grid, threadgroup)
-        grid, tg = launch
+        if launch is None:  # checked once per geometry; the true grid travels as a cached int32 input
+            checked_grid, tg = self._check_launch(grid, threadgroup)
+            launch = self._launches[launch_key] = (checked_grid, tg, self._grid_array(checked_grid))
+        grid, tg, grid_input = launch
         kernel = self._cuda_kernel(inputs, template)
-        kwargs = dict(
-            inputs=inputs + [self._grid_array(grid)],
-            grid=grid,
-            threadgroup=tg,
-            output_shapes=output_shapes,
-            output_dtypes=output_dtypes,
-            verbose=verbose,
-        )
+        inputs.append(grid_input)
+        if init_value is None and stream is None:
+            return kernel(inputs=inputs, grid=grid, threadgroup=tg, output_shapes=output_shapes,
+                          output_dtypes=output_dtypes, verbose=verbose)
+        kwargs = dict(inputs=inputs, grid=grid, threadgroup=tg, output_shapes=output_shapes,
+                      output_dtypes=output_dtypes, verbose=verbose)
         if init_value is not None:
             kwargs["init_value"] = init_value
         if stream is not None:

@@ -255,6 +255,7 @@ def _shared_weights(shared_layer, fallback) -> list:
 GEMV_MAX_K = 4096  # kernels/moe/gemm.metal: MOE_GEMV_MAX_K, the staged row
 
 
+@lru_cache(maxsize=None)
 def gemv_threads(width: int) -> int:
     """Threads per GEMV threadgroup: the largest of 256, 128, 64, 32 dividing the output width."""
     return next(t for t in (256, 128, 64, 32) if width % t == 0)
@@ -499,12 +500,12 @@ def _schedule(inds: mx.array, num_experts: int, fused: bool, backend: str, decod
     return schedule
 
 
-def _routed_rows(switch_mlp, x: mx.array, inds: mx.array, shared=None, decode_blocks=None):
+def _routed_rows(switch_mlp, x: mx.array, inds: mx.array, shared=None, decode_blocks=None, checked: bool = False):
     """Routing schedule and the down GEMM's output: (y [A (+ N), D] in slot order, schedule, backend),
     or None when the kernels do not apply (said once in the log). ``shared``: the shared expert, run
-    as expert E (rows A .. A + N - 1)."""
+    as expert E (rows A .. A + N - 1). ``checked``: the caller has established that they apply."""
     backend = op_backend("moe_grouped_gemm")
-    if moe_unavailable_reason(switch_mlp, x, backend) is not None:
+    if not checked and moe_unavailable_reason(switch_mlp, x, backend) is not None:
         return None
     num_experts = switch_mlp.gate_proj["weight"].shape[0]
     fused = switches.is_enabled("fused_dequant")
@@ -576,8 +577,7 @@ def sparse_moe_kernels(block, x: mx.array) -> Optional[mx.array]:
                    and _cached_reason(block, x, "shared", shared_expert_reason) is None)
     router_backend = op_backend("moe_router")
     fuse_router = (switches.is_enabled("fused_expert_up") and router_backend != "reference"
-                   and _cached_reason(block, x, ("router", fuse_shared),
-                                      lambda b, a: router_reason(b, a, fuse_shared)) is None)
+                   and _cached_reason(block, x, ("router", fuse_shared), router_reason, fuse_shared) is None)
     decode_blocks = None
     if fuse_router:
         inds, scores, gate, decode_blocks = route_tokens(block, x2d, fuse_shared, router_backend)
@@ -593,20 +593,20 @@ def sparse_moe_kernels(block, x: mx.array) -> Optional[mx.array]:
         out = combine_reference(y, scores)
     else:
         shared = block.shared_expert if fuse_shared else None
-        y, schedule, backend = _routed_rows(block.switch_mlp, x2d, inds, shared, decode_blocks)
+        y, schedule, backend = _routed_rows(block.switch_mlp, x2d, inds, shared, decode_blocks, checked=True)
         out = combine_rows(y, schedule["slot_of_row"], scores, backend, gate=gate)
     if not fuse_shared:
         out = out + shared_expert_reference(block, x2d)
     return out.reshape(x.shape)
 
 
-def _cached_reason(block, x: mx.array, what, check) -> Optional[str]:
-    """``check(block, x)`` once per (block, activation dtype, what): it depends only on the block's
-    weights and quantisation, which a forward never changes. The reason is logged once."""
+def _cached_reason(block, x: mx.array, what, check, *args) -> Optional[str]:
+    """``check(block, x, *args)`` once per (block, activation dtype, what): it depends only on the
+    block's weights and quantisation, which a forward never changes. The reason is logged once."""
     cache = block.__dict__.setdefault("_lily_moe_reasons", {})
     key = (what, x.dtype)
     if key not in cache:
-        cache[key] = reason = check(block, x)
+        cache[key] = reason = check(block, x, *args)
         if reason is not None:
             # A debug line: the block still runs its routed experts on the kernels, and this piece on
             # stock's ops (a correct path, not a fallback of the whole op).
