@@ -120,7 +120,7 @@ def table_markdown(rows: List[Dict], ceil: Dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def op_cases(families=("moe", "deltanet"), min_seconds: float = 0.2, max_iters: int = 50,
+def op_cases(families=("moe", "deltanet", "attention"), min_seconds: float = 0.2, max_iters: int = 50,
              ceil: Dict[str, float] = None, log=print) -> List[Dict]:
     """Each family's microbenchmarks (``lily_dev.<family>_bench.microbench_cases()`` ->
     ``[(name, run_once, bytes_moved, flops)]``, each at Qwen3.6 shapes, lily and stock paths), timed

@@ -326,3 +326,18 @@ def test_fixed_block_kernels_compile_for_cuda():
     for unit in units:
         ok, log = compile_cuda(unit)
         assert ok, log
+
+
+@needs_sim
+def test_microbench_cases_for_the_bench_harness():
+    """The attention cases the kernels mode times (small contexts here): each runs, and the lily cases
+    compute the same attention as stock's fused kernel."""
+    from lily_dev import attention_bench
+
+    cases = attention_bench.microbench_cases(backend=KERNEL_BACKEND, contexts=(100,))
+    names = [name for name, *_ in cases]
+    assert names == ["attention_stock_sdpa_S100", "attention_decode_gqa_S100", "attention_decode_per_head_S100",
+                     f"attention_fixed_blocks_{ak.FIXED_BLOCK_SIZE}_S100", "attention_fixed_blocks_1024_S100"]
+    for _, run_once, nbytes, flops in cases:
+        run_once()
+        assert nbytes == (2 * 2 * 100 * 256 + 2 * 16 * 256) * 2 and flops == 4 * 16 * 100 * 256
