@@ -56,3 +56,63 @@ def test_tensor_parallel_two_ranks(random_model, tmp_path):
     # the sharded model all-reduces, so both ranks produce the same tokens
     for key in ("stock", "lily_after_shard", "stock_again", "lily_before_shard"):
         assert other[key] == result[key], key
+
+
+@pytest.mark.slow  # ~1 min: two simulator processes over the CPU ring
+def test_tensor_parallel_two_ranks_with_kernels(random_model, tmp_path):
+    """lily's kernels (simulator) on a model sharded over 2 real ranks: the DeltaNet and MoE kernels run
+    on their rank's slices (heads, experts' width, the shared expert), and the sharded logits match sharded
+    stock's and the single-process lily's as closely as sharded stock matches single-process stock
+    (the all-reduce of bf16 partials is the only new rounding)."""
+    pytest.importorskip("mlx._distributed_utils.launch", reason="this MLX has no mlx.launch")
+    from lily_dev.moe_testing import simulator_problem
+    from mlx_lm.utils import load_model
+
+    from lily_mlx.consistency import teacher_forced_logits
+    from tests.integration.shard_kernels_worker import CONTINUATION, PROMPT
+
+    if simulator_problem() is not None:
+        pytest.skip(f"no C++ compiler for the simulator: {simulator_problem()}")
+    import mlx.core as mx
+    import numpy as np
+
+    import lily_mlx
+
+    model_dir = random_model("qwen3_5_moe")
+    out = tmp_path / "logits"
+    env = subprocess_env()
+    env["LILY_BACKEND"] = "sim"
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    worker = Path(__file__).with_name("shard_kernels_worker.py")
+    for attempt in range(2):  # a second try on fresh ports if another process took ours
+        cmd = launch_command() + ["--backend", "ring", "-n", "2", "--starting-port", str(free_port()), "--",
+                                  sys.executable, str(worker), str(model_dir), str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, cwd=tmp_path)
+        if proc.returncode == 0:
+            break
+    ranks = [np.load(f"{out}.rank{r}.npz") for r in range(2)]
+    assert proc.returncode == 0, f"ranks failed:\n{proc.stdout}\n{proc.stderr}"
+    launched = set(json.loads(str(ranks[0]["launched"])))
+    # (This checkpoint's attention head dim, 32, is outside the decode attention kernel's: stock's there.)
+    assert {"moe_router_softmax_topk_q", "moe_gemv_gate_up_swiglu", "moe_gemm_gate_up_swiglu",
+            "deltanet_scan_register", "deltanet_decode_fused"} <= launched, launched
+
+    model, _ = load_model(Path(model_dir), lazy=False, strict=False)
+    prompt = mx.array(PROMPT)
+    single_stock = np.asarray(teacher_forced_logits(model, prompt, CONTINUATION))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LILY_BACKEND", "sim")
+        lily_mlx.patch(model)
+        try:
+            single_lily = np.asarray(teacher_forced_logits(model, prompt, CONTINUATION))
+        finally:
+            lily_mlx.unpatch(model)
+
+    def rel(a, b):
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    sharded_stock, sharded_lily = ranks[0]["stock"], ranks[0]["lily"]
+    assert np.array_equal(ranks[1]["lily"], sharded_lily)  # the all-reduce gives both ranks the same
+    noise = max(rel(sharded_stock, single_stock), rel(single_lily, single_stock), 1e-3)
+    assert rel(sharded_lily, sharded_stock) <= 3 * noise, (rel(sharded_lily, sharded_stock), noise)
+    assert rel(sharded_lily, single_lily) <= 3 * noise, (rel(sharded_lily, single_lily), noise)
