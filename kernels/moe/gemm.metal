@@ -5,10 +5,12 @@
 //   moe_dequant_experts_q4    the fused_dequant=off ablation: experts dequantised to [E, O, K] first
 //   moe_combine_weighted_rows out[token] = sum_j score[token, j] * y[slot of (token, j)] (fused_combine)
 //                             + gate[token] * y[shared slot of token] (shared expert, fused_expert_down)
-// The shared expert (fused_expert_down) is expert E of the GEMMs: its blocks carry expert id E, its
-// rows are slots A .. A + N - 1 (token order, after the A routed slots) and its weights are separate
-// inputs (the *_s arrays), 4-bit like the experts'. Its rows then get the same per-element
-// arithmetic as a routed row, in any block layout.
+// The shared expert (fused_expert_down), of width S = m * I (m >= 1 chunks of the experts' width I),
+// is m more experts of the GEMMs: chunk c has expert id E + c, its rows are slots A + c * N + n
+// (chunk-major after the A routed slots, token order within a chunk), and reads rows c * I .. of the
+// shared gate/up weights and columns c * I .. of the shared down weights (the *_s arrays, 4-bit like
+// the experts'). Each chunk row then gets the same per-element arithmetic as a routed row, in any
+// block layout; the combine adds the m chunk rows, gated.
 // Weights either 4-bit affine group-64 (uint32 words of 8 nibbles, low nibble first; one scale and
 // one bias per 64 weights; w = scale * q + bias), dequantised one 32 x 64 tile at a time into
 // threadgroup memory, or already dequantised [E, O, K]. simdgroup_matrix<float, 8, 8>, fp32
@@ -168,10 +170,11 @@ inline void moe_stage_row(const device T* row, threadgroup float* xs, int K, uin
 #define MOE_GEMV_MAX_K 4096  // threadgroup row buffer (16 KB); the host checks
 
 // @kernel moe_gemm_gate_up_swiglu
-// grid (I / 32 * 128, max_blocks, 1), threadgroup (128, 1, 1). params: [top_k, D, I, E, A].
+// grid (I / 32 * 128, max_blocks, 1), threadgroup (128, 1, 1). params: [top_k, D, I, E, A, N].
 // x [N, D] tokens; sorted_rows [A]; blocks [max_blocks, 4]; w_gate, w_up: [E, I, D / 8] uint32
 // (+ scales/biases [E, I, D / 64]) or dequantised [E, I, D]; w_gate_s, w_up_s: the shared expert's
-// [I, D / 8] uint32 (+ scales/biases), read by blocks of expert E. h [A (+ N), I]: rows in slot order.
+// [m * I, D / 8] uint32 (+ scales/biases), read by blocks of experts E + c. h [A (+ m * N), I]: rows
+// in slot order.
 threadgroup float xt[MOE_MAX_ROWS * MOE_BK];
 threadgroup float wg[MOE_BK * MOE_BN];
 threadgroup float wu[MOE_BK * MOE_BN];
@@ -197,12 +200,13 @@ for (int i = 0; i < 2; ++i) {
     acc_u[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
 }
-const bool shared = e == E;
+const int chunk = e - E;  // >= 0: a chunk of the shared expert
 for (int k0 = 0; k0 < D; k0 += MOE_BK) {
-  moe_load_rows_tile<true>(x, sorted_rows, xt, first, rows, tile_rows, top_k, k0, D, tid, shared ? first - A : -1);
-  if (shared) {
-    moe_load_weight_tile(w_gate_s, scales_gate_s, biases_gate_s, wg, 0, n0, k0, I, D, tid);
-    moe_load_weight_tile(w_up_s, scales_up_s, biases_up_s, wu, 0, n0, k0, I, D, tid);
+  moe_load_rows_tile<true>(x, sorted_rows, xt, first, rows, tile_rows, top_k, k0, D, tid,
+                           chunk >= 0 ? first - A - chunk * N : -1);
+  if (chunk >= 0) {
+    moe_load_weight_tile(w_gate_s, scales_gate_s, biases_gate_s, wg, chunk, n0, k0, I, D, tid);
+    moe_load_weight_tile(w_up_s, scales_up_s, biases_up_s, wu, chunk, n0, k0, I, D, tid);
   } else {
     moe_load_weight_tile(w_gate, scales_gate, biases_gate, wg, e, n0, k0, I, D, tid);
     moe_load_weight_tile(w_up, scales_up, biases_up, wu, e, n0, k0, I, D, tid);
@@ -232,10 +236,10 @@ for (int i = int(tid); i < tile_rows * MOE_BN; i += MOE_THREADS) {
 }
 
 // @kernel moe_gemm_down
-// grid (D / 32 * 128, max_blocks, 1), threadgroup (128, 1, 1). params: [I, D, E].
+// grid (D / 32 * 128, max_blocks, 1), threadgroup (128, 1, 1). params: [I, D, E, Is].
 // h [A (+ N), I] rows in slot order; w_down [E, D, I / 8] uint32 (+ scales/biases [E, D, I / 64]) or
-// dequantised [E, D, I]; w_down_s the shared expert's [D, I / 8] (blocks of expert E).
-// y [A (+ N), D] rows in slot order.
+// dequantised [E, D, I]; w_down_s the shared expert's [D, Is / 8] (Is = m * I; blocks of expert E + c
+// read its columns c * I ..). y [A (+ m * N), D] rows in slot order.
 threadgroup float xt[MOE_MAX_ROWS * MOE_BK];
 threadgroup float wt[MOE_BK * MOE_BN];
 const uint tid = thread_index_in_threadgroup;
@@ -260,8 +264,8 @@ for (int i = 0; i < 2; ++i) {
 }
 for (int k0 = 0; k0 < I; k0 += MOE_BK) {
   moe_load_rows_tile<false>(h, blocks, xt, first, rows, tile_rows, 1, k0, I, tid);
-  if (e == E) {
-    moe_load_weight_tile(w_down_s, scales_down_s, biases_down_s, wt, 0, n0, k0, D, I, tid);
+  if (e >= E) {  // chunk e - E of the shared expert: its K range within the shared rows
+    moe_load_weight_tile(w_down_s, scales_down_s, biases_down_s, wt, 0, n0, (e - E) * I + k0, D, Is, tid);
   } else {
     moe_load_weight_tile(w_down, scales_down, biases_down, wt, e, n0, k0, D, I, tid);
   }
@@ -301,12 +305,12 @@ if (counts[e] > 0) {
 }
 
 // @kernel moe_combine_weighted_rows
-// grid (ceil(D / 4 / 128) * 128, N, 1), threadgroup (128, 1, 1). params: [k, D, A, has_shared]
-// (D % 4 == 0). y [A (+ N), D] the down GEMM's rows in slot order; slot_of_row [A]: slot of
+// grid (ceil(D / 4 / 128) * 128, N, 1), threadgroup (128, 1, 1). params: [k, D, A, shared_chunks]
+// (D % 4 == 0). y [A (+ m * N), D] the down GEMM's rows in slot order; slot_of_row [A]: slot of
 // assignment a = token * k + j; scores [N, k] routing weights; gate [N] fp32 the shared expert's
-// sigmoid gate (has_shared: its row of token n is slot A + n). out [N, D]: each token's k rows read
-// straight from slot order, weighted and summed in fp32 (then the gated shared row), rounded once
-// (no [A, D] gather or product arrays in between).
+// sigmoid gate (m = shared_chunks > 0: its chunk rows of token n are slots A + c * N + n). out [N, D]:
+// each token's k rows read straight from slot order, weighted and summed in fp32 (then the gated
+// shared chunks), rounded once (no [A, D] gather or product arrays in between).
 const int d0 = int(thread_position_in_grid.x) * 4;
 const long n = long(thread_position_in_grid.y);
 if (d0 < D) {
@@ -318,9 +322,10 @@ if (d0 < D) {
       acc[c] += w * float(y[src + c]);
     }
   }
-  if (has_shared != 0) {
+  const long num_tokens = long(threads_per_grid.y);
+  for (int chunk = 0; chunk < shared_chunks; ++chunk) {
     const float g = gate[n];
-    const long src = (long(A) + n) * D + d0;
+    const long src = (long(A) + chunk * num_tokens + n) * D + d0;
     for (int c = 0; c < 4; ++c) {
       acc[c] += g * float(y[src + c]);
     }
@@ -331,10 +336,10 @@ if (d0 < D) {
 }
 
 // @kernel moe_gemv_gate_up_swiglu
-// grid (I, n_blocks, 1), threadgroup (TG, 1, 1) with I % TG == 0. params: [top_k, D, I, E, A].
+// grid (I, n_blocks, 1), threadgroup (TG, 1, 1) with I % TG == 0. params: [top_k, D, I, E, A, N].
 // The decode form of moe_gemm_gate_up_swiglu for one-row blocks (expert, slot, 1, tile): same
-// inputs, same h, the same bits per element. Rows of the shared expert (expert id E) are token
-// slot - A; routed rows are token sorted_rows[slot] / top_k.
+// inputs, same h, the same bits per element. Rows of shared chunk c (expert id E + c) are token
+// slot - A - c * N; routed rows are token sorted_rows[slot] / top_k.
 threadgroup float xs[MOE_GEMV_MAX_K];
 const uint tid = thread_index_in_threadgroup;
 const int blk = int(threadgroup_position_in_grid.y);
@@ -343,12 +348,12 @@ const int slot = blocks[4 * blk + 1];
 if (blocks[4 * blk + 2] == 0) {
   return;  // padding entry
 }
-const bool shared = e == E;
-const long token = shared ? long(slot - A) : long(sorted_rows[slot] / top_k);
+const bool shared = e >= E;
+const long token = shared ? long(slot - A - (e - E) * N) : long(sorted_rows[slot] / top_k);
 moe_stage_row(x + token * D, xs, D, tid, threads_per_threadgroup.x);
 threadgroup_barrier(mem_flags::mem_threadgroup);
 const int col = int(thread_position_in_grid.x);
-const long row = shared ? long(col) : long(e) * I + col;
+const long row = long(shared ? e - E : e) * I + col;
 const device uint32_t* wg_row = (shared ? w_gate_s : w_gate) + row * (D / 8);
 const device uint32_t* wu_row = (shared ? w_up_s : w_up) + row * (D / 8);
 const long srow = row * (D / 64);
@@ -359,7 +364,7 @@ const float u = shared ? moe_gemv_q4_dot(wu_row, scales_up_s + srow, biases_up_s
 h[long(slot) * I + col] = static_cast<T>(g / (1.0f + metal::exp(-g)) * u);
 
 // @kernel moe_gemv_down
-// grid (D, n_blocks, 1), threadgroup (TG, 1, 1) with D % TG == 0. params: [I, D, E].
+// grid (D, n_blocks, 1), threadgroup (TG, 1, 1) with D % TG == 0. params: [I, D, E, Is].
 // The decode form of moe_gemm_down for one-row blocks: y[slot] = h[slot] . Wd[e]^T, same bits.
 threadgroup float xs[MOE_GEMV_MAX_K];
 const uint tid = thread_index_in_threadgroup;
@@ -372,10 +377,13 @@ if (blocks[4 * blk + 2] == 0) {
 moe_stage_row(h + long(slot) * I, xs, I, tid, threads_per_threadgroup.x);
 threadgroup_barrier(mem_flags::mem_threadgroup);
 const int col = int(thread_position_in_grid.x);
-const bool shared = e == E;
-const long row = shared ? long(col) : long(e) * D + col;
-const long srow = row * (I / 64);
-const float acc = shared
-    ? moe_gemv_q4_dot((w_down_s) + row * (I / 8), scales_down_s + srow, biases_down_s + srow, xs, I)
-    : moe_gemv_q4_dot((w_down) + row * (I / 8), scales_down + srow, biases_down + srow, xs, I);
+float acc;
+if (e >= E) {  // chunk e - E of the shared expert: columns (e - E) * I .. of its row col
+  const long words = long(col) * (Is / 8) + (e - E) * (I / 8);
+  const long groups = long(col) * (Is / 64) + (e - E) * (I / 64);
+  acc = moe_gemv_q4_dot(w_down_s + words, scales_down_s + groups, biases_down_s + groups, xs, I);
+} else {
+  const long row = long(e) * D + col;
+  acc = moe_gemv_q4_dot(w_down + row * (I / 8), scales_down + row * (I / 64), biases_down + row * (I / 64), xs, I);
+}
 y[long(slot) * D + col] = static_cast<T>(acc);

@@ -93,13 +93,13 @@ inline uint moe_router_max_key(uint v, threadgroup uint* partial, uint sg, uint 
 
 // @kernel moe_router_softmax_topk_q
 // grid (1024, N, 1), threadgroup (1024, 1, 1); template T (activation dtype), BITS (8 or 4).
-// params: [D, E, top_k, norm_topk, has_gate, decode_tile].
+// params: [D, E, top_k, norm_topk, has_gate, decode_tile, shared_chunks].
 // x [N, D]; w_router [E, D * BITS / 32] uint32 (+ scales/biases [E, D / 64]); w_gate [1, ...] the
 // shared-expert gate (same layout; unused when has_gate == 0).
 // inds [N, k] int32 (largest probability first); scores [N, k] T; gate [N] float32 (sigmoid gate,
-// 0 when has_gate == 0); blocks [N * k + N * has_gate, 4] int32: the GEMMs' one-row decode schedule,
-// assignment a = n * k + j -> (inds[a], a, 1, decode_tile), shared-expert row of token n ->
-// (E, N * k + n, 1, decode_tile).
+// 0 when has_gate == 0); blocks [N * k + N * m, 4] int32 (m = shared_chunks): the GEMMs' one-row
+// decode schedule, assignment a = n * k + j -> (inds[a], a, 1, decode_tile), shared-expert chunk c
+// of token n -> (E + c, N * k + c * N + n, 1, decode_tile).
 threadgroup float probs[MOE_ROUTER_MAX_E + 1];
 threadgroup float partial[MOE_ROUTER_THREADS / 32];
 threadgroup uint partial_key[MOE_ROUTER_THREADS / 32];
@@ -186,12 +186,14 @@ if (tid == 0) {
   if (has_gate != 0) {
     const float g = 1.0f / (1.0f + metal::exp(-probs[E]));
     gate[n] = float(static_cast<T>(g));
-    const long slot = long(num_tokens) * top_k + n;
-    blocks[4 * slot + 0] = E;
+  } else {
+    gate[n] = 0.0f;
+  }
+  for (int c = 0; c < shared_chunks; ++c) {
+    const long slot = long(num_tokens) * (top_k + c) + n;
+    blocks[4 * slot + 0] = E + c;
     blocks[4 * slot + 1] = int(slot);
     blocks[4 * slot + 2] = 1;
     blocks[4 * slot + 3] = decode_tile;
-  } else {
-    gate[n] = 0.0f;
   }
 }

@@ -166,17 +166,19 @@ def expected_block_launches(state: Dict[str, bool], assignments: int) -> List[st
     return ([ROUTER] if state["fused_expert_up"] else []) + expected_moe_launches(state, assignments)
 
 
+@pytest.mark.parametrize("chunks", [1, 2], ids=["shared-1x", "shared-2x"])
 @pytest.mark.parametrize("tokens", [3, 40])
 @pytest.mark.parametrize("state", _states(MOE_BLOCK_SWITCHES + ("fused_combine",)), ids=_state_id)
-def test_moe_block_switch_paths(sim, state, tokens):
-    """The block's launches per switch state; with the shared expert fused, its rows follow the A routed
-    slots in the GEMMs (blocks of expert id E) and the combine reads them; the block stays close to
+def test_moe_block_switch_paths(sim, state, tokens, chunks):
+    """The block's launches per switch state; with the shared expert fused (its width 1 or 2 times the
+    experts'), its m chunk rows per token follow the A routed slots in the GEMMs (blocks of expert ids
+    E .. E + m - 1, one row each for a decode call) and the combine reads them; the block stays close to
     stock's (fp32 oracle: the same block in fp32)."""
     from lily_mlx.ops.moe import sparse_moe_forward
 
     num_experts = 10
     block = make_sparse_moe_block(hidden=HIDDEN, expert_width=EXPERT_WIDTH, num_experts=num_experts, top_k=TOP_K,
-                                  shared_width=EXPERT_WIDTH, seed=tokens)
+                                  shared_width=chunks * EXPERT_WIDTH, seed=tokens)
     x = make_inputs(1, tokens, HIDDEN, seed=tokens)
     full = {name: switches.SWITCHES[name].default for name in switches.SWITCHES}
     full.update(state)
@@ -188,17 +190,21 @@ def test_moe_block_switch_paths(sim, state, tokens):
     gate_up = {launch.name: launch for launch in rec}[gemm_names(full, a)[0]]
     blocks = np.asarray(gate_up.kwargs["inputs"][2])
     shared = state["fused_expert_down"] and state["fused_combine"]
-    assert gate_up.kwargs["output_shapes"][0][0] == a + (tokens if shared else 0)
-    shared_blocks = blocks[blocks[:, 0] == num_experts]
-    if shared:  # every token's shared row exactly once, in slots A .. A + N - 1
-        slots = np.concatenate([np.arange(f, f + r) for _, f, r, _ in shared_blocks])
-        assert np.array_equal(np.sort(slots), np.arange(a, a + tokens))
+    assert gate_up.kwargs["output_shapes"][0][0] == a + (chunks * tokens if shared else 0)
+    shared_blocks = blocks[blocks[:, 0] >= num_experts]
+    if shared:  # every token's chunk c row exactly once, in slots A + c * N .. A + (c + 1) * N - 1
+        for c in range(chunks):
+            mine = shared_blocks[shared_blocks[:, 0] == num_experts + c]
+            slots = np.concatenate([np.arange(f, f + r) for _, f, r, _ in mine])
+            assert np.array_equal(np.sort(slots), np.arange(a + c * tokens, a + (c + 1) * tokens))
+        if a <= PER_ASSIGNMENT_MAX and full["fused_dequant"]:
+            assert (shared_blocks[:, 2] == 1).all()  # one-row blocks: the GEMV forms' contract
     else:
         assert len(shared_blocks) == 0
 
     stock = type(block).__call__(block, x)
     exact = make_sparse_moe_block(hidden=HIDDEN, expert_width=EXPERT_WIDTH, num_experts=num_experts, top_k=TOP_K,
-                                  shared_width=EXPERT_WIDTH, seed=tokens)
+                                  shared_width=chunks * EXPERT_WIDTH, seed=tokens)
     exact.update(block.parameters())  # the same 4-bit weights, computed in fp32
     exact.set_dtype(mx.float32)
     exact = type(exact).__call__(exact, x.astype(mx.float32))

@@ -45,15 +45,15 @@ _GATE_UP_SIGNATURE = (
 _DOWN_SIGNATURE = (
     ("h", "blocks", "w_down", "scales_down", "biases_down", "w_down_s", "scales_down_s", "biases_down_s", "params"),
     ("y",))
-_GATE_UP_PARAMS = ("top_k", "D", "I", "E", "A")
-_DOWN_PARAMS = ("I", "D", "E")
+_GATE_UP_PARAMS = ("top_k", "D", "I", "E", "A", "N")
+_DOWN_PARAMS = ("I", "D", "E", "Is")
 
 # Dispatch table: one KernelSpec per kernel of kernels/moe/router.metal, routing.metal and gemm.metal.
 KERNELS: Dict[str, KernelSpec] = {
     "router": KernelSpec("moe_router_softmax_topk_q", ROUTER,
                          ("x", "w_router", "scales_router", "biases_router", "w_gate", "scales_gate", "biases_gate",
                           "params"), ("inds", "scores", "gate", "blocks"),
-                         params=("D", "E", "top_k", "norm_topk", "has_gate", "decode_tile")),
+                         params=("D", "E", "top_k", "norm_topk", "has_gate", "decode_tile", "shared_chunks")),
     "histogram": KernelSpec("moe_route_histogram_i32", ROUTING, ("inds", "params"), ("chunk_counts", "local_rank"),
                             params=("A", "E", "n_chunks")),
     "scan": KernelSpec("moe_route_scan_i32", ROUTING, ("chunk_counts", "params"), ("counts", "offsets", "chunk_offsets"),
@@ -70,7 +70,7 @@ KERNELS: Dict[str, KernelSpec] = {
     "dequant": KernelSpec("moe_dequant_experts_q4", GEMM, ("w", "scales", "biases", "counts", "params"), ("w_out",),
                           params=("O", "K")),
     "combine": KernelSpec("moe_combine_weighted_rows", GEMM, ("y", "slot_of_row", "scores", "gate", "params"),
-                          ("out",), params=("k", "D", "A", "has_shared")),
+                          ("out",), params=("k", "D", "A", "shared_chunks")),
 }
 
 CHUNK = 256  # assignments per threadgroup in the histogram and scatter kernels
@@ -245,6 +245,11 @@ def _weights(layer, fused_dequant: bool, counts, dtype, backend):
     return [dequantize_experts(layer, counts, dtype, backend), layer["scales"], layer["biases"]]
 
 
+def shared_chunks(shared, expert_width: int) -> int:
+    """m: the shared expert's width in chunks of the experts' width (0 without a fused shared expert)."""
+    return 0 if shared is None else shared.gate_proj["scales"].shape[0] // expert_width
+
+
 def _shared_weights(shared_layer, fallback) -> list:
     """The shared expert's 4-bit (weight, scales, biases) for the GEMMs' ``*_s`` inputs; without a fused
     shared expert, the experts' own arrays stand in (no block reads them)."""
@@ -275,8 +280,8 @@ def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, 
     inputs += _weights(up_proj, fused_dequant, counts, x2d.dtype, backend)
     inputs += _shared_weights(shared.gate_proj if shared is not None else None, gate_proj)
     inputs += _shared_weights(shared.up_proj if shared is not None else None, up_proj)
-    inputs.append(KERNELS["gate_up"].pack(top_k=top_k, D=d, I=i, E=e, A=a))
-    rows = a + (n if shared is not None else 0)
+    inputs.append(KERNELS["gate_up"].pack(top_k=top_k, D=d, I=i, E=e, A=a, N=n))
+    rows = a + shared_chunks(shared, i) * n
     return _launch_expert_kernel("gate_up", gemv, inputs, blocks, (rows, i), x2d.dtype, backend, init_value)
 
 
@@ -304,23 +309,24 @@ def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = Tr
     e, d = down_proj["scales"].shape[:2]
     inputs = [h, blocks] + _weights(down_proj, fused_dequant, counts, h.dtype, backend)
     inputs += _shared_weights(shared.down_proj if shared is not None else None, down_proj)
-    inputs.append(KERNELS["down"].pack(I=i, D=d, E=e))
+    shared_width = i * max(1, shared_chunks(shared, i))
+    inputs.append(KERNELS["down"].pack(I=i, D=d, E=e, Is=shared_width))
     return _launch_expert_kernel("down", gemv, inputs, blocks, (rows, d), h.dtype, backend, init_value)
 
 
 def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: Optional[str] = None,
-                 init_value=None, gate: Optional[mx.array] = None) -> mx.array:
-    """out [N, D] = sum_j scores[n, j] * y[slot_of_row[n * k + j]] (+ gate[n] * y[A + n], the shared
-    expert's row): y [A (+ N), D] (slot order), scores [N, k] (any float dtype), gate [N] fp32; fp32
-    accumulation, output in y's dtype."""
+                 init_value=None, gate: Optional[mx.array] = None, chunks: int = 1) -> mx.array:
+    """out [N, D] = sum_j scores[n, j] * y[slot_of_row[n * k + j]] (+ gate[n] * sum_c y[A + c * N + n],
+    the shared expert's ``chunks`` rows): y [A (+ chunks * N), D] (slot order), scores [N, k] (any
+    float dtype), gate [N] fp32; fp32 accumulation, output in y's dtype."""
     d = y.shape[1]
     n, k = scores.shape
     a = slot_of_row.size
     groups = -(-d // (4 * COMBINE_THREADS))
-    has_shared = gate is not None
+    m = chunks if gate is not None else 0
     (out,) = _kernel("combine", backend)(
-        inputs=[y, slot_of_row, scores, gate if has_shared else float32_scalar(0.0),
-                KERNELS["combine"].pack(k=k, D=d, A=a, has_shared=has_shared)],
+        inputs=[y, slot_of_row, scores, gate if m else float32_scalar(0.0),
+                KERNELS["combine"].pack(k=k, D=d, A=a, shared_chunks=m)],
         template=[("T", y.dtype)],
         grid=(groups * COMBINE_THREADS, n, 1), threadgroup=(COMBINE_THREADS, 1, 1),
         output_shapes=[(n, d)], output_dtypes=[y.dtype], init_value=init_value,
@@ -371,8 +377,9 @@ def shared_expert_reason(block, x: mx.array) -> Optional[str]:
         reason = _quantized_linear_reason(getattr(shared, name), x, (4,), f"shared expert {name}")
         if reason is not None:
             return reason
-    if shared.gate_proj["scales"].shape[0] != block.switch_mlp.gate_proj["scales"].shape[1]:
-        return "shared expert width differs from the routed experts'"
+    width, expert_width = shared.gate_proj["scales"].shape[0], block.switch_mlp.gate_proj["scales"].shape[1]
+    if width % expert_width != 0:
+        return f"shared expert width {width} is not a multiple of the experts' {expert_width}"
     return None
 
 
@@ -391,12 +398,13 @@ def route_tokens(block, x2d: mx.array, with_gate: bool, backend: Optional[str] =
     router, gate = block.gate, block.shared_expert_gate if with_gate else block.gate
     e = router["scales"].shape[0]
     k = block.top_k
-    rows = n * k + (n if with_gate else 0)
+    m = shared_chunks(block.shared_expert if with_gate else None, block.switch_mlp.gate_proj["scales"].shape[1])
+    rows = n * (k + m)
     return _kernel("router", backend)(
         inputs=[x2d, router["weight"], router["scales"], router["biases"],
                 gate["weight"], gate["scales"], gate["biases"],
                 KERNELS["router"].pack(D=d, E=e, top_k=k, norm_topk=bool(block.norm_topk_prob),
-                                       has_gate=with_gate, decode_tile=SMALL_TILE)],
+                                       has_gate=with_gate, decode_tile=SMALL_TILE, shared_chunks=m)],
         template=[("T", x2d.dtype), ("BITS", router.bits)],
         grid=(ROUTER_THREADS, n, 1), threadgroup=(ROUTER_THREADS, 1, 1),
         output_shapes=[(n, k), (n, k), (n,), (rows, 4)],
@@ -406,12 +414,13 @@ def route_tokens(block, x2d: mx.array, with_gate: bool, backend: Optional[str] =
 
 
 @lru_cache(maxsize=256)
-def shared_expert_blocks(num_tokens: int, num_routed: int, num_experts: int, tile: int, one_row: bool) -> mx.array:
-    """Blocks of the shared expert (expert id E) over slots A .. A + N - 1: tiles of ``tile`` rows, or
-    one row per block (``one_row``: the per-assignment schedule of small calls)."""
+def shared_expert_blocks(num_tokens: int, chunks: int, num_routed: int, num_experts: int, tile: int,
+                         one_row: bool) -> mx.array:
+    """Blocks of the shared expert's chunks c (expert id E + c) over slots A + c * N .. A + (c + 1) * N - 1:
+    tiles of ``tile`` rows, or one row per block (``one_row``: the per-assignment schedule)."""
     step = 1 if one_row else tile
-    rows = [(num_experts, num_routed + start, min(step, num_tokens - start), tile)
-            for start in range(0, num_tokens, step)]
+    rows = [(num_experts + c, num_routed + c * num_tokens + start, min(step, num_tokens - start), tile)
+            for c in range(chunks) for start in range(0, num_tokens, step)]
     return mx.array(np.asarray(rows, dtype=np.int32).reshape(-1, 4))
 
 
@@ -478,10 +487,10 @@ def moe_unavailable_reason(switch_mlp, x: mx.array, backend: str) -> Optional[st
 
 
 def _schedule(inds: mx.array, num_experts: int, fused: bool, backend: str, decode_blocks=None,
-              num_shared_rows: int = 0):
+              num_shared_rows: int = 0, chunks: int = 0):
     """The GEMMs' schedule for this call: per-assignment blocks for small calls (``decode_blocks``
     from the router kernel when it ran), else the routing kernels' block map; with a fused shared
-    expert its blocks (expert id E, slots A ..) come last."""
+    expert its ``chunks`` x ``num_shared_rows`` rows' blocks (expert ids E + c, slots A ..) come last."""
     a = inds.size
     if a <= PER_ASSIGNMENT_MAX and fused:
         if decode_blocks is not None:
@@ -494,16 +503,17 @@ def _schedule(inds: mx.array, num_experts: int, fused: bool, backend: str, decod
         adaptive = switches.is_enabled("adaptive_tile")
         schedule = routing_schedule(inds, num_experts, switches.is_enabled("gpu_routing"), adaptive, backend)
         tile, one_row = (LARGE_TILE if adaptive and num_shared_rows >= LARGE_TILE else SMALL_TILE), False
-    if num_shared_rows:
-        shared = shared_expert_blocks(num_shared_rows, a, num_experts, tile, one_row)
+    if num_shared_rows and chunks:
+        shared = shared_expert_blocks(num_shared_rows, chunks, a, num_experts, tile, one_row)
         schedule["blocks"] = mx.concatenate([schedule["blocks"], shared], axis=0)
     return schedule
 
 
 def _routed_rows(switch_mlp, x: mx.array, inds: mx.array, shared=None, decode_blocks=None, checked: bool = False):
-    """Routing schedule and the down GEMM's output: (y [A (+ N), D] in slot order, schedule, backend),
-    or None when the kernels do not apply (said once in the log). ``shared``: the shared expert, run
-    as expert E (rows A .. A + N - 1). ``checked``: the caller has established that they apply."""
+    """Routing schedule and the down GEMM's output: (y [A (+ m * N), D] in slot order, schedule, backend),
+    or None when the kernels do not apply (said once in the log). ``shared``: the shared expert, run as
+    m chunks of the experts' width, experts E .. E + m - 1 (rows A + c * N + n). ``checked``: the caller
+    has established that they apply."""
     backend = op_backend("moe_grouped_gemm")
     if not checked and moe_unavailable_reason(switch_mlp, x, backend) is not None:
         return None
@@ -511,7 +521,8 @@ def _routed_rows(switch_mlp, x: mx.array, inds: mx.array, shared=None, decode_bl
     fused = switches.is_enabled("fused_dequant")
     x2d = x.reshape(-1, x.shape[-1])
     n_shared = x2d.shape[0] if shared is not None else 0
-    schedule = _schedule(inds, num_experts, fused, backend, decode_blocks, n_shared)
+    chunks = shared_chunks(shared, switch_mlp.gate_proj["scales"].shape[1])
+    schedule = _schedule(inds, num_experts, fused, backend, decode_blocks, n_shared, chunks)
     top_k = inds.shape[-1]
     # One-row blocks (the per-assignment schedule) run the GEMV forms: same bits, far less work.
     gemv = (schedule["counts"] is None and switches.is_enabled("row_gemv")
@@ -594,7 +605,8 @@ def sparse_moe_kernels(block, x: mx.array) -> Optional[mx.array]:
     else:
         shared = block.shared_expert if fuse_shared else None
         y, schedule, backend = _routed_rows(block.switch_mlp, x2d, inds, shared, decode_blocks, checked=True)
-        out = combine_rows(y, schedule["slot_of_row"], scores, backend, gate=gate)
+        chunks = shared_chunks(shared, block.switch_mlp.gate_proj["scales"].shape[1])
+        out = combine_rows(y, schedule["slot_of_row"], scores, backend, gate=gate, chunks=chunks)
     if not fuse_shared:
         out = out + shared_expert_reference(block, x2d)
     return out.reshape(x.shape)
