@@ -29,6 +29,7 @@ from typing import Dict, List, Sequence
 import mlx.core as mx
 
 from lily_mlx.core import switches
+from lily_mlx.core.kernel_registry import record_launches
 
 from .e2e import Engines, switches_off, validate_engine
 
@@ -71,7 +72,8 @@ def profile_engine(model, context: int, steps: int, vocab: int, seed: int) -> Di
     y, cache = _prefill(model, context, vocab, seed)
     mx.eval(_step(model, y, cache))  # first decode step: compiles, allocates
 
-    nxt = _step(model, y, cache)
+    with record_launches() as launches:  # lily's custom-kernel launches of one step, by kernel
+        nxt = _step(model, y, cache)
     primitives = count_primitives(nxt)
     mx.eval(nxt)
     y = nxt
@@ -100,7 +102,8 @@ def profile_engine(model, context: int, steps: int, vocab: int, seed: int) -> Di
     elapsed = time.perf_counter() - t0
     non_view = sum(n for name, n in primitives.items() if name not in VIEW_PRIMITIVES)
     return {"build_s": build, "eval_s": evaluate, "decode_tok_s": steps / elapsed,
-            "primitives_per_step": non_view, "primitives": primitives}
+            "primitives_per_step": non_view, "primitives": primitives,
+            "kernel_launches_per_step": len(launches), "kernel_launches": launches.counts()}
 
 
 def host_profile(model, engine: str, context: int, steps: int, vocab: int, seed: int = 0, top: int = 30) -> str:
@@ -156,6 +159,8 @@ def run(model, context: int, engines: Sequence[str], rounds: int, steps: int, vo
             "decode_tok_s": statistics.median(res["decode_tok_s"] for res in results),
             "decode_tok_s_rounds": [res["decode_tok_s"] for res in results],
             "primitives": results[-1]["primitives"],
+            "kernel_launches_per_step": results[-1]["kernel_launches_per_step"],
+            "kernel_launches": results[-1]["kernel_launches"],
         }
     return {"context": context, "rounds": rounds, "steps": steps, "engines": out}
 
@@ -163,9 +168,10 @@ def run(model, context: int, engines: Sequence[str], rounds: int, steps: int, vo
 def table_markdown(profile: Dict) -> str:
     lines = [f"Decode step at context {profile['context']} (medians of {profile['rounds']} rounds x "
              f"{profile['steps']} steps)", "",
-             "| engine | graph build ms/step | eval ms/step | pipelined decode tok/s | non-view primitives/step |",
-             "|---|---|---|---|---|"]
+             "| engine | graph build ms/step | eval ms/step | pipelined decode tok/s | non-view primitives/step "
+             "| lily kernel launches/step |",
+             "|---|---|---|---|---|---|"]
     for engine, row in profile["engines"].items():
         lines.append(f"| {engine} | {row['build_ms']:.2f} | {row['eval_ms']:.2f} | {row['decode_tok_s']:.1f} | "
-                     f"{row['primitives_per_step']:,} |")
+                     f"{row['primitives_per_step']:,} | {row.get('kernel_launches_per_step', 0):,} |")
     return "\n".join(lines)

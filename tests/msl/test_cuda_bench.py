@@ -159,3 +159,26 @@ def test_ablations_command_writes_the_table_and_resumes(monkeypatch, tmp_path):
     assert ablations.main(argv + ["--resume"]) == 0
     again = {r["switch"]: r for r in json.loads((tmp_path / "ablations.json").read_text())["rows"]}
     assert again["register_scan"]["on"] == scan["on"]  # kept, not re-measured
+
+
+def test_decode_profile_engines_run_their_switch_states(monkeypatch):
+    """decode-profile on the tiny model (simulated kernels): stock launches no lily kernel, lily its
+    decode kernels, and a lily-off:<switch> engine really runs with that switch off (its kernels
+    change: here the expert GEMMs instead of their GEMV forms)."""
+    from lily_dev.moe_testing import simulator_problem
+
+    if simulator_problem() is not None:
+        pytest.skip(f"no C++ compiler for the simulator: {simulator_problem()}")
+    monkeypatch.setenv("LILY_BACKEND", "sim")
+    from bench import decode_profile
+    from bench.model_setup import load_model
+
+    model, _ = load_model(None, "tiny", log=None)
+    profile = decode_profile.run(model, context=24, engines=["stock", "lily", "lily-off:row_gemv"], rounds=1,
+                                 steps=2, vocab=1024, log=lambda m: None)
+    rows = profile["engines"]
+    assert rows["stock"]["kernel_launches_per_step"] == 0
+    assert rows["lily"]["kernel_launches"].get("moe_gemv_gate_up_swiglu", 0) > 0
+    off = rows["lily-off:row_gemv"]["kernel_launches"]
+    assert off.get("moe_gemm_gate_up_swiglu", 0) > 0 and "moe_gemv_gate_up_swiglu" not in off
+    assert "lily kernel launches/step" in decode_profile.table_markdown(profile)
