@@ -79,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
                    help="kernels mode: also time the op modules' own microbench cases (auto: on a GPU)")
     p.add_argument("--context", type=int, default=4096, help="decode-profile: context length before decoding")
     p.add_argument("--profile-steps", type=int, default=16, help="decode-profile: timed decode steps per round")
+    p.add_argument("--shared-prefill", action="store_true",
+                   help="decode-profile: prefill the context once per round (with lily) and decode every engine "
+                        "from a copy of that cache (long contexts: stock's CUDA prefill takes minutes)")
     p.add_argument("--host-profile", default=None, metavar="ENGINE",
                    help="decode-profile: also cProfile ENGINE's graph building (host_profile_<ENGINE>.txt)")
     p.add_argument("--out", default=None, help="directory for results.json, tables and plot")
@@ -144,7 +147,7 @@ def main(argv=None) -> int:
 
         engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
         profile = decode_profile.run(model, args.context, engines, args.rounds, args.profile_steps, vocab,
-                                     seed=args.seed, log=log)
+                                     seed=args.seed, log=log, shared_prefill=args.shared_prefill)
         results["decode_profile"] = profile
         log(decode_profile.table_markdown(profile))
         if out_dir:

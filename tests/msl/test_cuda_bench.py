@@ -182,3 +182,42 @@ def test_decode_profile_engines_run_their_switch_states(monkeypatch):
     off = rows["lily-off:row_gemv"]["kernel_launches"]
     assert off.get("moe_gemm_gate_up_swiglu", 0) > 0 and "moe_gemv_gate_up_swiglu" not in off
     assert "lily kernel launches/step" in decode_profile.table_markdown(profile)
+
+
+def test_decode_profile_shared_prefill_decodes_every_engine_from_one_cache(monkeypatch):
+    """--shared-prefill: the context is prefilled once per round and each engine decodes from its own
+    copy (a copy's decode step leaves the original untouched, so the next engine starts from the same
+    cache)."""
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from bench import decode_profile
+    from bench.model_setup import load_model
+
+    model, _ = load_model(None, "tiny", log=None)
+    cache = make_prompt_cache(model)
+    def arrays(caches):
+        out = []
+        for c in caches:
+            for v in c.__dict__.values():
+                out += [a for a in (v if isinstance(v, list) else [v]) if isinstance(a, mx.array)]
+        return out
+
+    model(mx.arange(20)[None], cache=cache)
+    mx.eval(arrays(cache))
+    before = [mx.array(a) for a in arrays(cache)]
+    offsets = [c.offset for c in cache if hasattr(c, "offset")]
+    copy = decode_profile.clone_cache(cache)
+    model(mx.array([[3]]), cache=copy)
+    mx.eval(arrays(copy))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(before, arrays(cache)))  # original untouched
+    assert [c.offset for c in cache if hasattr(c, "offset")] == offsets
+    assert [c.offset for c in copy if hasattr(c, "offset")] == [o + 1 for o in offsets]
+
+    lines = []
+    profile = decode_profile.run(model, context=24, engines=["stock", "lily"], rounds=1, steps=2, vocab=1024,
+                                 log=lines.append, shared_prefill=True)
+    assert profile["shared_prefill"] and profile["prefill_engine"] == "lily"
+    assert sum("prefilled once" in line for line in lines) == 1
+    assert set(profile["engines"]) == {"stock", "lily"}
