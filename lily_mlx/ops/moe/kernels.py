@@ -575,7 +575,8 @@ def sparse_moe_kernels(block, x: mx.array) -> Optional[mx.array]:
 
     fused_expert_up: the router kernel gives indices, scores, the shared expert's gate and (small
     calls) the GEMMs' schedule; off, stock's router ops. fused_expert_down: the shared expert runs in
-    the grouped GEMMs as expert E and the combine adds it, gated; off, MLX's matmuls add it after."""
+    the grouped GEMMs as experts E .. E + m - 1 (m chunks of the experts' width) and the combine adds
+    it, gated; off, MLX's matmuls add it after."""
     backend = op_backend("moe_grouped_gemm")
     if moe_unavailable_reason(block.switch_mlp, x, backend) is not None:
         return None
