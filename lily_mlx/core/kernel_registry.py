@@ -141,7 +141,7 @@ def metal_kernel_factory(backend: str) -> Callable:
     return _factory(backend)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Launch:
     """One kernel launch seen by :func:`record_launches`."""
 
@@ -149,6 +149,8 @@ class Launch:
     backend: str
     kernel: Callable  # the built kernel, to launch again (benchmarks)
     kwargs: Dict  # the call's arguments: inputs, template, grid, threadgroup, output shapes/dtypes
+    launcher: Optional[Callable] = None  # the registry's launcher (launching through it is recorded)
+    outputs: Tuple = ()  # the launch's outputs, set once it returns
 
     @property
     def template(self) -> Dict:
@@ -180,7 +182,12 @@ def record_launches() -> Iterator[LaunchRecord]:
     try:
         yield record
     finally:
-        _recorders.remove(record)
+        # By identity: records nest (a decode plan records inside a caller's record), and two records of
+        # the same launches are equal lists.
+        for i, r in enumerate(_recorders):
+            if r is record:
+                del _recorders[i]
+                break
 
 
 class _Launcher:
@@ -193,9 +200,12 @@ class _Launcher:
 
     def __call__(self, **kwargs):
         if _recorders:
-            launch = Launch(self.name, self.backend, self.kernel, kwargs)
+            launch = Launch(self.name, self.backend, self.kernel, kwargs, self)
             for record in _recorders:
                 record.append(launch)
+            outputs = self.kernel(**kwargs)
+            launch.outputs = tuple(outputs)
+            return outputs
         return self.kernel(**kwargs)
 
 

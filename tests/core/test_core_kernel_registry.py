@@ -199,3 +199,15 @@ def test_small_constant_inputs_are_cached():
     assert kr.int32_params(2, 3, 0) is not a
     eps = kr.float32_scalar(1e-6)
     assert eps is kr.float32_scalar(1e-6) and eps.dtype == mx.float32 and eps.shape == (1,)
+
+
+def test_nested_launch_records_each_see_their_launches():
+    """Records nest (a decode plan records inside a test's or tune's record): leaving the inner one
+    leaves the outer one listening, even when both hold the same launches."""
+    from lily_mlx.core.kernel_registry import _recorders, record_launches
+
+    with record_launches() as outer:
+        with record_launches() as inner:
+            pass
+        assert inner == outer and any(r is outer for r in _recorders) and not any(r is inner for r in _recorders)
+    assert not any(r is outer for r in _recorders)

@@ -669,3 +669,49 @@ def test_router_kernel_token_alone_equals_token_in_batch():
         alone = mk.route_tokens(block, x[t:t + 1], True, KERNEL_BACKEND)
         for got, want in zip(alone[:3], batch[:3]):
             assert mx.array_equal(got[0], want[t]).item()
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode plans: a decode-sized call replayed from its recorded launches (host cost)
+
+
+@needs_sim
+def test_decode_plan_replays_the_general_path(gemm_sim, monkeypatch):
+    """After the first decode-sized call of a block, later calls replay its four launches: the same
+    kernels, the same bits as building them again, with each call's own activations; new weights
+    (``update``) take effect; and a plan that would keep anything but shape constants is refused."""
+    from lily_mlx.ops.moe import sparse_moe_forward
+    from lily_mlx.ops.moe.decode_plan import DecodePlan
+
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    block = make_sparse_moe_block(num_experts=16, top_k=4, seed=9, shared_width=128)  # shared: 2 chunks
+    backend = KERNEL_BACKEND
+
+    def general(x):
+        return mk._block_general(block, x.reshape(-1, 128), True, True, backend).reshape(x.shape)
+
+    for step in range(3):
+        x = make_inputs(2, 1, 128, seed=step)  # a 2-row decode batch: 8 assignments
+        with record_launches() as rec:
+            got = sparse_moe_forward(block, x)
+            mx.eval(got)
+        assert rec.names() == ["moe_router_softmax_topk_q", "moe_gemv_gate_up_swiglu", "moe_gemv_down",
+                               "moe_combine_weighted_rows"]
+        assert mx.array_equal(got, general(x)).item(), step
+    plans = block.__dict__["_lily_decode_plans"]
+    assert len(plans) == 1 and isinstance(next(iter(plans.values())), DecodePlan)
+
+    x = make_inputs(2, 1, 128, seed=7)
+    before = sparse_moe_forward(block, x)
+    other = make_sparse_moe_block(num_experts=16, top_k=4, seed=10, shared_width=128)
+    block.update(other.parameters())  # new weights, same shapes: the plan reads them at each call
+    got = sparse_moe_forward(block, x)
+    assert mx.array_equal(got, general(x)).item()
+    assert not mx.array_equal(got, before).item()
+
+    # A plan keeps only shape constants: with none allowed the same record gives no plan.
+    x2d = x.reshape(-1, 128)
+    with record_launches() as rec:
+        out = mk._block_general(block, x2d, True, True, backend)
+    assert DecodePlan.record(block, x2d, rec, out, mk._input_names, mk._PLAN_CONSTANTS) is not None
+    assert DecodePlan.record(block, x2d, rec, out, mk._input_names, frozenset()) is None

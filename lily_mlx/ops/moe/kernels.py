@@ -29,7 +29,7 @@ import numpy as np
 
 from ...core import switches
 from ...core.dispatch import op_backend
-from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel
+from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel, record_launches
 from ...core.log import log_once
 from .reference import combine_reference, is_quantized_switch_linear
 
@@ -519,7 +519,7 @@ def _routed_rows(switch_mlp, x: mx.array, inds: mx.array, shared=None, decode_bl
         return None
     num_experts = switch_mlp.gate_proj["weight"].shape[0]
     fused = switches.is_enabled("fused_dequant")
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x if x.ndim == 2 else x.reshape(-1, x.shape[-1])  # the caller's array when 2-D (decode plans)
     n_shared = x2d.shape[0] if shared is not None else 0
     chunks = shared_chunks(shared, switch_mlp.gate_proj["scales"].shape[1])
     schedule = _schedule(inds, num_experts, fused, backend, decode_blocks, n_shared, chunks)
@@ -580,8 +580,6 @@ def sparse_moe_kernels(block, x: mx.array) -> Optional[mx.array]:
     backend = op_backend("moe_grouped_gemm")
     if moe_unavailable_reason(block.switch_mlp, x, backend) is not None:
         return None
-    from .reference import router_reference, shared_expert_reference
-
     x2d = x.reshape(-1, x.shape[-1])
     k = block.top_k
     fused_combine = _fused_combine_enabled(x.shape[-1])
@@ -590,6 +588,47 @@ def sparse_moe_kernels(block, x: mx.array) -> Optional[mx.array]:
     router_backend = op_backend("moe_router")
     fuse_router = (switches.is_enabled("fused_expert_up") and router_backend != "reference"
                    and _cached_reason(block, x, ("router", fuse_shared), router_reason, fuse_shared) is None)
+    if (fuse_router and fuse_shared and x2d.shape[0] * k <= PER_ASSIGNMENT_MAX and switches.is_enabled("fused_dequant")
+            and switches.is_enabled("row_gemv") and max(x2d.shape[-1], block.switch_mlp.gate_proj["scales"].shape[1])
+            <= GEMV_MAX_K):
+        # A decode-sized call on the fused path: replayed from a plan after the first call. The key
+        # holds everything the launches' geometry depends on (sharding or re-quantising changes it).
+        key = (x2d.shape, x.dtype, backend, router_backend, block.gate["weight"].shape,
+               block.switch_mlp.gate_proj["weight"].shape, block.shared_expert.gate_proj["weight"].shape)
+        return _planned(block, x2d, key, lambda: _block_general(block, x2d, True, True, router_backend)).reshape(x.shape)
+    return _block_general(block, x2d, fuse_router, fuse_shared, router_backend, fused_combine).reshape(x.shape)
+
+
+_UNPLANNABLE = object()
+# Inputs a decode plan may keep from its recorded call: shape constants, never data.
+_PLAN_CONSTANTS = frozenset({"params", "sorted_rows", "slot_of_row"})
+
+
+def _planned(block, x2d: mx.array, key, general):
+    """``general()`` recorded on the first call for ``key``, then replayed by its ``DecodePlan``."""
+    from .decode_plan import DecodePlan
+
+    plans = block.__dict__.setdefault("_lily_decode_plans", {})
+    plan = plans.get(key)
+    if plan is None:
+        with record_launches() as record:
+            out = general()
+        plans[key] = DecodePlan.record(block, x2d, record, out, _input_names, _PLAN_CONSTANTS) or _UNPLANNABLE
+        return out
+    return general() if plan is _UNPLANNABLE else plan(block, x2d)
+
+
+@lru_cache(maxsize=None)
+def _input_names(kernel_name: str):
+    return next(spec.input_names for spec in KERNELS.values() if spec.name == kernel_name)
+
+
+def _block_general(block, x2d: mx.array, fuse_router: bool, fuse_shared: bool, router_backend: str,
+                   fused_combine: bool = True) -> mx.array:
+    """The block on the kernels, building every launch: out [N, D]."""
+    from .reference import router_reference, shared_expert_reference
+
+    k = block.top_k
     decode_blocks = None
     if fuse_router:
         inds, scores, gate, decode_blocks = route_tokens(block, x2d, fuse_shared, router_backend)
@@ -610,7 +649,7 @@ def sparse_moe_kernels(block, x: mx.array) -> Optional[mx.array]:
         out = combine_rows(y, schedule["slot_of_row"], scores, backend, gate=gate, chunks=chunks)
     if not fuse_shared:
         out = out + shared_expert_reference(block, x2d)
-    return out.reshape(x.shape)
+    return out
 
 
 def _cached_reason(block, x: mx.array, what, check, *args) -> Optional[str]:
