@@ -38,7 +38,7 @@ ROUTING = "moe/routing.metal"
 GEMM = "moe/gemm.metal"
 
 # (inputs, outputs) of the expert GEMMs, shared by their one-row GEMV forms: the *_s arrays are the
-# shared expert's weights (expert id E).
+# shared expert's weights (expert ids E .. E + m - 1).
 _GATE_UP_SIGNATURE = (
     ("x", "sorted_rows", "blocks", "w_gate", "scales_gate", "biases_gate", "w_up", "scales_up", "biases_up",
      "w_gate_s", "scales_gate_s", "biases_gate_s", "w_up_s", "scales_up_s", "biases_up_s", "params"), ("h",))
@@ -270,7 +270,8 @@ def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, 
                         top_k: int, fused_dequant: bool = True, counts: Optional[mx.array] = None,
                         backend: Optional[str] = None, init_value=None, shared=None, gemv: bool = False) -> mx.array:
     """h [A (+ N), I] (slot order) = silu(x Wg^T) * (x Wu^T) for the rows of every block. ``shared``:
-    the shared expert (an MLP of 4-bit gate/up/down projections) as expert E, rows A .. A + N - 1.
+    the shared expert (an MLP of 4-bit gate/up/down projections) as m chunks, experts E .. E + m - 1,
+    rows A + c * N + n.
     ``gemv``: the one-row-block form (every block must have one row; 4-bit weights)."""
     n, d = x2d.shape
     e, i = gate_proj["scales"].shape[:2]
@@ -303,7 +304,7 @@ def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_s
 def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = True,
               counts: Optional[mx.array] = None, backend: Optional[str] = None, init_value=None,
               shared=None, gemv: bool = False) -> mx.array:
-    """y [rows, D] (slot order) = h Wd^T for the rows of every block (``shared``: expert E's down;
+    """y [rows, D] (slot order) = h Wd^T for the rows of every block (``shared``: the chunks' down;
     ``gemv``: the one-row-block form)."""
     rows, i = h.shape
     e, d = down_proj["scales"].shape[:2]
@@ -367,7 +368,7 @@ def router_reason(block, x: mx.array, with_gate: bool) -> Optional[str]:
 
 
 def shared_expert_reason(block, x: mx.array) -> Optional[str]:
-    """None when the grouped GEMMs can run the block's shared expert as expert E; else why not."""
+    """None when the grouped GEMMs can run the block's shared expert as experts E .. E + m - 1; else why not."""
     shared = getattr(block, "shared_expert", None)
     if shared is None or getattr(block, "shared_expert_gate", None) is None:
         return "block has no gated shared expert"
