@@ -715,3 +715,32 @@ def test_decode_plan_replays_the_general_path(gemm_sim, monkeypatch):
         out = mk._block_general(block, x2d, True, True, backend)
     assert DecodePlan.record(block, x2d, rec, out, mk._input_names, mk._PLAN_CONSTANTS) is not None
     assert DecodePlan.record(block, x2d, rec, out, mk._input_names, frozenset()) is None
+
+
+@needs_sim
+def test_router_and_shared_expert_kernels_fall_back_where_they_do_not_apply(gemm_sim, monkeypatch):
+    """A router that is not quantised takes stock's router ops, and a shared expert whose width is not a
+    multiple of the experts' runs on MLX's matmuls, while the routed experts stay on the kernels; the
+    block still agrees with stock's."""
+    import mlx.nn as nn
+
+    from lily_mlx.ops.moe import sparse_moe_forward
+
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    block = make_sparse_moe_block(num_experts=16, top_k=4, seed=11, expert_width=128, shared_width=192)
+    dense = nn.Linear(128, 16, bias=False)
+    dense.weight = mx.dequantize(block.gate.weight, block.gate.scales, block.gate.biases, group_size=64,
+                                 bits=8).astype(mx.bfloat16)
+    block.gate = dense  # an unquantised router
+    assert mk.router_reason(block, mx.zeros((1, 128), mx.bfloat16), False) == "router is not quantised"
+    assert "not a multiple" in mk.shared_expert_reason(block, mx.zeros((1, 128), mx.bfloat16))
+    x = make_inputs(1, 3, 128, seed=2)
+    with record_launches() as rec:
+        got = sparse_moe_forward(block, x)
+        mx.eval(got)
+    assert "moe_router_softmax_topk_q" not in rec.names() and "moe_gemv_gate_up_swiglu" in rec.names()
+    gate_up = next(launch for launch in rec if launch.name == "moe_gemv_gate_up_swiglu")
+    assert gate_up.kwargs["output_shapes"][0][0] == 3 * 4  # routed rows only: no shared-expert rows
+    stock = _stock_on_cpu(lambda: type(block).__call__(block, x))
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(stock.astype(mx.float32)),
+                               atol=0.05 * float(mx.abs(stock).max().item()))
