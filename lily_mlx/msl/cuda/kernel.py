@@ -134,7 +134,7 @@ class CudaMetalKernel:
         self.uses_simd = bool(_SIMD_USE.search(code))
         self.uses_barriers = bool(_BARRIER_USE.search(code))
         self._kernels: Dict[Tuple, object] = {}
-        self._grids: Dict[Tuple[int, int, int], mx.array] = {}
+        # (grid, threadgroup) -> (checked grid, threadgroup, the grid as an int32 input), once per geometry.
         self._launches: Dict[Tuple, Tuple] = {}
 
     # -- source generation (also used by the CI compile check) ------------------------------------
@@ -216,14 +216,6 @@ class CudaMetalKernel:
 
     # -- call ----------------------------------------------------------------------------------
 
-    def _grid_array(self, grid) -> mx.array:
-        a = self._grids.get(grid)
-        if a is None:
-            if len(self._grids) > 256:
-                self._grids.clear()
-            a = self._grids[grid] = mx.array(list(grid), dtype=mx.int32)
-        return a
-
     def _cuda_kernel(self, inputs, template):
         # The key is what changes the generated source: which inputs are 0-d, and the template.
         # (LILY_CUDA_MMA is read when a variant is first built, not per call.)
@@ -260,8 +252,11 @@ class CudaMetalKernel:
         launch_key = (tuple(grid), tuple(threadgroup))
         launch = self._launches.get(launch_key)
         if launch is None:  # checked once per geometry; the true grid travels as a cached int32 input
+            if len(self._launches) > 4096:  # prefill chunk lengths vary: keep the cache bounded
+                self._launches.clear()
             checked_grid, tg = self._check_launch(grid, threadgroup)
-            launch = self._launches[launch_key] = (checked_grid, tg, self._grid_array(checked_grid))
+            grid_input = mx.array(list(checked_grid), dtype=mx.int32)
+            launch = self._launches[launch_key] = (checked_grid, tg, grid_input)
         grid, tg, grid_input = launch
         kernel = self._cuda_kernel(inputs, template)
         inputs.append(grid_input)

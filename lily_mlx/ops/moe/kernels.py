@@ -495,9 +495,9 @@ def _schedule(inds: mx.array, num_experts: int, fused: bool, backend: str, decod
     a = inds.size
     if a <= PER_ASSIGNMENT_MAX and fused:
         if decode_blocks is not None:
-            schedule = {"counts": None, "sorted_rows": _per_assignment_tail(a)[0],
-                        "slot_of_row": _per_assignment_tail(a)[0], "blocks": decode_blocks}
-            return schedule
+            identity = _per_assignment_tail(a)[0]
+            return {"counts": None, "sorted_rows": identity, "slot_of_row": identity, "blocks": decode_blocks,
+                    "one_row_blocks": True}
         schedule = per_assignment_schedule(inds)
         tile, one_row = SMALL_TILE, True
     else:
@@ -507,6 +507,7 @@ def _schedule(inds: mx.array, num_experts: int, fused: bool, backend: str, decod
     if num_shared_rows and chunks:
         shared = shared_expert_blocks(num_shared_rows, chunks, a, num_experts, tile, one_row)
         schedule["blocks"] = mx.concatenate([schedule["blocks"], shared], axis=0)
+    schedule["one_row_blocks"] = one_row
     return schedule
 
 
@@ -526,7 +527,7 @@ def _routed_rows(switch_mlp, x: mx.array, inds: mx.array, shared=None, decode_bl
     schedule = _schedule(inds, num_experts, fused, backend, decode_blocks, n_shared, chunks)
     top_k = inds.shape[-1]
     # One-row blocks (the per-assignment schedule) run the GEMV forms: same bits, far less work.
-    gemv = (schedule["counts"] is None and switches.is_enabled("row_gemv")
+    gemv = (schedule["one_row_blocks"] and switches.is_enabled("row_gemv")
             and max(x2d.shape[-1], switch_mlp.gate_proj["scales"].shape[1]) <= GEMV_MAX_K)
     h = gemm_gate_up_swiglu(x2d, schedule["sorted_rows"], schedule["blocks"], switch_mlp.gate_proj,
                             switch_mlp.up_proj, top_k, fused, schedule["counts"], backend, shared=shared, gemv=gemv)
