@@ -97,11 +97,14 @@ def profile_engine(model, context: int, steps: int, vocab: int, seed: int, prefi
         y, cache = prefilled[0], clone_cache(prefilled[1])
     mx.eval(_step(model, y, cache))  # first decode step: compiles, allocates
 
-    with record_launches() as launches:  # lily's custom-kernel launches of one step, by kernel
+    # lily's custom-kernel launches of one step, by kernel. Built launch by launch (a traced piece's
+    # launches are replayed in C++, unseen by the record), so the count is the step's kernels either way.
+    with switches.overrides(disable=["compiled_decode"]), record_launches() as launches:
         nxt = _step(model, y, cache)
     primitives = count_primitives(nxt)
     mx.eval(nxt)
     y = nxt
+    kernel_ms = kernel_times(launches)
 
     build, evaluate = [], []
     for _ in range(steps):
@@ -128,7 +131,30 @@ def profile_engine(model, context: int, steps: int, vocab: int, seed: int, prefi
     non_view = sum(n for name, n in primitives.items() if name not in VIEW_PRIMITIVES)
     return {"build_s": build, "eval_s": evaluate, "decode_tok_s": steps / elapsed,
             "primitives_per_step": non_view, "primitives": primitives,
-            "kernel_launches_per_step": len(launches), "kernel_launches": launches.counts()}
+            "kernel_launches_per_step": len(launches), "kernel_launches": launches.counts(),
+            "kernel_ms": kernel_ms}
+
+
+def kernel_times(launches, reps: int = 10) -> Dict[str, float]:
+    """GPU ms per step of each lily kernel: all of one step's launches of that kernel re-run together
+    from the step's own inputs, one evaluation per repeat (so one synchronisation per kernel kind, not
+    per launch), median of ``reps``."""
+    by_name: Dict[str, list] = {}
+    for launch in launches:
+        by_name.setdefault(launch.name, []).append(launch)
+    out = {}
+    for name, group in by_name.items():
+        def once(group=group):
+            mx.eval([launch.kernel(**launch.kwargs) for launch in group])
+
+        once()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            once()
+            times.append(time.perf_counter() - t0)
+        out[name] = 1e3 * statistics.median(times)
+    return out
 
 
 def host_profile(model, engine: str, context: int, steps: int, vocab: int, seed: int = 0, top: int = 30) -> str:
@@ -196,6 +222,8 @@ def run(model, context: int, engines: Sequence[str], rounds: int, steps: int, vo
             "primitives": results[-1]["primitives"],
             "kernel_launches_per_step": results[-1]["kernel_launches_per_step"],
             "kernel_launches": results[-1]["kernel_launches"],
+            "kernel_ms": {k: statistics.median(res["kernel_ms"][k] for res in results)
+                          for k in results[-1]["kernel_ms"]},
         }
     return {"context": context, "rounds": rounds, "steps": steps, "shared_prefill": shared_prefill,
             "prefill_engine": prefill_engine if shared_prefill else None, "engines": out}
@@ -210,4 +238,12 @@ def table_markdown(profile: Dict) -> str:
     for engine, row in profile["engines"].items():
         lines.append(f"| {engine} | {row['build_ms']:.2f} | {row['eval_ms']:.2f} | {row['decode_tok_s']:.1f} | "
                      f"{row['primitives_per_step']:,} | {row.get('kernel_launches_per_step', 0):,} |")
+    timed = {e: row["kernel_ms"] for e, row in profile["engines"].items() if row.get("kernel_ms")}
+    if timed:
+        lines += ["", "GPU ms per step of each lily kernel (one step's launches of it re-run together, median):", "",
+                  "| engine | kernel | launches/step | ms/step |", "|---|---|---|---|"]
+        for engine, times in timed.items():
+            counts = profile["engines"][engine]["kernel_launches"]
+            for name, ms in sorted(times.items(), key=lambda kv: -kv[1]):
+                lines.append(f"| {engine} | {name} | {counts.get(name, 0)} | {ms:.3f} |")
     return "\n".join(lines)

@@ -57,6 +57,10 @@ _SWITCH_LIST = [
            "Shared expert inside the grouped expert GEMMs (one more expert); the combine kernel adds it, "
            "gated, with the routing-weighted expert rows.",
            "Shared expert by MLX's quantised matmuls, gated and added after the routed experts."),
+    Switch("compiled_decode", "generation", "decode", True,
+           "Decode-sized MoE blocks and DeltaNet mixers are traced once per shape with mx.compile and "
+           "replayed: no Python per kernel launch (Metal and CUDA; the simulator runs eagerly).",
+           "Every decode step builds each launch in Python (MoE blocks replay recorded launch plans)."),
     Switch("fused_qk_prep", "attention", "both", True,
            "q/k RMSNorm, partial RoPE and output-gate split in one kernel.",
            "Separate norm, RoPE and split ops."),

@@ -684,6 +684,7 @@ def test_decode_plan_replays_the_general_path(gemm_sim, monkeypatch):
     from lily_mlx.ops.moe.decode_plan import DecodePlan
 
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    monkeypatch.setitem(switches._state, "compiled_decode", False)  # plans: the path without traces
     block = make_sparse_moe_block(num_experts=16, top_k=4, seed=9, shared_width=128)  # shared: 2 chunks
     backend = KERNEL_BACKEND
 

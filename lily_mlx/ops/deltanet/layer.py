@@ -21,7 +21,7 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx.nn.layers.distributed import sum_gradients
 
-from ...core import switches
+from ...core import compiled, switches
 from ...core.dispatch import op_backend
 from ...core.log import log_once
 from . import reference as ref
@@ -169,19 +169,77 @@ def _conv_qk_reference(self, qkv, mask, cache, B, S, dtype):
     return q, k, v
 
 
-def qwen3_5_deltanet_forward(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None):
-    """``mlx_lm.models.qwen3_5.GatedDeltaNet.__call__``: inputs [B, S, hidden] -> [B, S, hidden]."""
-    B, S, _ = inputs.shape
-    if self.sharding_group is not None:
-        inputs = sum_gradients(self.sharding_group)(inputs)
+class _DecodeStates:
+    """The cache entries a DeltaNet decode step reads and writes (conv state, recurrent state, lengths),
+    as a trace's inputs and outputs; the real cache is updated and advanced around the trace."""
 
+    def __init__(self, conv_state: mx.array, state: mx.array, lengths: Optional[mx.array]):
+        self.cache = [conv_state, state]
+        self.lengths = lengths
+
+    def __getitem__(self, i):
+        return self.cache[i]
+
+    def __setitem__(self, i, value):
+        self.cache[i] = value
+
+    def advance(self, n: int) -> None:
+        pass
+
+
+def _traced_decode(self, mixer, inputs: mx.array, mask, cache) -> Optional[mx.array]:
+    """``mixer(self, inputs, mask, cache)`` for a one-token step through its trace (switch
+    ``compiled_decode``, kernels on Metal or CUDA), or None where that does not apply."""
+    if inputs.shape[1] != 1 or cache is None or cache[0] is None or cache[1] is None or self.training:
+        return None
+    backends = (op_backend("deltanet_conv1d_silu"), op_backend("deltanet_decode"))
+    if not compiled.enabled(*backends):
+        return None
+    lengths = cache.lengths
+    args = [inputs, cache[0], cache[1]] + [a for a in (mask, lengths) if a is not None]
+
+    def step(inputs, conv_state, state, *rest):
+        rest = list(rest)
+        m = rest.pop(0) if mask is not None else None
+        states = _DecodeStates(conv_state, state, rest.pop(0) if lengths is not None else None)
+        return mixer(self, inputs, m, states), states[0], states[1]
+
+    key = (mixer, tuple((a.shape, a.dtype) for a in args), mask is None, lengths is None, backends,
+           switches.is_enabled("fused_recurrent_norm"), self.out_proj.weight.shape)
+    traced = compiled.call(self, key, step, args)
+    if traced is None:
+        return None
+    out, cache[0], cache[1] = traced
+    cache.advance(1)
+    return out
+
+
+def _qwen3_5_mixer(self, inputs: mx.array, mask, cache) -> mx.array:
+    B, S, _ = inputs.shape
     qkv = self.in_proj_qkv(inputs)
     z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
     b = self.in_proj_b(inputs)
     a = self.in_proj_a(inputs)
 
     out = _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, inputs.dtype)
-    out = self.out_proj(out.reshape(B, S, -1))
+    return self.out_proj(out.reshape(B, S, -1))
+
+
+def _qwen3_next_mixer(self, inputs: mx.array, mask, cache) -> mx.array:
+    B, S, _ = inputs.shape
+    q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
+    qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+    out = _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, inputs.dtype)
+    return self.out_proj(out.reshape(B, S, -1))
+
+
+def qwen3_5_deltanet_forward(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None):
+    """``mlx_lm.models.qwen3_5.GatedDeltaNet.__call__``: inputs [B, S, hidden] -> [B, S, hidden]."""
+    if self.sharding_group is not None:
+        inputs = sum_gradients(self.sharding_group)(inputs)
+    out = _traced_decode(self, _qwen3_5_mixer, inputs, mask, cache)
+    if out is None:
+        out = _qwen3_5_mixer(self, inputs, mask, cache)
     if self.sharding_group is not None:
         out = mx.distributed.all_sum(out, group=self.sharding_group)
     return out
@@ -189,8 +247,5 @@ def qwen3_5_deltanet_forward(self, inputs: mx.array, mask: Optional[mx.array] = 
 
 def qwen3_next_deltanet_forward(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None):
     """``mlx_lm.models.qwen3_next.Qwen3NextGatedDeltaNet.__call__``."""
-    B, S, _ = inputs.shape
-    q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
-    qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
-    out = _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, inputs.dtype)
-    return self.out_proj(out.reshape(B, S, -1))
+    out = _traced_decode(self, _qwen3_next_mixer, inputs, mask, cache)
+    return _qwen3_next_mixer(self, inputs, mask, cache) if out is None else out

@@ -27,7 +27,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
-from ...core import switches
+from ...core import compiled, switches
 from ...core.dispatch import op_backend
 from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel, record_launches
 from ...core.log import log_once
@@ -597,7 +597,11 @@ def sparse_moe_kernels(block, x: mx.array) -> Optional[mx.array]:
         # holds everything the launches' geometry depends on (sharding or re-quantising changes it).
         key = (x2d.shape, x.dtype, backend, router_backend, block.gate["weight"].shape,
                block.switch_mlp.gate_proj["weight"].shape, block.shared_expert.gate_proj["weight"].shape)
-        return _planned(block, x2d, key, lambda: _block_general(block, x2d, True, True, router_backend)).reshape(x.shape)
+        general = lambda x2: _block_general(block, x2, True, True, router_backend)  # noqa: E731
+        out = compiled.call(block, key, general, (x2d,)) if compiled.enabled(backend, router_backend) else None
+        if out is None:
+            out = _planned(block, x2d, key, general)
+        return out.reshape(x.shape)
     return _block_general(block, x2d, fuse_router, fuse_shared, router_backend, fused_combine).reshape(x.shape)
 
 
@@ -607,17 +611,17 @@ _PLAN_CONSTANTS = frozenset({"params", "sorted_rows", "slot_of_row"})
 
 
 def _planned(block, x2d: mx.array, key, general):
-    """``general()`` recorded on the first call for ``key``, then replayed by its ``DecodePlan``."""
+    """``general(x2d)`` recorded on the first call for ``key``, then replayed by its ``DecodePlan``."""
     from .decode_plan import DecodePlan
 
     plans = block.__dict__.setdefault("_lily_decode_plans", {})
     plan = plans.get(key)
     if plan is None:
         with record_launches() as record:
-            out = general()
+            out = general(x2d)
         plans[key] = DecodePlan.record(block, x2d, record, out, _input_names, _PLAN_CONSTANTS) or _UNPLANNABLE
         return out
-    return general() if plan is _UNPLANNABLE else plan(block, x2d)
+    return general(x2d) if plan is _UNPLANNABLE else plan(block, x2d)
 
 
 @lru_cache(maxsize=None)

@@ -1,0 +1,58 @@
+"""Decode pieces traced once with ``mx.compile`` and replayed (switch ``compiled_decode``).
+
+A decode step calls every MoE block and DeltaNet mixer with the same shapes, token after token, and
+building their kernel launches in Python costs more host time than the GPU spends on them (a launch
+through ``mx.fast.metal_kernel``/``cuda_kernel`` assembles its source string at every call). Traced once
+per shape, a later call replays the recorded graph in C++: the same primitives, kernels and inputs,
+no Python per launch. The owner module is the trace's implicit input (``inputs=owner``), so its
+current weights are read at every call (``load_weights``/``update`` take effect).
+
+Only Metal and CUDA kernels are MLX primitives that a trace can hold; the simulator computes eagerly
+on the host when called, so there the pieces run uncompiled. A piece whose trace fails runs
+uncompiled from then on, with a one-time log line.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable, Sequence
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from . import switches
+from .log import log_once
+
+COMPILE_BACKENDS = frozenset({"metal", "cuda"})
+
+_FAILED = object()
+
+
+def enabled(*backends: str) -> bool:
+    """Whether a piece whose kernels run on ``backends`` is compiled (switch on, every backend traceable)."""
+    return switches.is_enabled("compiled_decode") and all(b in COMPILE_BACKENDS for b in backends)
+
+
+def call(owner, key: Hashable, fn: Callable, args: Sequence[mx.array]):
+    """``fn(*args)`` through a trace cached on ``owner`` per ``key``, or None when it cannot be traced
+    (the caller then runs ``fn`` itself). ``key`` must hold everything besides the args' shapes and
+    dtypes that changes what ``fn`` builds (switch states, backends, weight shapes)."""
+    traces = owner.__dict__.setdefault("_lily_compiled", {})
+    traced = traces.get(key)
+    if traced is _FAILED:
+        return None
+    if traced is None:
+        traced = mx.compile(fn, inputs=owner)
+        saved = tree_flatten(owner.parameters())
+        try:
+            out = traced(*args)
+        except Exception as e:  # an op that cannot be traced: run this piece eagerly from now on
+            owner.update(tree_unflatten(saved))  # the trace swaps placeholders in; put the weights back
+            traces[key] = _FAILED
+            log_once(f"compiled:{type(owner).__name__}:{type(e).__name__}",
+                     f"compiled_decode: {type(owner).__name__} cannot be traced ({type(e).__name__}: {e}); "
+                     "running it uncompiled")
+            return None
+        traces[key] = traced
+        return out
+    return traced(*args)
+

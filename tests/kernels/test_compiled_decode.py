@@ -1,0 +1,66 @@
+"""``compiled_decode`` on a backend whose kernels are MLX primitives (``LILY_TEST_KERNEL_BACKEND=cuda``
+on an NVIDIA GPU, ``metal`` on a Mac): decode steps replayed from their traces give the bits of the
+steps built launch by launch, alone (B = 1) and in MLX-LM's batched generation (masks, left padding).
+The simulator computes eagerly and cannot be traced, so there these tests skip (CI covers the
+tracing helper itself in tests/core/test_compiled.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from lily_mlx.core import compiled, switches
+from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
+from tests.kernels.test_batch_invariance import _batched_generation, embedded_model  # noqa: F401
+
+pytestmark = pytest.mark.skipif(
+    KERNEL_BACKEND not in compiled.COMPILE_BACKENDS or kernel_backend_problem() is not None,
+    reason=f"kernel backend {KERNEL_BACKEND} runs eagerly (no traces) or is unavailable")
+
+STEPS = 6
+
+
+def _greedy_logits(model, prompt):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[:, -1:]
+    out = [logits]
+    for _ in range(STEPS):
+        token = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        logits = model(token, cache=cache)
+        out.append(logits)
+    mx.eval(out)
+    return out, cache
+
+
+def _traced_modules(model):
+    return [m for _, m in model.named_modules() if m.__dict__.get("_lily_compiled")]
+
+
+def test_decode_steps_from_traces_equal_built_steps(embedded_model, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    model, prompts = embedded_model
+    with switches.overrides(disable=["compiled_decode"]):
+        built, built_cache = _greedy_logits(model, prompts[2])
+    traced, traced_cache = _greedy_logits(model, prompts[2])
+    kinds = {type(m).__name__ for m in _traced_modules(model)}
+    assert any("MoE" in k for k in kinds) and any("DeltaNet" in k for k in kinds), kinds
+    for step, (a, b) in enumerate(zip(traced, built)):
+        assert mx.array_equal(a, b).item(), f"step {step}"
+    for i, (ca, cb) in enumerate(zip(traced_cache, built_cache)):
+        for a, b in zip(ca.state, cb.state):
+            if isinstance(a, mx.array):
+                assert mx.array_equal(a, b).item(), f"cache {i}"
+
+
+def test_batched_decode_from_traces_equals_built(embedded_model, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    model, prompts = embedded_model
+    rows = [prompts[r] for r in (3, 1, 0)]
+    with switches.overrides(disable=["compiled_decode"]):
+        built = _batched_generation(model, rows)
+    traced = _batched_generation(model, rows)
+    for r, (got, want) in enumerate(zip(traced, built)):
+        for step, (a, b) in enumerate(zip(got, want)):
+            assert mx.array_equal(a, b).item(), f"row {r}, step {step}"
