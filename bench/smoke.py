@@ -48,13 +48,15 @@ def _cast_floats(model, dtype) -> None:
     model.update(tree_map(lambda a: a.astype(dtype) if a.dtype in floats else a, model.parameters()))
 
 
-def compare(model, prompt_len: int, decode_steps: int, vocab: int, seed: int = 0) -> dict:
+def compare(model, prompt_len: int, decode_steps: int, vocab: int, seed: int = 0,
+            keep_logits: bool = False) -> dict:
     """Stock vs lily on the same weights, judged against an fp32 oracle.
 
     bf16 rounding alone moves a random model's logits a lot (stock bf16 vs stock fp32 is often 10-20 %
     of the largest logit), so lily-vs-stock in bf16 says little. Instead: (1) in fp32 both engines must
     agree tightly (same function), (2) in bf16 lily's error against stock-fp32 must be no worse than
-    about twice stock's own bf16 error.
+    about twice stock's own bf16 error. ``keep_logits`` adds the four logit arrays ([steps + 1, V] fp32
+    numpy) under ``"logits"`` (to compare with another run's, e.g. sharded vs one device).
     """
     prompt = mx.random.randint(0, vocab, (1, prompt_len), key=mx.random.key(seed))
     original = model.parameters()  # restored exactly afterwards (A_log stays fp32, the rest bf16)
@@ -68,7 +70,7 @@ def compare(model, prompt_len: int, decode_steps: int, vocab: int, seed: int = 0
         model.update(original)
     scale = float(np.max(np.abs(s_32)))
     rel = lambda a, b: float(np.max(np.abs(a - b)) / max(scale, 1e-6))  # noqa: E731
-    return {
+    out = {
         "prompt_len": prompt_len,
         "logit_scale": scale,
         "rel_diff": rel(l_bf, s_bf),
@@ -80,6 +82,9 @@ def compare(model, prompt_len: int, decode_steps: int, vocab: int, seed: int = 0
         "lily_tokens": l_toks,
         "finite": bool(np.isfinite(l_bf).all() and np.isfinite(l_32).all()),
     }
+    if keep_logits:
+        out["logits"] = {"stock_bf16": s_bf, "lily_bf16": l_bf, "stock_fp32": s_32, "lily_fp32": l_32}
+    return out
 
 
 def agrees(r: dict, fp32_tol: float) -> bool:

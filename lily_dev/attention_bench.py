@@ -1,10 +1,22 @@
 """Decode attention microbenchmarks at Qwen3.6's full-attention shape, for the bench harness.
 
-``microbench_cases()`` -> [(name, run_once, bytes_moved, flops)] at each context: stock's
-``mx.fast.scaled_dot_product_attention`` (what stock MLX-LM runs for a decode row), lily's one-pass
-decode kernel (``gqa_packing`` on and off) and the fixed-block split (block partials + merge) at
-4096-row blocks and at smaller ones (the block size is a tuning knob). Bytes: the live K and V rows
-once (the floor), plus q and out; flops: 4 * Hq * S * D (two products per row and head).
+``microbench_cases()`` -> [(name, run_once, bytes_moved, flops)] at each context:
+
+- ``attention_stock_sdpa_S*``: stock's ``mx.fast.scaled_dot_product_attention`` (what stock MLX-LM
+  runs for a decode row);
+- ``attention_decode_gqa_S*`` / ``attention_decode_per_head_S*``: lily's one-pass kernel
+  (``gqa_packing`` on / off; B * Hkv * G / GT threadgroups, i.e. 2 / 16 per sequence);
+- ``attention_fixed_blocks_auto_S*``: the fixed-block split as ``attention_decode_long`` runs it
+  (block partials + merge; rows per block from the schedule ``kernels.fixed_block_rows``, R =
+  ``DECODE_ROWS_PER_STEP``, ``DECODE_SIMDGROUPS`` simdgroups);
+- candidates for its knobs: ``..._small_S*`` (4x as many blocks, a quarter of the rows each:
+  ``FIXED_BLOCK_TARGET_BLOCKS`` = 1024), ``..._r2_S*`` (2 rows per simdgroup step instead of 4:
+  fewer registers, half the bytes in flight), ``..._sg8_S*`` (8 simdgroups per threadgroup);
+- ``..._x8_S*`` (stock and auto): 8 independent calls per evaluation, bytes and flops x 8: the
+  kernels' own time with the per-call evaluation round trip (~60-100 us on MLX-CUDA) spread over 8.
+
+Bytes: the live K and V rows once (the floor), plus q and out; flops: 4 * Hq * S * D (two products
+per row and head).
 """
 
 from __future__ import annotations
@@ -19,9 +31,22 @@ from lily_mlx.ops.attention import kernels as ak
 # Qwen3.6-35B-A3B full attention (one rank): 16 query heads over 2 KV heads, head dim 256.
 QWEN36 = dict(Hq=16, Hkv=2, D=256)
 CONTEXTS = (4096, 32768, 65536, 131072)
-BLOCK_ROWS = (ak.FIXED_BLOCK_SIZE, 1024)
+REPEATS = 8  # calls per evaluation in the _x8 cases
+
+# Fixed-block variants: name suffix -> keyword arguments of a call (rows per block as a function of S).
+FIXED_BLOCK_VARIANTS = {
+    "auto": {},
+    "auto_small": {"block_rows": lambda S: ak.fixed_block_rows(S, target_blocks=4 * ak.FIXED_BLOCK_TARGET_BLOCKS)},
+    "auto_r2": {"rows": 2},
+    "auto_sg8": {"simdgroups": 8},
+}
 
 Case = Tuple[str, Callable[[], None], int, int]
+
+
+def _fixed_blocks(q, k, v, scale, backend, S, variant):
+    kw = {n: (a(S) if callable(a) else a) for n, a in FIXED_BLOCK_VARIANTS[variant].items()}
+    return ak.decode_attention_fixed_blocks(q, k, v, scale=scale, backend=backend, **kw)
 
 
 def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CONTEXTS, B: int = 1,
@@ -30,6 +55,7 @@ def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CO
     Hq, Hkv, D = QWEN36["Hq"], QWEN36["Hkv"], QWEN36["D"]
     isz = mx.zeros((), dtype=dtype).itemsize
     scale = D ** -0.5
+    scales = [scale * (1 + 1e-3 * i) for i in range(REPEATS)]  # distinct calls, nothing to share
     cases: List[Case] = []
     for S in contexts:
         key = mx.random.key(S)
@@ -45,7 +71,11 @@ def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CO
         def stock(q=q, k=k, v=v):
             mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale))
 
+        def stock_x8(q=q, k=k, v=v):
+            mx.eval([mx.fast.scaled_dot_product_attention(q, k, v, scale=s) for s in scales])
+
         cases.append((f"attention_stock_sdpa_S{label}", stock, nbytes, flops))
+        cases.append((f"attention_stock_sdpa_x{REPEATS}_S{label}", stock_x8, REPEATS * nbytes, REPEATS * flops))
         if backend == "reference":
             continue
         for packed in (True, False):
@@ -54,9 +84,14 @@ def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CO
 
             name = f"attention_decode_{'gqa' if packed else 'per_head'}_S{label}"
             cases.append((name, one_pass, nbytes, flops))
-        for rows in BLOCK_ROWS:
-            def blocks(q=q, k=k, v=v, rows=rows):
-                mx.eval(ak.decode_attention_fixed_blocks(q, k, v, scale=scale, block_rows=rows, backend=backend))
+        for variant in FIXED_BLOCK_VARIANTS:
+            def blocks(q=q, k=k, v=v, S=S, variant=variant):
+                mx.eval(_fixed_blocks(q, k, v, scale, backend, S, variant))
 
-            cases.append((f"attention_fixed_blocks_{rows}_S{label}", blocks, nbytes, flops))
+            cases.append((f"attention_fixed_blocks_{variant}_S{label}", blocks, nbytes, flops))
+
+        def blocks_x8(q=q, k=k, v=v, S=S):
+            mx.eval([_fixed_blocks(q, k, v, s, backend, S, "auto") for s in scales])
+
+        cases.append((f"attention_fixed_blocks_auto_x{REPEATS}_S{label}", blocks_x8, REPEATS * nbytes, REPEATS * flops))
     return cases

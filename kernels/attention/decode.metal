@@ -7,146 +7,347 @@
 //
 // Thread layout. One threadgroup = SG simdgroups of 32 lanes handles GT query heads of one KV head
 // (switch gqa_packing: GT = G, every K/V row is read once for all G heads; off: GT = 1, one
-// threadgroup per query head, rows read once per head). Simdgroup sg owns the KV rows
-// sg, sg + SG, sg + 2 SG, ...; its 32 lanes split a row's D elements, EPL = D / 32 per lane:
-//   coalesced_kv on:  lane owns elements lane, lane + 32, lane + 64, ... (adjacent lanes read
-//                     adjacent elements of the row on every load);
-//   coalesced_kv off: lane owns the contiguous run lane * EPL .. lane * EPL + EPL - 1 (each lane
-//                     walks its own run; lanes' loads are EPL elements apart, "strided").
-// The same lane owns the same elements of q, K, V and the output, so both states compute the same
-// function (only the order of the lane partial sums in a dot product differs).
-// Each simdgroup keeps a partial (max m, sum l, unnormalised acc) per head; at the end they are
-// merged through threadgroup memory by rescaling to the threadgroup's max.
+// threadgroup per query head, rows read once per head) over a range of KV rows. The simdgroups take
+// steps of R consecutive rows: simdgroup sg's step t covers rows begin + (t * SG + sg) * R + r, r < R,
+// so a threadgroup streams SG * R contiguous rows per step. The 32 lanes split each row's D
+// elements, EPL = D / 32 per lane; the same lane owns the same elements of q, K, V and of its
+// accumulators. Which elements, and how they are read, is the coalesced_kv switch:
+//   on:  the lane's elements are chunks of W = min(EPL, 16 bytes) contiguous elements, chunk c at
+//        element (c * 32 + lane) * W: one 4/8/16-byte load per chunk, adjacent lanes reading
+//        adjacent bytes (at D = 256, bf16: one 16-byte load per lane covers the whole 512-byte row);
+//   off: ("strided") the lane owns the run lane * EPL .. lane * EPL + EPL - 1 and reads it one
+//        element at a time (2-byte loads at bf16, EPL elements apart across lanes).
+// The loads of the next step are issued before the current step is computed (double buffering).
 //
-// Fixed blocks (switch fixed_block_attention): attention_decode_block_partials runs the same per-
-// threadgroup computation over blocks of BR KV rows, one threadgroup per (block, heads), writing fp32
-// partials (max, sum, unnormalised output); attention_decode_merge_blocks rescales them to the
-// global max and divides once. Many more threadgroups at long context, one extra launch.
+// Per step (R rows x GT heads): each lane forms the partial dot products of its elements for all
+// N = GP * R (head, row) pairs (GP = GT rounded up to a power of two); one transposing butterfly
+// reduces the N values over the 32 lanes with N - 1 + log2(32 / N) shuffles (not N * 5), leaving lane
+// L with the full score of pair L >> (5 - log2 N); so each lane computes one exp for one (head, row)
+// (not every lane every exp). The running max of a head moves only when its chunk max is larger; the
+// accumulators are rescaled only then (a simdgroup vote). Each lane then takes the GT * R weights by
+// simd_shuffle and adds p * v into its fp32 accumulators. At the end the simdgroups' partials (max,
+// sum, unnormalised output per head) are merged through threadgroup memory.
 //
-// Conventions: sizes in an int32 `params` array; InT, D, GT, SG, COALESCED as template arguments;
-// grid (32, SG, B * Hkv * G / GT), threadgroup (32, SG, 1); every lane reaches every simd_sum and
-// every thread every barrier (loop bounds are uniform per simdgroup / threadgroup).
+// Kernels:
+// - attention_decode: one threadgroup per (KV head, GT heads) over all S rows, writes the output.
+// - attention_decode_block_partials (switch fixed_block_attention): the rows cut into NB blocks of
+//   BR rows (BR chosen by the host from S alone), one threadgroup per (block, GT heads); writes fp32
+//   partials per head and block: max, sum of exp(score - max), unnormalised sum of exp(...) v.
+// - attention_decode_merge_blocks: per (head, slice of D), warps split the blocks, rescale them to
+//   the global max and sum in a fixed order; divides once.
+//
+// Conventions: sizes in an int32 `params` array; InT, D, GT, SG, R, COALESCED as template arguments;
+// threadgroup (32, SG, 1); every lane reaches every simd op and every thread every barrier (loop
+// bounds are uniform per simdgroup / threadgroup).
 
 // @header
 // Running max before any row: finite, so exp(m - m_new) is a plain underflow to 0 (no inf arithmetic).
 #define ATTENTION_NO_MAX (-3.0e38f)
 
+// 16- and 8-byte words for wide loads. Metal's uint4 is 16-byte aligned (one 16-byte load); the
+// CUDA bridge's uint4 is four 4-byte-aligned uints (four loads), so on CUDA the kernel uses CUDA's
+// own 16-byte-aligned vector type (one LDG.128). Same bits either way.
+#if defined(__CUDACC__)
+typedef ::uint4 attention_u4;
+typedef ::uint2 attention_u2;
+#else
+typedef uint4 attention_u4;
+typedef uint2 attention_u2;
+#endif
+
+// K/V elements held as 32-bit words: PER elements per word, element h of word w as a float, and the
+// bits of one element (for packing words from scalar loads).
+template <typename T> struct AttentionWords;
+template <> struct AttentionWords<bfloat16_t> {
+  static constant constexpr int PER = 2;
+  static inline float get(uint w, int h) { return as_type<float>(h ? (w & 0xffff0000u) : (w << 16)); }
+  static inline uint bits(bfloat16_t x) { return static_cast<uint>(as_type<ushort>(x)); }
+};
+template <> struct AttentionWords<half> {
+  static constant constexpr int PER = 2;
+  static inline float get(uint w, int h) { return static_cast<float>(as_type<half>(static_cast<ushort>(h ? (w >> 16) : (w & 0xffffu)))); }
+  static inline uint bits(half x) { return static_cast<uint>(as_type<ushort>(x)); }
+};
+template <> struct AttentionWords<float> {
+  static constant constexpr int PER = 1;
+  static inline float get(uint w, int h) { return as_type<float>(w); }
+  static inline uint bits(float x) { return as_type<uint>(x); }
+};
+
+// NW consecutive 32-bit words from p (16-byte / 8-byte / 4-byte aligned) in one load.
+template <int NW> struct AttentionLoad;
+template <> struct AttentionLoad<4> {
+  template <typename T>
+  static inline void load(const device T* p, thread uint* w) {
+    const attention_u4 t = *reinterpret_cast<const device attention_u4*>(p);
+    w[0] = t.x;
+    w[1] = t.y;
+    w[2] = t.z;
+    w[3] = t.w;
+  }
+};
+template <> struct AttentionLoad<2> {
+  template <typename T>
+  static inline void load(const device T* p, thread uint* w) {
+    const attention_u2 t = *reinterpret_cast<const device attention_u2*>(p);
+    w[0] = t.x;
+    w[1] = t.y;
+  }
+};
+template <> struct AttentionLoad<1> {
+  template <typename T>
+  static inline void load(const device T* p, thread uint* w) { w[0] = *reinterpret_cast<const device uint*>(p); }
+};
+
+// Compile-time sizes of the row loop (see the file comment).
+template <typename InT, int D, int GT, int R>
+struct AttentionShape {
+  static constant constexpr int EPL = D / 32;                          // elements per lane
+  static constant constexpr int PER = AttentionWords<InT>::PER;        // elements per 32-bit word
+  static constant constexpr int WPL = EPL / PER;                       // words per lane and row
+  static constant constexpr int W = (EPL * static_cast<int>(sizeof(InT)) >= 16) ? 16 / static_cast<int>(sizeof(InT)) : EPL;
+  static constant constexpr int NCH = EPL / W;                         // chunks (wide loads) per lane and row
+  static constant constexpr int NW = W / PER;                          // words per chunk
+  static constant constexpr int GP = GT <= 1 ? 1 : GT <= 2 ? 2 : GT <= 4 ? 4 : GT <= 8 ? 8 : GT <= 16 ? 16 : 32;
+  static constant constexpr int N = GP * R;                            // (head, row) pairs per step
+  static constant constexpr int LOGN = N <= 1 ? 0 : N <= 2 ? 1 : N <= 4 ? 2 : N <= 8 ? 3 : N <= 16 ? 4 : 5;
+  static constant constexpr int SH = 5 - LOGN;                         // lane L holds pair L >> SH
+};
+
 // Element of a D-wide row that lane `lane` holds in its slot i (see the layout above).
-template <int D, int COALESCED>
+template <int D, int W, int COALESCED>
 inline int attention_element(int lane, int i) {
-  return COALESCED ? i * 32 + lane : lane * (D / 32) + i;
+  return COALESCED ? ((i / W) * 32 + lane) * W + i % W : lane * (D / 32) + i;
+}
+
+// The lane's words of one row (zeros, no read, for a row at or past row_end).
+template <typename InT, int D, int GT, int R, int COALESCED>
+inline void attention_load_row(const device InT* rows, int row, int row_end, int lane, thread uint* w) {
+  typedef AttentionShape<InT, D, GT, R> Shape;
+  if (row >= row_end) {  // uniform over the simdgroup
+    for (int j = 0; j < Shape::WPL; ++j) {
+      w[j] = 0u;
+    }
+    return;
+  }
+  const device InT* base = rows + static_cast<size_t>(row) * D;
+  if (COALESCED) {
+    for (int c = 0; c < Shape::NCH; ++c) {
+      AttentionLoad<Shape::NW>::load(base + (c * 32 + lane) * Shape::W, w + c * Shape::NW);
+    }
+  } else {
+    for (int j = 0; j < Shape::WPL; ++j) {
+      uint word = 0u;
+      for (int h = 0; h < Shape::PER; ++h) {
+        word |= AttentionWords<InT>::bits(base[lane * Shape::EPL + j * Shape::PER + h]) << (16 * h);
+      }
+      w[j] = word;
+    }
+  }
 }
 
 // The decode attention of one threadgroup over KV rows [row_begin, row_end): GT query heads of KV
-// head `bh` (= b * Hkv + hkv), first query head h0. Simdgroup sg takes rows row_begin + sg,
-// row_begin + sg + SG, ...; the simdgroups' partials are merged through threadgroup memory (sg_max,
-// sg_sum: GT * SG floats; sg_acc: SG * D floats). PARTIAL == 0: writes the normalised output rows of
-// `out` ([B * Hq, D], InT). PARTIAL == 1: writes this block's fp32 partial of each head instead, its
-// max, sum of exp(score - max) and unnormalised sum of exp(score - max) * v, at index `part` of
-// part_max / part_sum ([B * Hq, NB]) and part_acc ([B * Hq, NB, D]); the merge kernel combines them.
-template <typename InT, int D, int GT, int SG, int COALESCED, int PARTIAL>
+// head `bh` (= b * Hkv + hkv), first query head h0. The simdgroups' partials are merged through
+// threadgroup memory (sg_max, sg_sum: GT * SG floats; sg_acc: SG * HP * D floats, HP heads at a
+// time). PARTIAL == 0: writes the normalised output rows of `out` ([B * Hq, D], InT). PARTIAL == 1:
+// writes this block's fp32 partial of each head instead, its max, sum of exp(score - max) and
+// unnormalised sum of exp(score - max) * v, at index `part` of part_max / part_sum ([B * Hq, NB]) and
+// part_acc ([B * Hq, NB, D]); the merge kernel combines them.
+template <typename InT, int D, int GT, int SG, int R, int COALESCED, int PARTIAL, int HP>
 inline void attention_decode_rows(
     const device InT* q, const device InT* k, const device InT* v, float qk_scale,
     device InT* out, device float* part_max, device float* part_sum, device float* part_acc,
     int Hq, int S_cap, int bh, int b_idx, int h0, int row_begin, int row_end, int part, int NB,
     threadgroup float* sg_max, threadgroup float* sg_sum, threadgroup float* sg_acc, int lane, int sg) {
-  constexpr int EPL = D / 32;
+  typedef AttentionShape<InT, D, GT, R> Shape;
+  constexpr int EPL = Shape::EPL;
+  constexpr int PER = Shape::PER;
+  constexpr int WPL = Shape::WPL;
+  constexpr int N = Shape::N;
+  constexpr int SH = Shape::SH;
+  static_assert(Shape::N <= 32, "GT (rounded up to a power of two) * R must be at most 32");
+  static_assert(EPL % PER == 0 && EPL % Shape::W == 0, "D / 32 elements per lane in whole words");
+
   float qr[GT][EPL];   // scaled query elements of this lane
   float acc[GT][EPL];  // unnormalised output elements of this lane
-  float m[GT];         // running max of this simdgroup's scores (uniform over its lanes)
-  float l[GT];         // running sum of exp(score - m)
   for (int g = 0; g < GT; ++g) {
     const device InT* q_h = q + (static_cast<size_t>(b_idx) * Hq + h0 + g) * D;
     for (int i = 0; i < EPL; ++i) {
-      qr[g][i] = static_cast<float>(q_h[attention_element<D, COALESCED>(lane, i)]) * qk_scale;
+      qr[g][i] = static_cast<float>(q_h[attention_element<D, Shape::W, COALESCED>(lane, i)]) * qk_scale;
       acc[g][i] = 0.0f;
     }
-    m[g] = ATTENTION_NO_MAX;
-    l[g] = 0.0f;
   }
+  // This lane's (head, row) pair after the transposing reduction: head g_l, row r_l of each step.
+  const int pair = lane >> SH;
+  const int g_l = pair / R;
+  const int r_l = pair % R;
+  float m = ATTENTION_NO_MAX;  // running max of head g_l (uniform over the lanes of that head)
+  float l = 0.0f;              // this lane's share of head g_l's running sum (its rows r_l)
 
   const device InT* k_rows = k + static_cast<size_t>(bh) * S_cap * D;
   const device InT* v_rows = v + static_cast<size_t>(bh) * S_cap * D;
-  for (int row = row_begin + sg; row < row_end; row += SG) {  // uniform over the simdgroup
-    float kr[EPL];
-    float vr[EPL];
-    for (int i = 0; i < EPL; ++i) {
-      const int e = attention_element<D, COALESCED>(lane, i);
-      kr[i] = static_cast<float>(k_rows[static_cast<size_t>(row) * D + e]);
-      vr[i] = static_cast<float>(v_rows[static_cast<size_t>(row) * D + e]);
+  uint kw[R][WPL];  // the step's rows as loaded words (next step's while computing this one)
+  uint vw[R][WPL];
+  int base = row_begin + sg * R;
+  for (int r = 0; r < R; ++r) {
+    attention_load_row<InT, D, GT, R, COALESCED>(k_rows, base + r, row_end, lane, kw[r]);
+    attention_load_row<InT, D, GT, R, COALESCED>(v_rows, base + r, row_end, lane, vw[r]);
+  }
+  for (; base < row_end; base += SG * R) {  // uniform over the simdgroup
+    uint kc[R][WPL];
+    uint vc[R][WPL];
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < WPL; ++j) {
+        kc[r][j] = kw[r][j];
+        vc[r][j] = vw[r][j];
+      }
     }
-    for (int g = 0; g < GT; ++g) {  // the row, loaded once, serves every head of the threadgroup
-      float partial_dot = 0.0f;
-      for (int i = 0; i < EPL; ++i) {
-        partial_dot += qr[g][i] * kr[i];
+    for (int r = 0; r < R; ++r) {  // issue the next step's loads before computing this step
+      attention_load_row<InT, D, GT, R, COALESCED>(k_rows, base + SG * R + r, row_end, lane, kw[r]);
+      attention_load_row<InT, D, GT, R, COALESCED>(v_rows, base + SG * R + r, row_end, lane, vw[r]);
+    }
+
+    // Partial dot products of this lane's elements, pair index g * R + r (padding heads stay 0).
+    float pd[N];
+    for (int n = 0; n < N; ++n) {
+      pd[n] = 0.0f;
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < WPL; ++j) {
+        for (int h = 0; h < PER; ++h) {
+          const float kf = AttentionWords<InT>::get(kc[r][j], h);
+          for (int g = 0; g < GT; ++g) {
+            pd[g * R + r] += qr[g][j * PER + h] * kf;
+          }
+        }
       }
-      const float s = simd_sum(partial_dot);
-      const float m_new = fmax(m[g], s);
-      const float correction = exp(m[g] - m_new);
-      const float p = exp(s - m_new);
-      l[g] = l[g] * correction + p;
-      for (int i = 0; i < EPL; ++i) {
-        acc[g][i] = acc[g][i] * correction + p * vr[i];
+    }
+    // Transposing butterfly: at offset 16 >> s each lane keeps the half of its values selected by
+    // that lane bit and adds its partner's copy of that half; then the plain butterfly over the
+    // remaining low lane bits. Lane L ends with the full score of pair L >> SH.
+    for (int s = 0; s < Shape::LOGN; ++s) {
+      const int half_n = N >> (s + 1);
+      const bool upper = (lane & (16 >> s)) != 0;
+      for (int n = 0; n < half_n; ++n) {
+        const float keep = upper ? pd[n + half_n] : pd[n];
+        const float send = upper ? pd[n] : pd[n + half_n];
+        pd[n] = keep + simd_shuffle_xor(send, static_cast<ushort>(16 >> s));
       }
-      m[g] = m_new;
+    }
+    float score = pd[0];
+    for (int o = 16 >> Shape::LOGN; o >= 1; o >>= 1) {
+      score += simd_shuffle_xor(score, static_cast<ushort>(o));
+    }
+    if (base + r_l >= row_end) {
+      score = ATTENTION_NO_MAX;  // a row past the range: weight 0, never the max
+    }
+    // Online softmax of head g_l over its R rows of this step.
+    float chunk_max = score;
+    for (int o = 1 << SH; o < (R << SH); o <<= 1) {
+      chunk_max = fmax(chunk_max, simd_shuffle_xor(chunk_max, static_cast<ushort>(o)));
+    }
+    const float m_new = fmax(m, chunk_max);
+    const float correction = exp(m - m_new);
+    const float p = exp(score - m_new);
+    l = l * correction + p;
+    m = m_new;
+    if (!simd_all(correction == 1.0f)) {  // some head's max moved: rescale its accumulators
+      for (int g = 0; g < GT; ++g) {
+        const float c_g = simd_shuffle(correction, static_cast<ushort>((g * R) << SH));
+        for (int i = 0; i < EPL; ++i) {
+          acc[g][i] *= c_g;
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float vf[EPL];
+      for (int j = 0; j < WPL; ++j) {
+        for (int h = 0; h < PER; ++h) {
+          vf[j * PER + h] = AttentionWords<InT>::get(vc[r][j], h);
+        }
+      }
+      for (int g = 0; g < GT; ++g) {
+        const float p_gr = simd_shuffle(p, static_cast<ushort>((g * R + r) << SH));
+        for (int i = 0; i < EPL; ++i) {
+          acc[g][i] += p_gr * vf[i];
+        }
+      }
     }
   }
+  // Head g_l's sum over this simdgroup's rows: the lanes of its R rows (copies in the low bits).
+  for (int o = 1 << SH; o < (R << SH); o <<= 1) {
+    l += simd_shuffle_xor(l, static_cast<ushort>(o));
+  }
 
-  // Merge the simdgroups' partials: maxes and sums first, then one head's accumulators at a time.
-  if (lane == 0) {
-    for (int g = 0; g < GT; ++g) {
-      sg_max[g * SG + sg] = m[g];
-      sg_sum[g * SG + sg] = l[g];
-    }
+  // Merge the simdgroups' partials: maxes and sums first, then HP heads' accumulators at a time.
+  if ((lane & ((R << SH) - 1)) == 0 && g_l < GT) {
+    sg_max[g_l * SG + sg] = m;
+    sg_sum[g_l * SG + sg] = l;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const int tid = sg * 32 + lane;
-  for (int g = 0; g < GT; ++g) {
-    float m_all = ATTENTION_NO_MAX;
-    for (int s = 0; s < SG; ++s) {
-      m_all = fmax(m_all, sg_max[g * SG + s]);
-    }
-    float total = 0.0f;
-    for (int s = 0; s < SG; ++s) {
-      total += sg_sum[g * SG + s] * exp(sg_max[g * SG + s] - m_all);  // a simdgroup without rows adds 0
-    }
-    const float weight = exp(m[g] - m_all);
-    for (int i = 0; i < EPL; ++i) {
-      sg_acc[sg * D + attention_element<D, COALESCED>(lane, i)] = acc[g][i] * weight;
+  for (int g0 = 0; g0 < GT; g0 += HP) {
+    for (int hh = 0; hh < HP; ++hh) {
+      const int g = g0 + hh;
+      if (g < GT) {
+        float m_all = ATTENTION_NO_MAX;
+        for (int s = 0; s < SG; ++s) {
+          m_all = fmax(m_all, sg_max[g * SG + s]);
+        }
+        const float weight = exp(sg_max[g * SG + sg] - m_all);  // a simdgroup without rows: 0
+        for (int i = 0; i < EPL; ++i) {
+          sg_acc[(sg * HP + hh) * D + attention_element<D, Shape::W, COALESCED>(lane, i)] = acc[g][i] * weight;
+        }
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    const size_t head = static_cast<size_t>(b_idx) * Hq + h0 + g;
-    for (int d = tid; d < D; d += 32 * SG) {
-      float o = 0.0f;
-      for (int s = 0; s < SG; ++s) {
-        o += sg_acc[s * D + d];
-      }
-      if (PARTIAL) {
-        part_acc[(head * NB + part) * D + d] = o;
-      } else {
-        out[head * D + d] = static_cast<InT>(o / total);
+    for (int t = tid; t < HP * D; t += 32 * SG) {
+      const int hh = t / D;
+      const int d = t % D;
+      const int g = g0 + hh;
+      if (g < GT) {
+        float m_all = ATTENTION_NO_MAX;
+        for (int s = 0; s < SG; ++s) {
+          m_all = fmax(m_all, sg_max[g * SG + s]);
+        }
+        float total = 0.0f;
+        float o = 0.0f;
+        for (int s = 0; s < SG; ++s) {
+          total += sg_sum[g * SG + s] * exp(sg_max[g * SG + s] - m_all);
+          o += sg_acc[(s * HP + hh) * D + d];
+        }
+        const size_t head = static_cast<size_t>(b_idx) * Hq + h0 + g;
+        if (PARTIAL) {
+          part_acc[(head * NB + part) * D + d] = o;
+          if (d == 0) {
+            part_max[head * NB + part] = m_all;
+            part_sum[head * NB + part] = total;
+          }
+        } else {
+          out[head * D + d] = static_cast<InT>(o / total);
+        }
       }
     }
-    if (PARTIAL && tid == 0) {
-      part_max[head * NB + part] = m_all;
-      part_sum[head * NB + part] = total;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // sg_acc is rewritten for the next head
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // sg_acc is rewritten for the next heads
   }
 }
+
+// Heads whose accumulators fit the threadgroup's 16 KiB merge buffer at once.
+#define ATTENTION_MERGE_HEADS(GT, SG, D) ((GT) * (SG) * (D) <= 4096 ? (GT) : (4096 / ((SG) * (D)) > 0 ? 4096 / ((SG) * (D)) : 1))
 
 // @kernel attention_decode
 // q: [B, Hq, 1, D] InT; k, v: [B, Hkv, S_cap, D] InT (rows < S read); scale: [1] fp32.
 // out: [B, Hq, 1, D] InT. Grid (32, SG, B * Hkv * G / GT), threadgroup (32, SG, 1).
 // params: named in the launcher's KernelSpec (a generated prologue declares them).
 {
+  constexpr int HP = ATTENTION_MERGE_HEADS(GT, SG, D);
   threadgroup float sg_max[GT * SG];
   threadgroup float sg_sum[GT * SG];
-  threadgroup float sg_acc[SG * D];
+  threadgroup float sg_acc[SG * HP * D];
   const int blocks = G / GT;  // threadgroups per KV head
   const int n = static_cast<int>(thread_position_in_grid.z);
   const int bh = n / blocks;  // b * Hkv + hkv
-  attention_decode_rows<InT, D, GT, SG, COALESCED, 0>(
+  attention_decode_rows<InT, D, GT, SG, R, COALESCED, 0, HP>(
       q, k, v, scale[0], out, nullptr, nullptr, nullptr, Hkv * G, S_cap, bh, bh / Hkv,
       (bh % Hkv) * G + (n % blocks) * GT, 0, S, 0, 1, sg_max, sg_sum, sg_acc,
       static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
@@ -154,21 +355,24 @@ inline void attention_decode_rows(
 
 // @kernel attention_decode_block_partials
 // The fixed-block split (fixed_block_attention): KV rows cut into NB = ceil(S / BR) blocks of BR
-// rows, one threadgroup per (block, GT heads): grid (32, SG, B * Hkv * G / GT * NB), threadgroup
-// (32, SG, 1). Same inputs as attention_decode; outputs the blocks' fp32 partials part_max, part_sum
-// [B * Hq, NB] and part_acc [B * Hq, NB, D] (attention_decode_rows), merged by the next kernel.
-// A row's blocks depend only on its own S and BR, never on the batch.
+// rows, one threadgroup per (block, GT heads): grid (32 * NB * B * Hkv * G / GT, SG, 1) (blocks in
+// x: CUDA limits y and z to 65535), threadgroup (32, SG, 1); threadgroup x = n * NB + block, so
+// consecutive threadgroups stream consecutive blocks of one KV head. Same inputs as attention_decode;
+// outputs the blocks' fp32 partials part_max, part_sum [B * Hq, NB] and part_acc [B * Hq, NB, D]
+// (attention_decode_rows), merged by the next kernel. A row's blocks depend only on its own S and
+// BR (the host picks BR from S alone), never on the batch.
 {
+  constexpr int HP = ATTENTION_MERGE_HEADS(GT, SG, D);
   threadgroup float sg_max[GT * SG];
   threadgroup float sg_sum[GT * SG];
-  threadgroup float sg_acc[SG * D];
+  threadgroup float sg_acc[SG * HP * D];
   const int blocks = G / GT;
-  const int z = static_cast<int>(thread_position_in_grid.z);
+  const int z = static_cast<int>(threadgroup_position_in_grid.x);
   const int part = z % NB;
   const int n = z / NB;
   const int bh = n / blocks;
   const int row_begin = part * BR;
-  attention_decode_rows<InT, D, GT, SG, COALESCED, 1>(
+  attention_decode_rows<InT, D, GT, SG, R, COALESCED, 1, HP>(
       q, k, v, scale[0], nullptr, part_max, part_sum, part_acc, Hkv * G, S_cap, bh, bh / Hkv,
       (bh % Hkv) * G + (n % blocks) * GT, row_begin, min(S, row_begin + BR), part, NB, sg_max, sg_sum,
       sg_acc, static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
@@ -176,21 +380,87 @@ inline void attention_decode_rows(
 
 // @kernel attention_decode_merge_blocks
 // out[head, d] = sum_b exp(max_b - M) acc_b[d] / sum_b exp(max_b - M) sum_b, M = max_b max_b, over
-// the NB block partials of each head: grid (D, B * Hq, 1), threadgroup (min(D, 256), 1, 1). fp32,
-// blocks in order; out: [B, Hq, 1, D] InT.
+// the NB block partials of each head. One threadgroup of MW simdgroups per (head, slice of 32 * MV
+// elements of D): grid (32 * B * Hq * D / (32 * MV), MW, 1), threadgroup (32, MW, 1). The
+// threadgroup first finds M (all threads over the block maxima); then simdgroup w takes blocks
+// w, w + MW, ... (UNROLL blocks' loads in flight at once), each lane MV consecutive fp32 of the
+// slice in one 8/16-byte load; the MW partial sums are added in simdgroup order through threadgroup
+// memory. Fixed order for a given NB: deterministic. out: [B, Hq, 1, D] InT.
 {
-  const int d = static_cast<int>(thread_position_in_grid.x);
-  const size_t head = thread_position_in_grid.y;
+  constexpr int UNROLL = 4;
+  constexpr int SLICE = 32 * MV;
+  threadgroup float tg_red[MW];
+  threadgroup float tg_sum[MW];
+  threadgroup float tg_acc[MW * SLICE];
+  const int lane = static_cast<int>(thread_index_in_simdgroup);
+  const int w = static_cast<int>(thread_position_in_threadgroup.y);
+  const int tid = w * 32 + lane;
+  const int slices = D / SLICE;
+  const int tg = static_cast<int>(threadgroup_position_in_grid.x);
+  const size_t head = static_cast<size_t>(tg / slices);
+  const int d0 = (tg % slices) * SLICE;
+  const device float* maxes = part_max + head * NB;
+  const device float* sums = part_sum + head * NB;
+
   float m_all = ATTENTION_NO_MAX;
-  for (int b = 0; b < NB; ++b) {
-    m_all = fmax(m_all, part_max[head * NB + b]);
+  for (int b = tid; b < NB; b += 32 * MW) {
+    m_all = fmax(m_all, maxes[b]);
   }
+  m_all = simd_max(m_all);
+  if (lane == 0) {
+    tg_red[w] = m_all;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  m_all = tg_red[0];
+  for (int s = 1; s < MW; ++s) {
+    m_all = fmax(m_all, tg_red[s]);
+  }
+
   float total = 0.0f;
-  float o = 0.0f;
-  for (int b = 0; b < NB; ++b) {
-    const float w = exp(part_max[head * NB + b] - m_all);
-    total += part_sum[head * NB + b] * w;
-    o += part_acc[(head * NB + b) * D + d] * w;
+  float o[MV];
+  for (int j = 0; j < MV; ++j) {
+    o[j] = 0.0f;
   }
-  out[head * D + d] = static_cast<InT>(o / total);
+  for (int b0 = w; b0 < NB; b0 += UNROLL * MW) {  // uniform over the simdgroup
+    uint words[UNROLL][MV];
+    float bmax[UNROLL];
+    float bsum[UNROLL];
+    for (int u = 0; u < UNROLL; ++u) {
+      const int b = b0 + u * MW;
+      if (b < NB) {
+        bmax[u] = maxes[b];
+        bsum[u] = sums[b];
+        AttentionLoad<MV>::load(part_acc + (head * NB + b) * D + d0 + lane * MV, words[u]);
+      } else {
+        bmax[u] = ATTENTION_NO_MAX;
+        bsum[u] = 0.0f;
+        for (int j = 0; j < MV; ++j) {
+          words[u][j] = 0u;
+        }
+      }
+    }
+    for (int u = 0; u < UNROLL; ++u) {
+      const float wt = exp(bmax[u] - m_all);
+      total += bsum[u] * wt;
+      for (int j = 0; j < MV; ++j) {
+        o[j] += as_type<float>(words[u][j]) * wt;
+      }
+    }
+  }
+  for (int j = 0; j < MV; ++j) {
+    tg_acc[w * SLICE + lane * MV + j] = o[j];
+  }
+  if (lane == 0) {
+    tg_sum[w] = total;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int d = tid; d < SLICE; d += 32 * MW) {
+    float sum = 0.0f;
+    float acc = 0.0f;
+    for (int s = 0; s < MW; ++s) {
+      sum += tg_sum[s];
+      acc += tg_acc[s * SLICE + d];
+    }
+    out[head * D + d0 + d] = static_cast<InT>(acc / sum);
+  }
 }

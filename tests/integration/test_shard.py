@@ -116,3 +116,34 @@ def test_tensor_parallel_two_ranks_with_kernels(random_model, tmp_path):
     noise = max(rel(sharded_stock, single_stock), rel(single_lily, single_stock), 1e-3)
     assert rel(sharded_lily, sharded_stock) <= 3 * noise, (rel(sharded_lily, sharded_stock), noise)
     assert rel(sharded_lily, single_lily) <= 3 * noise, (rel(sharded_lily, single_lily), noise)
+
+
+def test_shard_benchmark_two_ranks(tmp_path):
+    """bench/shard.py (the 2-GPU benchmark) on 2 CPU ranks over the ring, reference backend: the model is
+    sharded, lily's greedy tokens equal stock's in the check and in every timed run, and rank 0's
+    results.json records world size 2."""
+    pytest.importorskip("mlx._distributed_utils.launch", reason="this MLX has no mlx.launch")
+    env = subprocess_env()  # LILY_BACKEND=reference
+    repo_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = repo_root
+    out = tmp_path / "out"
+    for attempt in range(2):  # a second try on fresh ports if another process took ours
+        cmd = launch_command() + ["--backend", "ring", "-n", "2", "--starting-port", str(free_port()), "--",
+                                  sys.executable, "-m", "bench.shard", "--backend", "ring", "--size", "tiny",
+                                  "--lengths", "48", "--gen-tokens", "3", "--rounds", "1", "--engines", "stock,lily",
+                                  "--warmup-length", "0", "--check-prompt", "16", "--check-steps", "2",
+                                  "--out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
+        if proc.returncode == 0:
+            break
+    assert proc.returncode == 0, f"ranks failed:\n{proc.stdout}\n{proc.stderr}"
+    result = json.loads((out / "results.json").read_text())
+    assert result["world_size"] == 2 and result["backend"] == "ring"
+    assert result["same_weights_on_ranks"]
+    check = result["check"]
+    assert check["same_tokens"] and check["agrees"] and check["fp32_lily_vs_stock"] == 0.0, check
+    (row,) = result["e2e"]["rows"]
+    assert result["e2e"]["complete"] and row["length"] == 48
+    assert len(row["lily"]["tokens"]) == 4 and row["lily"]["tokens"] == row["stock"]["tokens"]
+    assert row["lily"]["prompt_tps"] > 0 and row["lily"]["generation_tps"] > 0
+    assert (out / "shard.md").exists() and (out / "check_logits.npz").exists()

@@ -64,18 +64,23 @@ def _check(out, ref, tol):
 @needs_sim
 @settings(deadline=None, max_examples=24)
 @given(
-    B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 2, 4, 8]),
+    B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 2, 3, 4, 6, 8]),
     D=st.sampled_from([64, 128, 256]), S=st.sampled_from([1, 7, 33, 300]),
-    dtype=st.sampled_from(["bfloat16", "float32"]), state=st.sampled_from(SWITCH_STATES),
-    spare=st.sampled_from([0, 5]), seed=st.integers(0, 2**16),
+    dtype=st.sampled_from(["bfloat16", "float16", "float32"]), state=st.sampled_from(SWITCH_STATES),
+    spare=st.sampled_from([0, 5]), rows=st.sampled_from([1, 2, 4]), sharp=st.booleans(),
+    seed=st.integers(0, 2**16),
 )
-def test_decode_kernel_matches_reference(B, Hkv, G, D, S, dtype, state, spare, seed):
+def test_decode_kernel_matches_reference(B, Hkv, G, D, S, dtype, state, spare, rows, sharp, seed):
+    """The one-pass kernel on drawn shapes (GQA ratios that are no power of two pad the (head, row)
+    pairs of the transposing reduction), every switch state and rows-per-step, a sharp softmax
+    (scale 1: the running max moves and the accumulators are rescaled) or the usual one."""
     rng = np.random.default_rng(seed)
     q, k, v = _problem(rng, B, Hkv, G, D, S, DTYPES[dtype], spare)
     packed, coalesced = state
-    out = ak.decode_attention(q, k, v, scale=D**-0.5, kv_length=S, gqa_packed=packed, coalesced=coalesced,
-                              backend=KERNEL_BACKEND, init_value=NAN)
-    _check(out, _oracle(q, k, v, S, D**-0.5), TOL[dtype])
+    scale = 1.0 if sharp else D**-0.5
+    out = ak.decode_attention(q, k, v, scale=scale, kv_length=S, gqa_packed=packed, coalesced=coalesced,
+                              backend=KERNEL_BACKEND, init_value=NAN, rows=rows)
+    _check(out, _oracle(q, k, v, S, scale), TOL[dtype])
 
 
 @needs_sim
@@ -244,7 +249,7 @@ def test_every_switch_state_compiles_for_cuda():
     q, k = mx.zeros((1, 16, 1, 256), mx.bfloat16), mx.zeros((1, 2, 8, 256), mx.bfloat16)
     for packed, coalesced in SWITCH_STATES:
         template = [("InT", mx.bfloat16), ("D", 256), ("GT", 8 if packed else 1), ("SG", ak.DECODE_SIMDGROUPS),
-                    ("COALESCED", int(coalesced))]
+                    ("R", ak.DECODE_ROWS_PER_STEP), ("COALESCED", int(coalesced))]
         _, unit = wrap_like_mlx(kernel, [q, k, k, mx.zeros((1,)), mx.zeros((4,), mx.int32)], [mx.bfloat16],
                                 template=template)
         ok, log = compile_cuda(unit)
@@ -256,33 +261,94 @@ def test_every_switch_state_compiles_for_cuda():
 
 
 @needs_sim
-@settings(deadline=None, max_examples=16)
+@settings(deadline=None, max_examples=20)
 @given(
-    B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 4, 8]), D=st.sampled_from([64, 256]),
-    S=st.sampled_from([1, 40, 129, 300]), block_rows=st.sampled_from([16, 64, 4096]),
-    dtype=st.sampled_from(["bfloat16", "float32"]), state=st.sampled_from(SWITCH_STATES),
-    spare=st.sampled_from([0, 5]), seed=st.integers(0, 2**16),
+    B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 3, 4, 8]), D=st.sampled_from([64, 128, 256]),
+    S=st.sampled_from([1, 40, 129, 300]), block_rows=st.sampled_from([None, 1, 16, 48, 4096]),
+    dtype=st.sampled_from(["bfloat16", "float16", "float32"]), state=st.sampled_from(SWITCH_STATES),
+    spare=st.sampled_from([0, 5]), rows=st.sampled_from([1, 2, 4]), simdgroups=st.sampled_from([1, 2, 4]),
+    sharp=st.booleans(), seed=st.integers(0, 2**16),
 )
-def test_fixed_block_kernels_match_reference(B, Hkv, G, D, S, block_rows, dtype, state, spare, seed):
-    """Any number of blocks (one, several, a short last one), every switch state, spare cache rows:
-    the merged result is the attention; partials and output are poisoned (NaN)."""
+def test_fixed_block_kernels_match_reference(B, Hkv, G, D, S, block_rows, dtype, state, spare, rows, simdgroups,
+                                             sharp, seed):
+    """Any number of blocks (one; several with a short last one; up to 300 one-row blocks, so the merge
+    runs 32 simdgroups with a partial unrolled tail; blocks shorter than a threadgroup step, so some
+    simdgroups have no rows), the schedule's block size (None), every switch state, rows per step and
+    simdgroups per threadgroup, spare cache rows, a sharp softmax: the merged result is the
+    attention; partials and output are poisoned (NaN)."""
     rng = np.random.default_rng(seed)
     q, k, v = _problem(rng, B, Hkv, G, D, S, DTYPES[dtype], spare)
     packed, coalesced = state
-    out = ak.decode_attention_fixed_blocks(q, k, v, scale=D**-0.5, block_rows=block_rows, kv_length=S,
+    scale = 1.0 if sharp else D**-0.5
+    out = ak.decode_attention_fixed_blocks(q, k, v, scale=scale, block_rows=block_rows, kv_length=S,
                                            gqa_packed=packed, coalesced=coalesced, backend=KERNEL_BACKEND,
-                                           init_value=NAN)
-    _check(out, _oracle(q, k, v, S, D**-0.5), TOL[dtype])
+                                           init_value=NAN, rows=rows, simdgroups=simdgroups)
+    _check(out, _oracle(q, k, v, S, scale), TOL[dtype])
+
+
+@needs_sim
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fixed_block_kernels_qwen36_shape(dtype):
+    """Qwen3.6's shape (16 query heads over 2 KV heads, D = 256) through the schedule's geometry at a
+    context that is no multiple of the block, 16-byte loads, a late maximum (scores rise along the
+    sequence, so every step moves the running max and rescales)."""
+    rng = np.random.default_rng(11)
+    S = 1000
+    q, k, v = _problem(rng, 1, 2, 8, 256, S, DTYPES[dtype], spare=7)
+    ramp = mx.linspace(0.0, 3.0, S + 7).reshape(1, 1, -1, 1)
+    k = (k.astype(mx.float32) + ramp * q.astype(mx.float32).mean(axis=1, keepdims=True)).astype(k.dtype)
+    plan = ak.fixed_block_plan(S, 256, 2)
+    assert plan.blocks == -(-S // plan.block_rows) and plan.blocks > 1
+    with record_launches() as rec:
+        out = ak.decode_attention_fixed_blocks(q, k, v, scale=0.25, kv_length=S, backend=KERNEL_BACKEND,
+                                               init_value=NAN)
+    assert rec.names() == ["attention_decode_block_partials", "attention_decode_merge_blocks"]
+    assert rec[0].kwargs["grid"] == (32 * 2 * plan.blocks, ak.DECODE_SIMDGROUPS, 1)
+    assert rec[0].template["R"] == ak.DECODE_ROWS_PER_STEP and rec[0].template["GT"] == 8
+    assert rec[1].kwargs["grid"] == (32 * 16 * 2, plan.merge_simdgroups, 1)  # (head, half of D) per threadgroup
+    _check(out, _oracle(q, k, v, S, 0.25), TOL[dtype])
+
+
+def test_fixed_block_schedule_depends_on_the_context_only():
+    """Rows per block: a power of two from the context length alone, at least FIXED_BLOCK_MIN_ROWS;
+    enough blocks to fill a GPU at long context; the whole plan (blocks, merge geometry) is a
+    function of S and D, whatever the batch."""
+    assert [ak.fixed_block_rows(S) for S in (1, 4096, 32768, 65536, 131072)] == [64, 64, 128, 256, 512]
+    for S in (1, 63, 64, 65, 4095, 4097, 50000, 131072, 10**6):
+        br = ak.fixed_block_rows(S)
+        assert br & (br - 1) == 0 and ak.FIXED_BLOCK_MIN_ROWS <= br <= ak.FIXED_BLOCK_MAX_ROWS
+        plans = {ak.fixed_block_plan(S, 256, n)[:2] + ak.fixed_block_plan(S, 256, n)[3:] for n in (2, 4, 16, 64)}
+        assert len(plans) == 1
+        nb = -(-S // br)
+        assert (nb - 1) * br < S <= nb * br
+    assert ak.fixed_block_plan(32768, 256, 2).partial_threadgroups >= 512
+
+
+@needs_sim
+@pytest.mark.parametrize("long_path", [False, True])
+def test_decode_kernels_batch_invariant(long_path):
+    """A row's output is bitwise the same alone and in a batch of 3 (other rows hold other data): the
+    geometry and the fixed-block plan depend only on the row's own length."""
+    rng = np.random.default_rng(12)
+    q, k, v = _problem(rng, 3, 2, 8, 128, 150, mx.bfloat16, spare=2)
+    run = ak.decode_attention_fixed_blocks if long_path else ak.decode_attention
+    kw = dict(scale=0.2, kv_length=150, backend=KERNEL_BACKEND, init_value=NAN)
+    batch = run(q, k, v, **kw)
+    for b in range(3):
+        alone = run(q[b:b + 1], k[b:b + 1], v[b:b + 1], **kw)
+        assert bool(mx.array_equal(alone, batch[b:b + 1]).item()), b
 
 
 @needs_sim
 def test_long_context_decode_takes_the_fixed_block_kernels(monkeypatch):
     """From the fixed-block threshold on (lowered here from 32K) Qwen3.6's head shape (D = 256, G = 8)
-    decodes through the two fixed-block launches, with the cache read in place; below it, or with
-    fixed_block_attention off, through the one-pass kernel; all match stock's attention. A row's blocks
-    depend only on its own length and the block size (data), never on other rows."""
+    decodes through the two fixed-block launches, with the cache read in place and the schedule's
+    block size; below it, or with fixed_block_attention off, through the one-pass kernel; all match
+    stock's attention."""
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     monkeypatch.setattr(ak, "FIXED_BLOCK_MIN_CONTEXT", 64)
+    monkeypatch.setattr(ak, "FIXED_BLOCK_TARGET_BLOCKS", 4)
+    monkeypatch.setattr(ak, "FIXED_BLOCK_MIN_ROWS", 16)
     rng = np.random.default_rng(6)
     q, k, v = _problem(rng, 1, 2, 8, 256, 100, mx.bfloat16)
     for rows, off, want in ((100, (), ["attention_decode_block_partials", "attention_decode_merge_blocks"]),
@@ -290,17 +356,32 @@ def test_long_context_decode_takes_the_fixed_block_kernels(monkeypatch):
                             (50, (), ["attention_decode"])):
         cache = _filled_cache(KVCache, k[:, :, :rows - 1], v[:, :, :rows - 1])
         keys, values = cache.update_and_fetch(k[:, :, rows - 1:rows], v[:, :, rows - 1:rows])
-        with switches.overrides(disable=off), record_launches() as rec, \
-                mock.patch.object(ak, "FIXED_BLOCK_SIZE", 32):
+        with switches.overrides(disable=off), record_launches() as rec:
             out = att.attention(q, keys, values, scale=0.0625, mask=None, cache=cache)
         assert rec.names() == want, (rows, off, rec.names())
         if want[0] == "attention_decode_block_partials":
-            assert rec[0].kwargs["grid"][2] == 2 * -(-rows // 32)  # Hkv threadgroups per block (G packed)
+            assert ak.fixed_block_rows(rows) == 32  # 100 / 4 blocks -> 32 rows
+            assert rec[0].kwargs["grid"][0] == 32 * 2 * 4  # Hkv threadgroups per block (G packed), 4 blocks
         _check(out, _oracle(q, keys, values, rows, 0.0625), TOL["bfloat16"])
 
 
+@switches.overrides(enable=["fixed_block_attention"])
+def test_fixed_block_everywhere_backends():
+    """On FIXED_BLOCK_EVERYWHERE's backends (CUDA) every context and supported shape takes the
+    fixed-block kernels (the one-pass kernel's 2 threadgroups per sequence cannot fill a large GPU);
+    elsewhere the write-up's rule (>= 32K, D = 256, G = 8)."""
+    assert "cuda" in ak.FIXED_BLOCK_EVERYWHERE and "sim" not in ak.FIXED_BLOCK_EVERYWHERE
+    for S, D, G in ((1, 256, 8), (4096, 256, 8), (4096, 128, 4), (10**6, 64, 1)):
+        assert att.decode_path(S, D, G, backend="cuda") == "fixed_block"
+    assert att.decode_path(4096, 256, 8, backend="sim") == "ordinary"
+    assert att.decode_path(ak.FIXED_BLOCK_MIN_CONTEXT, 256, 8, backend="sim") == "fixed_block"
+    with switches.overrides(disable=["fixed_block_attention"]):
+        assert att.decode_path(10**6, 256, 8, backend="cuda") == "ordinary"
+
+
 def test_fixed_block_kernels_compile_for_cuda():
-    """The block-partials kernel in every switch state and the merge kernel translate and compile."""
+    """The block-partials kernel in every switch state and rows per step, and the merge kernel at each
+    slice width, translate and compile."""
     from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
     from lily_dev.compile_check import compile_cuda, compiler_available
     from lily_mlx.core.kernel_registry import kernel_source
@@ -316,16 +397,19 @@ def test_fixed_block_kernels_compile_for_cuda():
     partials, merge = build("attention_decode_block_partials"), build("attention_decode_merge_blocks")
     q, k = mx.zeros((1, 16, 1, 256), mx.bfloat16), mx.zeros((1, 2, 8, 256), mx.bfloat16)
     units = []
-    for packed, coalesced in SWITCH_STATES:
+    for (packed, coalesced), rows in zip(SWITCH_STATES, (4, 2, 1, 4)):
         template = [("InT", mx.bfloat16), ("D", 256), ("GT", 8 if packed else 1), ("SG", ak.DECODE_SIMDGROUPS),
-                    ("COALESCED", int(coalesced))]
+                    ("R", rows), ("COALESCED", int(coalesced))]
         units.append(wrap_like_mlx(partials, [q, k, k, mx.zeros((1,)), mx.zeros((6,), mx.int32)],
                                    [mx.float32] * 3, template=template)[1])
     parts = [mx.zeros((16, 2)), mx.zeros((16, 2)), mx.zeros((16, 2, 256)), mx.zeros((1,), mx.int32)]
-    units.append(wrap_like_mlx(merge, parts, [mx.bfloat16], template=[("InT", mx.bfloat16), ("D", 256)])[1])
+    for D, mv in ((256, 4), (64, 2)):
+        units.append(wrap_like_mlx(merge, parts, [mx.bfloat16],
+                                   template=[("InT", mx.bfloat16), ("D", D), ("MV", mv), ("MW", 32)])[1])
     for unit in units:
         ok, log = compile_cuda(unit)
         assert ok, log
+        assert "attention_u4" in unit
 
 
 @needs_sim
@@ -336,8 +420,18 @@ def test_microbench_cases_for_the_bench_harness():
 
     cases = attention_bench.microbench_cases(backend=KERNEL_BACKEND, contexts=(100,))
     names = [name for name, *_ in cases]
-    assert names == ["attention_stock_sdpa_S100", "attention_decode_gqa_S100", "attention_decode_per_head_S100",
-                     f"attention_fixed_blocks_{ak.FIXED_BLOCK_SIZE}_S100", "attention_fixed_blocks_1024_S100"]
-    for _, run_once, nbytes, flops in cases:
+    assert names == ["attention_stock_sdpa_S100", "attention_stock_sdpa_x8_S100", "attention_decode_gqa_S100",
+                     "attention_decode_per_head_S100", "attention_fixed_blocks_auto_S100",
+                     "attention_fixed_blocks_auto_small_S100", "attention_fixed_blocks_auto_r2_S100",
+                     "attention_fixed_blocks_auto_sg8_S100", "attention_fixed_blocks_auto_x8_S100"]
+    one = (2 * 2 * 100 * 256 + 2 * 16 * 256) * 2, 4 * 16 * 100 * 256
+    for name, run_once, nbytes, flops in cases:
         run_once()
-        assert nbytes == (2 * 2 * 100 * 256 + 2 * 16 * 256) * 2 and flops == 4 * 16 * 100 * 256
+        times = 8 if "_x8_" in name else 1
+        assert (nbytes, flops) == (times * one[0], times * one[1]), name
+    # the variants compute the same attention
+    rng = np.random.default_rng(9)
+    q, k, v = _problem(rng, 1, 2, 8, 256, 300, mx.bfloat16)
+    want = _oracle(q, k, v, 300, 0.0625)
+    for variant in attention_bench.FIXED_BLOCK_VARIANTS:
+        _check(attention_bench._fixed_blocks(q, k, v, 0.0625, KERNEL_BACKEND, 300, variant), want, TOL["bfloat16"])

@@ -197,13 +197,15 @@ def test_quantized_kv_attention_vs_math_on_dequantized_cache(batch, length, cach
 
 @switches.overrides(enable=["fixed_block_attention"])  # whatever LILY_DISABLE says
 def test_decode_path_rules():
+    """The write-up's rule on the backends not in FIXED_BLOCK_EVERYWHERE (the simulator, Metal)."""
     n = ak.FIXED_BLOCK_MIN_CONTEXT
-    assert att.decode_path(n, 256, 8) == "fixed_block"
-    assert att.decode_path(n - 1, 256, 8) == "ordinary"
-    assert att.decode_path(n, 128, 8) == "ordinary"
-    assert att.decode_path(n, 256, 4) == "ordinary"
-    with switches.overrides(disable=["fixed_block_attention"]):
-        assert att.decode_path(4 * n, 256, 8) == "ordinary"
+    for backend in ("sim", "metal"):
+        assert att.decode_path(n, 256, 8, backend) == "fixed_block"
+        assert att.decode_path(n - 1, 256, 8, backend) == "ordinary"
+        assert att.decode_path(n, 128, 8, backend) == "ordinary"
+        assert att.decode_path(n, 256, 4, backend) == "ordinary"
+        with switches.overrides(disable=["fixed_block_attention"]):
+            assert att.decode_path(4 * n, 256, 8, backend) == "ordinary"
 
 
 @switches.overrides(enable=["fixed_block_attention"])

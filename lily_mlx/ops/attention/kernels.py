@@ -1,9 +1,10 @@
-"""Attention kernels, host side: the decode kernel's dispatch table, shape rules (``supports``) and
-launch geometry, and the shape rules of the fixed-block long-context path.
+"""Attention kernels, host side: the decode kernels' dispatch table, shape rules (``supports``),
+launch geometry, the fixed-block schedule (rows per block from the context length) and the rules
+that pick the one-pass or the fixed-block path.
 
-The kernel lives in ``kernels/attention/decode.metal`` (layout notes there and in docs/attention.md). The
-host function has the signature of ``reference.attention_reference`` for one query row, plus the
-switch states, ``backend`` (``metal``, ``sim`` or ``cuda``) and ``init_value`` (tests poison
+The kernels live in ``kernels/attention/decode.metal`` (layout notes there and in docs/attention.md).
+The host functions have the signature of ``reference.attention_reference`` for one query row, plus
+the switch states, ``backend`` (``metal``, ``sim`` or ``cuda``) and ``init_value`` (tests poison
 outputs with it).
 """
 
@@ -29,25 +30,60 @@ KERNELS = {
     )
 }
 
-# Backends the decode kernel runs on (the ``attention_decode`` op's kernel backends). Simulator only
-# until timed on a GPU: the kernel runs B x Hkv threadgroups (2 per sequence at Qwen3.6's shape), too
-# few to fill a GPU at long context, so it could be slower than stock's decode attention. Add
-# "metal"/"cuda" here once a GPU run shows it pays (docs/attention.md).
+# Backends the decode kernels run on (the kernel backends of the ``attention_decode`` and
+# ``attention_decode_long`` ops). Simulator only until timed on a GPU. To use them on an NVIDIA GPU
+# add "cuda" here (both ops); FIXED_BLOCK_EVERYWHERE below already sends every CUDA decode step to
+# the fixed-block kernels (docs/attention.md).
 DECODE_BACKENDS = frozenset({"sim"})
 
-# Shape rules of the fixed-block path (write-up: >= 32K tokens, head dim 256, 8 query heads per KV
-# head; other shapes keep the ordinary decode path). Data, so tuning can change them.
+# Which decode path a step takes (``layer.decode_path``). The write-up's rule: the fixed-block path
+# from 32K tokens, only at head dim 256 with 8 query heads per KV head; the one-pass kernel otherwise.
 FIXED_BLOCK_MIN_CONTEXT = 32 * 1024
 FIXED_BLOCK_HEAD_DIM = 256
 FIXED_BLOCK_GQA_FACTOR = 8
-FIXED_BLOCK_SIZE = 4096  # KV rows per block; a starting point for tuning
+# Backends on which every decode step (any context, any supported shape) takes the fixed-block
+# kernels: the one-pass kernel runs only B * Hkv * G / GT threadgroups (2 per sequence at Qwen3.6's
+# shape), which cannot fill a large GPU at any context (H200: 654-783 us at 4K against stock's 148).
+# Inert until the backend is also in DECODE_BACKENDS.
+FIXED_BLOCK_EVERYWHERE = frozenset({"cuda"})
 
-# Simdgroups per threadgroup: the KV rows are dealt round-robin over them (a tuning knob; no GPU
-# timing yet). Threadgroup memory: SIMDGROUPS * D fp32 (8 KiB at D = 256).
+# Fixed-block schedule: rows per block BR from the row's own context length S (never from the
+# batch): the smallest power of two >= S / FIXED_BLOCK_TARGET_BLOCKS, clamped to
+# [FIXED_BLOCK_MIN_ROWS, FIXED_BLOCK_MAX_ROWS]. At Qwen3.6's 2 KV heads, B = 1: BR = 64 / 64 / 64 /
+# 128 / 256 / 512 rows and 128 / 256 / 512 / 512 / 512 / 512 partial threadgroups at 4K / 8K / 16K /
+# 32K / 64K / 128K (about 2 waves of an H200 at 2 resident threadgroups per SM). Each block costs
+# G * D * 4 bytes of partials (8 KiB at Qwen3.6) written and read again by the merge: the minimum
+# keeps that at <= 1/8 of the block's K/V bytes. Tuning knobs; candidates in lily_dev/attention_bench.py.
+FIXED_BLOCK_TARGET_BLOCKS = 256
+FIXED_BLOCK_MIN_ROWS = 64
+FIXED_BLOCK_MAX_ROWS = 4096
+
+# Simdgroups per threadgroup and rows per simdgroup step (R; with double buffering 2 * R rows of K
+# and V in flight per simdgroup). GT (rounded up to a power of two) * R <= 32. Registers on sm_90a
+# (NVRTC, bf16, D = 256, G = 8): R = 1 / 2 / 4 -> 168 / 216 / 250 per thread, no spills: 12 / 8 / 8
+# warps per SM, so R = 4 keeps twice R = 2's bytes in flight at the same occupancy. Threadgroup
+# memory: SG * min(GT, 4096 / (SG * D)) * D + 2 * GT * SG fp32 (at most ~16 KiB).
 DECODE_SIMDGROUPS = 4
+DECODE_ROWS_PER_STEP = 4
+# Merge: up to this many simdgroups per (head, slice of D), each with MERGE_UNROLL blocks' loads in
+# flight (MERGE_UNROLL is the kernel's UNROLL).
+MERGE_MAX_SIMDGROUPS = 32
+MERGE_UNROLL = 4
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 KV_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 MAX_HEADS_PER_THREADGROUP = 8  # registers: 2 * G * D / 32 fp32 per lane with gqa_packing
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def fixed_block_rows(S: int, target_blocks: int = None, min_rows: int = None, max_rows: int = None) -> int:
+    """Rows per block for a context of S rows (the schedule above; a function of S alone)."""
+    target_blocks = target_blocks or FIXED_BLOCK_TARGET_BLOCKS
+    min_rows = min_rows or FIXED_BLOCK_MIN_ROWS
+    max_rows = max_rows or FIXED_BLOCK_MAX_ROWS
+    return max(min_rows, min(max_rows, _pow2_at_least(-(-S // target_blocks))))
 
 
 def supports(queries: mx.array, keys: Any, values: Any, mask: Any = None,
@@ -94,14 +130,25 @@ class _Geometry(NamedTuple):
     template: list
 
 
-def _geometry(queries, keys, kv_length, gqa_packed: bool, coalesced: bool) -> _Geometry:
+def rows_per_step(heads_per_threadgroup: int, requested: Optional[int] = None) -> int:
+    """R for GT heads per threadgroup: the requested (default DECODE_ROWS_PER_STEP) power of two,
+    lowered until GT (rounded up to a power of two) * R <= 32 (one (head, row) pair per lane)."""
+    r = _pow2_at_least(requested or DECODE_ROWS_PER_STEP)
+    while r > 1 and _pow2_at_least(heads_per_threadgroup) * r > 32:
+        r //= 2
+    return r
+
+
+def _geometry(queries, keys, kv_length, gqa_packed: bool, coalesced: bool, simdgroups: Optional[int] = None,
+              rows: Optional[int] = None) -> _Geometry:
     """Sizes, threadgroups and template arguments shared by the decode kernels."""
     B, Hq, _, D = queries.shape
     Hkv, S_cap = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
     heads_per_tg = G if gqa_packed else 1
-    sg = DECODE_SIMDGROUPS
-    template = [("InT", queries.dtype), ("D", D), ("GT", heads_per_tg), ("SG", sg), ("COALESCED", int(coalesced))]
+    sg = simdgroups or DECODE_SIMDGROUPS
+    template = [("InT", queries.dtype), ("D", D), ("GT", heads_per_tg), ("SG", sg),
+                ("R", rows_per_step(heads_per_tg, rows)), ("COALESCED", int(coalesced))]
     return _Geometry(Hkv, G, S_cap if kv_length is None else kv_length, S_cap, sg, B * Hkv * (G // heads_per_tg),
                      template)
 
@@ -117,9 +164,11 @@ def decode_attention(
     coalesced: bool = True,
     backend: str,
     init_value=None,
+    rows: Optional[int] = None,  # rows per simdgroup step (default DECODE_ROWS_PER_STEP)
 ) -> mx.array:  # [B, Hq, 1, D] in queries' dtype
-    """Single-query attention over a contiguous KV buffer, GQA (query head h reads KV head h // G)."""
-    g = _geometry(queries, keys, kv_length, gqa_packed, coalesced)
+    """Single-query attention over a contiguous KV buffer, GQA (query head h reads KV head h // G):
+    one threadgroup per (KV head, GT heads) over all rows."""
+    g = _geometry(queries, keys, kv_length, gqa_packed, coalesced, rows=rows)
     (out,) = get_kernel(KERNELS["attention_decode"], backend)(
         inputs=[queries, keys, values, float32_scalar(scale),
                 KERNELS["attention_decode"].pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap)],
@@ -132,40 +181,61 @@ def decode_attention(
     return out
 
 
+class FixedBlockPlan(NamedTuple):
+    """Launch geometry of the fixed-block split for one call (``fixed_block_plan``)."""
+    block_rows: int  # BR
+    blocks: int  # NB = ceil(S / BR) per (sequence, KV head)
+    partial_threadgroups: int  # B * Hkv * G / GT * NB
+    merge_simdgroups: int  # MW
+    merge_lane_floats: int  # MV: fp32 per lane per load (one 8- or 16-byte load)
+
+
+def fixed_block_plan(S: int, D: int, heads_per_kv_group: int, block_rows: Optional[int] = None) -> FixedBlockPlan:
+    """Blocks and merge geometry for S live rows (``heads_per_kv_group``: B * Hkv * G / GT). BR,
+    NB, MW and MV depend on S and D only, so a row's summation order never depends on the batch."""
+    br = block_rows or fixed_block_rows(S)
+    nb = -(-S // br)
+    mw = max(1, min(MERGE_MAX_SIMDGROUPS, _pow2_at_least(-(-nb // MERGE_UNROLL))))
+    return FixedBlockPlan(br, nb, heads_per_kv_group * nb, mw, min(4, D // 32))
+
+
 def decode_attention_fixed_blocks(
     queries: mx.array,  # [B, Hq, 1, D]
     keys: mx.array,  # [B, Hkv, S_cap, D]: rows < kv_length are live
     values: mx.array,
     *,
     scale: float,
-    block_rows: int,
+    block_rows: Optional[int] = None,  # BR (default: the schedule, fixed_block_rows(S))
     kv_length: Optional[int] = None,
     gqa_packed: bool = True,
     coalesced: bool = True,
     backend: str,
     init_value=None,
+    simdgroups: Optional[int] = None,  # per partials threadgroup (default DECODE_SIMDGROUPS)
+    rows: Optional[int] = None,  # rows per simdgroup step (default DECODE_ROWS_PER_STEP)
 ) -> mx.array:  # [B, Hq, 1, D]
-    """``decode_attention`` with the KV rows cut into fixed blocks of ``block_rows`` processed by
-    separate threadgroups (fp32 partials), then merged: two launches."""
+    """``decode_attention`` with the KV rows cut into blocks of BR rows processed by separate
+    threadgroups (fp32 partials), then merged: two launches."""
     B, Hq, _, D = queries.shape
-    g = _geometry(queries, keys, kv_length, gqa_packed, coalesced)
-    nb = -(-g.S // block_rows)
+    g = _geometry(queries, keys, kv_length, gqa_packed, coalesced, simdgroups, rows)
+    plan = fixed_block_plan(g.S, D, g.threadgroups, block_rows)
     partials = KERNELS["attention_decode_block_partials"]
     part_max, part_sum, part_acc = get_kernel(partials, backend)(
         inputs=[queries, keys, values, float32_scalar(scale),
-                partials.pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap, NB=nb, BR=block_rows)],
-        template=g.template, grid=(32, g.sg, g.threadgroups * nb),
+                partials.pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap, NB=plan.blocks, BR=plan.block_rows)],
+        template=g.template, grid=(32 * plan.partial_threadgroups, g.sg, 1),
         threadgroup=(32, g.sg, 1),
-        output_shapes=[(B * Hq, nb), (B * Hq, nb), (B * Hq, nb, D)],
+        output_shapes=[(B * Hq, plan.blocks), (B * Hq, plan.blocks), (B * Hq, plan.blocks, D)],
         output_dtypes=[mx.float32] * 3,
         init_value=init_value,
     )
     merge = KERNELS["attention_decode_merge_blocks"]
+    mv, mw = plan.merge_lane_floats, plan.merge_simdgroups
     (out,) = get_kernel(merge, backend)(
-        inputs=[part_max, part_sum, part_acc, merge.pack(NB=nb)],
-        template=[("InT", queries.dtype), ("D", D)],
-        grid=(D, B * Hq, 1),
-        threadgroup=(min(D, 256), 1, 1),
+        inputs=[part_max, part_sum, part_acc, merge.pack(NB=plan.blocks)],
+        template=[("InT", queries.dtype), ("D", D), ("MV", mv), ("MW", mw)],
+        grid=(32 * B * Hq * (D // (32 * mv)), mw, 1),
+        threadgroup=(32, mw, 1),
         output_shapes=[queries.shape],
         output_dtypes=[queries.dtype],
         init_value=init_value,
@@ -174,9 +244,10 @@ def decode_attention_fixed_blocks(
 
 
 def decode_attention_fixed_blocks_from_cache(backend: str):
-    """The launcher ``layer.long_context_attention`` dispatches to on ``backend`` (cache read in place)."""
+    """The launcher ``layer.long_context_attention`` dispatches to on ``backend`` (cache read in
+    place; rows per block from the schedule unless ``block_size`` is given)."""
 
-    def launch(queries, keys, values, *, scale, mask=None, cache=None, block_size=FIXED_BLOCK_SIZE,
+    def launch(queries, keys, values, *, scale, mask=None, cache=None, block_size=None,
                coalesced=True, gqa_packed=True):
         return decode_attention_fixed_blocks(queries, cache.keys, cache.values, scale=scale, block_rows=block_size,
                                              kv_length=keys.shape[2], gqa_packed=gqa_packed, coalesced=coalesced,

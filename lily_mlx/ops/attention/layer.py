@@ -104,17 +104,21 @@ def long_context_attention(queries, keys, values, *, scale, mask=None, cache=Non
     Reference: stock's attention."""
     kernel = _kernel_for("attention_decode_long", kernels.supports(queries, keys, values, mask, cache))
     if kernel is not None:
-        return kernel(queries, keys, values, scale=scale, mask=mask, cache=cache, block_size=kernels.FIXED_BLOCK_SIZE,
+        return kernel(queries, keys, values, scale=scale, mask=mask, cache=cache,
                       coalesced=is_enabled("coalesced_kv"), gqa_packed=is_enabled("gqa_packing"))
     return attention_reference(queries, keys, values, scale=scale, mask=mask, cache=cache)
 
 
-def decode_path(kv_length: int, head_dim: int, gqa_factor: int) -> str:
-    """``"fixed_block"`` or ``"ordinary"``: which decode path a shape takes (switch + shape rules,
-    ``kernels.FIXED_BLOCK_*``)."""
+def decode_path(kv_length: int, head_dim: int, gqa_factor: int, backend: Optional[str] = None) -> str:
+    """``"fixed_block"`` or ``"ordinary"``: which decode path a shape takes on ``backend`` (default:
+    the active one): switch + shape rules, ``kernels.FIXED_BLOCK_*``. On the backends of
+    ``kernels.FIXED_BLOCK_EVERYWHERE`` every shape and context takes the fixed-block path."""
+    if not is_enabled("fixed_block_attention"):
+        return "ordinary"
+    if (backend or active_backend()) in kernels.FIXED_BLOCK_EVERYWHERE:
+        return "fixed_block"
     if (
-        is_enabled("fixed_block_attention")
-        and kv_length >= kernels.FIXED_BLOCK_MIN_CONTEXT
+        kv_length >= kernels.FIXED_BLOCK_MIN_CONTEXT
         and head_dim == kernels.FIXED_BLOCK_HEAD_DIM
         and gqa_factor == kernels.FIXED_BLOCK_GQA_FACTOR
     ):

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models import base as mlx_lm_base
 
-from .kernels import FIXED_BLOCK_SIZE
+from .kernels import fixed_block_rows
 
 
 def qk_prep_reference(
@@ -67,7 +67,7 @@ def blockwise_attention(
     *,
     scale: float,
     mask: Optional[mx.array] = None,  # bool or additive, broadcastable to [B, H, L, S]
-    block_size: int = FIXED_BLOCK_SIZE,
+    block_size: Optional[int] = None,  # rows per block (default: the kernels' schedule for S)
 ) -> mx.array:  # [B, H, L, D]
     """The fixed-block algorithm in plain MLX: each KV block gives a partial softmax (its max, sum
     and unnormalised output, fp32), then blocks merge by rescaling to the global max. Same function
@@ -75,6 +75,7 @@ def blockwise_attention(
     B, n_heads, L, D = queries.shape
     n_kv_heads, S = keys.shape[1], keys.shape[2]
     groups = n_heads // n_kv_heads
+    block_size = block_size or fixed_block_rows(S)
     # Query heads of one KV head side by side: [B, Hkv, groups * L, D]; KV rows read once per group.
     q = (queries.astype(mx.float32) * scale).reshape(B, n_kv_heads, groups * L, D)
     k, v = keys.astype(mx.float32), values.astype(mx.float32)
