@@ -10,6 +10,10 @@ its GPU time. This times, per call (median of 5 repeats of ``--calls`` calls, no
 - ``mx.fast.cuda_kernel`` (or ``metal_kernel``) with a one-line body and no header, and the same
   with a header the size of the bridge's CUDA prelude (does the per-call source assembly matter?);
 - lily's combine kernel through the registry (the bridge's Python layer included).
+
+Then the same launches' cost at *evaluation* (``--eval-launches`` launches built, one ``mx.eval``, per
+launch): MLX's custom-kernel primitive hashes its whole source (header included) every time it is
+evaluated, on Metal and CUDA alike, so a large header costs at every launch, not only when built.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def raw_kernel(header: str):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.launch_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=20000)
+    p.add_argument("--eval-launches", type=int, default=400)
     args = p.parse_args(argv)
 
     from lily_mlx.core.kernel_registry import get_kernel
@@ -82,7 +87,25 @@ def main(argv=None) -> int:
     print("| launch | host us per call |\n|---|---|")
     for name, fn in rows:
         print(f"| {name} | {per_call_us(fn, args.calls):.2f} |")
+    print(f"\nEvaluation: {args.eval_launches} launches built, then one mx.eval; median of 5, us per launch "
+          "(build excluded)")
+    print("| launch | eval us per launch |\n|---|---|")
+    for name, fn in rows:
+        print(f"| {name} | {per_launch_eval_us(fn, args.eval_launches):.2f} |")
     return 0
+
+
+def per_launch_eval_us(fn, launches: int, repeats: int = 5) -> float:
+    """Host + device time of evaluating ``launches`` independent launches of ``fn`` at once, per launch."""
+    mx.eval([fn() for _ in range(8)])
+    times = []
+    for _ in range(repeats):
+        outs = [fn() for _ in range(launches)]
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(outs)
+        times.append((time.perf_counter() - t0) / launches * 1e6)
+    return statistics.median(times)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from bench import bridge_checks as bc
 from lily_mlx.core.kernel_registry import kernels_dir, load_kernel_file
 from lily_dev.deltanet_stock_kernels import mlx_lm_kernel_args
 from lily_mlx.msl.cuda import UnbridgeableError, metal_kernel, translate, wrap_like_mlx
+from lily_mlx.msl.cuda.kernel import prelude
 from lily_dev.compile_check import compile_cuda, compiler_available, record_model_translations
 
 needs_nvcc = pytest.mark.skipif(compiler_available() is None, reason="no CUDA compiler (NVRTC or nvcc) installed")
@@ -89,6 +90,22 @@ def test_prologue_declares_what_metal_would_pass():
     assert "thread_position_in_grid = lily_tpig_" in body
     assert "simdgroup_index_in_threadgroup" not in body  # only attributes the source names
     assert "return;" in body  # padding threads leave before the body
+
+
+def test_each_kernel_gets_only_the_prelude_sections_it_uses():
+    """MLX hashes a custom kernel's whole source at every launch it evaluates: a kernel carries only the
+    optional prelude sections its code names (their compiles: the nvcc tests below), no comment lines."""
+    plain = metal_kernel("k", ["x"], ["y"], "// a comment\ny[0] = x[0]; threadgroup_barrier(mem_flags::mem_threadgroup);")
+    shuffled = metal_kernel("k", ["x"], ["y"], "y[0] = simd_sum(x[0]);")
+    matrix = metal_kernel("k", ["x"], ["y"], "simdgroup_matrix<float, 8, 8> m; y[0] = x[0];")
+    counted = metal_kernel("k", ["x"], ["y"], "y[0] = x[0];", atomic_outputs=True)
+    assert plain.prelude_sections == frozenset() and "a comment" not in plain.body
+    assert shuffled.prelude_sections == {"simd"}
+    assert matrix.prelude_sections == {"simd", "simdgroup_matrix"}
+    assert counted.prelude_sections == {"atomics"}
+    full = len(prelude())
+    assert len(plain.cuda_header()) < 0.6 * full and "simd_shuffle" not in plain.cuda_header()
+    assert "simd_shuffle" in shuffled.cuda_header() and "atomic_fetch_add_explicit" in counted.cuda_header()
 
 
 def test_kernel_name_changes_with_template_and_mma_switch(monkeypatch):

@@ -49,6 +49,50 @@ def prelude() -> str:
     return PRELUDE_PATH.read_text()
 
 
+# Optional prelude sections and what in a kernel's code needs each. MLX hashes a custom kernel's whole
+# source (our prelude included) every time it evaluates a launch, on Metal and CUDA alike, so a kernel
+# gets only the sections it uses, without comments or indentation.
+_SECTION_MARKER = re.compile(r"^// @section (\w+)[ \t]*$", re.MULTILINE)
+_SECTION_USES = {
+    "simd": re.compile(r"\b(simd_\w+|quad_\w+|simdgroup_(?!barrier\b)\w+)"),
+    "atomics": re.compile(r"\b(atomic\w*|memory_order\w*)"),
+    "simdgroup_matrix": re.compile(r"\bsimdgroup_(?!barrier\b)\w+|\bmake_filled_simdgroup_matrix\b"),
+}
+_SECTION_NEEDS = {"simdgroup_matrix": ("simd",)}
+
+
+def prelude_sections(code: str, atomic_outputs: bool = False) -> frozenset:
+    """The optional prelude sections a kernel whose (comment-free) Metal ``code`` is given needs."""
+    used = {name for name, pattern in _SECTION_USES.items() if pattern.search(code)}
+    if atomic_outputs:
+        used.add("atomics")
+    for name in list(used):
+        used.update(_SECTION_NEEDS.get(name, ()))
+    return frozenset(used)
+
+
+def _drop_comment_lines(text: str) -> str:
+    """``text`` without whole-line ``//`` comments and blank lines (smaller source, same code)."""
+    return "\n".join(line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("//")) + "\n"
+
+
+@lru_cache(maxsize=16)
+def trimmed_prelude(sections: frozenset) -> str:
+    """The prelude with only the optional ``sections`` named, whole-line comments, blank lines and
+    indentation dropped (the compiled code is the same)."""
+    text = prelude()
+    parts, keep, last = [], True, 0
+    for m in _SECTION_MARKER.finditer(text):
+        if keep:
+            parts.append(text[last:m.start()])
+        name = m.group(1)
+        keep = name == "always" or name in sections
+        last = m.end()
+    if keep:
+        parts.append(text[last:])
+    return _drop_comment_lines("\n".join(line.strip() for line in "".join(parts).splitlines()))
+
+
 def _mma_enabled() -> bool:
     return os.environ.get("LILY_CUDA_MMA", "1") != "0"
 
@@ -128,11 +172,12 @@ class CudaMetalKernel:
         self.ensure_row_contiguous = ensure_row_contiguous
         self.atomic_outputs = atomic_outputs
         # Translate once up front: unbridgeable constructs fail at construction, like a compile error.
-        self.body = translate(source, "body")
-        self.header = translate(header, "header") if header else ""
+        self.body = _drop_comment_lines(translate(source, "body"))
+        self.header = _drop_comment_lines(translate(header, "header")) if header else ""
         code = code_only(source + "\n" + header)
         self.uses_simd = bool(_SIMD_USE.search(code))
         self.uses_barriers = bool(_BARRIER_USE.search(code))
+        self.prelude_sections = prelude_sections(code, atomic_outputs)
         self._kernels: Dict[Tuple, object] = {}
         # (grid, threadgroup) -> (checked grid, threadgroup, the grid as an int32 input), once per geometry.
         self._launches: Dict[Tuple, Tuple] = {}
@@ -141,7 +186,8 @@ class CudaMetalKernel:
 
     def cuda_header(self) -> str:
         mma = "" if _mma_enabled() else "#define LILY_NO_MMA 1\n"
-        return mma + prelude() + "\nnamespace mlx::core::cu {\n" + self.header + "\n}  // namespace mlx::core::cu\n"
+        return (mma + trimmed_prelude(self.prelude_sections) + "\nnamespace mlx::core::cu {\n" + self.header
+                + "\n}  // namespace mlx::core::cu\n")
 
     def cuda_body(self, specs: Sequence[signature.InputSpec], template) -> str:
         lines = ["  // lily-mlx Metal->CUDA bridge prologue"]

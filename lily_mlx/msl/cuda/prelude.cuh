@@ -1,6 +1,10 @@
 // lily-mlx Metal->CUDA bridge prelude: the Metal Shading Language names that MLX kernels use,
 // defined for CUDA (sm_80+; built for sm_90a by MLX's CUDA backend).
 //
+// Sections marked `// @section <name>` (simd, atomics, simdgroup_matrix) are spliced in only for
+// kernels that use them, and comments and indentation are dropped (kernel.py: trimmed_prelude): MLX
+// hashes a custom kernel's whole source at every launch it evaluates.
+//
 // It is spliced into the `header` of an `mx.fast.cuda_kernel`, after MLX's own
 // "mlx/backend/cuda/device/utils.cuh" and before the translated Metal header. Everything lives in
 // namespace `lily_metal` (alias `metal`); the names that clash with CUDA's own (vector types, `half`,
@@ -341,6 +345,7 @@ __device__ __forceinline__ void simdgroup_barrier(mem_flags f = mem_flags::mem_n
   __syncwarp();
 }
 
+// @section simd
 // ---------------------------------------------------------------------------------------------
 // SIMD-group functions on warp shuffles (all 32 lanes take part, as the bridge requires).
 
@@ -454,6 +459,7 @@ template <class T> __device__ __forceinline__ T quad_min(T x) {
   return min(x, quad_shuffle_xor(x, 2u));
 }
 
+// @section atomics
 // ---------------------------------------------------------------------------------------------
 // Atomics (Metal: relaxed order only).
 
@@ -510,6 +516,7 @@ __device__ __forceinline__ bool atomic_compare_exchange_weak_explicit(
 template <class T>
 __device__ __forceinline__ atomic<T>* as_atomic(T* p) { return reinterpret_cast<atomic<T>*>(p); }
 
+// @section simdgroup_matrix
 // ---------------------------------------------------------------------------------------------
 // simdgroup_matrix<T, 8, 8>: two elements per lane in Apple's layout.
 
@@ -651,6 +658,7 @@ __device__ __forceinline__ void simdgroup_multiply(simdgroup_matrix<TD, 8, 8>& d
   simdgroup_multiply_accumulate(d, a, b, simdgroup_matrix<float, 8, 8>(0.0f));
 }
 
+// @section always
 }  // namespace lily_metal
 
 namespace metal = lily_metal;
