@@ -81,6 +81,24 @@ def main(argv=None) -> int:
         ("lily combine kernel (registry + bridge)",
          lambda: mk.combine_rows(y, slots, scores, gate=gate)),
     ]
+    # A whole MoE block of a decode step (Qwen3.6 widths, fewer experts: the launches are the same),
+    # built launch by launch vs replayed from its trace (switch compiled_decode).
+    from lily_dev.moe_testing import make_sparse_moe_block
+    from lily_mlx.core import switches
+    from lily_mlx.ops.moe import sparse_moe_forward
+
+    block = make_sparse_moe_block(hidden=2048, expert_width=512, num_experts=32, top_k=8, shared_width=512)
+    token = mx.ones((1, 1, 2048), mx.bfloat16)
+    mx.eval(block.parameters(), token)
+
+    def moe_block(compiled: bool):
+        def run():
+            with switches.overrides(disable=[] if compiled else ["compiled_decode"]):
+                return sparse_moe_forward(block, token)
+        return run
+
+    rows += [("MoE decode block, launches built (4 kernels)", moe_block(False)),
+             ("MoE decode block, replayed from its trace", moe_block(True))]
     kernel = get_kernel(mk.KERNELS["combine"])
     print(f"backend: {getattr(kernel, 'backend', '?')}; {args.calls} calls x 5 repeats, median us per call "
           "(graph build only, nothing evaluated)")
