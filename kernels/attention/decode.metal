@@ -399,12 +399,11 @@ inline void attention_decode_rows(
   const int tg = static_cast<int>(threadgroup_position_in_grid.x);
   const size_t head = static_cast<size_t>(tg / slices);
   const int d0 = (tg % slices) * SLICE;
-  const device float* maxes = part_max + head * NB;
-  const device float* sums = part_sum + head * NB;
+  // part_max / part_sum indexed directly: Metal passes inputs of under 8 elements as `constant`.
 
   float m_all = ATTENTION_NO_MAX;
   for (int b = tid; b < NB; b += 32 * MW) {
-    m_all = fmax(m_all, maxes[b]);
+    m_all = fmax(m_all, part_max[head * NB + b]);
   }
   m_all = simd_max(m_all);
   if (lane == 0) {
@@ -428,8 +427,8 @@ inline void attention_decode_rows(
     for (int u = 0; u < UNROLL; ++u) {
       const int b = b0 + u * MW;
       if (b < NB) {
-        bmax[u] = maxes[b];
-        bsum[u] = sums[b];
+        bmax[u] = part_max[head * NB + b];
+        bsum[u] = part_sum[head * NB + b];
         AttentionLoad<MV>::load(part_acc + (head * NB + b) * D + d0 + lane * MV, words[u]);
       } else {
         bmax[u] = ATTENTION_NO_MAX;
