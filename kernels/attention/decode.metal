@@ -44,16 +44,9 @@
 // Running max before any row: finite, so exp(m - m_new) is a plain underflow to 0 (no inf arithmetic).
 #define ATTENTION_NO_MAX (-3.0e38f)
 
-// 16- and 8-byte words for wide loads. Metal's uint4 is 16-byte aligned (one 16-byte load); the
-// CUDA bridge's uint4 is four 4-byte-aligned uints (four loads), so on CUDA the kernel uses CUDA's
-// own 16-byte-aligned vector type (one LDG.128). Same bits either way.
-#if defined(__CUDACC__)
-typedef ::uint4 attention_u4;
-typedef ::uint2 attention_u2;
-#else
+// 16- and 8-byte words for wide loads (16- and 8-byte aligned, as Metal's uint4 / uint2).
 typedef uint4 attention_u4;
 typedef uint2 attention_u2;
-#endif
 
 // K/V elements held as 32-bit words: PER elements per word, element h of word w as a float, and the
 // bits of one element (for packing words from scalar loads).

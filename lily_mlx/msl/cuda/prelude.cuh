@@ -150,9 +150,11 @@ __device__ __forceinline__ typename metal_elem<T>::type* as_metal(T* p) {
 
 // ---------------------------------------------------------------------------------------------
 // Vector types: members x, y, z, w, component and broadcast constructors, element-wise arithmetic.
+// Size and alignment as Metal's: 2 and 4 elements aligned to their size, 3 elements like 4 (so a
+// uint4 load is one 16-byte load, and arrays of them have Metal's layout).
 
 template <class T, int N> struct vec;
-template <class T> struct vec<T, 2> {
+template <class T> struct alignas(2 * sizeof(T)) vec<T, 2> {
   T x, y;
   vec() = default;
   __device__ __forceinline__ vec(T s) : x(s), y(s) {}
@@ -161,7 +163,7 @@ template <class T> struct vec<T, 2> {
   __device__ __forceinline__ T& operator[](int i) { return (&x)[i]; }
   __device__ __forceinline__ T operator[](int i) const { return (&x)[i]; }
 };
-template <class T> struct vec<T, 3> {
+template <class T> struct alignas(4 * sizeof(T)) vec<T, 3> {
   T x, y, z;
   vec() = default;
   __device__ __forceinline__ vec(T s) : x(s), y(s), z(s) {}
@@ -170,7 +172,7 @@ template <class T> struct vec<T, 3> {
   __device__ __forceinline__ T& operator[](int i) { return (&x)[i]; }
   __device__ __forceinline__ T operator[](int i) const { return (&x)[i]; }
 };
-template <class T> struct vec<T, 4> {
+template <class T> struct alignas(4 * sizeof(T)) vec<T, 4> {
   T x, y, z, w;
   vec() = default;
   __device__ __forceinline__ vec(T s) : x(s), y(s), z(s), w(s) {}
