@@ -40,11 +40,11 @@ DECODE = register_op(Op(
     "attention_decode", "attention",
     "one query row per sequence over the KV cache (GQA)",
     switches=("coalesced_kv", "gqa_packing"),
-    kernel_backends=kernels.DECODE_BACKENDS,  # simulator only until timed on a GPU (kernels.py)
+    kernel_backends=kernels.DECODE_BACKENDS,  # not CUDA: slower than stock's SDPA there (kernels.py)
 ))
 LONG_CONTEXT = register_op(Op(
     "attention_decode_long", "attention",
     "decode attention at long context: fixed KV blocks in parallel, then merged",
     switches=("fixed_block_attention", "coalesced_kv", "gqa_packing"),
-    kernel_backends=kernels.DECODE_BACKENDS,  # simulator only until timed on a GPU, as attention_decode
+    kernel_backends=kernels.LONG_BACKENDS,
 ))

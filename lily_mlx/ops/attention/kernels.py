@@ -30,11 +30,14 @@ KERNELS = {
     )
 }
 
-# Backends the decode kernels run on (the kernel backends of the ``attention_decode`` and
-# ``attention_decode_long`` ops). Simulator only until timed on a GPU. To use them on an NVIDIA GPU
-# add "cuda" here (both ops); FIXED_BLOCK_EVERYWHERE below already sends every CUDA decode step to
-# the fixed-block kernels (docs/attention.md).
+# Backends the decode kernels run on. The one-pass kernel (op ``attention_decode``) runs only
+# B * Hkv * G / GT threadgroups (2 per sequence at Qwen3.6's shape) and loses to stock's SDPA on a large
+# GPU at every context (H200: 654-783 us at 4K against 148), so it runs on the simulator (and Metal,
+# once measured there) only. The fixed-block kernels (op ``attention_decode_long``) also run on CUDA,
+# where FIXED_BLOCK_EVERYWHERE sends every decode step to them; with ``fixed_block_attention`` off a
+# CUDA decode step takes stock's SDPA (docs/attention.md).
 DECODE_BACKENDS = frozenset({"sim"})
+LONG_BACKENDS = frozenset({"sim", "cuda"})
 
 # Which decode path a step takes (``layer.decode_path``). The write-up's rule: the fixed-block path
 # from 32K tokens, only at head dim 256 with 8 query heads per KV head; the one-pass kernel otherwise.
@@ -44,7 +47,6 @@ FIXED_BLOCK_GQA_FACTOR = 8
 # Backends on which every decode step (any context, any supported shape) takes the fixed-block
 # kernels: the one-pass kernel runs only B * Hkv * G / GT threadgroups (2 per sequence at Qwen3.6's
 # shape), which cannot fill a large GPU at any context (H200: 654-783 us at 4K against stock's 148).
-# Inert until the backend is also in DECODE_BACKENDS.
 FIXED_BLOCK_EVERYWHERE = frozenset({"cuda"})
 
 # Fixed-block schedule: rows per block BR from the row's own context length S (never from the

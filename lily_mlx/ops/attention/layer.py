@@ -26,7 +26,7 @@ KERNELS: dict = {
     **{("attention_decode", backend): kernels.decode_attention_from_cache(backend)
        for backend in kernels.DECODE_BACKENDS},
     **{("attention_decode_long", backend): kernels.decode_attention_fixed_blocks_from_cache(backend)
-       for backend in kernels.DECODE_BACKENDS},
+       for backend in kernels.LONG_BACKENDS},
 }
 
 
