@@ -165,10 +165,13 @@ class RecordedCudaKernel:
 
 # Switch states that reach the other kernels (the write-up's ablation variants).
 ABLATIONS = ("register_scan", "fused_dequant", "fused_recurrent_norm")
+# deltanet_decode_fused runs only with fused_recurrent_norm on and fused_conv_step off (on, decode takes
+# deltanet_decode_conv_fused; with fused_recurrent_norm off, the unfused kernels).
+TWO_KERNEL_DECODE = ("fused_conv_step",)
 
 
 def record_model_translations(model, prompt_tokens: int = 40, vocab_size: int = 1024,
-                              disabled_sets=((), ABLATIONS)) -> dict:
+                              disabled_sets=((), ABLATIONS, TWO_KERNEL_DECODE)) -> dict:
     """{kernel name: CUDA translation unit} for every bridge kernel a patched ``model`` launches in
     one prefill and one decode step, with the real call sites' dtypes, shapes and templates. Runs
     anywhere: MLX's CUDA backend is replaced by :class:`RecordedCudaKernel` (outputs are zeros, so

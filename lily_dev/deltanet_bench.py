@@ -55,8 +55,9 @@ def _scan_flops(B, T, Hv, Dk, Dv) -> int:
 
 
 def microbench_cases(backend: Optional[str] = None, B: int = 1, dtype=mx.bfloat16) -> List[Case]:
-    """Scan (T = 512, 2K, 8K; register and blockwise) and decode (fused, unfused) at Qwen3.6 shapes,
-    plus stock's paths for comparison. ``backend`` defaults to the active one; on the reference
+    """Scan (T = 512, 2K, 8K; register and blockwise), decode (fused, unfused) and the decode step from
+    the in_proj output (one kernel vs conv + decode kernels) at Qwen3.6 shapes, plus stock's paths for
+    comparison. ``backend`` defaults to the active one; on the reference
     backend the lily cases are left out (there is no kernel to time)."""
     backend = backend or resolve_backend()
     Hk, Hv, Dk, Dv = QWEN36["Hk"], QWEN36["Hv"], QWEN36["Dk"], QWEN36["Dv"]
@@ -119,6 +120,7 @@ def _conv_decode_cases(backend, B, Hk, Hv, Dk, Dv, dtype, isz, K: int = 4) -> Li
             mx.eval(dk.conv_qk_norm_decode(qkv, conv_state, conv1d.weight, None, Hk, Dk, Hv, Dv, backend=backend))
 
         cases.append(("deltanet_conv_qk_norm_decode", run_kernel, nbytes, flops))
+        cases += _decode_conv_cases(backend, qkv, conv_state, conv1d.weight, B, Hk, Hv, Dk, Dv, dtype, isz, K)
 
     def run_stock():
         conv_input = ref.conv_input_with_state(qkv, conv_state, None)
@@ -129,6 +131,28 @@ def _conv_decode_cases(backend, B, Hk, Hv, Dk, Dv, dtype, isz, K: int = 4) -> Li
 
     cases.append(("deltanet_conv_qk_norm_decode_stock", run_stock, nbytes, flops))
     return cases
+
+
+def _decode_conv_cases(backend, qkv, conv_state, conv_weight, B, Hk, Hv, Dk, Dv, dtype, isz, K) -> List[Case]:
+    """One decode step of a layer from the in_proj output: ``deltanet_decode_conv_fused`` (switch
+    fused_conv_step, one launch) next to the two kernels it replaces (conv + q/k norm, fused decode).
+    Same bytes for both: the floor (the two-kernel path also writes and reads q, k, v)."""
+    C = 2 * Hk * Dk + Hv * Dv
+    x = _inputs(B, 1, Hk, Hv, Dk, Dv, dtype, seed=2)
+    decode_args = (x["a"], x["b"], x["A_log"], x["dt_bias"], x["state"], x["z"], x["weight"], 1e-6)
+    nbytes = ((C * K + B * C * (1 + 2 * (K - 1)) + B * Hv * Dv * 2) * isz + 2 * B * Hv * 4
+              + 2 * B * Hv * Dv * Dk * 4)
+    flops = B * C * (2 * K + 4) + _scan_flops(B, 1, Hv, Dk, Dv) + 6 * B * Hv * Dv
+
+    def run_fused():
+        mx.eval(dk.decode_conv(qkv, conv_state, conv_weight, None, *decode_args, Hk, Dk, Hv, Dv, backend=backend))
+
+    def run_two_kernels():
+        q, k, v, new_conv_state = dk.conv_qk_norm(qkv, conv_state, conv_weight, None, Hk, Dk, Hv, Dv, backend=backend)
+        mx.eval(new_conv_state, dk.decode(q, k, v, *decode_args, fused=True, backend=backend))
+
+    return [("deltanet_decode_conv_fused", run_fused, nbytes, flops),
+            ("deltanet_decode_conv_two_kernels", run_two_kernels, nbytes, flops)]
 
 
 def _stock_scan_cases(x, g, beta, T, nbytes, flops, backend: Optional[str] = None) -> List[Case]:

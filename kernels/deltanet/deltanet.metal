@@ -49,15 +49,122 @@ inline float deltanet_beta(float b) {
 
 // Row i of the conv input [conv_state; masked tokens] of batch row b, channel c, in fp32: rows
 // i < K-1 are the conv state (zeros without one), row K-1 + t is token t (zero where masked).
-template <typename X, typename S>
+// Pointer types are template parameters as a whole: MLX passes inputs of fewer than 8 elements (a
+// 1-element stand-in, a small mask) in the constant address space, larger ones in device.
+template <typename QKV, typename CS, typename M>
 inline float deltanet_conv_input(
-    const device X* qkv, const device S* conv_state, const device bool* mask,
-    int b, int i, int c, int T, int C, int K, bool has_state, bool has_mask) {
+    QKV qkv, CS conv_state, M mask, int b, int i, int c, int T, int C, int K, bool has_state, bool has_mask) {
   if (i < K - 1) {
     return has_state ? static_cast<float>(conv_state[(static_cast<size_t>(b) * (K - 1) + i) * C + c]) : 0.0f;
   }
   const size_t bt = static_cast<size_t>(b) * T + (i - (K - 1));
   return (!has_mask || mask[bt]) ? static_cast<float>(qkv[bt * C + c]) : 0.0f;
+}
+
+// Conv row r (the Dk channels r * Dk + lane + 32 i, i < Dk / 32) of token t of batch row b_idx, as
+// every kernel computes it (one definition: deltanet_conv_qk_norm_decode and
+// deltanet_decode_conv_fused cannot drift apart): the depthwise conv over the K taps in order, fp32
+// accumulation, SiLU (kept fp32 into the norm: stock rounds the conv output and the SiLU to the model
+// dtype first; emulating that does not reproduce stock's bits anyway, its CPU exp is approximate),
+// and for a q or k row (r < 2 Hk) the L2 normalisation with the read-out scale: rms_norm(x, eps / Dk)
+// = x * rsqrt(sum(x^2) / Dk + eps / Dk), then q * Dk^-1, k * Dk^-0.5. vals[i]: channel
+// r * Dk + lane + 32 i in fp32; the caller rounds it to InT. All 32 lanes call it (one simd_sum).
+template <int Dk, int K, typename QKV, typename CS, typename W, typename M>
+inline void deltanet_conv_row(
+    thread float* vals, QKV qkv, CS conv_state, W weight, M mask, int b_idx, int t, int r, int lane,
+    int T, int C, int Hk, bool has_state, bool has_mask, float eps) {
+  constexpr int PER_LANE = Dk / 32;
+  float ss = 0.0f;
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int c = r * Dk + lane + 32 * i;
+    // Window of token t: conv-input rows t .. t + K - 1 (the token itself last).
+    float acc = 0.0f;
+    for (int j = 0; j < K; ++j) {
+      const float x = deltanet_conv_input(qkv, conv_state, mask, b_idx, t + j, c, T, C, K, has_state, has_mask);
+      acc += x * static_cast<float>(weight[c * K + j]);
+    }
+    vals[i] = acc / (1.0f + exp(-acc));
+    ss += vals[i] * vals[i];
+  }
+  ss = simd_sum(ss);  // all lanes; used by the q and k rows only
+  if (r < 2 * Hk) {
+    const float inv = rsqrt(ss / Dk + eps / Dk);
+    const float scale = r < Hk ? 1.0f / Dk : rsqrt(static_cast<float>(Dk));
+    for (int i = 0; i < PER_LANE; ++i) {
+      vals[i] = vals[i] * inv * scale;
+    }
+  }
+}
+
+// The new conv state of conv row r's channels (batch row b_idx of a chunk of T tokens): the K-1
+// conv-input rows before the row's end, i.e. the last K-1 valid inputs (state rows where fewer tokens
+// are valid; the end is lengths[b_idx] clamped to [0, T] with has_lengths, else T). The rows are
+// moved, not computed, so they equal stock's bit for bit. All lanes of one simdgroup per row.
+template <typename InT, int Dk, int K, typename O, typename QKV, typename CS, typename M, typename L>
+inline void deltanet_conv_state_row(
+    O conv_state_out, QKV qkv, CS conv_state, M mask, L lengths, int b_idx, int r, int lane, int T, int C,
+    bool has_state, bool has_mask, bool has_lengths) {
+  constexpr int PER_LANE = Dk / 32;
+  const int end = has_lengths ? min(max(static_cast<int>(lengths[b_idx]), 0), T) : T;
+  const size_t state_row0 = static_cast<size_t>(b_idx) * (K - 1) * C;
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int c = r * Dk + lane + 32 * i;
+    for (int j = 0; j < K - 1; ++j) {
+      const float x = deltanet_conv_input(qkv, conv_state, mask, b_idx, end + j, c, T, C, K, has_state, has_mask);
+      conv_state_out[state_row0 + static_cast<size_t>(j) * C + c] = static_cast<InT>(x);
+    }
+  }
+}
+
+// One token's delta-rule update of state row dv, held in registers (this lane's DELTANET_EPL elements,
+// columns col0 + i LANES), and the row's read-out y[dv] = S[dv, :] q (returned to every lane of the
+// row group). q_t, k_t point at column col0 of the token's q and k (device or threadgroup memory);
+// v is v[dv]. All 32 lanes call it (row sums by shuffles).
+template <int LANES, typename QK>
+inline float deltanet_decode_row(thread float (&state)[DELTANET_EPL], QK q_t, QK k_t, float v, float g_t,
+                                 float beta_t) {
+  float part = 0.0f;
+  for (int i = 0; i < DELTANET_EPL; ++i) {
+    state[i] *= g_t;
+    part += state[i] * static_cast<float>(k_t[i * LANES]);
+  }
+  const float kv = deltanet_row_sum<LANES>(part);
+  const float delta = (v - kv) * beta_t;
+
+  part = 0.0f;
+  for (int i = 0; i < DELTANET_EPL; ++i) {
+    state[i] += static_cast<float>(k_t[i * LANES]) * delta;
+    part += state[i] * static_cast<float>(q_t[i * LANES]);
+  }
+  return deltanet_row_sum<LANES>(part);
+}
+
+// 1 / rms of a decode head's Dv fp32 read-outs, for the gated RMSNorm. Every simdgroup sums the squares
+// exactly as deltanet_gated_norm sums a row (lane l: elements l, l + 32, ... in turn, then simd_sum),
+// so the decode kernels, the unfused decode and the prefill path (scan, then gated norm) give a token
+// the same bits (batch invariance: a 1-token prompt chunk alone takes a decode kernel, padded in a
+// batch the prefill path). Every thread of the threadgroup calls it (one barrier); y_head: [Dv].
+template <int Dv>
+inline float deltanet_head_inv_rms(threadgroup float* y_head, float y_dv, int dv, bool leader, int lane,
+                                   float eps) {
+  if (leader) {
+    y_head[dv] = y_dv;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float ss = 0.0f;
+  for (int i = 0; i < Dv / 32; ++i) {
+    const float x = y_head[lane + i * 32];
+    ss += x * x;
+  }
+  ss = simd_sum(ss);
+  return rsqrt(ss / Dv + eps);
+}
+
+// silu(z) * y * inv_rms * weight (fp32; the caller rounds once).
+inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
+  const float normed = y * inv_rms * w;
+  const float silu_z = zc / (1.0f + exp(-zc));
+  return silu_z * normed;
 }
 
 // @kernel deltanet_gates
@@ -250,7 +357,6 @@ inline float deltanet_conv_input(
 {
   constexpr int LANES = Dk / DELTANET_EPL;
   constexpr int ROWS = 32 / LANES;
-  constexpr int PER_LANE = Dv / 32;
   threadgroup float y_head[Dv];  // the head's fp32 read-outs, for the norm
   const int n = static_cast<int>(thread_position_in_grid.z);
   const int b_idx = n / Hv;
@@ -275,48 +381,19 @@ inline float deltanet_conv_input(
     const float beta_t = deltanet_beta(static_cast<float>(b[n]));
     const device InT* k_t = k + (static_cast<size_t>(b_idx) * Hk + hk) * Dk + col0;
     const device InT* q_t = q + (static_cast<size_t>(b_idx) * Hk + hk) * Dk + col0;
-
-    float part = 0.0f;
-    for (int i = 0; i < DELTANET_EPL; ++i) {
-      state[i] *= g_t;
-      part += state[i] * static_cast<float>(k_t[i * LANES]);
-    }
-    const float kv = deltanet_row_sum<LANES>(part);
-    const float delta = (static_cast<float>(v[static_cast<size_t>(n) * Dv + dv]) - kv) * beta_t;
-
-    part = 0.0f;
-    for (int i = 0; i < DELTANET_EPL; ++i) {
-      state[i] += static_cast<float>(k_t[i * LANES]) * delta;
-      part += state[i] * static_cast<float>(q_t[i * LANES]);
-    }
-    y_dv = deltanet_row_sum<LANES>(part);
+    y_dv = deltanet_decode_row<LANES>(state, q_t, k_t, static_cast<float>(v[static_cast<size_t>(n) * Dv + dv]),
+                                      g_t, beta_t);
   }
 
   for (int i = 0; i < DELTANET_EPL; ++i) {
     state_out[row + col0 + i * LANES] = state[i];
   }
 
-  // Gated RMSNorm over the head's Dv outputs. Every simdgroup sums the squares exactly as
-  // deltanet_gated_norm sums a row (lane l: elements l, l + 32, ... in turn, then simd_sum), so this
-  // kernel, the unfused decode and the prefill path (scan, then gated norm) give a token the same
-  // bits (batch invariance: a 1-token prompt chunk alone takes this kernel, padded in a batch the
-  // prefill path).
+  const float inv_rms = deltanet_head_inv_rms<Dv>(y_head, y_dv, dv, col0 == 0, lane, eps[0]);
   if (col0 == 0) {
-    y_head[dv] = y_dv;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  float ss = 0.0f;
-  for (int i = 0; i < PER_LANE; ++i) {
-    const float x = y_head[lane + i * 32];
-    ss += x * x;
-  }
-  ss = simd_sum(ss);
-  if (col0 == 0) {
-    const float inv_rms = rsqrt(ss / Dv + eps[0]);
-    const float normed = y_dv * inv_rms * static_cast<float>(weight[dv]);
     const float zc = static_cast<float>(z[static_cast<size_t>(n) * Dv + dv]);
-    const float silu_z = zc / (1.0f + exp(-zc));
-    out[static_cast<size_t>(n) * Dv + dv] = static_cast<InT>(silu_z * normed);
+    out[static_cast<size_t>(n) * Dv + dv] = static_cast<InT>(deltanet_gated_out(y_dv, inv_rms,
+                                                                                 static_cast<float>(weight[dv]), zc));
   }
 }
 
@@ -344,50 +421,106 @@ inline float deltanet_conv_input(
   const int r = static_cast<int>(thread_position_in_grid.y);
   const int lane = static_cast<int>(thread_index_in_simdgroup);
 
-  float xs[PER_LANE];
-  float ss = 0.0f;
-  for (int i = 0; i < PER_LANE; ++i) {
-    const int c = r * Dk + lane + 32 * i;
-    // Window of token t: conv-input rows t .. t + K - 1 (the token itself last).
-    float acc = 0.0f;
-    for (int j = 0; j < K; ++j) {
-      const float x = deltanet_conv_input(qkv, conv_state, mask, b_idx, t + j, c, T, C, K, has_state, has_mask);
-      acc += x * static_cast<float>(weight[c * K + j]);
-    }
-    // SiLU kept fp32 into the norm (stock rounds the conv output and the SiLU to the model dtype
-    // first; emulating that does not reproduce stock's bits anyway: its CPU exp is approximate).
-    xs[i] = acc / (1.0f + exp(-acc));
-    ss += xs[i] * xs[i];
-  }
-  ss = simd_sum(ss);  // all lanes; used by the q and k rows only
+  float vals[PER_LANE];
+  deltanet_conv_row<Dk, K>(vals, qkv, conv_state, weight, mask, b_idx, t, r, lane, T, C, Hk, has_state, has_mask,
+                           eps[0]);
 
   const size_t tok = static_cast<size_t>(bt);
   if (r < 2 * Hk) {
-    // rms_norm(x, eps / Dk) = x * rsqrt(sum(x^2) / Dk + eps / Dk); then the scale.
-    const float inv = rsqrt(ss / Dk + eps[0] / Dk);
-    const float scale = r < Hk ? 1.0f / Dk : rsqrt(static_cast<float>(Dk));
     device InT* dst = r < Hk ? q + (tok * Hk + r) * Dk : k + (tok * Hk + (r - Hk)) * Dk;
     for (int i = 0; i < PER_LANE; ++i) {
-      dst[lane + 32 * i] = static_cast<InT>(xs[i] * inv * scale);
+      dst[lane + 32 * i] = static_cast<InT>(vals[i]);
     }
   } else {
     const int value_dim = C - 2 * Hk * Dk;
     for (int i = 0; i < PER_LANE; ++i) {
-      v[tok * value_dim + (r - 2 * Hk) * Dk + lane + 32 * i] = static_cast<InT>(xs[i]);
+      v[tok * value_dim + (r - 2 * Hk) * Dk + lane + 32 * i] = static_cast<InT>(vals[i]);
     }
   }
 
-  // The new conv state (one simdgroup per row of channels writes it): the K-1 conv-input rows
-  // before the row's end, i.e. the last K-1 valid inputs (state rows where fewer tokens are valid).
+  // The new conv state (one simdgroup per row of channels writes it).
   if (t == 0) {
-    const int end = has_lengths ? min(max(lengths[b_idx], 0), T) : T;
-    const size_t state_row0 = static_cast<size_t>(b_idx) * (K - 1) * C;
+    deltanet_conv_state_row<InT, Dk, K>(conv_state_out, qkv, conv_state, mask, lengths, b_idx, r, lane, T, C,
+                                        has_state, has_mask, has_lengths);
+  }
+}
+
+// @kernel deltanet_decode_conv_fused
+// One decode token from the in_proj output, everything in one kernel (switch fused_conv_step, with
+// fused_recurrent_norm): deltanet_conv_qk_norm_decode's work for the rows the head needs, then
+// deltanet_decode_fused's. Same bits as those two kernels in turn (out, new conv state, new recurrent
+// state): the conv rows go through the same header function (deltanet_conv_row) and are rounded to
+// InT where that kernel stores q, k, v; the step and the norm are deltanet_decode_fused's helpers.
+// Geometry as deltanet_decode_fused: one threadgroup per value head (b, hv), Dv / ROWS simdgroups.
+// Before the step, simdgroups 0, 1, 2 (one simdgroup in turn where there are fewer) compute the conv
+// rows of the q and k heads hk = hv / (Hv / Hk) and of value head hv (Dv == Dk: one row) into
+// threadgroup memory; a barrier; the step reads q, k, v from there.
+// Conv state: the value channels of head hv are written by its threadgroup, the q and k channels of
+// head hk by the one of its Hv / Hk threadgroups with hv % (Hv / Hk) == 0 (needs C = 2 Hk Dk + Hv Dv).
+// qkv: [B, 1, C] InT; conv_state: [B, K-1, C] InT (if has_conv_state); conv_weight: [C, K, 1];
+// mask: [B, 1] bool (if has_mask); lengths: [B] int32 (if has_lengths); a, b: [B, Hv]; A_log,
+// dt_bias: [Hv]; state_in: [B, Hv, Dv, Dk] fp32 (if has_state); z: [B, Hv, Dv] InT; weight: [Dv];
+// qk_eps: [1] fp32 (the l2norm eps); norm_eps: [1] fp32.
+// out: [B, Hv, Dv] InT; state_out: [B, Hv, Dv, Dk] fp32; conv_state_out: [B, K-1, C] InT.
+// params: named in the launcher's KernelSpec (a generated prologue declares them).
+{
+  constexpr int LANES = Dk / DELTANET_EPL;
+  constexpr int ROWS = 32 / LANES;
+  constexpr int PER_LANE = Dk / 32;
+  constexpr int SIMDGROUPS = Dv / ROWS;
+  threadgroup float qkv_head[3 * Dk];  // q (head hk), k (head hk), v (head hv), InT values held in fp32
+  threadgroup float y_head[Dv];        // the head's fp32 read-outs, for the norm
+  const int n = static_cast<int>(thread_position_in_grid.z);
+  const int b_idx = n / Hv;
+  const int hv = n % Hv;
+  const int rep = Hv / Hk;
+  const int hk = hv / rep;
+  const int lane = static_cast<int>(thread_index_in_simdgroup);
+  const int sg = static_cast<int>(thread_position_in_grid.y);
+  const int col0 = lane % LANES;
+  const int dv = sg * ROWS + lane / LANES;
+  const bool live = !has_mask || mask[b_idx];  // uniform over the threadgroup
+
+  // The conv rows (uniform per simdgroup: each simd_sum inside is reached by all 32 lanes).
+  for (int j = sg; j < 3; j += SIMDGROUPS) {
+    const int r = j == 0 ? hk : (j == 1 ? Hk + hk : 2 * Hk + hv);
+    float vals[PER_LANE];
+    deltanet_conv_row<Dk, K>(vals, qkv, conv_state, conv_weight, mask, b_idx, 0, r, lane, 1, C, Hk,
+                             has_conv_state, has_mask, qk_eps[0]);
     for (int i = 0; i < PER_LANE; ++i) {
-      const int c = r * Dk + lane + 32 * i;
-      for (int j = 0; j < K - 1; ++j) {
-        const float x = deltanet_conv_input(qkv, conv_state, mask, b_idx, end + j, c, T, C, K, has_state, has_mask);
-        conv_state_out[state_row0 + static_cast<size_t>(j) * C + c] = static_cast<InT>(x);
-      }
+      qkv_head[j * Dk + lane + 32 * i] = static_cast<float>(static_cast<InT>(vals[i]));
     }
+    if (j == 2 || hv % rep == 0) {
+      deltanet_conv_state_row<InT, Dk, K>(conv_state_out, qkv, conv_state, mask, lengths, b_idx, r, lane, 1, C,
+                                          has_conv_state, has_mask, has_lengths);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
+  float state[DELTANET_EPL];
+  for (int i = 0; i < DELTANET_EPL; ++i) {
+    state[i] = has_state ? state_in[row + col0 + i * LANES] : 0.0f;
+  }
+
+  float y_dv = 0.0f;  // the read-out stays fp32 into the norm
+  if (live) {
+    const float g_t = deltanet_decay(static_cast<float>(a[n]), static_cast<float>(A_log[hv]),
+                                     static_cast<float>(dt_bias[hv]));
+    const float beta_t = deltanet_beta(static_cast<float>(b[n]));
+    const threadgroup float* q_t = qkv_head + col0;
+    const threadgroup float* k_t = qkv_head + Dk + col0;
+    y_dv = deltanet_decode_row<LANES>(state, q_t, k_t, qkv_head[2 * Dk + dv], g_t, beta_t);
+  }
+
+  for (int i = 0; i < DELTANET_EPL; ++i) {
+    state_out[row + col0 + i * LANES] = state[i];
+  }
+
+  const float inv_rms = deltanet_head_inv_rms<Dv>(y_head, y_dv, dv, col0 == 0, lane, norm_eps[0]);
+  if (col0 == 0) {
+    const float zc = static_cast<float>(z[static_cast<size_t>(n) * Dv + dv]);
+    out[static_cast<size_t>(n) * Dv + dv] = static_cast<InT>(deltanet_gated_out(y_dv, inv_rms,
+                                                                                 static_cast<float>(weight[dv]), zc));
   }
 }

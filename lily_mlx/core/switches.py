@@ -67,6 +67,10 @@ _SWITCH_LIST = [
     Switch("fused_recurrent_norm", "deltanet", "decode", True,
            "DeltaNet decode step fused with the gate/beta computation and the gated RMSNorm.",
            "Separate gate, recurrent step and gated-norm kernels."),
+    Switch("fused_conv_step", "deltanet", "decode", True,
+           "DeltaNet decode step from the in_proj output in one kernel: conv1d + SiLU + q/k norm + conv-state "
+           "update fused with the fused decode step (bit-identical; with fused_recurrent_norm, Dk = Dv).",
+           "The conv + q/k-norm kernel, then the fused decode kernel (two launches per layer and token)."),
     Switch("coalesced_kv", "attention", "decode", True,
            "Decode attention reads K/V so adjacent threads read adjacent bytes.",
            "Strided per-thread K/V reads."),

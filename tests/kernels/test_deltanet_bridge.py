@@ -41,6 +41,9 @@ def _record_launches():
             C = 2 * Hk * Dk + Hv * Dv
             dk.conv_qk_norm_decode(mx.zeros((2, 1, C), mx.bfloat16), mx.zeros((2, 3, C), mx.bfloat16),
                                    mx.zeros((C, 4, 1), mx.bfloat16), None, Hk, Dk, Hv, Dv, backend="cuda")
+            dk.decode_conv(mx.zeros((2, 1, C), mx.bfloat16), mx.zeros((2, 3, C), mx.bfloat16),
+                           mx.zeros((C, 4, 1), mx.bfloat16), None, x["a"], x["b"], x["A_log"], x["dt_bias"], x["state"],
+                           x["z"], x["weight"], 1e-6, Hk, Dk, Hv, Dv, backend="cuda")
     finally:
         kernel_registry.clear_cache()
     return records

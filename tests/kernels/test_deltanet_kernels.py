@@ -1,10 +1,11 @@
 """Gated DeltaNet kernels (kernels/deltanet/deltanet.metal) in the CPU simulator vs the reference ops.
 
-Every kernel variant (register scan, blockwise scan, gates, gated norm, fused and unfused decode) on
-hypothesis-drawn shapes, outputs poisoned with NaN so unwritten elements show. The oracle is the
-reference op evaluated in fp32 on the same (bf16-valued) inputs, delivered in the output's dtype; tolerances: relative L2 < 2e-3 with
-bf16 activations, < 1e-5 in fp32; the state is fp32 throughout. The forwards are compared with the
-stock modules themselves.
+Every kernel variant (register scan, blockwise scan, gates, gated norm, fused and unfused decode, the
+conv + q/k-norm kernel) on hypothesis-drawn shapes, outputs poisoned with NaN so unwritten elements
+show. The oracle is the reference op evaluated in fp32 on the same (bf16-valued) inputs, delivered in
+the output's dtype; tolerances: relative L2 < 2e-3 with bf16 activations, < 1e-5 in fp32; the state is
+fp32 throughout. The one-kernel decode from the in_proj output (fused_conv_step) is held to the bits of
+the two kernels it replaces. The forwards are compared with the stock modules themselves.
 """
 
 import contextlib
@@ -234,6 +235,151 @@ def test_decode_conv_qk_norm_kernel_matches_reference(B, Hk, rep, dims, conv, dt
 
 
 # ----------------------------------------------------------------------------------------------
+# deltanet_decode_conv_fused (switch fused_conv_step): bit for bit the two kernels it replaces
+
+CONV_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+
+
+def _conv_step_problem(rng, B, Hk, Hv, D, conv, dt, with_conv_state, with_state, with_mask, with_lengths):
+    import mlx.nn as nn
+
+    C = 2 * Hk * D + Hv * D
+    conv1d = nn.Conv1d(C, C, kernel_size=conv, groups=C, bias=False)
+    conv1d.weight = _rand(rng, (C, conv, 1), dt, 0.5)
+    return dict(
+        qkv=_rand(rng, (B, 1, C), dt),
+        conv_state=_rand(rng, (B, conv - 1, C), dt) if with_conv_state else None,
+        conv_weight=conv1d.weight,
+        mask=mx.array(rng.random((B, 1)) < 0.6) if with_mask else None,
+        lengths=mx.array(rng.integers(-1, 3, size=B).astype(np.int32)) if with_lengths else None,  # clamped to [0, 1]
+        a=_rand(rng, (B, 1, Hv), dt), b=_rand(rng, (B, 1, Hv), dt),
+        A_log=mx.array(np.log(rng.uniform(0.5, 16, Hv)).astype(np.float32)).astype(dt),
+        dt_bias=_rand(rng, (Hv,), dt),
+        state=_rand(rng, (B, Hv, D, D), mx.float32, 0.1) if with_state else None,
+        z=_rand(rng, (B, 1, Hv, D), dt), weight=_rand(rng, (D,), dt),
+    ), conv1d
+
+
+def _two_kernels(x, Hk, Hv, D, init_value):
+    """The path deltanet_decode_conv_fused replaces: the conv + q/k-norm kernel, then the fused decode."""
+    q, k, v, conv_state = dk.conv_qk_norm(x["qkv"], x["conv_state"], x["conv_weight"], x["mask"], Hk, D, Hv, D,
+                                          lengths=x["lengths"], backend=KERNEL_BACKEND, init_value=init_value)
+    out, state = dk.decode(q, k, v, x["a"], x["b"], x["A_log"], x["dt_bias"], x["state"], x["z"], x["weight"],
+                           1e-6, x["mask"], fused=True, backend=KERNEL_BACKEND, init_value=init_value)
+    return out, conv_state, state
+
+
+def _one_kernel(x, Hk, Hv, D, init_value):
+    return dk.decode_conv(x["qkv"], x["conv_state"], x["conv_weight"], x["mask"], x["a"], x["b"], x["A_log"],
+                          x["dt_bias"], x["state"], x["z"], x["weight"], 1e-6, Hk, D, Hv, D, lengths=x["lengths"],
+                          backend=KERNEL_BACKEND, init_value=init_value)
+
+
+def _bitwise(got, want):
+    return got.shape == want.shape and got.dtype == want.dtype and bool(mx.array_equal(got, want).item())
+
+
+@needs_sim
+@settings(deadline=None, max_examples=12)
+@example(B=1, Hk=16, rep=2, D=128, conv=4, dtype="bfloat16", with_conv_state=True, with_state=True,
+         with_mask=False, with_lengths=False, seed=0)  # Qwen3.6's per-rank head shape
+@example(B=4, Hk=2, rep=2, D=64, conv=4, dtype="float16", with_conv_state=True, with_state=True,
+         with_mask=True, with_lengths=True, seed=1)
+@given(
+    B=st.integers(1, 4), Hk=st.sampled_from([1, 2]), rep=st.sampled_from([1, 2]), D=st.sampled_from([32, 64, 128]),
+    conv=st.sampled_from([2, 4]), dtype=st.sampled_from(list(CONV_DTYPES)), with_conv_state=st.booleans(),
+    with_state=st.booleans(), with_mask=st.booleans(), with_lengths=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_decode_conv_fused_kernel_is_bitwise_the_two_kernels(B, Hk, rep, D, conv, dtype, with_conv_state, with_state,
+                                                             with_mask, with_lengths, seed):
+    """deltanet_decode_conv_fused against deltanet_conv_qk_norm_decode + deltanet_decode_fused on the same
+    inputs: the gated output, the new conv state and the new recurrent state bit for bit. Every output
+    of both paths is poisoned, with NaN and then with a finite value, so an element either path leaves
+    unwritten shows (a NaN never equals; the second poison catches an output that is legitimately NaN-free
+    only by accident of the first)."""
+    Hv = Hk * rep
+    rng = np.random.default_rng(seed)
+    x, _ = _conv_step_problem(rng, B, Hk, Hv, D, conv, CONV_DTYPES[dtype], with_conv_state, with_state, with_mask,
+                              with_lengths)
+    for poison in (NAN, 7.0):
+        want = _two_kernels(x, Hk, Hv, D, poison)
+        got = _one_kernel(x, Hk, Hv, D, poison)
+        for name, g, w in zip(("out", "conv state", "recurrent state"), got, want):
+            assert not bool(mx.any(mx.isnan(g)).item()), f"{name}: unwritten elements"
+            assert _bitwise(g, w), (name, poison, float(mx.max(mx.abs(g.astype(mx.float32) - w.astype(mx.float32)))))
+    C = x["qkv"].shape[-1]
+    assert got[0].shape == (B, 1, Hv, D) and got[1].shape == (B, conv - 1, C) and got[2].shape == (B, Hv, D, D)
+
+
+@needs_sim
+def test_decode_conv_fused_kernel_refuses_what_it_does_not_compute():
+    """Dv != Dk, several tokens, a bf16 recurrent state: the launcher refuses (the layer runs the two
+    kernels there); decode_conv_unsupported_reason names each case."""
+    import mlx.nn as nn
+
+    rng = np.random.default_rng(0)
+    x, conv1d = _conv_step_problem(rng, 1, 1, 2, 32, 4, mx.float32, True, True, False, False)
+    assert dk.decode_conv_unsupported_reason(conv1d, x["qkv"], 1, 32, 2, 32, x["conv_state"], x["state"]) is None
+    with pytest.raises(ValueError, match="Dv != Dk"):
+        dk.decode_conv(x["qkv"], x["conv_state"], x["conv_weight"], None, x["a"], x["b"], x["A_log"], x["dt_bias"],
+                       x["state"], x["z"], x["weight"], 1e-6, 1, 32, 1, 64, backend=KERNEL_BACKEND)
+    with pytest.raises(ValueError, match="float32"):
+        dk.decode_conv(x["qkv"], x["conv_state"], x["conv_weight"], None, x["a"], x["b"], x["A_log"], x["dt_bias"],
+                       x["state"].astype(mx.bfloat16), x["z"], x["weight"], 1e-6, 1, 32, 2, 32, backend=KERNEL_BACKEND)
+    wide = nn.Conv1d(128, 128, kernel_size=4, groups=128, bias=False)  # Hk=1, Dk=32, Hv=1, Dv=64
+    assert "Dv=64 != Dk=32" in dk.decode_conv_unsupported_reason(wide, mx.zeros((1, 1, 128)), 1, 32, 1, 64)
+    assert "one decode token" in dk.decode_conv_unsupported_reason(conv1d, mx.zeros((1, 2, 128)), 1, 32, 2, 32)
+    assert "float32" in dk.decode_conv_unsupported_reason(conv1d, x["qkv"], 1, 32, 2, 32, None,
+                                                          x["state"].astype(mx.bfloat16))
+    assert "conv state" in dk.decode_conv_unsupported_reason(conv1d, x["qkv"], 1, 32, 2, 32,
+                                                             x["conv_state"].astype(mx.bfloat16))
+
+
+@needs_sim
+@settings(deadline=None, max_examples=6)
+@given(kind=st.sampled_from(["qwen3_5", "qwen3_next"]), B=st.integers(1, 3), S=st.sampled_from([1, 3]),
+       padding=st.sampled_from(["none", "left", "lengths"]), seed=st.integers(0, 2**16))
+def test_fused_conv_step_forward_is_bitwise_the_two_kernels(kind, B, S, padding, seed):
+    """The forward (embedded-model head shape, bf16) through a cache: a prompt chunk then two decode
+    steps, with fused_conv_step on and off: every output and both final states bit for bit, and the
+    switch picks the kernels (one launch per decode step, or two)."""
+    module = make_module(kind, 2, 4, 64, 64, dtype=mx.bfloat16, seed=seed)
+    rng = np.random.default_rng(seed)
+    left = [int(x) for x in rng.integers(0, S, size=B)] if padding == "left" else None
+    lengths = [int(x) for x in rng.integers(1, S + 1, size=B)] if padding == "lengths" else None
+    turns = [random_inputs(B, S, 32, mx.bfloat16, seed)] + [random_inputs(B, 1, 32, mx.bfloat16, seed + i)
+                                                            for i in (1, 2)]
+    runs = {}
+    for on in (True, False):
+        state = dict(disable=[] if on else ["fused_conv_step"],
+                     enable=["fused_recurrent_norm"] + (["fused_conv_step"] if on else []))
+        with switches.overrides(**state), _lily_backend(KERNEL_BACKEND), record_launches() as rec:
+            runs[on] = _turns(module, FORWARDS[kind], turns, left, lengths)
+        decode = [n for n in rec.names() if "decode" in n and n != "deltanet_conv_qk_norm_decode"]
+        per_step = ["deltanet_decode_conv_fused"] if on else ["deltanet_decode_fused"]
+        assert decode == per_step * (len(turns) - (S > 1)), rec.names()
+    (outs1, _, cache1), (outs0, _, cache0) = runs[True], runs[False]
+    for turn, (o1, o0) in enumerate(zip(outs1, outs0)):
+        assert _bitwise(o1, o0), f"turn {turn}"
+    assert _bitwise(cache1[0], cache0[0]) and _bitwise(cache1[1], cache0[1])
+
+
+@needs_sim
+def test_fused_conv_step_falls_back_to_the_two_kernels_where_dv_differs(caplog):
+    """Dv = 2 Dk: the fused kernel does not apply; the conv kernel and the decode kernel run (said once)."""
+    module = make_module("qwen3_5", 1, 2, 32, 64, dtype=mx.bfloat16, seed=4)
+    reset_log_once()
+    with _lily_backend(KERNEL_BACKEND), caplog.at_level(logging.INFO, logger="lily_mlx"), record_launches() as rec:
+        for _ in range(2):
+            mx.eval(deltanet.qwen3_5_deltanet_forward(module, random_inputs(1, 1, 32, mx.bfloat16, 4),
+                                                      cache=make_cache(1)))
+    assert rec.names() == ["deltanet_conv_qk_norm_decode", "deltanet_decode_fused"] * 2, rec.names()
+    notes = [r.getMessage() for r in caplog.records if r.name == "lily_mlx"]
+    assert len(notes) == 1 and "Dv=64 != Dk=32" in notes[0], notes
+    reset_log_once()
+
+
+# ----------------------------------------------------------------------------------------------
 # the forwards, LILY_BACKEND=sim
 
 
@@ -270,11 +416,12 @@ def _turns(module, forward, turns, left_padding, lengths):
 
 @needs_sim
 @settings(deadline=None, max_examples=8)
-@example(kind="qwen3_next", B=1, S=2, padding="left", dtype="bfloat16", register=False, fused=False, seed=990)
+@example(kind="qwen3_next", B=1, S=2, padding="left", dtype="bfloat16", register=False, fused=False, conv_step=True,
+         seed=990)
 @given(kind=st.sampled_from(list(FORWARDS)), B=st.integers(1, 3), S=st.sampled_from([1, 2, 7]),
        padding=st.sampled_from(["none", "left", "lengths"]), dtype=st.sampled_from(list(DTYPES)),
-       register=st.booleans(), fused=st.booleans(), seed=st.integers(0, 2**16))
-def test_forward_with_sim_kernels_matches_stock(kind, B, S, padding, dtype, register, fused, seed):
+       register=st.booleans(), fused=st.booleans(), conv_step=st.booleans(), seed=st.integers(0, 2**16))
+def test_forward_with_sim_kernels_matches_stock(kind, B, S, padding, dtype, register, fused, conv_step, seed):
     """Embedded-model head shape (Hk=2, Hv=4, Dk=Dv=64): prefill then two decode steps through a cache."""
     dt = DTYPES[dtype]
     module = make_module(kind, 2, 4, 64, 64, dtype=dt, seed=seed)
@@ -283,17 +430,20 @@ def test_forward_with_sim_kernels_matches_stock(kind, B, S, padding, dtype, regi
     left = [int(x) for x in rng.integers(0, S, size=B)] if padding == "left" else None
     lengths = [int(x) for x in rng.integers(1, S + 1, size=B)] if padding == "lengths" else None
     turns = [random_inputs(B, S, 32, dt, seed)] + [random_inputs(B, 1, 32, dt, seed + i) for i in (1, 2)]
-    off = [n for n, on in (("register_scan", register), ("fused_recurrent_norm", fused)) if not on]
+    named = (("register_scan", register), ("fused_recurrent_norm", fused), ("fused_conv_step", conv_step))
+    off = [n for n, on in named if not on]
     outs0, masks, cache0 = _turns(module, type(module).__call__, turns, left, lengths)
-    with switches.overrides(disable=off, enable=[n for n in ("register_scan", "fused_recurrent_norm") if n not in off]), \
+    with switches.overrides(disable=off, enable=[n for n, on in named if on]), \
             _lily_backend(KERNEL_BACKEND), record_launches() as rec:
         outs1, _, cache1 = _turns(module, FORWARDS[kind], turns, left, lengths)
     used = set(rec.names())
     scan_kernel = "deltanet_scan_register" if register else "deltanet_scan_blockwise"
     other_scan = "deltanet_scan_blockwise" if register else "deltanet_scan_register"
-    assert (S == 1 or scan_kernel in used) and ("deltanet_decode_fused" in used) == fused, used
+    assert S == 1 or scan_kernel in used, used
+    assert ("deltanet_decode_fused" in used) == (fused and not conv_step), used
+    assert ("deltanet_decode_conv_fused" in used) == (fused and conv_step), used  # decode: one kernel
     assert other_scan not in used or (not fused and other_scan == "deltanet_scan_register"), used  # unfused decode: T = 1 scan
-    assert "deltanet_conv_qk_norm_decode" in used, used
+    assert ("deltanet_conv_qk_norm_decode" in used) == (S > 1 or not (fused and conv_step)), used
     live = [lambda x, m=m: x if m is None else mx.where(m[..., None], x, 0) for m in masks]
     # (padded positions are discarded by the model; stock leaves a value there, the kernels 0)
     if dtype == "float32":
@@ -365,7 +515,7 @@ def test_unsupported_shapes_fall_back_to_reference(monkeypatch, caplog):
 
 @needs_sim
 @pytest.mark.slow
-@pytest.mark.parametrize("off", [(), ("register_scan",), ("fused_recurrent_norm",)])
+@pytest.mark.parametrize("off", [(), ("register_scan",), ("fused_recurrent_norm",), ("fused_conv_step",)])
 def test_embedded_model_greedy_tokens_match_stock(monkeypatch, off):
     """The patched embedded model with the DeltaNet kernels simulated, in every switch state: the
     free-running greedy tokens equal stock's up to stock's first near-tie, and teacher-forced along
@@ -403,13 +553,52 @@ def test_embedded_model_greedy_tokens_match_stock(monkeypatch, off):
         scan = "deltanet_scan_blockwise" if "register_scan" in off else "deltanet_scan_register"
         assert {scan, "deltanet_gates", "deltanet_gated_norm", "deltanet_conv_qk_norm_decode"} <= used, used
         if "register_scan" in off:  # the register scan may run only as the T = 1 scan of an unfused decode
-            assert "deltanet_decode_fused" in used and "deltanet_scan_register" not in used, used
-        assert ("deltanet_decode_fused" in used) == ("fused_recurrent_norm" not in off), used
+            assert "deltanet_decode_conv_fused" in used and "deltanet_scan_register" not in used, used
+        fused = "fused_recurrent_norm" not in off
+        assert ("deltanet_decode_fused" in used) == (fused and "fused_conv_step" in off), used
+        assert ("deltanet_decode_conv_fused" in used) == (fused and "fused_conv_step" not in off), used
         assert decided.sum() >= n // 2, "the embedded model should be decided at most positions"
         assert lily_tokens[:first_tie] == stock_tokens[:first_tie]
         assert (lily_choice == np.array(stock_tokens))[decided].all()
     finally:
         lily_patch.unpatch(model)
+
+
+@needs_sim
+def test_embedded_model_decode_logits_identical_with_fused_conv_step(monkeypatch):
+    """The patched embedded model (DeltaNet ops simulated, bf16): prefill, then teacher-forced decode
+    steps; the logits of every step bit for bit the same with fused_conv_step on (one DeltaNet launch
+    per layer and decode step) and off (two)."""
+    from mlx_lm import load
+
+    from lily_mlx import patch as lily_patch
+    from lily_mlx.models.embedded import EMBEDDED_DIR, _is_complete
+
+    assert _is_complete(EMBEDDED_DIR), f"the embedded model is part of the tree: {EMBEDDED_DIR}"
+    model, tokenizer = load(str(EMBEDDED_DIR))
+    prompt = mx.array(tokenizer.encode("def fibonacci(n):"))
+    tokens = tokenizer.encode(" Return the n-th Fibonacci number.")[:8]
+    n_deltanet = sum(hasattr(layer, "linear_attn") for layer in model.layers)
+    monkeypatch.setattr(deltanet, "op_backend", lambda name, backend=None: KERNEL_BACKEND)
+    lily_patch.patch(model)
+    try:
+        logits = {}
+        for on in (True, False):
+            with switches.overrides(disable=[] if on else ["fused_conv_step"], enable=["fused_recurrent_norm"]), \
+                    record_launches() as rec:
+                logits[on] = shared_teacher_forced_logits(model, prompt, tokens)
+            counts = rec.counts()
+            steps = len(tokens) - 1
+            if on:
+                assert counts.get("deltanet_decode_conv_fused") == steps * n_deltanet, counts
+                assert "deltanet_decode_fused" not in counts, counts
+            else:
+                assert counts.get("deltanet_decode_fused") == steps * n_deltanet, counts
+                assert "deltanet_decode_conv_fused" not in counts, counts
+    finally:
+        lily_patch.unpatch(model)
+    assert logits[True].shape == (len(tokens), logits[True].shape[1])
+    assert bool(mx.array_equal(logits[True], logits[False]).item())
 
 
 # ----------------------------------------------------------------------------------------------

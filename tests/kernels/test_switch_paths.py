@@ -15,6 +15,7 @@ template or geometry:
 | ``fused_combine`` | ``moe_combine_weighted_rows`` | no combine kernel (gather + weighted sum) |
 | ``register_scan`` | ``deltanet_scan_register`` | ``deltanet_scan_blockwise``, ceil(T / 16) state blocks |
 | ``fused_recurrent_norm`` | ``deltanet_decode_fused`` | gates, scan (T = 1), gated norm kernels |
+| ``fused_conv_step`` | decode: ``deltanet_decode_conv_fused`` alone (with ``fused_recurrent_norm``) | ``deltanet_conv_qk_norm_decode`` + the decode kernel(s) |
 | ``gqa_packing`` | ``attention_decode`` template GT = G, grid B * Hkv threadgroups | GT = 1, B * Hq threadgroups |
 | ``coalesced_kv`` | template COALESCED = 1 | COALESCED = 0 |
 
@@ -285,9 +286,9 @@ def test_moe_switch_paths(sim, state, call):
 
 
 # ----------------------------------------------------------------------------------------------
-# DeltaNet: register_scan, fused_recurrent_norm
+# DeltaNet: register_scan, fused_recurrent_norm, fused_conv_step
 
-DELTANET_SWITCHES = ("register_scan", "fused_recurrent_norm")
+DELTANET_SWITCHES = ("register_scan", "fused_recurrent_norm", "fused_conv_step")
 SCAN_BLOCK = 16  # docs/deltanet.md: the blockwise scan materialises the state every 16 tokens
 DELTANET_TURNS = (33, 16, 1, 1)  # prefill chunks across and on block boundaries, then decode steps
 HK, HV, DK, DV = 2, 4, 32, 32
@@ -295,6 +296,8 @@ HK, HV, DK, DV = 2, 4, 32, 32
 
 def expected_deltanet_launches(state: Dict[str, bool], tokens: int) -> List[str]:
     if tokens == 1 and state["fused_recurrent_norm"]:
+        if state["fused_conv_step"]:  # one kernel from the in_proj output (Dk = Dv at every shape here)
+            return ["deltanet_decode_conv_fused"]
         return ["deltanet_conv_qk_norm_decode", "deltanet_decode_fused"]
     scan = "deltanet_scan_register" if state["register_scan"] or tokens == 1 else "deltanet_scan_blockwise"
     return ["deltanet_conv_qk_norm_decode", "deltanet_gates", scan, "deltanet_gated_norm"]
@@ -337,6 +340,10 @@ def test_deltanet_switch_paths(sim, state, kind):
                 assert launch.kwargs["output_shapes"][2] == (B * HV, -(-t // SCAN_BLOCK), DV, DK)
             if launch.name == "deltanet_scan_register":
                 assert len(launch.kwargs["output_shapes"]) == 2  # no block states
+            if launch.name == "deltanet_decode_conv_fused":  # deltanet_decode_fused's geometry
+                simdgroups = DV // (32 * 32 // DK)
+                assert launch.kwargs["grid"] == (32, simdgroups, B * HV)
+                assert launch.kwargs["threadgroup"] == (32, simdgroups, 1)
 
     exact = make_module(kind, HK, HV, DK, DV, dtype=mx.bfloat16, seed=seed)
     exact.update(tree_map(lambda p: p.astype(mx.float32), exact.parameters()))

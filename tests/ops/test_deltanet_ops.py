@@ -40,7 +40,7 @@ def test_ops_registered():
         assert OPS[name].family == "deltanet"
         assert op_backend(name) == "reference"
     assert OPS["deltanet_scan"].switches == ("register_scan",)
-    assert OPS["deltanet_decode"].switches == ("fused_recurrent_norm",)
+    assert OPS["deltanet_decode"].switches == ("fused_recurrent_norm", "fused_conv_step")
 
 
 @settings(deadline=None, max_examples=25)

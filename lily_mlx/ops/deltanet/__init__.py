@@ -11,7 +11,8 @@ Ops (``lily_mlx.ops.OPS``):
 - ``deltanet_gates``: g = exp(-exp(A_log) softplus(a + dt_bias)) and beta = sigmoid(b).
 - ``deltanet_scan``: prefill delta-rule scan; switch ``register_scan`` (off: blockwise scan).
 - ``deltanet_decode``: one recurrent step + gated RMSNorm; switch ``fused_recurrent_norm``
-  (off: gates, step and norm as separate kernels).
+  (off: gates, step and norm as separate kernels); switch ``fused_conv_step``: the conv + q/k-norm
+  kernel's work for the token inside the same kernel (one launch per layer and decode token).
 - ``deltanet_gated_norm``: rms_norm(out) * weight * silu(z) after the prefill scan.
 """
 
@@ -43,7 +44,7 @@ OP_SCAN = register_op(Op(
 ))
 OP_DECODE = register_op(Op(
     "deltanet_decode", "deltanet", "Decode step: gates, delta-rule update, read-out, gated RMSNorm.",
-    switches=("fused_recurrent_norm",), kernel_backends=KERNEL_BACKENDS,
+    switches=("fused_recurrent_norm", "fused_conv_step"), kernel_backends=KERNEL_BACKENDS,
 ))
 OP_GATED_NORM = register_op(Op(
     "deltanet_gated_norm", "deltanet", "Gated RMSNorm rms_norm(out) * weight * silu(z) after the scan.",

@@ -43,6 +43,13 @@ KERNELS = {
             ("qkv", "conv_state", "weight", "mask", "lengths", "eps", "params"), ("q", "k", "v", "conv_state_out"),
             params=("B", "Hk", "C", "has_state", "has_mask", "T", "has_lengths"),
         ),
+        KernelSpec(
+            "deltanet_decode_conv_fused", _FILE,
+            ("qkv", "conv_state", "conv_weight", "mask", "lengths", "a", "b", "A_log", "dt_bias", "state_in", "z",
+             "weight", "qk_eps", "norm_eps", "params"),
+            ("out", "state_out", "conv_state_out"),
+            params=("B", "Hk", "Hv", "C", "has_conv_state", "has_state", "has_mask", "has_lengths"),
+        ),
     )
 }
 
@@ -56,6 +63,10 @@ ACTIVATION_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 _ONE_BOOL = mx.array([True])
 _ONE_FLOAT = mx.array([0.0], dtype=mx.float32)
 _ONE_INT = mx.array([0], dtype=mx.int32)
+
+# One-element stand-ins for an absent conv state, per activation dtype (built once at import: not per
+# call, and never inside an mx.compile trace).
+_ONE_ZERO = {dtype: mx.zeros((1,), dtype=dtype) for dtype in ACTIVATION_DTYPES}
 
 
 def rows_per_simdgroup(Dk: int) -> int:
@@ -73,6 +84,10 @@ def supports(q: mx.array, v: mx.array, g: Optional[mx.array] = None,
         return f"recurrent state in {state.dtype}: the kernels keep it in float32"
     Hk, Dk = q.shape[-2:]
     Hv, Dv = v.shape[-2:]
+    return _head_shape_reason(Hk, Dk, Hv, Dv) or _dtype_reason(q.dtype, v.dtype)
+
+
+def _head_shape_reason(Hk: int, Dk: int, Hv: int, Dv: int) -> Optional[str]:
     if Dk not in SUPPORTED_DK:
         return f"Dk={Dk} not in {SUPPORTED_DK}"
     if Dv % 32 != 0 or Dv % rows_per_simdgroup(Dk) != 0:
@@ -81,8 +96,12 @@ def supports(q: mx.array, v: mx.array, g: Optional[mx.array] = None,
         return f"Dv*Dk={Dv * Dk} needs more than 1024 threads per decode threadgroup"
     if Hk == 0 or Hv % Hk != 0:
         return f"Hv={Hv} not a multiple of Hk={Hk}"
-    if q.dtype not in ACTIVATION_DTYPES or v.dtype != q.dtype:
-        return f"activation dtypes q={q.dtype}, v={v.dtype} not supported"
+    return None
+
+
+def _dtype_reason(q_dtype, v_dtype) -> Optional[str]:
+    if q_dtype not in ACTIVATION_DTYPES or v_dtype != q_dtype:
+        return f"activation dtypes q={q_dtype}, v={v_dtype} not supported"
     return None
 
 
@@ -267,7 +286,7 @@ def conv_qk_norm(qkv, conv_state, weight, mask, Hk: int, Dk: int, Hv: int, Dv: i
     has_mask = mask is not None
     has_lengths = lengths is not None
     q, k, v, new_state = get_kernel(KERNELS["deltanet_conv_qk_norm_decode"], backend)(
-        inputs=[qkv, conv_state if has_state else _ONE_FLOAT.astype(qkv.dtype), weight,
+        inputs=[qkv, conv_state if has_state else _ONE_ZERO[qkv.dtype], weight,
                 mask if has_mask else _ONE_BOOL, lengths.astype(mx.int32) if has_lengths else _ONE_INT,
                 float32_scalar(eps), KERNELS["deltanet_conv_qk_norm_decode"].pack(
                     B=B, Hk=Hk, C=C, has_state=has_state, has_mask=has_mask, T=T, has_lengths=has_lengths)],
@@ -286,3 +305,70 @@ def conv_qk_norm_decode(qkv, conv_state, weight, mask, Hk: int, Dk: int, Hv: int
     """One decode token (``conv_qk_norm`` with T = 1): qkv [B, 1, C]; mask [B, 1] or None."""
     return conv_qk_norm(qkv, conv_state, weight, mask, Hk, Dk, Hv, Dv, backend=backend, eps=eps,
                         init_value=init_value)
+
+
+# ----------------------------------------------------------------------------------------------
+# One decode token from the in_proj output: conv + q/k norm + step + gated norm (switch fused_conv_step)
+
+
+def decode_conv_unsupported_reason(conv1d, qkv: mx.array, Hk: int, Dk: int, Hv: int, Dv: int,
+                                   conv_state: Optional[mx.array] = None,
+                                   state: Optional[mx.array] = None) -> Optional[str]:
+    """Why ``deltanet_decode_conv_fused`` cannot run this decode call (qkv [B, 1, C]); None when it can.
+    Shapes and dtypes only (it runs per call). Where it cannot, the conv kernel and the decode
+    kernel(s) run in turn, each under its own rules (``conv_unsupported_reason``, ``supports``)."""
+    if qkv.ndim != 3 or qkv.shape[1] != 1:
+        return f"qkv of shape {tuple(qkv.shape)} is not one decode token"
+    reason = conv_unsupported_reason(conv1d, qkv, Hk, Dk) or _head_shape_reason(Hk, Dk, Hv, Dv)
+    if reason is not None:
+        return reason
+    if Dv != Dk:
+        return f"Dv={Dv} != Dk={Dk} (the fused kernel computes one conv row per value head)"
+    if qkv.shape[-1] != 2 * Hk * Dk + Hv * Dv:
+        return f"conv_dim={qkv.shape[-1]} != 2 Hk Dk + Hv Dv = {2 * Hk * Dk + Hv * Dv}"
+    if conv_state is not None and conv_state.dtype != qkv.dtype:
+        return f"conv state in {conv_state.dtype}, activations in {qkv.dtype}"
+    if state is not None and state.dtype != mx.float32:
+        return f"recurrent state in {state.dtype}: the kernels keep it in float32"
+    return None
+
+
+def decode_conv(qkv, conv_state, conv_weight, mask, a, b, A_log, dt_bias, state, z, weight, eps: float,
+                Hk: int, Dk: int, Hv: int, Dv: int, *, lengths=None, qk_eps: float = 1e-6, backend: str,
+                init_value=None) -> Tuple[mx.array, mx.array, mx.array]:
+    """One decode token from the in_proj output in one kernel: (normed out [B, 1, Hv, Dv], new conv
+    state [B, K-1, C], new recurrent state [B, Hv, Dv, Dk] fp32), bit-identical to ``conv_qk_norm``
+    followed by ``decode(fused=True)``.
+
+    qkv: [B, 1, C] (C = 2 Hk Dk + Hv Dv, Dv == Dk); conv_state: [B, K-1, C] or None (zeros);
+    conv_weight: [C, K, 1]; mask: [B, 1] bool or None; a, b: [B, 1, Hv]; state fp32 or None (zeros);
+    z: [B, 1, Hv, Dv]; weight, eps: the gated norm's; lengths: [B] or None; qk_eps: the q/k l2norm eps.
+    """
+    reason = _head_shape_reason(Hk, Dk, Hv, Dv) or _dtype_reason(qkv.dtype, qkv.dtype)
+    B, T, C = qkv.shape
+    K = conv_weight.shape[1]
+    if reason is None and (T != 1 or Dv != Dk or C != 2 * Hk * Dk + Hv * Dv):
+        reason = f"qkv {tuple(qkv.shape)} with Hk={Hk}, Dk={Dk}, Hv={Hv}, Dv={Dv}: not one token, or Dv != Dk"
+    if reason is None and state is not None and state.dtype != mx.float32:
+        reason = f"recurrent state in {state.dtype}: the kernels keep it in float32"
+    if reason is not None:
+        raise ValueError(f"DeltaNet kernel: {reason}")
+    simdgroups = Dv // rows_per_simdgroup(Dk)
+    has_conv_state, has_state = conv_state is not None, state is not None
+    has_mask, has_lengths = mask is not None, lengths is not None
+    spec = KERNELS["deltanet_decode_conv_fused"]
+    out, state_out, conv_state_out = get_kernel(spec, backend)(
+        inputs=[qkv, conv_state if has_conv_state else _ONE_ZERO[qkv.dtype], conv_weight,
+                mask if has_mask else _ONE_BOOL, lengths.astype(mx.int32) if has_lengths else _ONE_INT,
+                a, b, A_log, dt_bias, state if has_state else _ONE_FLOAT, z, weight,
+                float32_scalar(qk_eps), float32_scalar(eps),
+                spec.pack(B=B, Hk=Hk, Hv=Hv, C=C, has_conv_state=has_conv_state, has_state=has_state,
+                          has_mask=has_mask, has_lengths=has_lengths)],
+        template=[("InT", qkv.dtype), ("Dk", Dk), ("Dv", Dv), ("K", K)],
+        grid=(32, simdgroups, B * Hv),
+        threadgroup=(32, simdgroups, 1),
+        output_shapes=[(B, 1, Hv, Dv), (B, Hv, Dv, Dk), (B, K - 1, C)],
+        output_dtypes=[qkv.dtype, mx.float32, qkv.dtype],
+        init_value=init_value,
+    )
+    return out, conv_state_out, state_out

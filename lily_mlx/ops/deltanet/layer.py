@@ -126,8 +126,49 @@ def _conv_qk_kernel(self, qkv, mask, cache):
     )
 
 
+def _decode_conv_kernel(self, qkv, z, b, a, mask, cache):
+    """One decode token (S = 1) through ``deltanet_decode_conv_fused`` (switch ``fused_conv_step``, with
+    ``fused_recurrent_norm``): (out, new conv state, new recurrent state), or None where the conv
+    kernel and the decode kernel(s) run in turn instead. The fused kernel gives the bits of those two
+    kernels, so this choice never changes a result (batch invariance holds either way).
+
+    Decided from switches, backends and shapes only (it runs per call): both ops on the same kernel
+    backend, the shapes the fused kernel takes (``decode_conv_unsupported_reason``)."""
+    if not (switches.is_enabled("fused_conv_step") and switches.is_enabled("fused_recurrent_norm")):
+        return None
+    backend = _kernel_backend("deltanet_conv1d_silu", self)
+    if backend is None or _kernel_backend("deltanet_decode", self) != backend:
+        return None
+    from . import kernels as dk
+
+    conv_state = cache[0] if cache is not None else None
+    state = cache[1] if cache else None
+    Hk, Dk, Hv, Dv = self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim
+    reason = dk.decode_conv_unsupported_reason(self.conv1d, qkv, Hk, Dk, Hv, Dv, conv_state, state)
+    if reason is None and (reason := dk.backend_unavailable_reason(backend)) is None:
+        norm = self.norm
+        return dk.decode_conv(
+            qkv, conv_state, self.conv1d.weight, mask, a, b, self.A_log, self.dt_bias, state, z, norm.weight,
+            norm.eps, Hk, Dk, Hv, Dv, lengths=cache.lengths if cache is not None else None, backend=backend,
+        )
+    # The two-kernel path takes it from here (and logs its own fallbacks, if any).
+    log_once(f"deltanet_decode_conv:{backend}:{reason}",
+             f"fused_conv_step: {reason}; conv and decode run as separate ops")
+    return None
+
+
 def _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, dtype):
     """Shared by both module types from the q|k|v projections on: normalised out [B, S, Hv, Dv]."""
+    if S == 1:
+        fused = _decode_conv_kernel(self, qkv, z, b, a, mask, cache)
+        if fused is not None:
+            out, conv_state, state = fused
+            if cache is not None:
+                cache[0] = conv_state
+                cache[1] = state
+                cache.advance(S)
+            return out
+
     fused = _conv_qk_kernel(self, qkv, mask, cache)
     if fused is not None:
         q, k, v, conv_state = fused
@@ -205,7 +246,8 @@ def _traced_decode(self, mixer, inputs: mx.array, mask, cache) -> Optional[mx.ar
         return mixer(self, inputs, m, states), states[0], states[1]
 
     key = (mixer, tuple((a.shape, a.dtype) for a in args), mask is None, lengths is None, backends,
-           switches.is_enabled("fused_recurrent_norm"), self.out_proj.weight.shape)
+           switches.is_enabled("fused_recurrent_norm"), switches.is_enabled("fused_conv_step"),
+           self.out_proj.weight.shape)
     traced = compiled.call(self, key, step, args)
     if traced is None:
         return None
