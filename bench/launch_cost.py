@@ -37,7 +37,7 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
 
 
 def raw_kernel(header: str):
-    body = "uint i = threadIdx.x; if (i < 4) out[i] = inp[i];"
+    body = "unsigned int i = threadIdx.x; if (i < 4) out[i] = inp[i];"
     if hasattr(mx.fast, "cuda_kernel") and mx.cuda.is_available():
         return mx.fast.cuda_kernel(name="lily_launch_cost", input_names=["inp"], output_names=["out"], source=body,
                                    header=header)
