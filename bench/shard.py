@@ -216,7 +216,6 @@ def run(args) -> int:
         log(f"[shard] sharded over {world} ranks in {time.perf_counter() - t0:.1f} s")
     save()
 
-
     log(f"[e2e] lengths {[e2e.length_label(n) for n in lengths]}, {args.rounds} rounds, engines {engines}, "
         f"{args.gen_tokens} decode tokens")
     t0 = time.perf_counter()
