@@ -10,7 +10,7 @@
 #
 # Parts: bridge (bridge feature checks), smoke (fp32-oracle agreement of lily's kernels with stock on a
 # 4-layer full-width random model, all kernels and one family at a time), tests (the kernel test files
-# on this GPU, LILY_TEST_KERNEL_BACKEND=cuda), kernels (each kernel alone), e2e (stock vs lily sweep).
+# on this GPU, LILY_TEST_KERNEL_BACKEND=cuda: DeltaNet, MoE, attention, traced decode), kernels (each kernel alone), e2e (stock vs lily sweep).
 # A fresh machine spends minutes in first-time NVRTC compiles: give smoke at least 5 minutes.
 #
 # With MLX's CUDA backend staged and on PYTHONPATH (see docs/benchmarks.md), on the GPU machine:
@@ -53,6 +53,8 @@ PY=${PYTHON:-python3}
 LOG="$OUT/log.txt"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 say() { echo "[device_run $(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
+# Compiled kernels kept on disk: later processes (and later calls on the same machine) skip NVRTC.
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/.cache/lily-mlx-ptx}
 
 say "parts=$PARTS lengths=$LENGTHS rounds=$ROUNDS long_rounds=$LONG_ROUNDS gen_tokens=$GEN_TOKENS"
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 || true; } | tee -a "$LOG"
@@ -80,7 +82,8 @@ say "lily backend for benchmarks: $LILY_BACKEND"
 if has tests; then
   say "kernel tests on this GPU (-k '$TESTS_K', limit ${TESTS_TIMEOUT}s)"
   CI=true LILY_TEST_KERNEL_BACKEND=cuda timeout "$TESTS_TIMEOUT" $PY -m pytest -q -p no:cacheprovider -o addopts= \
-    tests/kernels/test_deltanet_kernels.py tests/kernels/test_moe_kernels.py -k "$TESTS_K" -rA --durations=15 \
+    tests/kernels/test_deltanet_kernels.py tests/kernels/test_moe_kernels.py tests/kernels/test_attention_kernels.py \
+    tests/kernels/test_compiled_decode.py -k "$TESTS_K" -rA --durations=15 \
     2>&1 | tee "$OUT/pytest_output.txt" | tee -a "$LOG" >/dev/null
   say "kernel tests: $(tail -n 1 "$OUT/pytest_output.txt")"
 fi
