@@ -88,23 +88,28 @@ def clone_cache(cache):
     return clones
 
 
-def profile_engine(model, context: int, steps: int, vocab: int, seed: int, prefilled=None) -> Dict:
+def profile_engine(model, context: int, steps: int, vocab: int, seed: int, prefilled=None,
+                   detail: bool = True) -> Dict:
     """One round for the engine in force: build/eval split, primitives, pipelined decode.
-    ``prefilled``: (last token, cache) to decode from (a copy is used), else this engine prefills."""
+    ``prefilled``: (last token, cache) to decode from (a copy is used), else this engine prefills.
+    ``detail=False`` leaves out the primitive count and the per-kernel timing (the ablations need only
+    the build/eval split and the pipelined rate)."""
     if prefilled is None:
         y, cache = _prefill(model, context, vocab, seed)
     else:
         y, cache = prefilled[0], clone_cache(prefilled[1])
     mx.eval(_step(model, y, cache))  # first decode step: compiles, allocates
 
-    # lily's custom-kernel launches of one step, by kernel. Built launch by launch (a traced piece's
-    # launches are replayed in C++, unseen by the record), so the count is the step's kernels either way.
-    with switches.overrides(disable=["compiled_decode"]), record_launches() as launches:
-        nxt = _step(model, y, cache)
-    primitives = count_primitives(nxt)
-    mx.eval(nxt)
-    y = nxt
-    kernel_ms = kernel_times(launches)
+    primitives, launches, kernel_ms = {}, [], {}
+    if detail:
+        # lily's custom-kernel launches of one step, by kernel. Built launch by launch (a traced piece's
+        # launches are replayed in C++, unseen by the record), so the count is the step's kernels either way.
+        with switches.overrides(disable=["compiled_decode"]), record_launches() as launches:
+            nxt = _step(model, y, cache)
+        primitives = count_primitives(nxt)
+        mx.eval(nxt)
+        y = nxt
+        kernel_ms = kernel_times(launches)
 
     build, evaluate = [], []
     for _ in range(steps):
@@ -131,8 +136,8 @@ def profile_engine(model, context: int, steps: int, vocab: int, seed: int, prefi
     non_view = sum(n for name, n in primitives.items() if name not in VIEW_PRIMITIVES)
     return {"build_s": build, "eval_s": evaluate, "decode_tok_s": steps / elapsed,
             "primitives_per_step": non_view, "primitives": primitives,
-            "kernel_launches_per_step": len(launches), "kernel_launches": launches.counts(),
-            "kernel_ms": kernel_ms}
+            "kernel_launches_per_step": len(launches),
+            "kernel_launches": launches.counts() if detail else {}, "kernel_ms": kernel_ms}
 
 
 def kernel_times(launches, reps: int = 10) -> Dict[str, float]:
@@ -181,7 +186,7 @@ def host_profile(model, engine: str, context: int, steps: int, vocab: int, seed:
 
 
 def run(model, context: int, engines: Sequence[str], rounds: int, steps: int, vocab: int, seed: int = 0,
-        log=print, shared_prefill: bool = False) -> Dict:
+        log=print, shared_prefill: bool = False, detail: bool = True) -> Dict:
     """``shared_prefill``: each round prefills the context once (with lily when it is among the engines:
     stock's prefill on CUDA runs ~290 tok/s, minutes at 128K) and every engine decodes from a copy of
     that cache; the decode timings then share one cache's contents (its values differ from an engine's
@@ -191,6 +196,7 @@ def run(model, context: int, engines: Sequence[str], rounds: int, steps: int, vo
     switcher = Engines(model)
     per_engine: Dict[str, List[Dict]] = {e: [] for e in engines}
     prefill_engine = "lily" if "lily" in engines else engines[0]
+    prefilled = None
     for r in range(rounds):
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
         prefilled = None
@@ -201,12 +207,12 @@ def run(model, context: int, engines: Sequence[str], rounds: int, steps: int, vo
         for engine in order:
             switcher.use(engine)
             with switches.overrides(disable=switches_off(engine)):  # lily-off:<switch> engines
-                result = profile_engine(model, context, steps, vocab, seed + r, prefilled)
+                result = profile_engine(model, context, steps, vocab, seed + r, prefilled, detail)
             per_engine[engine].append(result)
             log(f"[decode-profile] round {r + 1}/{rounds} {engine}: build "
                 f"{1e3 * statistics.median(result['build_s']):.2f} ms, eval "
-                f"{1e3 * statistics.median(result['eval_s']):.2f} ms, {result['decode_tok_s']:.1f} tok/s, "
-                f"{result['primitives_per_step']} primitives")
+                f"{1e3 * statistics.median(result['eval_s']):.2f} ms, {result['decode_tok_s']:.1f} tok/s"
+                + (f", {result['primitives_per_step']} primitives" if detail else ""))
     switcher.use("stock")
     out = {}
     for engine, results in per_engine.items():
@@ -225,6 +231,9 @@ def run(model, context: int, engines: Sequence[str], rounds: int, steps: int, vo
             "kernel_ms": {k: statistics.median(res["kernel_ms"][k] for res in results)
                           for k in results[-1]["kernel_ms"]},
         }
+    if prefilled is not None:
+        del prefilled
+        mx.clear_cache()
     return {"context": context, "rounds": rounds, "steps": steps, "shared_prefill": shared_prefill,
             "prefill_engine": prefill_engine if shared_prefill else None, "engines": out}
 

@@ -6,13 +6,22 @@ every round the two engines run in alternating order; the reported numbers are m
 prompt_tps counts the prompt tokens over the time to the first generated token (MLX-LM's
 convention); generation_tps the tokens after the first over the time after it; peak memory is
 ``mx.get_peak_memory() / 1e9`` with the peak reset before each run.
+
+``shared_prefill``: each length is prefilled once per round by one engine (lily when it runs: the
+fastest) and every engine decodes from its own copy of that cache (``decode_profile.clone_cache``), so
+the decode points at 32K-128K need no engine-by-engine prefill. Prompt tok/s is still each engine's own
+prefill, up to ``max_prefill[engine]`` tokens (stock on CUDA prefills ~270 tok/s: a 128K prompt alone
+takes ~8 minutes); beyond that the row says it was not measured and why. Peak memory is reported per
+engine without the shared cache the harness holds meanwhile (its bytes are subtracted), so it is what
+the engine's own run needs.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -159,24 +168,129 @@ def run_once(model, prompt: mx.array, gen_tokens: int, prefill_step_size: int) -
     }
 
 
+def cache_bytes(cache) -> int:
+    """Bytes of the arrays a prompt cache holds (KV buffers, DeltaNet states)."""
+    import mlx.core as mx_
+
+    total = 0
+    for c in cache:
+        for v in c.__dict__.values():
+            for a in (v if isinstance(v, list) else [v]):
+                if isinstance(a, mx_.array):
+                    total += a.nbytes
+    return total
+
+
+def prefill_keep(model, prompt: mx.array, prefill_step_size: int) -> Tuple[Dict, Tuple[mx.array, list]]:
+    """``run_once`` with no decode tokens that keeps its cache: (result, (next input token, cache)).
+
+    Timed exactly as ``run_once`` times the prompt (``generate_step`` to its first token). When the
+    first token is yielded, ``generate_step`` has already queued the next step, so the cache holds the
+    prompt and the first token and the next input is that step's token (caught from the sampler)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    cache = make_prompt_cache(model)
+    sampled = []
+
+    def sampler(logprobs):
+        tok = mx.argmax(logprobs, axis=-1)
+        sampled.append(tok)
+        return tok
+
+    tic = time.perf_counter()
+    first = None
+    for tok, _ in generate_step(prompt, model, max_tokens=1, sampler=sampler, prompt_cache=cache,
+                                prefill_step_size=prefill_step_size):
+        first = int(tok)
+        break
+    t_first = time.perf_counter()
+    following = sampled[-1]
+    mx.eval(following, [c.state for c in cache])
+    res = {"prompt_tokens": int(prompt.size), "prompt_tps": prompt.size / (t_first - tic),
+           "generation_tokens": 0, "generation_tps": float("nan"),
+           "peak_memory": mx.get_peak_memory() / 1e9, "tokens": [first]}
+    return res, (following.reshape(1), cache)
+
+
+def decode_from(model, token: mx.array, cache, gen_tokens: int, held_bytes: int = 0) -> Dict:
+    """Decode ``gen_tokens`` + 1 tokens from ``cache`` (a copy the caller made) starting at ``token``, through
+    ``generate_step`` as ``run_once`` decodes: decode tok/s counts the tokens after the first. Peak memory
+    leaves out ``held_bytes`` (the shared cache the harness keeps meanwhile)."""
+    from mlx_lm.generate import generate_step
+
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    tokens = []
+    t_first = None
+    for n, (tok, _) in enumerate(generate_step(token, model, max_tokens=gen_tokens + 1, prompt_cache=cache,
+                                                sampler=lambda lp: mx.argmax(lp, axis=-1))):
+        if n == 0:
+            t_first = time.perf_counter()
+        tokens.append(int(tok))
+    gen_time = time.perf_counter() - t_first
+    return {"generation_tokens": len(tokens) - 1,
+            "generation_tps": (len(tokens) - 1) / gen_time if len(tokens) > 1 and gen_time > 0 else float("nan"),
+            "peak_memory": (mx.get_peak_memory() - held_bytes) / 1e9, "tokens": tokens[:16]}
+
+
+def parse_max_prefill(text: Optional[str]) -> Dict[str, int]:
+    """``"stock=16K,stock-kernels=128K"`` -> {"stock": 16384, ...}: the longest prompt each named engine
+    prefills itself (others: every length)."""
+    out = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        if "=" not in part:
+            raise ValueError(f"--max-prefill-length takes ENGINE=LENGTH[,ENGINE=LENGTH]: {part!r}")
+        engine, length = part.split("=", 1)
+        validate_engine(engine.strip())
+        out[engine.strip()] = parse_lengths(length)[0]
+    return out
+
+
+def _median(values) -> Optional[float]:
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.median(values) if values else None
+
+
 def sweep(model, lengths: Sequence[int], prefill_lengths: Sequence[int], decode_lengths: Sequence[int],
           rounds: int, gen_tokens: int, prefill_step_size: int, engines=("stock", "lily"),
-          vocab_size: int = 248320, seed: int = 0, log=print, rounds_for=None, on_row=None) -> List[Dict]:
+          vocab_size: int = 248320, seed: int = 0, log=print, rounds_for=None, on_row=None,
+          shared_prefill: bool = False, max_prefill: Optional[Dict[str, int]] = None,
+          before_row: Optional[Callable[[int], bool]] = None) -> List[Dict]:
     """Per length: each round runs every engine once (order alternating by round).
     ``rounds_for(length)`` may give fewer rounds to long lengths; ``on_row(rows)`` runs after each
-    length (incremental saving)."""
+    length (incremental saving); ``before_row(length)`` returning False stops the sweep there (a time
+    limit: the rows so far are returned). ``max_prefill``: engine -> longest prompt it prefills itself;
+    ``shared_prefill``: decode from one cache per round (module docstring). Without ``shared_prefill`` an
+    engine is not run at all beyond its ``max_prefill``."""
     for engine in engines:
         validate_engine(engine)
+    max_prefill = dict(max_prefill or {})
     sw = Engines(model)
     rows = []
+    shared_engine = ("lily" if "lily" in engines else engines[0]) if shared_prefill else None
     for length in lengths:
+        if before_row is not None and not before_row(length):
+            break
         gen = gen_tokens if length in decode_lengths else 1
         prompt = mx.random.randint(0, vocab_size, (length,), key=mx.random.key(seed + length))
         per_engine: Dict[str, List[Dict]] = {e: [] for e in engines}
+        own = {e: length <= max_prefill.get(e, length) for e in engines}
         n_rounds = rounds_for(length) if rounds_for else rounds
         for r in range(n_rounds):
             order = list(engines) if r % 2 == 0 else list(reversed(engines))
+            if shared_prefill:
+                _shared_round(model, sw, prompt, length, order, own, shared_engine, length in prefill_lengths,
+                              gen if length in decode_lengths else 0, prefill_step_size, per_engine,
+                              f"round {r + 1}/{n_rounds}", log)
+                continue
             for engine in order:
+                if not own[engine]:
+                    continue
                 sw.use(engine)
                 with switches.overrides(disable=switches_off(engine)):
                     res = run_once(model, prompt, gen, prefill_step(engine, prefill_step_size))
@@ -186,28 +300,38 @@ def sweep(model, lengths: Sequence[int], prefill_lengths: Sequence[int], decode_
                     f"peak_memory={res['peak_memory']:.3f}")
         row = {"length": length, "label": length_label(length), "prefill": length in prefill_lengths,
                "decode": length in decode_lengths, "generation_tokens": gen - 1 if gen > 1 else 0}
+        if shared_prefill:
+            row["shared_prefill"] = shared_engine
         for engine, runs in per_engine.items():
-            row[engine] = {
-                "prompt_tps": statistics.median(x["prompt_tps"] for x in runs),
-                "generation_tps": statistics.median(x["generation_tps"] for x in runs) if gen > 1 else None,
-                "peak_memory": max(x["peak_memory"] for x in runs),
+            entry = {
+                "prompt_tps": _median(x.get("prompt_tps") for x in runs),
+                "generation_tps": _median(x.get("generation_tps") for x in runs) if gen > 1 else None,
+                "peak_memory": max((x["peak_memory"] for x in runs), default=None),
                 "trials": [{k: v for k, v in x.items() if k != "tokens"} for x in runs],
-                "tokens": runs[0]["tokens"],
+                "tokens": runs[0]["tokens"] if runs else [],
             }
+            if not own[engine]:
+                entry["prompt_tps"] = None
+                entry["not_measured"] = {
+                    "what": "prefill" if shared_prefill else "prefill and decode",
+                    "why": f"--max-prefill-length {engine}={length_label(max_prefill[engine])}"}
+                if shared_prefill:
+                    entry["peak_memory_decode_only"] = True
+            row[engine] = entry
         if "stock" in per_engine and "lily" in per_engine:
             s, l_ = row["stock"], row["lily"]
-            row["prefill_ratio"] = l_["prompt_tps"] / s["prompt_tps"]
-            row["decode_ratio"] = (l_["generation_tps"] / s["generation_tps"]) if gen > 1 else None
-            row["same_tokens"] = s["tokens"] == l_["tokens"]
+            row["prefill_ratio"] = _ratio(l_["prompt_tps"], s["prompt_tps"])
+            row["decode_ratio"] = _ratio(l_["generation_tps"], s["generation_tps"]) if gen > 1 else None
+            row["same_tokens"] = (s["tokens"] == l_["tokens"]) if s["tokens"] and l_["tokens"] else None
         if STOCK_KERNELS in per_engine and "lily" in per_engine:  # the fair baseline (README headline)
             s, l_ = row[STOCK_KERNELS], row["lily"]
-            row["prefill_ratio_vs_stock_kernels"] = l_["prompt_tps"] / s["prompt_tps"]
-            row["decode_ratio_vs_stock_kernels"] = (l_["generation_tps"] / s["generation_tps"]) if gen > 1 else None
+            row["prefill_ratio_vs_stock_kernels"] = _ratio(l_["prompt_tps"], s["prompt_tps"])
+            row["decode_ratio_vs_stock_kernels"] = _ratio(l_["generation_tps"], s["generation_tps"]) if gen > 1 else None
         for engine in per_engine:
             if engine.startswith(ABLATION_PREFIX) and "lily" in per_engine:
                 a, l_ = row[engine], row["lily"]
-                row[engine]["prefill_vs_lily"] = l_["prompt_tps"] / a["prompt_tps"]
-                row[engine]["decode_vs_lily"] = (l_["generation_tps"] / a["generation_tps"]) if gen > 1 else None
+                row[engine]["prefill_vs_lily"] = _ratio(l_["prompt_tps"], a["prompt_tps"])
+                row[engine]["decode_vs_lily"] = _ratio(l_["generation_tps"], a["generation_tps"]) if gen > 1 else None
         row["rounds"] = n_rounds
         rows.append(row)
         if on_row:
@@ -216,8 +340,67 @@ def sweep(model, lengths: Sequence[int], prefill_lengths: Sequence[int], decode_
     return rows
 
 
+def _ratio(a, b) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def _shared_round(model, sw, prompt, length, order, own, shared_engine, prefill, gen, step, per_engine, label,
+                  log) -> None:
+    """One round of a shared-prefill length: every engine's own prefill (timed; the shared engine's
+    cache is kept), then every engine's decode from a copy of that cache. Appends one trial per engine:
+    prompt_tps (None where the engine did not prefill), generation_tps, peak memory of its runs."""
+    from .decode_profile import clone_cache
+
+    trials: Dict[str, Dict] = {e: {"prompt_tps": None} for e in order}
+    shared = None
+    held = 0
+    for engine in order:  # prefill, alternating order like every other run
+        if not own[engine] or not (prefill or engine == shared_engine):
+            continue
+        sw.use(engine)
+        with switches.overrides(disable=switches_off(engine)):
+            if engine == shared_engine:
+                res, shared = prefill_keep(model, prompt, prefill_step(engine, step))
+            else:
+                res = run_once(model, prompt, 0, prefill_step(engine, step))
+                res["peak_memory"] -= held / 1e9
+        if engine == shared_engine:
+            held = cache_bytes(shared[1])
+        trials[engine].update(prompt_tps=res["prompt_tps"], prefill_peak_memory=res["peak_memory"],
+                              peak_memory=res["peak_memory"], tokens=res["tokens"])
+        log(f"[e2e] {length_label(length):>5} {label} {engine:>5}: prompt_tps={res['prompt_tps']:.3f}, "
+            f"peak_memory={res['peak_memory']:.3f}" + (" (its cache is the shared one)" if engine == shared_engine else ""))
+    if shared is None:  # the shared engine prefills only for the others (not timed here)
+        sw.use(shared_engine)
+        with switches.overrides(disable=switches_off(shared_engine)):
+            _, shared = prefill_keep(model, prompt, prefill_step(shared_engine, step))
+        held = cache_bytes(shared[1])
+        log(f"[e2e] {length_label(length):>5} {label}: prefilled once with {shared_engine} (shared cache)")
+    if gen > 0:
+        for engine in order:  # decode, every engine from its own copy of the shared cache
+            sw.use(engine)
+            with switches.overrides(disable=switches_off(engine)):
+                res = decode_from(model, shared[0], clone_cache(shared[1]), gen, held)
+            t = trials[engine]
+            t.update(generation_tokens=res["generation_tokens"], generation_tps=res["generation_tps"],
+                     decode_peak_memory=res["peak_memory"], tokens=res["tokens"],
+                     peak_memory=max(t.get("peak_memory", 0.0), res["peak_memory"]))
+            log(f"[e2e] {length_label(length):>5} {label} {engine:>5}: generation_tps={res['generation_tps']:.3f} "
+                f"from the shared cache, peak_memory={res['peak_memory']:.3f}")
+    for engine, t in trials.items():
+        if "peak_memory" in t:
+            t.setdefault("tokens", [])
+            per_engine[engine].append(t)
+    del shared
+    mx.clear_cache()
+
+
+NOT_MEASURED = "n/m"
+
+
 def table_markdown(rows: List[Dict]) -> str:
-    """The engines' table (medians): stock, stock-kernels (where run) and lily, with lily's ratios."""
+    """The engines' table (medians): stock, stock-kernels (where run) and lily, with lily's ratios; cells an
+    engine did not measure read ``n/m`` (the notes under the table say why)."""
     fair = any(STOCK_KERNELS in r for r in rows)
     head = "| length | stock prefill tok/s |" + (f" {STOCK_KERNELS} prefill tok/s |" if fair else "")
     head += " lily prefill tok/s | ratio |" + (f" ratio vs {STOCK_KERNELS} |" if fair else "")
@@ -229,21 +412,59 @@ def table_markdown(rows: List[Dict]) -> str:
     def f(x, nd=1):
         return "-" if x is None else f"{x:,.{nd}f}"
 
+    def cell(entry, key, shown, nd=1):
+        if not shown:
+            return "-"
+        missing = (entry or {}).get("not_measured")
+        if missing and (key == "prompt_tps" or "decode" in missing["what"]):
+            return NOT_MEASURED
+        return f((entry or {}).get(key), nd)
+
+    def peak(entry):
+        if not entry or entry.get("peak_memory") is None:
+            return NOT_MEASURED if entry and entry.get("not_measured") else "-"
+        return f(entry["peak_memory"], 2) + ("*" if entry.get("peak_memory_decode_only") else "")
+
     for r in rows:
-        s, k, l_ = r.get("stock", {}), r.get(STOCK_KERNELS, {}), r.get("lily", {})
+        s, k, l_ = r.get("stock"), r.get(STOCK_KERNELS), r.get("lily")
         pre, dec = r["prefill"], r["decode"]
-        cells = [r["label"], f(s.get("prompt_tps") if pre else None)]
-        cells += [f(k.get("prompt_tps") if pre else None)] if fair else []
-        cells += [f(l_.get("prompt_tps") if pre else None), f(r.get("prefill_ratio") if pre else None, 3)]
+        cells = [r["label"], cell(s, "prompt_tps", pre)]
+        cells += [cell(k, "prompt_tps", pre)] if fair else []
+        cells += [cell(l_, "prompt_tps", pre), f(r.get("prefill_ratio") if pre else None, 3)]
         cells += [f(r.get("prefill_ratio_vs_stock_kernels") if pre else None, 3)] if fair else []
-        cells += [f(s.get("generation_tps") if dec else None)]
-        cells += [f(k.get("generation_tps") if dec else None)] if fair else []
-        cells += [f(l_.get("generation_tps") if dec else None), f(r.get("decode_ratio") if dec else None, 3)]
+        cells += [cell(s, "generation_tps", dec)]
+        cells += [cell(k, "generation_tps", dec)] if fair else []
+        cells += [cell(l_, "generation_tps", dec), f(r.get("decode_ratio") if dec else None, 3)]
         cells += [f(r.get("decode_ratio_vs_stock_kernels") if dec else None, 3)] if fair else []
-        peaks = [s.get("peak_memory")] + ([k.get("peak_memory")] if fair else []) + [l_.get("peak_memory")]
-        cells += [" / ".join(f(p, 2) for p in peaks), str(r.get("same_tokens", "-"))]
+        peaks = [s] + ([k] if fair else []) + [l_]
+        same = r.get("same_tokens")
+        cells += [" / ".join(peak(p) for p in peaks), "-" if same is None else str(same)]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    notes = notes_markdown(rows)
+    return "\n".join(lines) + ("\n\n" + notes if notes else "")
+
+
+def notes_markdown(rows: List[Dict]) -> str:
+    """What the table's marks mean: engines not measured at some lengths (and why), the shared prefill."""
+    notes = []
+    missing: Dict[Tuple[str, str, str], List[str]] = {}
+    for r in rows:
+        for engine, entry in r.items():
+            if isinstance(entry, dict) and entry.get("not_measured"):
+                m = entry["not_measured"]
+                missing.setdefault((engine, m["what"], m["why"]), []).append(r["label"])
+    for (engine, what, why), labels in missing.items():
+        extra = (" (a prompt that long takes minutes per run at its prefill rate); its decode at these contexts "
+                 "runs from the shared cache" if what == "prefill" else " (a prompt that long takes minutes)")
+        notes.append(f"- {NOT_MEASURED}: {engine} {what} not measured at {', '.join(labels)}: {why}{extra}.")
+    shared = sorted({r["shared_prefill"] for r in rows if r.get("shared_prefill")})
+    if shared:
+        labels = [r["label"] for r in rows if r.get("shared_prefill")]
+        notes.append(f"- Decode at {', '.join(labels)}: every engine decodes from its own copy of one cache per round, "
+                     f"prefilled by {', '.join(shared)} (--shared-prefill); prompt tok/s is each engine's own prefill. "
+                     "Peak memory leaves out the shared cache the harness holds meanwhile; * = decode only "
+                     "(the engine did not prefill that length).")
+    return "\n".join(notes)
 
 
 def ablation_markdown(rows: List[Dict]) -> str:
@@ -263,8 +484,8 @@ def ablation_markdown(rows: List[Dict]) -> str:
             if not a or not l_:
                 continue
             dec = r["decode"]
-            lines.append(f"| {r['label']} | {e[len(ABLATION_PREFIX):]} | {f(a['prompt_tps'])} | "
-                         f"{f(l_['prompt_tps'])} | {f(a.get('prefill_vs_lily'), 3)} | "
+            lines.append(f"| {r['label']} | {e[len(ABLATION_PREFIX):]} | {f(a.get('prompt_tps'))} | "
+                         f"{f(l_.get('prompt_tps'))} | {f(a.get('prefill_vs_lily'), 3)} | "
                          f"{f(a.get('generation_tps') if dec else None)} | "
                          f"{f(l_.get('generation_tps') if dec else None)} | "
                          f"{f(a.get('decode_vs_lily') if dec else None, 3)} |")
