@@ -5,6 +5,25 @@ and evaluates one call (``mx.eval``) on the active backend (``LILY_BACKEND``); i
 evaluated before the list is returned, so a case times only its own work. ``bytes_moved`` is the
 minimum traffic of the case (every touched expert's packed weights, scales and biases read once,
 activations read once, outputs written once); ``flops`` counts 2 per multiply-add.
+
+Decode GEMV cases (``decode_gemv_cases``, appended to ``microbench_cases``): the one-row-block forms
+of the expert GEMMs (switch ``row_gemv``) at Qwen3.6 decode shape, top-8 routed experts plus the shared
+expert as one chunk (9 blocks per token), bf16:
+
+- ``gemv_gate_up_swiglu_<variant>[1tok]`` / ``gemv_down_<variant>[1tok]``: one launch per evaluation;
+  ``..._x8[1tok]``: 8 launches per evaluation (bytes and flops x 8), so the kernels' own time is not
+  hidden by the per-call evaluation round trip (~60-100 us on MLX-CUDA). Variants: ``staged`` (what
+  runs: kernels.GEMV_LAYOUT), ``rowwise`` (the GEMV before it: one thread per output reading its row
+  from device memory, an int-to-float conversion per weight), ``rowwise_exp`` (rowwise with the
+  conversion-free nibble of moe_q4_value), ``r<R>_kc<KC>`` (staged at another layout: R outputs per
+  threadgroup, K chunk KC), ``onerow_gemm`` (x8 only: the GEMM kernels on the same one-row blocks,
+  what row_gemv off runs);
+- ``..._x8[8tok]`` (staged, rowwise): a decode batch of 8 sequences, 72 blocks per launch.
+
+Every launch of these cases reads other experts than the previous ones (the launches cycle through a
+pool of GEMV_POOL calls whose routings walk over all experts, each with its own shared expert), so the
+weights are not left in the GPU's L2 cache from the previous call. Bytes: the touched experts' packed
+weights, scales and biases (routed and shared) once, the activation row(s) in, the outputs out.
 """
 
 from __future__ import annotations
@@ -55,6 +74,23 @@ class _SwitchGLU:
         self.up_proj = _quantized_experts(EXPERT_WIDTH, HIDDEN, seed + 1)
         self.down_proj = _quantized_experts(HIDDEN, EXPERT_WIDTH, seed + 2)
         self.activation = SwiGLU()
+
+
+def _quantized_linear(out_dims: int, in_dims: int, seed: int) -> _Layer:
+    w = mx.random.normal((out_dims, in_dims), key=mx.random.key(seed)) * (in_dims ** -0.5)
+    wq, scales, biases = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
+    mx.eval(wq, scales, biases)
+    return _Layer(weight=wq, scales=scales, biases=biases)
+
+
+class _SharedExpert:
+    """Qwen3.6's shared expert as the GEMMs take it (fused_expert_down): 4-bit gate/up/down of the
+    experts' width, i.e. one chunk (expert id E)."""
+
+    def __init__(self, seed: int):
+        self.gate_proj = _quantized_linear(EXPERT_WIDTH, HIDDEN, seed)
+        self.up_proj = _quantized_linear(EXPERT_WIDTH, HIDDEN, seed + 1)
+        self.down_proj = _quantized_linear(HIDDEN, EXPERT_WIDTH, seed + 2)
 
 
 def _expert_bytes(out_dims: int, in_dims: int, experts_touched: int) -> int:
@@ -137,4 +173,84 @@ def microbench_cases() -> List[Tuple[str, Callable[[], None], int, int]]:
                       _run(lambda y=y, s=sched, sc=scores, n=tokens: combine_reference(  # bind n now:
                           mx.take(y, s["slot_of_row"], axis=0).reshape(n, TOP_K, HIDDEN), sc)),  # late binding broke it
                       combine_bytes, combine_flops))
+    return cases + decode_gemv_cases(sw, backend)
+
+
+GEMV_POOL = 32  # distinct decode calls the GEMV cases cycle through
+REPEATS = 8  # launches per evaluation in the _x8 cases
+# Staged layouts timed besides the default (kernels.GEMV_LAYOUT): (R outputs per threadgroup, K chunk).
+GEMV_VARIANTS = {"gate_up": ((16, 256), (64, 128)), "down": ((32, 256), (128, 256), (64, 128))}
+
+
+def _decode_calls(tokens: int, backend: str):
+    """GEMV_POOL decode calls of ``tokens`` tokens: (x [N, D], h [A + N, I], sorted_rows, blocks) with
+    the per-assignment schedule plus one shared-expert chunk, and the call's shared expert. Call j routes
+    token t to experts ((j * tokens + t) * TOP_K + i) % E: the pool walks over all experts."""
+    calls = []
+    for j in range(GEMV_POOL):
+        first = (j * tokens + np.arange(tokens)[:, None]) * TOP_K
+        inds = mx.array(((first + np.arange(TOP_K)) % NUM_EXPERTS).astype(np.uint32))
+        a = tokens * TOP_K
+        sched = mk.per_assignment_schedule(inds)
+        blocks = mx.concatenate([sched["blocks"], mk.shared_expert_blocks(tokens, 1, a, NUM_EXPERTS, mk.SMALL_TILE,
+                                                                          True)], axis=0)
+        x = mx.random.normal((tokens, HIDDEN), key=mx.random.key(100 + j)).astype(mx.bfloat16)
+        h = mx.random.normal((a + tokens, EXPERT_WIDTH), key=mx.random.key(200 + j)).astype(mx.bfloat16)
+        shared = _SharedExpert(seed=1000 + 3 * j)
+        mx.eval(x, h, sched["sorted_rows"], blocks)
+        calls.append((x, h, sched["sorted_rows"], blocks, shared))
+    return calls
+
+
+def _cycling(launch, calls, per_eval: int) -> Callable[[], None]:
+    """run_once: evaluates ``per_eval`` launches, each on the next call of the pool."""
+    state = {"next": 0}
+
+    def run_once():
+        start = state["next"]
+        state["next"] = (start + per_eval) % len(calls)
+        mx.eval([launch(*calls[(start + i) % len(calls)]) for i in range(per_eval)])
+
+    return run_once
+
+
+def decode_gemv_cases(sw, backend: str) -> List[Tuple[str, Callable[[], None], int, int]]:
+    """The decode GEMV cases (module docstring): staged vs rowwise, layouts, x8."""
+    if backend == "reference":
+        return []
+    cases = []
+    for tokens in (1, 8):
+        calls = _decode_calls(tokens, backend)
+        a = tokens * TOP_K
+        rows = a + tokens  # routed rows + one shared-expert chunk row per token
+        touched = min(a, NUM_EXPERTS) + 1
+        up_bytes = 2 * _expert_bytes(EXPERT_WIDTH, HIDDEN, touched) + tokens * HIDDEN * 2 + rows * EXPERT_WIDTH * 2
+        down_bytes = _expert_bytes(HIDDEN, EXPERT_WIDTH, touched) + rows * EXPERT_WIDTH * 2 + rows * HIDDEN * 2
+        up_flops = 2 * 2 * rows * HIDDEN * EXPERT_WIDTH
+        down_flops = 2 * rows * EXPERT_WIDTH * HIDDEN
+        t = f"[{tokens}tok]"
+
+        def up(layout, gemv=True):
+            return lambda x, h, sr, blocks, shared: mk.gemm_gate_up_swiglu(
+                x, sr, blocks, sw.gate_proj, sw.up_proj, TOP_K, True, None, backend, shared=shared, gemv=gemv,
+                gemv_layout=layout)
+
+        def down(layout, gemv=True):
+            return lambda x, h, sr, blocks, shared: mk.gemm_down(
+                h, blocks, sw.down_proj, True, None, backend, shared=shared, gemv=gemv, gemv_layout=layout)
+
+        kinds = (("gemv_gate_up_swiglu", up, up_bytes, up_flops, GEMV_VARIANTS["gate_up"]),
+                 ("gemv_down", down, down_bytes, down_flops, GEMV_VARIANTS["down"]))
+        for name, make, nbytes, flops, variants in kinds:
+            layouts = [("staged", None), ("rowwise", "rowwise")]
+            if tokens == 1:
+                layouts += [("rowwise_exp", "rowwise_exp")] + [(f"r{r}_kc{kc}", (r, kc)) for r, kc in variants]
+            for label, layout in layouts:
+                if tokens == 1 and label in ("staged", "rowwise"):
+                    cases.append((f"{name}_{label}{t}", _cycling(make(layout), calls, 1), nbytes, flops))
+                cases.append((f"{name}_{label}_x{REPEATS}{t}", _cycling(make(layout), calls, REPEATS),
+                              REPEATS * nbytes, REPEATS * flops))
+            if tokens == 1:
+                cases.append((f"{name}_onerow_gemm_x{REPEATS}{t}", _cycling(make(None, gemv=False), calls, REPEATS),
+                              REPEATS * nbytes, REPEATS * flops))
     return cases

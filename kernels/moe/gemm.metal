@@ -36,10 +36,30 @@
 // Weight tile loaders: fill wt[k][n] (k-major, MOE_BK x MOE_BN floats) for output columns
 // [n0, n0 + 32) and K range [k0, k0 + 64) of expert e. O, K: the weight's output and input dims.
 
+// Nibble j of a packed word as a float: exactly float((word >> (4 * j)) & 0xf), without an integer
+// to float conversion (on NVIDIA through the bridge, a conversion per weight was one of the decode
+// GEMVs' costliest instructions). The nibble is masked in place into the mantissa of 2^23
+// (0x4b000000), so m = 2^23 + q * 16^p exactly (p = j; nibbles 5..7 are first shifted down 12 bits,
+// p = j - 3, so that q * 16^p < 2^23 stays inside the mantissa), and m * 16^-p - 2^(23 - 4p) = q:
+// a power-of-two scaling and an exact difference, the same value fused or not. With j a constant
+// (unrolled loops) that is one mask and one multiply-add per weight. `exponent` must be
+// MOE_Q4_EXPONENT; the decode GEMVs pass it as a value the compiler cannot fold (kept in a register,
+// the mask and the or become one instruction on NVIDIA).
+#define MOE_Q4_EXPONENT 0x4b000000u  // the bits of 2^23
+inline float moe_q4_value(uint32_t word, int j, uint32_t exponent = MOE_Q4_EXPONENT) {
+  const int p = j < 5 ? j : j - 3;
+  const uint32_t bits = (j < 5 ? word : word >> 12) & (0xfu << (4 * p));
+  const float m = as_type<float>(bits | exponent);
+  const float scale = as_type<float>(uint32_t(127 - 4 * p) << 23);       // 16^-p
+  const float offset = as_type<float>(uint32_t(127 + 23 - 4 * p) << 23);  // 2^(23 - 4p)
+  return m * scale - offset;
+}
+
 // One 4-bit weight: w = scale * q + bias. The tile loader and the decode GEMVs both use this one
 // expression, so a weight has the same float value (and rounding) on either path.
-inline float moe_dequant_q4(uint32_t word, int j, float scale, float bias) {
-  return scale * float((word >> (4 * j)) & 0xfu) + bias;
+inline float moe_dequant_q4(uint32_t word, int j, float scale, float bias,
+                            uint32_t exponent = MOE_Q4_EXPONENT) {
+  return scale * moe_q4_value(word, j, exponent) + bias;
 }
 
 // 4-bit affine, group 64: one uint32 word holds 8 consecutive K values, low nibble first.
@@ -78,9 +98,11 @@ inline void moe_load_weight_tile(
 // Activation tile xt[r][k] (rows x 64 floats) of a block; rows past `rows` are zero.
 // GATHER: row r is token sorted_rows[first + r] / top_k of x, or token token_base + r when
 // token_base >= 0 (shared-expert rows, in token order); else row first + r of x.
-template <bool GATHER, typename T>
+// (Pointer types are template parameters: a call of few assignments hands sorted_rows over in the
+// constant address space, as MLX passes every input of fewer than 8 elements.)
+template <bool GATHER, typename PX, typename PR>
 inline void moe_load_rows_tile(
-    const device T* x, const device int* sorted_rows, threadgroup float* xt,
+    PX x, PR sorted_rows, threadgroup float* xt,
     int first, int rows, int tile_rows, int top_k, int k0, int K, uint tid, int token_base = -1) {
   for (int i = int(tid); i < tile_rows * MOE_BK; i += MOE_THREADS) {
     int r = i / MOE_BK;
@@ -138,11 +160,17 @@ inline void moe_store_acc(
   }
 }
 
-// Decode GEMV (switch row_gemv): one output element per thread, one fp32 accumulator taking
+// Decode GEMVs (switch row_gemv): one output element per thread, one fp32 accumulator taking
 // acc += x[k] * w[k] for k = 0 .. K - 1 in order: exactly what the GEMMs' 8 x 8 multiply-accumulates
 // do for that element (K step 64, then 8 at a time, each in k order), so a row gets the same bits
-// from a GEMV and from a GEMM tile (batch invariance). xs: the row, as floats, in threadgroup memory.
-template <typename S>
+// from a GEMV and from a GEMM tile (batch invariance).
+//
+// The rowwise form (moe_gemv_*_rowwise; kept as the benchmark baseline and test oracle) reads each
+// thread's weight row straight from device memory: adjacent threads read words K / 2 bytes apart, so a
+// simdgroup load touches 32 cache lines. xs: the row, as floats, in threadgroup memory.
+// CVT 1: the weight as moe_dequant_q4 gives it; CVT 0: with an integer to float conversion of the
+// nibble (the form before moe_q4_value; the same value, kept as the benchmark baseline).
+template <int CVT, typename S>
 inline float moe_gemv_q4_dot(const device uint32_t* w, const device S* scales, const device S* biases,
                              const threadgroup float* xs, int K) {
   float acc = 0.0f;
@@ -152,7 +180,11 @@ inline float moe_gemv_q4_dot(const device uint32_t* w, const device S* scales, c
     for (int wi = 0; wi < 8; ++wi) {
       const uint32_t word = w[g * 8 + wi];
       for (int j = 0; j < 8; ++j) {
-        acc += xs[g * 64 + wi * 8 + j] * moe_dequant_q4(word, j, scale, bias);
+        if (CVT) {
+          acc += xs[g * 64 + wi * 8 + j] * moe_dequant_q4(word, j, scale, bias);
+        } else {
+          acc += xs[g * 64 + wi * 8 + j] * (scale * float((word >> (4 * j)) & 0xfu) + bias);
+        }
       }
     }
   }
@@ -168,6 +200,161 @@ inline void moe_stage_row(const device T* row, threadgroup float* xs, int K, uin
 }
 
 #define MOE_GEMV_MAX_K 4096  // threadgroup row buffer (16 KB); the host checks
+
+// The staged form (moe_gemv_gate_up_swiglu, moe_gemv_down): a threadgroup computes R consecutive
+// outputs (weight rows) of NM matrices (gate and up: NM = 2, one thread per (matrix, row) chain;
+// down: NM = 1) for one block row; NT = NM * R threads. K advances in chunks of KC (a multiple of 64
+// dividing K): the threads copy the chunk's packed words of the NM x R rows into threadgroup memory
+// as 16-byte uint4 pieces (adjacent threads read adjacent pieces of a row: KC / 2 contiguous bytes
+// per row), the chunk's scales and biases (as floats) and the chunk of the activation row (as
+// floats); then every chain continues its own accumulation from threadgroup memory, in the same k
+// order with the same expression (moe_dequant_q4) and fp32 operations as the rowwise form: same bits.
+// Software pipelined: the next chunk's device loads go to registers before the current chunk's
+// chains run and are stored to the other of two buffers after them (one barrier per chunk), so the
+// memory latency overlaps the arithmetic. Rows are padded by one uint4 (stride KC / 8 + 4 words), so
+// the chains' 16-byte reads of 32 different rows hit distinct banks.
+template <int NM, int R, int KC>
+struct MoeGemvShape {
+  static constant constexpr int NT = NM * R;                // threads, one chain each
+  static constant constexpr int P = KC / 32;                // uint4 pieces per row and chunk
+  static constant constexpr int STRIDE = P + 1;             // padded row stride (uint4)
+  static constant constexpr int G = KC / 64;                // scales per row and chunk
+  static constant constexpr int XQ = (KC / 4 + NT - 1) / NT;  // 4-value pieces of x per thread and chunk
+};
+
+// This thread's share of chunk k0 into registers: P uint4 pieces (piece i = tid + q * NT of the
+// NM * R * P, row-major, pieces of a row adjacent), G scales and G biases, XQ x 4 activation values.
+// Row r of matrix m: packed words w_m + r * wstride, scales/biases s_m / b_m + r * sstride.
+template <int NM, int R, int KC, typename T>
+inline void moe_gemv_fetch(
+    const device uint32_t* w0, const device uint32_t* w1, long wstride,
+    const device T* s0, const device T* s1, const device T* b0, const device T* b1, long sstride,
+    const device T* xrow, int k0, uint tid, thread uint4* wr, thread T* sr, thread T* br, thread T* xr) {
+  typedef MoeGemvShape<NM, R, KC> Shape;
+  for (int q = 0; q < Shape::P; ++q) {
+    const int i = int(tid) + q * Shape::NT;
+    const int m = i / (R * Shape::P);
+    const int r = (i / Shape::P) % R;
+    const int p = i % Shape::P;
+    const device uint32_t* src = (m == 0 ? w0 : w1) + r * wstride + k0 / 8 + 4 * p;
+    wr[q] = *reinterpret_cast<const device uint4*>(src);
+  }
+  for (int q = 0; q < Shape::G; ++q) {
+    const int i = int(tid) + q * Shape::NT;
+    const int m = i / (R * Shape::G);
+    const int r = (i / Shape::G) % R;
+    const long off = r * sstride + k0 / 64 + i % Shape::G;
+    sr[q] = (m == 0 ? s0 : s1)[off];
+    br[q] = (m == 0 ? b0 : b1)[off];
+  }
+  for (int q = 0; q < Shape::XQ; ++q) {
+    const int i = int(tid) + q * Shape::NT;
+    if (i < KC / 4) {
+      for (int c = 0; c < 4; ++c) {
+        xr[4 * q + c] = xrow[k0 + 4 * i + c];
+      }
+    }
+  }
+}
+
+// The registers of moe_gemv_fetch into one buffer: ws [NM * R][STRIDE] uint4, ss / bs [NM][G][R]
+// floats, xs [KC / 4] float4 (the conversions float(T) of the rowwise form).
+template <int NM, int R, int KC, typename T>
+inline void moe_gemv_store(
+    threadgroup uint4* ws, threadgroup float* ss, threadgroup float* bs, threadgroup float4* xs, uint tid,
+    const thread uint4* wr, const thread T* sr, const thread T* br, const thread T* xr) {
+  typedef MoeGemvShape<NM, R, KC> Shape;
+  for (int q = 0; q < Shape::P; ++q) {
+    const int i = int(tid) + q * Shape::NT;
+    ws[(i / Shape::P) * Shape::STRIDE + i % Shape::P] = wr[q];
+  }
+  for (int q = 0; q < Shape::G; ++q) {
+    const int i = int(tid) + q * Shape::NT;
+    const int m = i / (R * Shape::G);
+    const int r = (i / Shape::G) % R;
+    const int at = (m * Shape::G + i % Shape::G) * R + r;
+    ss[at] = float(sr[q]);
+    bs[at] = float(br[q]);
+  }
+  for (int q = 0; q < Shape::XQ; ++q) {
+    const int i = int(tid) + q * Shape::NT;
+    if (i < KC / 4) {
+      xs[i] = float4(float(xr[4 * q]), float(xr[4 * q + 1]), float(xr[4 * q + 2]), float(xr[4 * q + 3]));
+    }
+  }
+}
+
+// One chain over one staged chunk: acc += x[k] * w[k] for the chunk's k in order (a 64-wide group at
+// a time, its 8 words, each word's 8 nibbles low first): the rowwise form's loop, reading threadgroup
+// memory. wrow: this chain's padded row; ss / bs: its matrix's [G][R] scales and biases; r: its row.
+template <int R, int KC>
+inline float moe_gemv_chain(float acc, const threadgroup uint4* wrow, const threadgroup float* ss,
+                            const threadgroup float* bs, int r, const threadgroup float4* xs, uint32_t exponent) {
+  for (int g = 0; g < KC / 64; ++g) {
+    const float scale = ss[g * R + r];
+    const float bias = bs[g * R + r];
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4 w4 = wrow[2 * g + h];
+      #pragma unroll
+      for (int wi = 0; wi < 4; ++wi) {
+        const uint32_t word = w4[wi];
+        const float4 xa = xs[16 * g + 8 * h + 2 * wi];
+        const float4 xb = xs[16 * g + 8 * h + 2 * wi + 1];
+        const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          acc += xv[j] * moe_dequant_q4(word, j, scale, bias, exponent);
+        }
+      }
+    }
+  }
+  return acc;
+}
+
+// The whole K loop of one chain (thread tid = m * R + r: matrix m, row r), pipelined as described
+// above; every thread of the threadgroup calls it (it holds barriers). Returns the chain's sum.
+// ws, ss, bs, xs: two buffers each, back to back: [2 * NT * (KC / 32 + 1)] uint4, [2 * NT * (KC / 64)]
+// floats twice, [2 * KC / 4] float4 (24.5 KB for gate+up at R = 32, KC = 256 and for down at R = 64,
+// KC = 256; the host keeps them within Apple's 32 KB).
+template <int NM, int R, int KC, typename T>
+inline float moe_gemv_staged(
+    const device uint32_t* w0, const device uint32_t* w1, long wstride,
+    const device T* s0, const device T* s1, const device T* b0, const device T* b1, long sstride,
+    const device T* xrow, int K, uint tid,
+    threadgroup uint4* ws, threadgroup float* ss, threadgroup float* bs, threadgroup float4* xs,
+    uint32_t exponent) {
+  typedef MoeGemvShape<NM, R, KC> Shape;
+  uint4 wr[Shape::P];
+  T sr[Shape::G];
+  T br[Shape::G];
+  T xr[4 * Shape::XQ];
+  moe_gemv_fetch<NM, R, KC, T>(w0, w1, wstride, s0, s1, b0, b1, sstride, xrow, 0, tid, wr, sr, br, xr);
+  constexpr int WS = Shape::NT * Shape::STRIDE, SB = Shape::NT * Shape::G, XS = KC / 4;  // one buffer
+  moe_gemv_store<NM, R, KC, T>(ws, ss, bs, xs, tid, wr, sr, br, xr);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const int m = int(tid) / R;
+  const int r = int(tid) % R;
+  float acc = 0.0f;
+  const int chunks = K / KC;
+  for (int c = 0; c < chunks; ++c) {
+    const int cur = c & 1;
+    const bool next = c + 1 < chunks;  // uniform over the threadgroup
+    if (next) {
+      moe_gemv_fetch<NM, R, KC, T>(w0, w1, wstride, s0, s1, b0, b1, sstride, xrow, (c + 1) * KC, tid,
+                                   wr, sr, br, xr);
+    }
+    acc = moe_gemv_chain<R, KC>(acc, ws + cur * WS + (m * R + r) * Shape::STRIDE,
+                                ss + cur * SB + m * Shape::G * R, bs + cur * SB + m * Shape::G * R, r,
+                                xs + cur * XS, exponent);
+    if (next) {  // the other buffer: its last readers passed the previous barrier
+      const int nb = cur ^ 1;
+      moe_gemv_store<NM, R, KC, T>(ws + nb * WS, ss + nb * SB, bs + nb * SB, xs + nb * XS, tid, wr, sr, br, xr);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  return acc;
+}
 
 // @kernel moe_gemm_gate_up_swiglu
 // grid (I / 32 * 128, max_blocks, 1), threadgroup (128, 1, 1). params: [top_k, D, I, E, A, N].
@@ -336,9 +523,80 @@ if (d0 < D) {
 }
 
 // @kernel moe_gemv_gate_up_swiglu
-// grid (I, n_blocks, 1), threadgroup (TG, 1, 1) with I % TG == 0. params: [top_k, D, I, E, A, N].
+// grid (I / R * 2R, n_blocks, 1), threadgroup (2R, 1, 1); template T, R (outputs per threadgroup,
+// dividing I), KC (K chunk: a multiple of 64 dividing D). params: [top_k, D, I, E, A, N].
 // The decode form of moe_gemm_gate_up_swiglu for one-row blocks (expert, slot, 1, tile): same
 // inputs, same h, the same bits per element. Rows of shared chunk c (expert id E + c) are token
+// slot - A - c * N; routed rows are token sorted_rows[slot] / top_k. Threads 0 .. R-1 run the gate
+// chains of outputs o0 .. o0 + R - 1, threads R .. 2R-1 their up chains (staged form: see the header).
+threadgroup uint4 gemv_ws[2 * 2 * R * (KC / 32 + 1)];
+threadgroup float gemv_ss[2 * 2 * R * (KC / 64)];
+threadgroup float gemv_bs[2 * 2 * R * (KC / 64)];
+threadgroup float4 gemv_xs[2 * (KC / 4)];
+threadgroup float up_sums[R];
+const uint tid = thread_index_in_threadgroup;
+const int blk = int(threadgroup_position_in_grid.y);
+const int e = blocks[4 * blk + 0];
+const int slot = blocks[4 * blk + 1];
+if (blocks[4 * blk + 2] == 0) {
+  return;  // padding entry: the whole threadgroup leaves
+}
+const bool shared = e >= E;
+const long token = shared ? long(slot - A - (e - E) * N) : long(sorted_rows[slot] / top_k);
+const int o0 = int(threadgroup_position_in_grid.x) * R;
+const long row0 = long(shared ? e - E : e) * I + o0;
+const long words = row0 * (D / 8);
+const long groups = row0 * (D / 64);
+const float acc = moe_gemv_staged<2, R, KC, T>(
+    (shared ? w_gate_s : w_gate) + words, (shared ? w_up_s : w_up) + words, D / 8,
+    (shared ? scales_gate_s : scales_gate) + groups, (shared ? scales_up_s : scales_up) + groups,
+    (shared ? biases_gate_s : biases_gate) + groups, (shared ? biases_up_s : biases_up) + groups, D / 64,
+    x + token * D, D, tid, gemv_ws, gemv_ss, gemv_bs, gemv_xs, MOE_Q4_EXPONENT | (uint32_t(E) & 0x80000000u));
+if (int(tid) >= R) {
+  up_sums[int(tid) - R] = acc;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (int(tid) < R) {
+  const float g = acc;
+  const float u = up_sums[tid];
+  h[long(slot) * I + o0 + int(tid)] = static_cast<T>(g / (1.0f + metal::exp(-g)) * u);
+}
+
+// @kernel moe_gemv_down
+// grid (D / R * R, n_blocks, 1), threadgroup (R, 1, 1); template T, R (outputs per threadgroup,
+// dividing D), KC (a multiple of 64 dividing I). params: [I, D, E, Is].
+// The decode form of moe_gemm_down for one-row blocks: y[slot] = h[slot] . Wd[e]^T, same bits.
+// Thread t: output o0 + t (staged form: see the header).
+threadgroup uint4 gemv_ws[2 * R * (KC / 32 + 1)];
+threadgroup float gemv_ss[2 * R * (KC / 64)];
+threadgroup float gemv_bs[2 * R * (KC / 64)];
+threadgroup float4 gemv_xs[2 * (KC / 4)];
+const uint tid = thread_index_in_threadgroup;
+const int blk = int(threadgroup_position_in_grid.y);
+const int e = blocks[4 * blk + 0];
+const int slot = blocks[4 * blk + 1];
+if (blocks[4 * blk + 2] == 0) {
+  return;  // padding entry: the whole threadgroup leaves
+}
+const int o0 = int(threadgroup_position_in_grid.x) * R;
+// Routed: rows e * D + o0 .. of w_down [E, D, I / 8]. Chunk e - E of the shared expert: columns
+// (e - E) * I .. of rows o0 .. of w_down_s [D, Is / 8].
+const bool shared = e >= E;
+const long words = shared ? long(o0) * (Is / 8) + (e - E) * (I / 8) : (long(e) * D + o0) * (I / 8);
+const long groups = shared ? long(o0) * (Is / 64) + (e - E) * (I / 64) : (long(e) * D + o0) * (I / 64);
+const device uint32_t* w = (shared ? w_down_s : w_down) + words;
+const device T* s = (shared ? scales_down_s : scales_down) + groups;
+const device T* b = (shared ? biases_down_s : biases_down) + groups;
+const float acc = moe_gemv_staged<1, R, KC, T>(w, w, shared ? Is / 8 : I / 8, s, s, b, b, shared ? Is / 64 : I / 64,
+                                               h + long(slot) * I, I, tid, gemv_ws, gemv_ss, gemv_bs, gemv_xs,
+                                               MOE_Q4_EXPONENT | (uint32_t(E) & 0x80000000u));
+y[long(slot) * D + o0 + int(tid)] = static_cast<T>(acc);
+
+// @kernel moe_gemv_gate_up_swiglu_rowwise
+// grid (I, n_blocks, 1), threadgroup (TG, 1, 1) with I % TG == 0, D <= MOE_GEMV_MAX_K; template T, CVT
+// (moe_gemv_q4_dot). params: [top_k, D, I, E, A, N].
+// The rowwise decode form of moe_gemm_gate_up_swiglu (benchmark baseline and test oracle of the staged
+// moe_gemv_gate_up_swiglu; same inputs, same h, the same bits per element). Rows of shared chunk c (expert id E + c) are token
 // slot - A - c * N; routed rows are token sorted_rows[slot] / top_k.
 threadgroup float xs[MOE_GEMV_MAX_K];
 const uint tid = thread_index_in_threadgroup;
@@ -357,15 +615,16 @@ const long row = long(shared ? e - E : e) * I + col;
 const device uint32_t* wg_row = (shared ? w_gate_s : w_gate) + row * (D / 8);
 const device uint32_t* wu_row = (shared ? w_up_s : w_up) + row * (D / 8);
 const long srow = row * (D / 64);
-const float g = shared ? moe_gemv_q4_dot(wg_row, scales_gate_s + srow, biases_gate_s + srow, xs, D)
-                       : moe_gemv_q4_dot(wg_row, scales_gate + srow, biases_gate + srow, xs, D);
-const float u = shared ? moe_gemv_q4_dot(wu_row, scales_up_s + srow, biases_up_s + srow, xs, D)
-                       : moe_gemv_q4_dot(wu_row, scales_up + srow, biases_up + srow, xs, D);
+const float g = shared ? moe_gemv_q4_dot<CVT>(wg_row, scales_gate_s + srow, biases_gate_s + srow, xs, D)
+                       : moe_gemv_q4_dot<CVT>(wg_row, scales_gate + srow, biases_gate + srow, xs, D);
+const float u = shared ? moe_gemv_q4_dot<CVT>(wu_row, scales_up_s + srow, biases_up_s + srow, xs, D)
+                       : moe_gemv_q4_dot<CVT>(wu_row, scales_up + srow, biases_up + srow, xs, D);
 h[long(slot) * I + col] = static_cast<T>(g / (1.0f + metal::exp(-g)) * u);
 
-// @kernel moe_gemv_down
-// grid (D, n_blocks, 1), threadgroup (TG, 1, 1) with D % TG == 0. params: [I, D, E, Is].
-// The decode form of moe_gemm_down for one-row blocks: y[slot] = h[slot] . Wd[e]^T, same bits.
+// @kernel moe_gemv_down_rowwise
+// grid (D, n_blocks, 1), threadgroup (TG, 1, 1) with D % TG == 0, I <= MOE_GEMV_MAX_K; template T, CVT.
+// params: [I, D, E, Is].
+// The rowwise decode form of moe_gemm_down (baseline and oracle of the staged moe_gemv_down).
 threadgroup float xs[MOE_GEMV_MAX_K];
 const uint tid = thread_index_in_threadgroup;
 const int blk = int(threadgroup_position_in_grid.y);
@@ -381,9 +640,9 @@ float acc;
 if (e >= E) {  // chunk e - E of the shared expert: columns (e - E) * I .. of its row col
   const long words = long(col) * (Is / 8) + (e - E) * (I / 8);
   const long groups = long(col) * (Is / 64) + (e - E) * (I / 64);
-  acc = moe_gemv_q4_dot(w_down_s + words, scales_down_s + groups, biases_down_s + groups, xs, I);
+  acc = moe_gemv_q4_dot<CVT>(w_down_s + words, scales_down_s + groups, biases_down_s + groups, xs, I);
 } else {
   const long row = long(e) * D + col;
-  acc = moe_gemv_q4_dot(w_down + row * (I / 8), scales_down + row * (I / 64), biases_down + row * (I / 64), xs, I);
+  acc = moe_gemv_q4_dot<CVT>(w_down + row * (I / 8), scales_down + row * (I / 64), biases_down + row * (I / 64), xs, I);
 }
 y[long(slot) * D + col] = static_cast<T>(acc);

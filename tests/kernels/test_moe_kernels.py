@@ -586,6 +586,81 @@ def test_small_calls_run_the_gemms_without_routing_kernels(gemm_sim, monkeypatch
 
 
 # ----------------------------------------------------------------------------------------------
+# Decode GEMVs (row_gemv): the staged forms give the GEMM tiles' bits, and the rowwise forms' bits
+
+
+# (rows per threadgroup, K chunk) of the staged GEMVs; down needs whole simdgroups (R >= 32).
+GEMV_UP_LAYOUTS = st.sampled_from([None, (16, 64), (16, 256), (64, 128), (32, 256), (128, 64)])
+GEMV_DOWN_LAYOUTS = st.sampled_from([None, (32, 64), (64, 128), (32, 256), (128, 64)])
+
+
+@SETTINGS
+@given(shape=st.sampled_from([(128, 64, 16, 4), (256, 128, 8, 2), (192, 64, 4, 1), (64, 192, 6, 3)]),
+       tokens=st.integers(1, 5), chunks=st.integers(0, 2), layout=GEMV_UP_LAYOUTS, down_layout=GEMV_DOWN_LAYOUTS,
+       padding=st.integers(0, 3), seed=st.integers(0, 1000))
+def test_decode_gemvs_same_bits_as_gemm_tiles(gemm_sim, shape, tokens, chunks, layout, down_layout, padding, seed):
+    """Per-assignment blocks (plus 0-2 shared-expert chunks and padding entries of the block map): the
+    staged GEMVs at any layout (rows per threadgroup, K chunk; widths and K chunks that make the layout
+    fall back too) equal both rowwise forms (the int-to-float conversion and moe_q4_value) and, from 8
+    assignments on (the GEMMs take sorted_rows in device memory; MLX passes smaller inputs as
+    constant), the GEMMs' 16-row tiles, bitwise; outputs are poisoned, so an unwritten element shows."""
+    d, i, e, k = shape
+    block = make_sparse_moe_block(hidden=d, expert_width=i, num_experts=e, top_k=k, seed=seed % 5,
+                                  shared_width=max(1, chunks) * i)
+    sw, shared = block.switch_mlp, (block.shared_expert if chunks else None)
+    inds = mx.array(make_routing("uniform", tokens, k, e, seed).astype(np.uint32))
+    x = make_inputs(1, tokens, d, seed=seed).reshape(tokens, d)
+    sched = mk.per_assignment_schedule(inds)
+    a = tokens * k
+    blocks = [sched["blocks"]]
+    if chunks:
+        blocks.append(mk.shared_expert_blocks(tokens, chunks, a, e, mk.SMALL_TILE, True))
+    blocks.append(mx.array(np.tile(np.array([[-1, 0, 0, 0]], np.int32), (padding, 1))).reshape(-1, 4))
+    blocks = mx.concatenate(blocks, axis=0)
+
+    def up(gemv, lay=None, init=None):
+        return mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], blocks, sw.gate_proj, sw.up_proj, k, True, None,
+                                      KERNEL_BACKEND, init_value=init, shared=shared, gemv=gemv, gemv_layout=lay)
+
+    def down(h, gemv, lay=None, init=None):
+        return mk.gemm_down(h, blocks, sw.down_proj, True, None, KERNEL_BACKEND, init_value=init, shared=shared,
+                            gemv=gemv, gemv_layout=lay)
+
+    h_want = up(True, "rowwise", float("nan"))
+    y_want = down(h_want, True, "rowwise", float("nan"))
+    assert h_want.shape == (a + chunks * tokens, i)
+    assert not mx.isnan(h_want).any().item() and not mx.isnan(y_want).any().item()
+    if a >= 8:
+        assert mx.array_equal(up(False), h_want).item() and mx.array_equal(down(h_want, False), y_want).item()
+    for up_layout, dn_layout in ((layout, down_layout), ("rowwise_exp", "rowwise_exp")):
+        h = up(True, up_layout, float("nan"))
+        y = down(h_want, True, dn_layout, float("nan"))
+        assert mx.array_equal(h, h_want).item(), (up_layout, _rms_rel(h, h_want))
+        assert mx.array_equal(y, y_want).item(), (dn_layout, _rms_rel(y, y_want))
+
+
+def test_decode_gemv_geometry():
+    """The staged GEMVs' layouts: R divides the output width, KC (a multiple of 64) divides K, whole
+    simdgroups, threadgroup memory within Apple's 32 KB; at Qwen3.6's shapes the defaults, whose bytes
+    are what ptxas reports for the bridge's translations (24,704 and 24,576 bytes of shared memory)."""
+    assert mk.gemv_geometry("gate_up", 512, 2048) == (32, 256)
+    assert mk.gemv_geometry("down", 2048, 512) == (64, 256)
+    assert mk.gemv_stage_bytes(2, 32, 256) == 24704 and mk.gemv_stage_bytes(1, 64, 256) == 24576
+    for name in ("gate_up", "down"):
+        for width in (64, 128, 192, 320, 512, 2048, 4096):
+            for k in (64, 128, 192, 320, 512, 2048, 4096, 8192):
+                for layout in (None, (16, 256), (32, 256), (64, 256), (128, 128)):
+                    try:
+                        rows, kc = mk.gemv_geometry(name, width, k, layout)
+                    except ValueError:
+                        assert name == "down" and layout[0] < 32  # 16 threads: not a whole simdgroup
+                        continue
+                    matrices = 2 if name == "gate_up" else 1
+                    assert width % rows == 0 and k % kc == 0 and kc % 64 == 0 and (matrices * rows) % 32 == 0
+                    assert mk.gemv_stage_bytes(matrices, rows, kc) <= 32 * 1024
+
+
+# ----------------------------------------------------------------------------------------------
 # The router kernel (fused_expert_up): oracle in float64 from the dequantised weights
 
 

@@ -64,9 +64,13 @@ KERNELS: Dict[str, KernelSpec] = {
                             params=("A", "E", "max_blocks", "large_min_rows")),
     "gate_up": KernelSpec("moe_gemm_gate_up_swiglu", GEMM, *_GATE_UP_SIGNATURE, params=_GATE_UP_PARAMS),
     "down": KernelSpec("moe_gemm_down", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
-    # Decode forms of the two GEMMs for one-row blocks (switch row_gemv): same inputs, same bits.
+    # Decode forms of the two GEMMs for one-row blocks (switch row_gemv): same inputs, same bits. The
+    # staged forms run; the rowwise ones are their benchmark baseline and test oracle (gemv_layout).
     "gemv_gate_up": KernelSpec("moe_gemv_gate_up_swiglu", GEMM, *_GATE_UP_SIGNATURE, params=_GATE_UP_PARAMS),
     "gemv_down": KernelSpec("moe_gemv_down", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
+    "gemv_gate_up_rowwise": KernelSpec("moe_gemv_gate_up_swiglu_rowwise", GEMM, *_GATE_UP_SIGNATURE,
+                                       params=_GATE_UP_PARAMS),
+    "gemv_down_rowwise": KernelSpec("moe_gemv_down_rowwise", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
     "dequant": KernelSpec("moe_dequant_experts_q4", GEMM, ("w", "scales", "biases", "counts", "params"), ("w_out",),
                           params=("O", "K")),
     "combine": KernelSpec("moe_combine_weighted_rows", GEMM, ("y", "slot_of_row", "scores", "gate", "params"),
@@ -257,22 +261,56 @@ def _shared_weights(shared_layer, fallback) -> list:
     return [layer["weight"], layer["scales"], layer["biases"]]
 
 
-GEMV_MAX_K = 4096  # kernels/moe/gemm.metal: MOE_GEMV_MAX_K, the staged row
+GEMV_MAX_K = 4096  # kernels/moe/gemm.metal: MOE_GEMV_MAX_K, the rowwise forms' staged row
+
+# The staged decode GEMVs (kernels/moe/gemm.metal): (outputs per threadgroup R, K chunk KC) per kernel.
+# gate+up: 2R threads (a gate and an up chain per output), K = hidden (2048 at Qwen3.6: 8 chunks);
+# down: R threads, K = expert width (512: 2 chunks). Bench variants: lily_dev/moe_bench.py.
+GEMV_LAYOUT = {"gate_up": (32, 256), "down": (64, 256)}
+GEMV_THREADGROUP_BYTES = 32 * 1024  # Apple's threadgroup memory limit
+
+
+def gemv_stage_bytes(matrices: int, rows: int, chunk: int) -> int:
+    """Threadgroup memory of a staged GEMV: two buffers of packed rows (padded by one uint4), scales and
+    biases as floats and the activation chunk as floats, plus the gate+up form's R up sums."""
+    per_buffer = matrices * rows * (chunk // 32 + 1) * 16 + 2 * matrices * rows * (chunk // 64) * 4 + chunk * 4
+    return 2 * per_buffer + (rows * 4 if matrices == 2 else 0)
+
+
+@lru_cache(maxsize=None)
+def gemv_geometry(name: str, width: int, k: int, layout=None):
+    """(rows R, chunk KC) of staged GEMV ``name`` ('gate_up' / 'down') for output width ``width`` and
+    reduction length ``k``: R from ``layout`` (default GEMV_LAYOUT) halved until it divides the width,
+    KC the largest of 256, 128, 64 (at most the layout's) dividing k whose buffers fit 32 KB."""
+    rows, chunk = layout or GEMV_LAYOUT[name]
+    matrices = 2 if name == "gate_up" else 1
+    while width % rows:
+        rows //= 2
+    if (matrices * rows) % 32:  # whole simdgroups (the bridge runs nothing else with barriers)
+        raise ValueError(f"staged GEMV {name}: {matrices} x {rows} threads are not whole simdgroups")
+    for kc in (256, 128, 64):
+        if kc <= chunk and k % kc == 0 and gemv_stage_bytes(matrices, rows, kc) <= GEMV_THREADGROUP_BYTES:
+            return rows, kc
+    raise ValueError(f"no staged GEMV chunk for {name} at width {width}, K {k}, layout {layout}")
 
 
 @lru_cache(maxsize=None)
 def gemv_threads(width: int) -> int:
-    """Threads per GEMV threadgroup: the largest of 256, 128, 64, 32 dividing the output width."""
+    """Threads per rowwise GEMV threadgroup: the largest of 256, 128, 64, 32 dividing the output width."""
     return next(t for t in (256, 128, 64, 32) if width % t == 0)
 
 
 def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, gate_proj, up_proj,
                         top_k: int, fused_dequant: bool = True, counts: Optional[mx.array] = None,
-                        backend: Optional[str] = None, init_value=None, shared=None, gemv: bool = False) -> mx.array:
+                        backend: Optional[str] = None, init_value=None, shared=None, gemv: bool = False,
+                        gemv_layout=None) -> mx.array:
     """h [A (+ N), I] (slot order) = silu(x Wg^T) * (x Wu^T) for the rows of every block. ``shared``:
     the shared expert (an MLP of 4-bit gate/up/down projections) as m chunks, experts E .. E + m - 1,
     rows A + c * N + n.
-    ``gemv``: the one-row-block form (every block must have one row; 4-bit weights)."""
+    ``gemv``: the one-row-block form (every block must have one row; 4-bit weights). ``gemv_layout``
+    (benchmarks, tests): None, the staged GEMV at GEMV_LAYOUT; (R, KC) another staged layout;
+    'rowwise' the rowwise form as it was before the staged one (a nibble conversion per weight),
+    'rowwise_exp' the rowwise form with moe_q4_value. All give the same bits."""
     n, d = x2d.shape
     e, i = gate_proj["scales"].shape[:2]
     a = sorted_rows.size
@@ -283,19 +321,31 @@ def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, 
     inputs += _shared_weights(shared.up_proj if shared is not None else None, up_proj)
     inputs.append(KERNELS["gate_up"].pack(top_k=top_k, D=d, I=i, E=e, A=a, N=n))
     rows = a + shared_chunks(shared, i) * n
-    return _launch_expert_kernel("gate_up", gemv, inputs, blocks, (rows, i), x2d.dtype, backend, init_value)
+    return _launch_expert_kernel("gate_up", gemv, inputs, blocks, (rows, i), x2d.dtype, backend, init_value,
+                                 d, gemv_layout)
 
 
 def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_shape, dtype, backend,
-                          init_value) -> mx.array:
-    """Launch expert GEMM ``name`` over ``blocks``, or its one-row GEMV form: out [rows, width]."""
+                          init_value, k: int, gemv_layout=None) -> mx.array:
+    """Launch expert GEMM ``name`` over ``blocks`` (reduction length ``k``), or its one-row GEMV form:
+    out [rows, width]."""
     width = out_shape[1]
-    if gemv:
-        grid, threads, name = (width, blocks.shape[0], 1), (gemv_threads(width), 1, 1), "gemv_" + name
+    template = [("T", dtype)]
+    if gemv and gemv_layout in ("rowwise", "rowwise_exp"):
+        if k > GEMV_MAX_K:
+            raise ValueError(f"rowwise GEMV: K {k} > {GEMV_MAX_K}")
+        grid, threads, name = (width, blocks.shape[0], 1), (gemv_threads(width), 1, 1), f"gemv_{name}_rowwise"
+        template.append(("CVT", int(gemv_layout == "rowwise_exp")))
+    elif gemv:
+        rows, chunk = gemv_geometry(name, width, k, gemv_layout)
+        chains = rows * (2 if name == "gate_up" else 1)
+        grid, threads = (width // rows * chains, blocks.shape[0], 1), (chains, 1, 1)
+        template += [("R", rows), ("KC", chunk)]
+        name = "gemv_" + name
     else:
         grid, threads = (width // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), (GEMM_THREADS, 1, 1)
     (out,) = _kernel(name, backend)(
-        inputs=inputs, template=[("T", dtype)], grid=grid, threadgroup=threads,
+        inputs=inputs, template=template, grid=grid, threadgroup=threads,
         output_shapes=[out_shape], output_dtypes=[dtype], init_value=init_value,
     )
     return out
@@ -303,16 +353,17 @@ def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_s
 
 def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = True,
               counts: Optional[mx.array] = None, backend: Optional[str] = None, init_value=None,
-              shared=None, gemv: bool = False) -> mx.array:
+              shared=None, gemv: bool = False, gemv_layout=None) -> mx.array:
     """y [rows, D] (slot order) = h Wd^T for the rows of every block (``shared``: the chunks' down;
-    ``gemv``: the one-row-block form)."""
+    ``gemv``: the one-row-block form; ``gemv_layout`` as for gemm_gate_up_swiglu)."""
     rows, i = h.shape
     e, d = down_proj["scales"].shape[:2]
     inputs = [h, blocks] + _weights(down_proj, fused_dequant, counts, h.dtype, backend)
     inputs += _shared_weights(shared.down_proj if shared is not None else None, down_proj)
     shared_width = i * max(1, shared_chunks(shared, i))
     inputs.append(KERNELS["down"].pack(I=i, D=d, E=e, Is=shared_width))
-    return _launch_expert_kernel("down", gemv, inputs, blocks, (rows, d), h.dtype, backend, init_value)
+    return _launch_expert_kernel("down", gemv, inputs, blocks, (rows, d), h.dtype, backend, init_value, i,
+                                 gemv_layout)
 
 
 def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: Optional[str] = None,
@@ -527,8 +578,7 @@ def _routed_rows(switch_mlp, x: mx.array, inds: mx.array, shared=None, decode_bl
     schedule = _schedule(inds, num_experts, fused, backend, decode_blocks, n_shared, chunks)
     top_k = inds.shape[-1]
     # One-row blocks (the per-assignment schedule) run the GEMV forms: same bits, far less work.
-    gemv = (schedule["one_row_blocks"] and switches.is_enabled("row_gemv")
-            and max(x2d.shape[-1], switch_mlp.gate_proj["scales"].shape[1]) <= GEMV_MAX_K)
+    gemv = schedule["one_row_blocks"] and switches.is_enabled("row_gemv")
     h = gemm_gate_up_swiglu(x2d, schedule["sorted_rows"], schedule["blocks"], switch_mlp.gate_proj,
                             switch_mlp.up_proj, top_k, fused, schedule["counts"], backend, shared=shared, gemv=gemv)
     y = gemm_down(h, schedule["blocks"], switch_mlp.down_proj, fused, schedule["counts"], backend, shared=shared,
@@ -591,8 +641,7 @@ def sparse_moe_kernels(block, x: mx.array) -> Optional[mx.array]:
     fuse_router = (switches.is_enabled("fused_expert_up") and router_backend != "reference"
                    and _cached_reason(block, x, ("router", fuse_shared), router_reason, fuse_shared) is None)
     if (fuse_router and fuse_shared and x2d.shape[0] * k <= PER_ASSIGNMENT_MAX and switches.is_enabled("fused_dequant")
-            and switches.is_enabled("row_gemv") and max(x2d.shape[-1], block.switch_mlp.gate_proj["scales"].shape[1])
-            <= GEMV_MAX_K):
+            and switches.is_enabled("row_gemv")):
         # A decode-sized call on the fused path: replayed from a plan after the first call. The key
         # holds everything the launches' geometry depends on (sharding or re-quantising changes it).
         key = (x2d.shape, x.dtype, backend, router_backend, block.gate["weight"].shape,
