@@ -19,10 +19,10 @@
 #define MOE_ROUTER_MAX_E 1024   // experts (threadgroup arrays; the host checks)
 
 // Dot product of one quantised row with x over D, reduced over the simdgroup (every lane gets it).
-template <int BITS, typename T>
-inline float moe_router_row_dot(
-    const device uint32_t* w, const device T* scales, const device T* biases,
-    const device T* x, int D, uint lane) {
+// Pointer types are template parameters: MLX passes an input of fewer than 8 elements (a small
+// shared-expert gate's scales) in the constant address space, which a `const device T*` refuses.
+template <int BITS, typename PW, typename PS, typename PB, typename PX>
+inline float moe_router_row_dot(PW w, PS scales, PB biases, PX x, int D, uint lane) {
   constexpr int VALUES_PER_WORD = 32 / BITS;
   constexpr int WORDS_PER_GROUP = 64 / VALUES_PER_WORD;
   constexpr uint32_t MASK = (1u << BITS) - 1u;

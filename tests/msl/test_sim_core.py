@@ -359,3 +359,29 @@ def test_every_16_bit_pattern_widens_and_narrows_exactly(mdt, npdt, tname):
         ok = np.isfinite(ref) & np.isfinite(nxt) & (np.sign(ref) == np.sign(nxt)) & (bits != 0x7FFF) & (bits != 0xFFFF)
         expect = mid.astype(npdt).view(np.uint16)
     assert np.array_equal(np.array(tie)[ok], expect[ok])
+
+
+# Metal keeps pointer address spaces apart: MLX passes inputs of fewer than 8 elements as `constant`,
+# and a helper declared for `const device T*` does not take them (a Metal compile error on a Mac).
+_DEVICE_HELPER = "inline float first(const device float* x) { return x[0]; }\n"
+_ANY_SPACE_HELPER = "template <typename P> inline float first(P x) { return x[0]; }\n"
+
+
+def test_small_inputs_are_constant_and_do_not_convert_to_device_pointers():
+    big, small = mx.arange(16, dtype=mx.float32), mx.arange(4, dtype=mx.float32)
+    body = "out[0] = first(inp);"
+    got = run(body, [big], (1,), grid=(1, 1, 1), tg=(1, 1, 1), names=["inp"], header=_DEVICE_HELPER)
+    assert got.item() == 0.0  # 16 elements: a device buffer, the helper takes it
+    with pytest.raises(sim.CompileError, match="first"):
+        run(body, [small], (1,), grid=(1, 1, 1), tg=(1, 1, 1), names=["inp"], header=_DEVICE_HELPER)
+    got = run(body, [small], (1,), grid=(1, 1, 1), tg=(1, 1, 1), names=["inp"], header=_ANY_SPACE_HELPER)
+    assert got.item() == 0.0  # a helper generic in the pointer type takes either
+
+
+def test_reinterpret_cast_keeps_the_address_space():
+    small = mx.arange(4, dtype=mx.float32)
+    cast_device = "out[0] = float(reinterpret_cast<const device uint*>(inp)[1] != 0u);"
+    cast_constant = "out[0] = float(reinterpret_cast<const constant uint*>(inp)[1] != 0u);"
+    with pytest.raises(sim.CompileError, match="address space"):
+        run(cast_device, [small], (1,), grid=(1, 1, 1), tg=(1, 1, 1), names=["inp"])
+    assert run(cast_constant, [small], (1,), grid=(1, 1, 1), tg=(1, 1, 1), names=["inp"]).item() == 1.0

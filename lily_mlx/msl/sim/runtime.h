@@ -325,7 +325,10 @@ struct Index {
   Index(I i, int l = __builtin_LINE()) : v((int64_t)i), line(l) {}
 };
 
-template <class T> struct dptr;
+// Address spaces of kernel-buffer pointers, kept apart as in Metal: a `constant T*` (MLX passes
+// inputs of fewer than 8 elements there) does not convert to a `device T*` parameter and back.
+enum : int { kDevice = 0, kConstant = 1 };
+template <class T, int AS = kDevice> struct dptr;
 // Storage of a checked pointer (always through a pointer to const; the non-const dptr casts).
 template <class C> struct dptr_root {
   C* p = nullptr;
@@ -335,10 +338,12 @@ template <class C> struct dptr_root {
 };
 // dptr<T> derives from dptr<const T>, so a `device T*` argument deduces a helper's `const device U*`
 // parameter (U = T) as in Metal.
-template <class T> using dptr_parent_t = std::conditional_t<std::is_const_v<T>, dptr_root<T>, dptr<const T>>;
+template <class T, int AS>
+using dptr_parent_t = std::conditional_t<std::is_const_v<T>, dptr_root<T>, dptr<const T, AS>>;
 
-template <class T> struct dptr : dptr_parent_t<T> {
+template <class T, int AS> struct dptr : dptr_parent_t<T, AS> {
   using element_type = T;
+  static constexpr int address_space = AS;
 
   dptr() = default;
   dptr(std::nullptr_t) {}
@@ -347,7 +352,7 @@ template <class T> struct dptr : dptr_parent_t<T> {
     this->p = p_; this->base = base_; this->nbytes = nbytes_; this->buf = buf_;
   }
   template <class U, std::enable_if_t<!std::is_same_v<std::remove_const_t<U>, std::remove_const_t<T>>, int> = 0>
-  explicit dptr(const dptr<U>& o) {
+  explicit dptr(const dptr<U, AS>& o) {
     this->p = (T*)o.p; this->base = o.base; this->nbytes = o.nbytes; this->buf = o.buf;
   }
 
@@ -399,6 +404,10 @@ template <class T> struct dptr : dptr_parent_t<T> {
 
 // reinterpret_cast<> on kernel pointers: keeps the bounds of checked pointers.
 template <class To, class From> inline To ptr_cast(From f) {
+  if constexpr (requires { To::address_space; From::address_space; }) {
+    static_assert(To::address_space == From::address_space,
+                  "reinterpret_cast between the device and constant address spaces (Metal refuses it)");
+  }
   if constexpr (requires { typename To::element_type; f.base; }) {
     return To((typename To::element_type*)f.p, f.base, f.nbytes, f.buf);
   } else if constexpr (requires { typename To::element_type; }) {
@@ -411,7 +420,7 @@ template <class To, class From> inline To ptr_cast(From f) {
 }
 
 template <class T> inline T* raw(T* p) { return p; }
-template <class T> inline T* raw(const dptr<T>& p) { return p.at(0); }
+template <class T, int AS> inline T* raw(const dptr<T, AS>& p) { return p.at(0); }
 
 // ---------------------------------------------------------------------------------------------
 // Threadgroup memory: one block per declaration site (and type) per threadgroup, poisoned.

@@ -6,8 +6,9 @@ the simulator's reports back to lines of the MLX-generated kernel text). Rewrite
 - ``[[...]]`` attributes are dropped; ``#include <metal_*>`` lines are commented out;
 - ``threadgroup T name[N]...;`` declarations become references to storage shared by the threadgroup
   (one block per declaration site and type, per threadgroup);
-- ``device``/``constant`` pointer types become checked pointers (``msl_rt::dptr<T>``) so that every
-  access to a kernel buffer is bounds-checked, including through helper functions;
+- ``device``/``constant`` pointer types become checked pointers (``msl_rt::dptr<T>``, constant ones
+  ``msl_rt::dptr<const T, kConstant>``) so that every access to a kernel buffer is bounds-checked,
+  including through helper functions, and a pointer never changes address space (Metal refuses it);
 - remaining address-space qualifiers (``device``, ``constant``, ``threadgroup``, ``thread``) are dropped;
 - ``reinterpret_cast<>`` becomes ``msl_rt::ptr_cast<>`` (keeps the bounds of checked pointers);
   ``auto*`` becomes ``auto``; half literals ``1.0h`` become ``half(1.0f)``.
@@ -28,7 +29,7 @@ _TG_DECL = re.compile(
     r"\bthreadgroup\s+(?P<type>" + _TYPE + r")\s+(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\];]*\]\s*)*);"
 )
 _ADDR_PTR = re.compile(
-    r"(?P<c1>\bconst\s+)?\b(?:device|constant)\s+(?P<c2>const\s+)?(?P<type>[A-Za-z_][\w:]*(?:\s*<[^;{}()]*?>)?)"
+    r"(?P<c1>\bconst\s+)?\b(?P<space>device|constant)\s+(?P<c2>const\s+)?(?P<type>[A-Za-z_][\w:]*(?:\s*<[^;{}()]*?>)?)"
     r"\s*(?P<c3>const\s*)?\*"
 )
 _QUALIFIER = re.compile(r"\b(?:device|constant|threadgroup|thread)\b(?=\s+(?:const\b|[A-Za-z_]))")
@@ -58,10 +59,11 @@ def translate_text(text: str) -> str:
     text = _TG_DECL.sub(tg_decl, text)
 
     def addr_ptr(m):
-        const = "const " if (m.group("c1") or m.group("c2")) else ""
+        constant = m.group("space") == "constant"  # read-only, and its own address space
+        const = "const " if (m.group("c1") or m.group("c2") or constant) else ""
         t = " ".join(m.group("type").split())
         tail = " const" if m.group("c3") else ""
-        return _keep_lines(m.group(0), f"::msl_rt::dptr<{const}{t}>{tail}")
+        return _keep_lines(m.group(0), f"::msl_rt::dptr<{const}{t}{_SPACE[constant]}>{tail}")
 
     text = _ADDR_PTR.sub(addr_ptr, text)
     text = _QUALIFIER.sub("", text)
@@ -70,6 +72,10 @@ def translate_text(text: str) -> str:
     text = _HALF_LITERAL.sub(lambda m: f"half({m.group(1)}f)" if "." in m.group(1) or "e" in m.group(1).lower()
                              else f"half({m.group(1)}.0f)", text)
     return text
+
+
+# dptr's address-space argument: device (the default) or constant.
+_SPACE = {False: "", True: ", ::msl_rt::kConstant"}
 
 
 def param_cpp(p: sig.Param) -> str:
@@ -81,7 +87,7 @@ def param_cpp(p: sig.Param) -> str:
         return f"  ::msl_rt::dptr<{t}> {p.name}"
     if p.ref == "&":
         return f"  const {t}& {p.name}"
-    return f"  ::msl_rt::dptr<const {t}> {p.name}"
+    return f"  ::msl_rt::dptr<const {t}{_SPACE[p.space == 'constant']}> {p.name}"
 
 
 def kernel_cpp(
@@ -121,7 +127,8 @@ def _launcher(kname: str, template_inst: str, params: Sequence[sig.Param]) -> st
         elif p.ref == "&":
             args.append(f"*(const {t}*)L->ptrs[{b}]")
         else:
-            args.append(f"::msl_rt::dptr<const {t}>((const {t}*)L->ptrs[{b}], L->bases[{b}], L->nbytes[{b}], {b})")
+            args.append(f"::msl_rt::dptr<const {t}{_SPACE[p.space == 'constant']}>((const {t}*)L->ptrs[{b}], "
+                        f"L->bases[{b}], L->nbytes[{b}], {b})")
     call = f"{kname}{template_inst}(" + ", ".join(args) + ");"
     return (
         "static void lily_body(::msl_rt::Launch* L, const ::msl_rt::ThreadAttrs& t) {\n"
