@@ -1,6 +1,7 @@
-"""Decode attention microbenchmarks at Qwen3.6's full-attention shape, for the bench harness.
+"""Attention microbenchmarks at Qwen3.6's full-attention shape, for the bench harness.
 
-``microbench_cases()`` -> [(name, run_once, bytes_moved, flops)] at each context:
+``microbench_cases()`` -> [(name, run_once, bytes_moved, flops)]: the decode cases at each context,
+then the prefill cases (``prefill_cases``). Decode:
 
 - ``attention_stock_sdpa_S*``: stock's ``mx.fast.scaled_dot_product_attention`` (what stock MLX-LM
   runs for a decode row);
@@ -17,6 +18,21 @@
 
 Bytes: the live K and V rows once (the floor), plus q and out; flops: 4 * Hq * S * D (two products
 per row and head).
+
+Prefill (``prefill_cases``): a chunk of L = 2048 queries (``PREFILL_CHUNK``) over S = 2K / 8K / 32K
+cached keys plus the chunk itself (``PREFILL_CACHED``), causal, bf16, B = 1:
+
+- ``attention_prefill_stock_sdpa_L2K_S*``: stock's ``mx.fast.scaled_dot_product_attention`` with
+  mask="causal" (what stock MLX-LM runs for a prefill chunk over a plain KVCache; at head dim 256 MLX
+  has no fused kernel on CUDA or M1-M4, so it is matmul, softmax, matmul there);
+- ``attention_prefill_lily_L2K_S*``: lily's flash-attention kernel as ``attention_prefill`` runs it
+  (``PREFILL_SIMDGROUPS`` simdgroups: 4 chunk positions x 8 heads per threadgroup, 16-key tiles);
+- ``attention_prefill_lily_sg8_L2K_S*`` / ``_sg2_``: 8 / 2 simdgroups per threadgroup (8 / 2 chunk
+  positions per staged K/V tile: half / twice the K/V staging traffic of the default).
+
+Flops: the causal work only, 4 * D * Hq * (L * S_cached + L (L + 1) / 2) (two products per visible
+(query, key) pair and head; stock's unfused path computes the masked half of the chunk's square too,
+not counted); bytes: K and V of all S_cached + L rows once, plus q and out.
 """
 
 from __future__ import annotations
@@ -31,6 +47,10 @@ from lily_mlx.ops.attention import kernels as ak
 # Qwen3.6-35B-A3B full attention (one rank): 16 query heads over 2 KV heads, head dim 256.
 QWEN36 = dict(Hq=16, Hkv=2, D=256)
 CONTEXTS = (4096, 32768, 65536, 131072)
+PREFILL_CHUNK = 2048  # MLX-LM's prefill_step_size
+PREFILL_CACHED = (2048, 8192, 32768)
+# Prefill variants of lily's kernel: name suffix -> keyword arguments of ak.prefill_attention.
+PREFILL_VARIANTS = {"": {}, "_sg8": {"simdgroups": 8}, "_sg2": {"simdgroups": 2}}
 REPEATS = 8  # calls per evaluation in the _x8 cases
 
 # Fixed-block variants: name suffix -> keyword arguments of a call (rows per block as a function of S).
@@ -49,8 +69,53 @@ def _fixed_blocks(q, k, v, scale, backend, S, variant):
     return ak.decode_attention_fixed_blocks(q, k, v, scale=scale, backend=backend, **kw)
 
 
+def _label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def prefill_flops(L: int, cached: int, Hq: int = QWEN36["Hq"], D: int = QWEN36["D"], B: int = 1) -> int:
+    """Useful flops of a causal chunk of L queries over `cached` keys plus the chunk."""
+    return 4 * D * Hq * B * (L * cached + L * (L + 1) // 2)
+
+
+def prefill_cases(backend: Optional[str] = None, cached: Sequence[int] = PREFILL_CACHED, L: int = PREFILL_CHUNK,
+                  B: int = 1, dtype=mx.bfloat16) -> List[Case]:
+    """Stock's SDPA and lily's prefill kernel (and its variants) on one causal chunk at each cache size."""
+    backend = backend or resolve_backend()
+    Hq, Hkv, D = QWEN36["Hq"], QWEN36["Hkv"], QWEN36["D"]
+    isz = mx.zeros((), dtype=dtype).itemsize
+    scale = D ** -0.5
+    cases: List[Case] = []
+    for S0 in cached:
+        S = S0 + L
+        kq, kk, kv = mx.random.split(mx.random.key(S0 + 7), 3)
+        q = mx.random.normal((B, Hq, L, D), key=kq).astype(dtype)
+        k = mx.random.normal((B, Hkv, S, D), key=kk).astype(dtype)
+        v = mx.random.normal((B, Hkv, S, D), key=kv).astype(dtype)
+        mx.eval(q, k, v)
+        nbytes = (2 * B * Hkv * S * D + 2 * B * Hq * L * D) * isz
+        flops = prefill_flops(L, S0, Hq, D, B)
+        tag = f"L{_label(L)}_S{_label(S0)}"
+
+        def stock(q=q, k=k, v=v):
+            mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal"))
+
+        cases.append((f"attention_prefill_stock_sdpa_{tag}", stock, nbytes, flops))
+        if backend == "reference":
+            continue
+        for suffix, kw in PREFILL_VARIANTS.items():
+            def lily(q=q, k=k, v=v, kw=kw):
+                mx.eval(ak.prefill_attention(q, k, v, scale=scale, causal=True, backend=backend, **kw))
+
+            cases.append((f"attention_prefill_lily{suffix}_{tag}", lily, nbytes, flops))
+    return cases
+
+
 def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CONTEXTS, B: int = 1,
-                     dtype=mx.bfloat16) -> List[Case]:
+                     dtype=mx.bfloat16, prefill_cached: Sequence[int] = PREFILL_CACHED,
+                     prefill_chunk: int = PREFILL_CHUNK) -> List[Case]:
+    """The decode cases at each of `contexts`, then ``prefill_cases`` (chunk `prefill_chunk` over each
+    of `prefill_cached`; none when it is empty)."""
     backend = backend or resolve_backend()
     Hq, Hkv, D = QWEN36["Hq"], QWEN36["Hkv"], QWEN36["D"]
     isz = mx.zeros((), dtype=dtype).itemsize
@@ -66,7 +131,7 @@ def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CO
         mx.eval(q, k, v)
         nbytes = (2 * B * Hkv * S * D + 2 * B * Hq * D) * isz
         flops = 4 * B * Hq * S * D
-        label = f"{S // 1024}K" if S % 1024 == 0 else str(S)
+        label = _label(S)
 
         def stock(q=q, k=k, v=v):
             mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale))
@@ -94,4 +159,4 @@ def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CO
             mx.eval([_fixed_blocks(q, k, v, s, backend, S, "auto") for s in scales])
 
         cases.append((f"attention_fixed_blocks_auto_x{REPEATS}_S{label}", blocks_x8, REPEATS * nbytes, REPEATS * flops))
-    return cases
+    return cases + prefill_cases(backend, prefill_cached, prefill_chunk, B, dtype)

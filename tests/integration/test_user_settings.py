@@ -222,7 +222,7 @@ def test_patch_report_names_each_op_backend_and_why_reference(loaded_model, monk
         report = lily_mlx.patch(model)._lily_report
         assert lily_mlx.patch_report(model) is report and report.backend == "sim"
         assert report.op_backends["deltanet_scan"] == "sim"
-        assert report.reference_reasons["attention_prefill"] == "no sim kernel yet"
+        assert report.reference_reasons["attention_qk_prep"] == "no sim kernel yet"
         assert report.reference_reasons["moe_routing"] == "LILY_REFERENCE_OPS"
         assert "deltanet_scan" not in report.reference_reasons
         assert report.layers == {"Qwen3NextSparseMoeBlock": 4, "Qwen3NextAttention": 1, "GatedDeltaNet": 3}

@@ -192,8 +192,9 @@ LOGIT_TOL = 2e-2  # relative L2 of a position's bf16 logits (measured 0 to 8.4e-
 @needs_sim
 @pytest.mark.parametrize("off", [(), ("gqa_packing", "coalesced_kv")])
 def test_embedded_model_decode_matches_stock(monkeypatch, off):
-    """Stock's greedy tokens teacher-forced through the patched model (prefill on the reference,
-    then one simulated decode-attention step per token; the other families stay reference): logits
+    """Stock's greedy tokens teacher-forced through the patched model (the prompt through the
+    simulated prefill kernel, then one simulated decode-attention step per token; the other families
+    stay reference): logits
     within bf16 noise of stock's, and stock's token wherever stock's top-2 margin is not a near-tie."""
     from mlx_lm import load
     from mlx_lm.generate import generate_step
@@ -219,9 +220,11 @@ def test_embedded_model_decode_matches_stock(monkeypatch, off):
     try:
         with switches.overrides(disable=list(off)), record_launches() as rec:
             logits = teacher_forced_logits(stock_tokens)
-        assert rec.names() == ["attention_decode"] * (n - 1), "every decode step runs the kernel, nothing else"
+        # the prompt through the prefill kernel (tests/kernels/test_attention_prefill.py), then every
+        # decode step through the decode kernel, nothing else
+        assert rec.names() == ["attention_prefill"] + ["attention_decode"] * (n - 1)
         packed = "gqa_packing" not in off
-        assert {(launch.template["GT"], launch.template["COALESCED"]) for launch in rec} == {
+        assert {(launch.template["GT"], launch.template["COALESCED"]) for launch in rec[1:]} == {
             (8 if packed else 1, int("coalesced_kv" not in off))}
         for pos in range(n):
             assert rel_l2(logits[pos], stock_logits[pos]) < LOGIT_TOL, pos
@@ -418,7 +421,7 @@ def test_microbench_cases_for_the_bench_harness():
     compute the same attention as stock's fused kernel."""
     from lily_dev import attention_bench
 
-    cases = attention_bench.microbench_cases(backend=KERNEL_BACKEND, contexts=(100,))
+    cases = attention_bench.microbench_cases(backend=KERNEL_BACKEND, contexts=(100,), prefill_cached=())
     names = [name for name, *_ in cases]
     assert names == ["attention_stock_sdpa_S100", "attention_stock_sdpa_x8_S100", "attention_decode_gqa_S100",
                      "attention_decode_per_head_S100", "attention_fixed_blocks_auto_S100",

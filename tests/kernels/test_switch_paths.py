@@ -427,6 +427,8 @@ def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Se
             names += expected_deltanet_launches(state, tokens)
         elif tokens == 1:  # decode over a plain KVCache, no mask: the decode attention kernel
             names.append("attention_decode")
+        else:  # a prefill chunk over a plain KVCache, mask "causal": the prefill kernel (no switch)
+            names.append("attention_prefill")
         names += expected_block_launches(state, tokens * top_k)
     return names
 

@@ -242,7 +242,8 @@ def test_ops_registered_with_their_switches():
     used = {s for op in ops.values() for s in op.switches}
     assert used == {n for n, s in switches.SWITCHES.items() if s.family == "attention"}
     # GPUs: once the kernel tests pass there (the one-pass kernel loses to stock's SDPA on a large GPU).
-    with_kernels = {"attention_decode": frozenset({"sim"}), "attention_decode_long": frozenset({"sim"})}
+    with_kernels = {"attention_decode": frozenset({"sim"}), "attention_decode_long": frozenset({"sim"}),
+                    "attention_prefill": frozenset({"sim"})}
     for op in ops.values():
         assert op.kernel_backends == with_kernels.get(op.name, frozenset())
         for backend in ("metal", "cuda", "sim", "reference"):

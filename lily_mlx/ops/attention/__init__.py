@@ -2,8 +2,8 @@
 family. Importing it registers its ops in ``lily_mlx.core.dispatch`` and gives ``attention_forward``,
 the forward the patch layer swaps in.
 
-Modules: ``layer`` (the forward and the dispatch of each op), ``kernels`` (the decode-attention
-kernel's launcher and the shape rules; kernels/attention/decode.metal), ``reference`` (plain-MLX
+Modules: ``layer`` (the forward and the dispatch of each op), ``kernels`` (the attention kernels'
+launchers and shape rules; kernels/attention/decode.metal and prefill.metal), ``reference`` (plain-MLX
 references and the fixed-block algorithm).
 
 Four ops, each a function of ``layer`` with a reference in plain MLX ops and one dispatch point into
@@ -18,7 +18,8 @@ a kernel:
   token-identical).
 
 Kernels: ``attention_decode`` and ``attention_decode_long`` (the fixed-block split: block partials,
-then a merge); the other ops run their reference.
+then a merge), ``attention_prefill`` (flash-attention tiles; kernels/attention/prefill.metal);
+``qk_prep`` runs its reference.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ QK_PREP = register_op(Op(
 PREFILL = register_op(Op(
     "attention_prefill", "attention",
     "attention of a T > 1 chunk over KV cache + chunk (head dim 256, GQA)",
+    kernel_backends=kernels.PREFILL_BACKENDS,  # simulator only until timed on a GPU (kernels.py)
 ))
 DECODE = register_op(Op(
     "attention_decode", "attention",

@@ -1,23 +1,24 @@
-"""Attention kernels, host side: the decode kernels' dispatch table, shape rules (``supports``),
-launch geometry, the fixed-block schedule (rows per block from the context length) and the rules
-that pick the one-pass or the fixed-block path.
+"""Attention kernels, host side: the decode and prefill kernels' dispatch table, shape rules
+(``supports``, ``prefill_supports``), launch geometry, the fixed-block schedule (rows per block from
+the context length) and the rules that pick the one-pass or the fixed-block path.
 
-The kernels live in ``kernels/attention/decode.metal`` (layout notes there and in docs/attention.md).
-The host functions have the signature of ``reference.attention_reference`` for one query row, plus
-the switch states, ``backend`` (``metal``, ``sim`` or ``cuda``) and ``init_value`` (tests poison
-outputs with it).
+The kernels live in ``kernels/attention/decode.metal`` and ``kernels/attention/prefill.metal``
+(layout notes there and in docs/attention.md). The host functions have the signature of
+``reference.attention_reference`` (one query row for decode, a chunk for prefill), plus the switch
+states, ``backend`` (``metal``, ``sim`` or ``cuda``) and ``init_value`` (tests poison outputs with it).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
 from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel
 
-# Dispatch table: one row per kernel of kernels/attention/decode.metal.
+# Dispatch table: one row per kernel of kernels/attention/decode.metal and prefill.metal.
 _FILE = "attention/decode.metal"
+_PREFILL_FILE = "attention/prefill.metal"
 KERNELS = {
     spec.name: spec
     for spec in (
@@ -27,6 +28,8 @@ KERNELS = {
                    ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S", "S_cap", "NB", "BR")),
         KernelSpec("attention_decode_merge_blocks", _FILE, ("part_max", "part_sum", "part_acc", "params"), ("out",),
                    params=("NB",)),
+        KernelSpec("attention_prefill", _PREFILL_FILE, ("q", "k", "v", "scale", "params"), ("out",),
+                   params=("Hkv", "L", "S", "S_cap", "NQ")),
     )
 }
 
@@ -266,5 +269,129 @@ def decode_attention_from_cache(backend: str):
     def launch(queries, keys, values, *, scale, mask=None, cache=None, coalesced=True, gqa_packed=True):
         return decode_attention(queries, cache.keys, cache.values, scale=scale, kv_length=keys.shape[2],
                                 gqa_packed=gqa_packed, coalesced=coalesced, backend=backend)
+
+    return launch
+
+
+# --- prefill (kernels/attention/prefill.metal) ----------------------------------------------------
+
+# Backends the prefill kernel (op ``attention_prefill``) runs on: the simulator only until it has been
+# timed on a GPU against stock's attention (lily_dev/attention_bench.py, ``attention_prefill_*`` cases).
+# To enable it on NVIDIA GPUs add "cuda" here (and "metal" for Apple GPUs) once the kernel tests pass
+# there (``LILY_TEST_KERNEL_BACKEND=cuda python -m pytest tests/kernels/test_attention_kernels.py -k prefill``)
+# and the kernel beats stock at the chunk sizes the model runs.
+PREFILL_BACKENDS = frozenset({"sim"})
+# Simdgroups per threadgroup: each owns one 8-row fragment of (position, head) rows, so a threadgroup
+# holds 8 * PREFILL_SIMDGROUPS rows = 8 * SG / G chunk positions x the G query heads of one KV head.
+PREFILL_SIMDGROUPS = 4
+# Keys per staged tile (BK). A row's reduction order over keys follows these tiles (from key 0), so BK
+# is a constant, never chosen from the batch or the chunk. Threadgroup memory: 2 * BK * (D + 8) * 2
+# bytes (16.5 KiB at D = 256; BK = 32 would need 33 KiB there, over Apple's 32 KiB).
+PREFILL_KEY_TILE = 16
+PREFILL_PAD = 8  # elements after each staged row (the kernel's PREFILL_PAD)
+PREFILL_DTYPES = (mx.bfloat16, mx.float16)  # the products' operand types (simdgroup_matrix)
+PREFILL_GQA_FACTORS = (1, 2, 4, 8)  # G must divide the 8 * SG rows of a threadgroup
+THREADGROUP_MEMORY_LIMIT = 32 * 1024  # Apple GPUs
+
+
+def prefill_threadgroup_bytes(D: int, key_tile: int, itemsize: int = 2) -> int:
+    """Threadgroup memory of the prefill kernel: the K and V tiles of key_tile padded rows."""
+    return 2 * key_tile * (D + PREFILL_PAD) * itemsize
+
+
+def prefill_supports(queries: mx.array, keys: Any, values: Any, mask: Any = None,
+                     cache: Any = None) -> Optional[str]:
+    """None when the prefill kernel can run these inputs; else why it cannot.
+
+    queries: [B, Hq, L, D]; keys, values: [B, Hkv, S, D], the live rows of a plain mlx_lm ``KVCache``
+    (or the arrays themselves without a cache); mask None (every query sees all S keys, as stock's
+    attention without a mask) or "causal" (query i sees keys up to S - L + i)."""
+    from mlx_lm.models.cache import KVCache
+
+    if isinstance(keys, (tuple, list)):  # QuantizedKVCache: (packed, scales, biases)
+        return "quantized KV cache"
+    if isinstance(mask, mx.array):
+        kind = "a bool" if mask.dtype == mx.bool_ else "an additive"
+        return f"{kind} mask array (the kernel takes \"causal\" or None)"
+    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+        return f"mask {mask!r} (the kernel takes \"causal\" or None)"
+    if cache is not None and type(cache) is not KVCache:  # rotating, quantized, batch caches
+        return f"cache {type(cache).__name__} is not a plain KVCache"
+    B, Hq, L, D = queries.shape
+    if keys.ndim != 4 or values.shape != keys.shape or keys.shape[0] != B or keys.shape[3] != D:
+        return f"keys {tuple(keys.shape)} / values {tuple(values.shape)} do not match queries {tuple(queries.shape)}"
+    if D not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {D} not in {SUPPORTED_HEAD_DIMS}"
+    Hkv, S = keys.shape[1], keys.shape[2]
+    if Hkv == 0 or Hq % Hkv != 0:
+        return f"Hq={Hq} not a multiple of Hkv={Hkv}"
+    if Hq // Hkv not in PREFILL_GQA_FACTORS:
+        return f"{Hq // Hkv} query heads per KV head (the kernel takes {PREFILL_GQA_FACTORS})"
+    if queries.dtype not in PREFILL_DTYPES or keys.dtype != queries.dtype or values.dtype != queries.dtype:
+        return f"dtypes q={queries.dtype}, k={keys.dtype}, v={values.dtype} not supported (bf16 or fp16)"
+    if S == 0 or L == 0:
+        return "an empty KV cache or chunk"
+    if mask is not None and S < L:
+        return f"a causal mask with fewer keys ({S}) than queries ({L})"
+    if cache is not None and (cache.keys is None or cache.offset != S or cache.keys.shape[2] < S):
+        return "keys are not the cache's live rows"
+    return None
+
+
+def prefill_geometry(L: int, G: int, simdgroups: Optional[int] = None) -> Tuple[int, int]:
+    """(BQ, NQ): chunk positions per threadgroup (8 * SG / G) and query tiles per (sequence, KV
+    head) for a chunk of L queries."""
+    sg = simdgroups or PREFILL_SIMDGROUPS
+    bq = 8 * sg // G
+    if bq * G != 8 * sg or bq == 0:
+        raise ValueError(f"G={G} must divide the {8 * sg} rows of a threadgroup")
+    return bq, -(-L // bq)
+
+
+def prefill_attention(
+    queries: mx.array,  # [B, Hq, L, D]
+    keys: mx.array,  # [B, Hkv, S_cap, D]: rows < kv_length are live
+    values: mx.array,  # [B, Hkv, S_cap, D]
+    *,
+    scale: float,
+    kv_length: Optional[int] = None,  # live rows S (default: all of S_cap); the chunk is rows S - L .. S - 1
+    causal: bool = True,  # mask "causal" (True) or no mask (False)
+    backend: str,
+    init_value=None,
+    simdgroups: Optional[int] = None,  # per threadgroup (default PREFILL_SIMDGROUPS)
+    key_tile: Optional[int] = None,  # BK (default PREFILL_KEY_TILE)
+) -> mx.array:  # [B, Hq, L, D] in queries' dtype (a transposed view of a [B, L, Hq, D] array)
+    """Attention of a chunk of L queries over S keys (flash-attention tiles, simdgroup_matrix
+    products, fp32 online softmax), GQA: the G query heads of one KV head share each staged K/V tile."""
+    B, Hq, L, D = queries.shape
+    Hkv, S_cap = keys.shape[1], keys.shape[2]
+    S = S_cap if kv_length is None else kv_length
+    G = Hq // Hkv
+    sg = simdgroups or PREFILL_SIMDGROUPS
+    bk = key_tile or PREFILL_KEY_TILE
+    _, nq = prefill_geometry(L, G, sg)
+    spec = KERNELS["attention_prefill"]
+    (out,) = get_kernel(spec, backend)(
+        inputs=[queries, keys, values, float32_scalar(scale), spec.pack(Hkv=Hkv, L=L, S=S, S_cap=S_cap, NQ=nq)],
+        template=[("InT", queries.dtype), ("D", D), ("G", G), ("SG", sg), ("BK", bk), ("CAUSAL", int(causal))],
+        grid=(32 * B * Hkv * nq, sg, 1),
+        threadgroup=(32, sg, 1),
+        output_shapes=[(B, L, Hq, D)],
+        output_dtypes=[queries.dtype],
+        init_value=init_value,
+    )
+    return out.transpose(0, 2, 1, 3)
+
+
+def prefill_attention_from_cache(backend: str):
+    """The launcher ``layer.prefill_attention`` dispatches to on ``backend``: reads a plain KVCache's
+    whole buffer in place (no copy of the live slice), or the keys/values themselves without a cache."""
+
+    def launch(queries, keys, values, *, scale, mask=None, cache=None):
+        causal = mask is not None  # prefill_supports: "causal" or None
+        if cache is not None:
+            return prefill_attention(queries, cache.keys, cache.values, scale=scale, kv_length=keys.shape[2],
+                                     causal=causal, backend=backend)
+        return prefill_attention(queries, keys, values, scale=scale, causal=causal, backend=backend)
 
     return launch

@@ -5,8 +5,8 @@ module as ``self``, and the dispatch of each op (``qk_prep``, ``prefill_attentio
 
 On the reference backend it is exactly stock's computation: the same MLX primitives in the same
 order, mlx_lm's own ``scaled_dot_product_attention`` (quantized KV caches included; ``reference``).
-Kernels: ``attention_decode`` (``kernels``, kernels/attention/decode.metal); the other ops run their
-reference.
+Kernels: ``attention_decode``, ``attention_decode_long`` (``kernels``, kernels/attention/decode.metal)
+and ``attention_prefill`` (kernels/attention/prefill.metal); ``qk_prep`` runs its reference.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ KERNELS: dict = {
        for backend in kernels.DECODE_BACKENDS},
     **{("attention_decode_long", backend): kernels.decode_attention_fixed_blocks_from_cache(backend)
        for backend in kernels.LONG_BACKENDS},
+    **{("attention_prefill", backend): kernels.prefill_attention_from_cache(backend)
+       for backend in kernels.PREFILL_BACKENDS},
 }
 
 
@@ -73,19 +75,13 @@ def qk_prep(q_proj_out, k_proj_out, v_proj_out, *, n_heads, n_kv_heads, q_norm, 
 
 # --- attention over the cache ---------------------------------------------------------------------
 
-def _unsupported_kv(keys: Any, mask: Any) -> Optional[str]:
-    if is_quantized_kv(keys):
-        return "quantized KV cache"
-    if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
-        return "additive mask"
-    return None
-
-
 def prefill_attention(queries, keys, values, *, scale, mask=None, cache=None):
-    """Chunk of L queries over cache + chunk; shapes as ``attention_reference``."""
-    kernel = _kernel_for("attention_prefill", _unsupported_kv(keys, mask))
-    if kernel is not None:  # pragma: no cover
-        return kernel(queries, keys, values, scale=scale, mask=mask)
+    """Chunk of L queries over cache + chunk; shapes as ``attention_reference``. The kernel takes a
+    plain ``KVCache`` (or no cache) with mask "causal" or None (shape rules: ``kernels.prefill_supports``);
+    bool or additive mask arrays (batched caches), quantized and rotating caches run stock's attention."""
+    kernel = _kernel_for("attention_prefill", kernels.prefill_supports(queries, keys, values, mask, cache))
+    if kernel is not None:
+        return kernel(queries, keys, values, scale=scale, mask=mask, cache=cache)
     return attention_reference(queries, keys, values, scale=scale, mask=mask, cache=cache)
 
 
