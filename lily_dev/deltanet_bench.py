@@ -55,7 +55,7 @@ def _scan_flops(B, T, Hv, Dk, Dv) -> int:
 
 
 def microbench_cases(backend: Optional[str] = None, B: int = 1, dtype=mx.bfloat16) -> List[Case]:
-    """Scan (T = 512, 2K, 8K; register and blockwise), decode (fused, unfused) and the decode step from
+    """Scan (T = 512, 2K, 8K; register, staged and blockwise), decode (fused, unfused) and the decode step from
     the in_proj output (one kernel vs conv + decode kernels) at Qwen3.6 shapes, plus stock's paths for
     comparison. ``backend`` defaults to the active one; on the reference
     backend the lily cases are left out (there is no kernel to time)."""
@@ -80,6 +80,13 @@ def microbench_cases(backend: Optional[str] = None, B: int = 1, dtype=mx.bfloat1
 
                 name = f"deltanet_scan_{'register' if register else 'blockwise'}_T{T}"
                 cases.append((name, run, _scan_bytes(B, T, Hk, Hv, Dk, Dv, isz, blocks), flops))
+
+            def run_staged(x=x, g=g, beta=beta):
+                mx.eval(dk.scan(x["q"], x["k"], x["v"], g, beta, x["state"], staged=True, backend=backend))
+
+            # deltanet_scan_staged (issue 14): the register scan's bits, inputs staged through
+            # threadgroup memory a chunk at a time; to be timed against deltanet_scan_register_T{T}.
+            cases.append((f"deltanet_scan_staged_T{T}", run_staged, _scan_bytes(B, T, Hk, Hv, Dk, Dv, isz), flops))
         cases += _stock_scan_cases(x, g, beta, T, _scan_bytes(B, T, Hk, Hv, Dk, Dv, isz), flops,
                                    backend if kernels else None)
 

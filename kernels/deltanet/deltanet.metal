@@ -242,6 +242,138 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
   }
 }
 
+// @kernel deltanet_scan_staged
+// deltanet_scan_register's scan with its inputs staged through threadgroup memory, a chunk of CHUNK
+// tokens at a time, the next chunk prefetched into registers while this one computes (issue 14: the
+// register scan waits on q/k/v/g/beta loads from device memory inside every step's dependency
+// chain, with 1 simdgroup per SIMD scheduler to hide nothing). Same bits as deltanet_scan_register
+// and as the decode kernels: each token goes through deltanet_decode_row (same lanes per row, same
+// columns per lane, same accumulation order, same shuffles), and the staged values are the same fp32
+// values (InT -> float is exact; g, beta are the same loads). Same inputs, outputs and grid as
+// deltanet_scan_register; TGY (template) = threadgroup.y, so the chunk's loads split evenly over the
+// 32 TGY threads of the threadgroup (all of one head (b, hv): q, k, g, beta, mask are shared, v per
+// row). Per chunk: each thread loads CHUNK Dk / (32 TGY) elements of q and of k, CHUNK TG_ROWS /
+// (32 TGY) of v (coalesced, independent: one memory latency per chunk instead of one per token),
+// threads tid < CHUNK one token's g, beta, mask; two barriers per chunk (uniform: t0 is).
+// params: named in the launcher's KernelSpec (a generated prologue declares them).
+{
+  constexpr int LANES = Dk / DELTANET_EPL;
+  constexpr int ROWS = 32 / LANES;
+  constexpr int CHUNK = Dk <= 128 ? 16 : 8;  // q_s + k_s: 16 KiB at Dk = 128 and 256
+  constexpr int NTHREADS = 32 * TGY;
+  constexpr int TG_ROWS = ROWS * TGY;
+  constexpr int QK_PER = (CHUNK * Dk + NTHREADS - 1) / NTHREADS;
+  constexpr int V_PER = (CHUNK * TG_ROWS + NTHREADS - 1) / NTHREADS;
+  threadgroup float q_s[CHUNK * Dk];
+  threadgroup float k_s[CHUNK * Dk];
+  threadgroup float v_s[CHUNK * TG_ROWS];
+  threadgroup float gbl_s[3 * CHUNK];  // g, beta, live (1 or 0) of each staged token
+
+  const int n = static_cast<int>(thread_position_in_grid.z);  // b * Hv + hv
+  const int b_idx = n / Hv;
+  const int hv = n % Hv;
+  const int hk = hv / (Hv / Hk);
+  const int lane = static_cast<int>(thread_index_in_simdgroup);
+  const int col0 = lane % LANES;
+  const int local_row = static_cast<int>(thread_position_in_threadgroup.y) * ROWS + lane / LANES;
+  const int dv = static_cast<int>(thread_position_in_grid.y) * ROWS + lane / LANES;
+  const int row0 = dv - local_row;  // the threadgroup's first state row
+  const int tid = static_cast<int>(thread_index_in_threadgroup);
+
+  const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
+  float state[DELTANET_EPL];
+  for (int i = 0; i < DELTANET_EPL; ++i) {
+    state[i] = has_state ? state_in[row + col0 + i * LANES] : 0.0f;
+  }
+
+  float q_pf[QK_PER];
+  float k_pf[QK_PER];
+  float v_pf[V_PER];
+  float g_pf = 0.0f;
+  float beta_pf = 0.0f;
+  float live_pf = 0.0f;
+
+  // t0 = -CHUNK only prefetches chunk 0; every later pass stages the prefetched chunk t0, prefetches
+  // chunk t0 + CHUNK (its loads in flight while chunk t0 computes) and computes chunk t0.
+  for (int t0 = -CHUNK; t0 < T; t0 += CHUNK) {
+    if (t0 >= 0) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // chunk t0 - CHUNK fully read
+      for (int j = 0; j < QK_PER; ++j) {
+        const int e = tid + j * NTHREADS;
+        if (e < CHUNK * Dk) {
+          q_s[e] = q_pf[j];
+          k_s[e] = k_pf[j];
+        }
+      }
+      for (int j = 0; j < V_PER; ++j) {
+        const int e = tid + j * NTHREADS;
+        if (e < CHUNK * TG_ROWS) {
+          v_s[e] = v_pf[j];
+        }
+      }
+      if (tid < CHUNK) {
+        gbl_s[tid] = g_pf;
+        gbl_s[CHUNK + tid] = beta_pf;
+        gbl_s[2 * CHUNK + tid] = live_pf;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+
+    const int tn = t0 + CHUNK;  // prefetch chunk tn (tokens past T: zeros, not live)
+    if (tn < T) {
+      for (int j = 0; j < QK_PER; ++j) {
+        const int e = tid + j * NTHREADS;
+        const int t = tn + e / Dk;
+        const bool in = e < CHUNK * Dk && t < T;
+        const size_t at = ((static_cast<size_t>(b_idx) * T + t) * Hk + hk) * Dk + e % Dk;
+        q_pf[j] = in ? static_cast<float>(q[at]) : 0.0f;
+        k_pf[j] = in ? static_cast<float>(k[at]) : 0.0f;
+      }
+      for (int j = 0; j < V_PER; ++j) {
+        const int e = tid + j * NTHREADS;
+        const int t = tn + e / TG_ROWS;
+        const bool in = e < CHUNK * TG_ROWS && t < T;
+        const size_t at = ((static_cast<size_t>(b_idx) * T + t) * Hv + hv) * Dv + row0 + e % TG_ROWS;
+        v_pf[j] = in ? static_cast<float>(v[at]) : 0.0f;
+      }
+      if (tid < CHUNK) {
+        const int t = tn + tid;
+        const size_t bt = static_cast<size_t>(b_idx) * T + t;
+        const bool in = t < T;
+        g_pf = in ? static_cast<float>(g[bt * Hv + hv]) : 0.0f;
+        beta_pf = in ? static_cast<float>(beta[bt * Hv + hv]) : 0.0f;
+        live_pf = (in && (!has_mask || mask[bt])) ? 1.0f : 0.0f;
+      }
+    }
+
+    if (t0 >= 0) {
+      const int steps = min(CHUNK, T - t0);
+      for (int s = 0; s < steps; ++s) {
+        const size_t bt = static_cast<size_t>(b_idx) * T + t0 + s;
+        const size_t y_at = (bt * Hv + hv) * Dv + dv;
+        // Uniform over the threadgroup (one b, one t): the shuffles are reached by all lanes.
+        if (gbl_s[2 * CHUNK + s] == 0.0f) {
+          if (col0 == 0) {
+            y[y_at] = static_cast<OutT>(0);
+          }
+          continue;
+        }
+        threadgroup float* q_t = q_s + s * Dk + col0;
+        threadgroup float* k_t = k_s + s * Dk + col0;
+        const float out = deltanet_decode_row<LANES>(state, q_t, k_t, v_s[s * TG_ROWS + local_row], gbl_s[s],
+                                                     gbl_s[CHUNK + s]);
+        if (col0 == 0) {
+          y[y_at] = static_cast<OutT>(out);
+        }
+      }
+    }
+  }
+
+  for (int i = 0; i < DELTANET_EPL; ++i) {
+    state_out[row + col0 + i * LANES] = state[i];
+  }
+}
+
 // @kernel deltanet_scan_blockwise
 // The register_scan=off ablation: same thread layout, but the state is materialised in device
 // memory after every block of `block` tokens (block_states[n, blk] = state after block blk) and

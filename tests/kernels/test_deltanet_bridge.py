@@ -33,6 +33,8 @@ def _record_launches():
             for register in (True, False):
                 dk.scan(x["q"], x["k"], x["v"], g, beta, x["state"], mx.ones((2, 3), mx.bool_), register=register,
                         backend="cuda")
+            dk.scan(x["q"], x["k"], x["v"], g, beta, x["state"], mx.ones((2, 3), mx.bool_), staged=True,
+                    backend="cuda")
             dk.gated_norm(x["v"], x["z"], x["weight"], 1e-6, backend="cuda")
             x = _inputs(2, 1, Hk, Hv, Dk, Dv, mx.bfloat16)
             for fused in (True, False):

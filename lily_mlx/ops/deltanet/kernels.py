@@ -28,6 +28,11 @@ KERNELS = {
             params=("B", "T", "Hk", "Hv", "has_state", "has_mask"),
         ),
         KernelSpec(
+            "deltanet_scan_staged", _FILE,
+            ("q", "k", "v", "g", "beta", "state_in", "mask", "params"), ("y", "state_out"),
+            params=("B", "T", "Hk", "Hv", "has_state", "has_mask"),
+        ),
+        KernelSpec(
             "deltanet_scan_blockwise", _FILE,
             ("q", "k", "v", "g", "beta", "state_in", "mask", "params"), ("y", "state_out", "block_states"),
             params=("B", "T", "Hk", "Hv", "has_state", "has_mask", "block", "n_blocks"),
@@ -155,11 +160,14 @@ def gates(a, b, A_log, dt_bias, *, backend: str, init_value=None) -> Tuple[mx.ar
 
 
 def scan(q, k, v, g, beta, state, mask=None, *, register: bool = True, backend: str, init_value=None,
-         block: Optional[int] = None, return_block_states: bool = False, out_dtype=None):
+         block: Optional[int] = None, return_block_states: bool = False, out_dtype=None, staged: bool = False):
     """Delta-rule scan (reference: ``scan_ops``). y is 0 at masked positions.
 
     q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g: [B, T, Hv] fp32; beta: [B, T, Hv]; state fp32 or None.
     ``register``: state in registers for the whole scan; else the blockwise ablation.
+    ``staged`` (with ``register``): ``deltanet_scan_staged``, the register scan with its inputs staged
+    through threadgroup memory a chunk of tokens at a time (same bits; not dispatched by the layer
+    until timed on a GPU, see docs/deltanet.md).
     ``out_dtype``: y's dtype (default q's).
     """
     _refuse_unsupported(q, v, g, state)
@@ -175,8 +183,11 @@ def scan(q, k, v, g, beta, state, mask=None, *, register: bool = True, backend: 
     geometry = dict(grid=(32, simdgroups, B * Hv), threadgroup=(32, _scan_threadgroup_y(simdgroups), 1))
     state_shape = (B, Hv, Dv, Dk)
     if register:
-        y, state_out = get_kernel(KERNELS["deltanet_scan_register"], backend)(
-            inputs=inputs + [KERNELS["deltanet_scan_register"].pack(
+        name = "deltanet_scan_staged" if staged else "deltanet_scan_register"
+        if staged:  # the staged loads are split over the threadgroup's 32 TGY threads at compile time
+            template = template + [("TGY", geometry["threadgroup"][1])]
+        y, state_out = get_kernel(KERNELS[name], backend)(
+            inputs=inputs + [KERNELS[name].pack(
                 B=B, T=T, Hk=Hk, Hv=Hv, has_state=has_state, has_mask=has_mask)],
             template=template, **geometry,
             output_shapes=[(B, T, Hv, Dv), state_shape],
