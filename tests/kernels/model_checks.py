@@ -21,3 +21,31 @@ def decided_positions(stock_logits: mx.array) -> Tuple[np.ndarray, int]:
     decided = np.array(top2[:, 1] - top2[:, 0]) > NEAR_TIE
     first_tie = int(np.argmin(decided)) if not decided.all() else len(decided)
     return decided, first_tie
+
+
+def check_fallbacks_match_stock(op, cases, caplog, equal_nan: bool = False):
+    """Run attention ``op`` on each fallback case twice: stock's attention bit for bit (quantized caches
+    excepted: stock's quantized attention is not repeatable on CPU here), no kernel launch, one log
+    line per case naming its reason. ``cases``: (reason, q, keys, values, mask, cache)."""
+    import logging
+
+    import mlx.core as mx
+
+    from lily_mlx.core.kernel_registry import record_launches
+    from lily_mlx.core.log import reset_log_once
+    from lily_mlx.ops.attention import reference as attref
+
+    reset_log_once()
+    with caplog.at_level(logging.INFO, logger="lily_mlx"), record_launches() as rec:
+        for _ in range(2):
+            for reason, q, keys, values, mask, cache in cases:
+                out = op(q, keys, values, scale=0.125, mask=mask, cache=cache)
+                if not isinstance(keys, tuple):
+                    stock = attref.attention_reference(q, keys, values, scale=0.125, mask=mask, cache=cache)
+                    assert bool(mx.array_equal(out, stock, equal_nan=equal_nan).item()), reason
+    assert rec.names() == []
+    notes = [r.getMessage() for r in caplog.records if r.name == "lily_mlx"]
+    assert len(notes) == len(cases), notes  # one line per case, not per call
+    for (reason, *_), note in zip(cases, notes):
+        assert reason in note, (reason, note)
+    reset_log_once()

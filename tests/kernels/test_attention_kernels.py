@@ -8,7 +8,6 @@ dispatch (plain KVCache and no mask -> kernel; anything else -> stock, logged on
 embedded model decoding with the kernel against stock.
 """
 
-import logging
 from unittest import mock
 
 import mlx.core as mx
@@ -19,13 +18,12 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from lily_mlx.core import switches
 from lily_mlx.core.kernel_registry import record_launches
-from lily_mlx.core.log import reset_log_once
 from lily_mlx.ops.attention import kernels as ak
 from lily_mlx.ops.attention import layer as att
 from lily_mlx.ops.attention import reference as attref
 from lily_mlx.ops.deltanet import kernels as deltanet_kernels
 from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
-from tests.kernels.model_checks import decided_positions
+from tests.kernels.model_checks import check_fallbacks_match_stock, decided_positions
 from tests.kernels.model_checks import teacher_forced_logits as shared_teacher_forced_logits
 from tests.ops.deltanet_cases import rel_l2
 
@@ -155,22 +153,7 @@ def test_unsupported_inputs_fall_back_to_stock(monkeypatch, caplog):
     """Masks, rotating/quantized/no caches, other head dims: stock's attention bit for bit (no
     simulator needed), no launch, each reason logged once (the cases run twice)."""
     monkeypatch.setenv("LILY_BACKEND", "sim")
-    reset_log_once()
-    rng = np.random.default_rng(6)
-    cases = _fallback_cases(rng)
-    with caplog.at_level(logging.INFO, logger="lily_mlx"), record_launches() as rec:
-        for _ in range(2):
-            for reason, q, keys, values, mask, cache in cases:
-                out = att.decode_attention(q, keys, values, scale=0.125, mask=mask, cache=cache)
-                if not isinstance(keys, tuple):  # stock's quantized attention is not repeatable on CPU here
-                    stock = attref.attention_reference(q, keys, values, scale=0.125, mask=mask, cache=cache)
-                    assert bool(mx.array_equal(out, stock).item()), reason
-    assert rec.names() == []
-    notes = [r.getMessage() for r in caplog.records if r.name == "lily_mlx"]
-    assert len(notes) == len(cases), notes  # one line per case (five distinct reasons), not per call
-    for (reason, *_), note in zip(cases, notes):
-        assert reason in note, (reason, note)
-    reset_log_once()
+    check_fallbacks_match_stock(att.decode_attention, _fallback_cases(np.random.default_rng(6)), caplog)
 
 
 def test_reference_backend_never_launches(monkeypatch):

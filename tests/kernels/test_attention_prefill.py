@@ -18,7 +18,6 @@ errors, random in sign). Measured over 230 random shapes of the test below: bf16
 the fp32 oracle alone to bf16 gives 1.7e-3), fp16 <= 2.8e-4 (2.1e-4); the bound is 3.9e-3 / 9.8e-4.
 """
 
-import logging
 
 import mlx.core as mx
 import numpy as np
@@ -28,13 +27,12 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from lily_mlx.core.kernel_registry import record_launches
-from lily_mlx.core.log import reset_log_once
 from lily_mlx.ops.attention import kernels as ak
 from lily_mlx.ops.attention import layer as att
 from lily_mlx.ops.attention import reference as attref
 from lily_mlx.ops.deltanet import kernels as deltanet_kernels
 from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
-from tests.kernels.model_checks import decided_positions
+from tests.kernels.model_checks import check_fallbacks_match_stock, decided_positions
 from tests.ops.deltanet_cases import rel_l2
 
 SIM_MISSING = kernel_backend_problem() or deltanet_kernels.backend_unavailable_reason(KERNEL_BACKEND)
@@ -293,24 +291,10 @@ def test_unsupported_inputs_fall_back_to_stock(monkeypatch, caplog):
     queries: stock's attention bit for bit (no simulator needed), no launch, each reason logged
     once (the cases run twice)."""
     monkeypatch.setenv("LILY_BACKEND", "sim")
-    reset_log_once()
-    rng = np.random.default_rng(9)
-    cases = _fallback_cases(rng)
-    with caplog.at_level(logging.INFO, logger="lily_mlx"), record_launches() as rec:
-        for _ in range(2):
-            for reason, q, keys, values, mask, cache in cases:
-                out = att.prefill_attention(q, keys, values, scale=0.125, mask=mask, cache=cache)
-                if not isinstance(keys, tuple):  # stock's quantized attention is not repeatable on CPU here
-                    stock = attref.attention_reference(q, keys, values, scale=0.125, mask=mask, cache=cache)
-                    assert bool(mx.array_equal(out, stock, equal_nan=True).item()), reason
-    assert rec.names() == []
-    notes = [r.getMessage() for r in caplog.records if r.name == "lily_mlx"]
-    assert len(notes) == len(cases), notes  # one line per case (distinct reasons), not per call
-    for (reason, *_), note in zip(cases, notes):
-        assert reason in note, (reason, note)
+    cases = _fallback_cases(np.random.default_rng(9))
+    check_fallbacks_match_stock(att.prefill_attention, cases, caplog, equal_nan=True)
     _, q, keys, values, _, plain = cases[0]
     assert "mask 'sliding'" in ak.prefill_supports(q, keys, values, "sliding", plain)  # any other mask kind
-    reset_log_once()
 
 
 def test_prefill_op_registered_for_the_simulator_only():
