@@ -55,6 +55,12 @@ inline float moe_q4_value(uint32_t word, int j, uint32_t exponent = MOE_Q4_EXPON
   return m * scale - offset;
 }
 
+// MOE_Q4_EXPONENT built from a runtime value (n > 0, so its sign bit is clear and this is the
+// constant): the compiler cannot fold it, keeps it in a register and merges the mask and the or.
+inline uint32_t moe_q4_exponent_unfolded(int n) {
+  return MOE_Q4_EXPONENT | (uint32_t(n) & 0x80000000u);
+}
+
 // One 4-bit weight: w = scale * q + bias. The tile loader and the decode GEMVs both use this one
 // expression, so a weight has the same float value (and rounding) on either path.
 inline float moe_dequant_q4(uint32_t word, int j, float scale, float bias,
@@ -551,7 +557,7 @@ const float acc = moe_gemv_staged<2, R, KC, T>(
     (shared ? w_gate_s : w_gate) + words, (shared ? w_up_s : w_up) + words, D / 8,
     (shared ? scales_gate_s : scales_gate) + groups, (shared ? scales_up_s : scales_up) + groups,
     (shared ? biases_gate_s : biases_gate) + groups, (shared ? biases_up_s : biases_up) + groups, D / 64,
-    x + token * D, D, tid, gemv_ws, gemv_ss, gemv_bs, gemv_xs, MOE_Q4_EXPONENT | (uint32_t(E) & 0x80000000u));
+    x + token * D, D, tid, gemv_ws, gemv_ss, gemv_bs, gemv_xs, moe_q4_exponent_unfolded(E));
 if (int(tid) >= R) {
   up_sums[int(tid) - R] = acc;
 }
@@ -589,7 +595,7 @@ const device T* s = (shared ? scales_down_s : scales_down) + groups;
 const device T* b = (shared ? biases_down_s : biases_down) + groups;
 const float acc = moe_gemv_staged<1, R, KC, T>(w, w, shared ? Is / 8 : I / 8, s, s, b, b, shared ? Is / 64 : I / 64,
                                                h + long(slot) * I, I, tid, gemv_ws, gemv_ss, gemv_bs, gemv_xs,
-                                               MOE_Q4_EXPONENT | (uint32_t(E) & 0x80000000u));
+                                               moe_q4_exponent_unfolded(E));
 y[long(slot) * D + o0 + int(tid)] = static_cast<T>(acc);
 
 // @kernel moe_gemv_gate_up_swiglu_rowwise
