@@ -385,3 +385,17 @@ def test_reinterpret_cast_keeps_the_address_space():
     with pytest.raises(sim.CompileError, match="address space"):
         run(cast_device, [small], (1,), grid=(1, 1, 1), tg=(1, 1, 1), names=["inp"])
     assert run(cast_constant, [small], (1,), grid=(1, 1, 1), tg=(1, 1, 1), names=["inp"]).item() == 1.0
+
+
+def test_threadgroup_memory_does_not_convert_to_a_device_pointer():
+    body = """
+        threadgroup float buf[32];
+        buf[thread_position_in_threadgroup.x] = inp[thread_position_in_grid.x];
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[thread_position_in_grid.x] = first(buf);
+    """
+    x = mx.arange(32, dtype=mx.float32)
+    with pytest.raises(sim.CompileError, match="first"):
+        run(body, [x], (32,), names=["inp"], header=_DEVICE_HELPER)
+    tg_helper = "inline float first(threadgroup float* x) { return x[0]; }\n"
+    assert run(body, [x], (32,), names=["inp"], header=tg_helper).tolist() == [0.0] * 32

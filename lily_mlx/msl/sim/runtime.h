@@ -347,7 +347,7 @@ template <class T, int AS> struct dptr : dptr_parent_t<T, AS> {
 
   dptr() = default;
   dptr(std::nullptr_t) {}
-  dptr(T* raw) { this->p = raw; }
+  explicit dptr(T* raw) { this->p = raw; }  // explicit: a threadgroup or thread pointer is no device pointer
   dptr(T* p_, const char* base_, int64_t nbytes_, int buf_) {
     this->p = p_; this->base = base_; this->nbytes = nbytes_; this->buf = buf_;
   }
