@@ -399,3 +399,12 @@ def test_threadgroup_memory_does_not_convert_to_a_device_pointer():
         run(body, [x], (32,), names=["inp"], header=_DEVICE_HELPER)
     tg_helper = "inline float first(threadgroup float* x) { return x[0]; }\n"
     assert run(body, [x], (32,), names=["inp"], header=tg_helper).tolist() == [0.0] * 32
+
+
+def test_double_is_a_metal_compile_error():
+    with pytest.raises(sim.CompileError, match="no 64-bit float"):
+        run("double d = inp[0]; out[0] = float(d);", [mx.zeros((16,))], (1,), grid=(1, 1, 1), tg=(1, 1, 1),
+            names=["inp"])
+    # a comment may say it
+    run("// double buffering\nout[0] = inp[0];", [mx.zeros((16,))], (1,), grid=(1, 1, 1), tg=(1, 1, 1),
+        names=["inp"])

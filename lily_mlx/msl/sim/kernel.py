@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import warnings
 from typing import List, Optional, Sequence
 
@@ -181,6 +182,7 @@ class MetalKernel:
         built = self._built.get((kname, traced))
         if built is None:
             self._check_mlx_signature(metal_text, kname)
+            self._check_metal_types(metal_text, kname)
             specs = sig.classify_inputs(self.input_names, inputs, self.source)
             params = sig.parameters(specs, self.output_names, output_dtypes, self.source, self.atomic_outputs)
             cpp = translate.kernel_cpp(kname, self.header, self.source, sig.template_params(template),
@@ -267,6 +269,18 @@ class MetalKernel:
                           "returned 0 (allow_oob_reads=True); on a GPU they read whatever memory is there",
                           stacklevel=3)
         return outputs_np
+
+    @staticmethod
+    def _check_metal_types(metal_text: str, kname: str) -> None:
+        # Apple GPUs have no 64-bit float: `double` in a kernel is a Metal compile error, while the
+        # simulator's C++ and the CUDA bridge would accept it.
+        code = re.sub(r"//[^\n]*|/\*.*?\*/", " ", metal_text, flags=re.DOTALL)
+        m = re.search(r"\bdouble\b", code)
+        if m:
+            line = code.count("\n", 0, m.start()) + 1
+            raise build.CompileError(
+                f"[lily_mlx.msl.sim] kernel {kname}: `double` at line {line}: Metal has no 64-bit float "
+                f"type on Apple GPUs (use float).\n{build.numbered(metal_text)}")
 
     @staticmethod
     def _check_mlx_signature(metal_text: str, kname: str) -> None:
