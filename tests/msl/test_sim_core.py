@@ -408,3 +408,10 @@ def test_double_is_a_metal_compile_error():
     # a comment may say it
     run("// double buffering\nout[0] = inp[0];", [mx.zeros((16,))], (1,), grid=(1, 1, 1), tg=(1, 1, 1),
         names=["inp"])
+
+
+def test_runtime_sized_arrays_are_a_compile_error():
+    # g++ accepts `float a[n]` with n known only at run time (an extension); Metal does not.
+    with pytest.raises(sim.CompileError, match="variable length array|vla"):
+        run("int n = int(inp[0]) + 1; float a[n]; a[0] = inp[0]; out[0] = a[0];", [mx.zeros((16,))], (1,),
+            grid=(1, 1, 1), tg=(1, 1, 1), names=["inp"])

@@ -24,7 +24,8 @@ PRELUDE_FILES = ("prelude.h", "metal_types.h", "metal_math.h", "runtime.h", "sim
 # -ffp-contract=off: no fused multiply-add unless the kernel asks for fma() (bitwise comparisons
 # between kernels must not depend on the host compiler's contraction choices).
 CXX_FLAGS = ("-std=c++20", "-O1", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
-             "-fno-math-errno", "-Wno-unknown-pragmas", "-Wno-attributes", "-pthread")
+             "-fno-math-errno", "-Wno-unknown-pragmas", "-Wno-attributes", "-pthread",
+             "-Werror=vla")  # arrays sized at run time: a GNU extension, a compile error in Metal
 
 
 class CompileError(RuntimeError):
