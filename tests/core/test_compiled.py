@@ -55,3 +55,18 @@ def test_only_traceable_backends_with_the_switch_on():
     assert not compiled.enabled("sim") and not compiled.enabled("cuda", "reference")
     with switches.overrides(disable=["compiled_decode"]):
         assert not compiled.enabled("cuda")
+
+
+def test_traces_do_not_keep_a_deleted_model_alive():
+    """A trace holds its owner (the implicit input) and the owner holds its traces: a cycle the garbage
+    collector must free, or a deleted 20 GB model would stay in memory."""
+    import gc
+    import weakref
+
+    module = nn.Linear(64, 64)
+    fn = lambda x: module(x) * 2  # noqa: E731
+    mx.eval(compiled.call(module, "k", fn, (mx.ones((1, 64)),)))
+    ref = weakref.ref(module)
+    del module, fn
+    gc.collect()
+    assert ref() is None
