@@ -415,3 +415,14 @@ def test_runtime_sized_arrays_are_a_compile_error():
     with pytest.raises(sim.CompileError, match="variable length array|vla"):
         run("int n = int(inp[0]) + 1; float a[n]; a[0] = inp[0]; out[0] = a[0];", [mx.zeros((16,))], (1,),
             grid=(1, 1, 1), tg=(1, 1, 1), names=["inp"])
+
+
+def test_misaligned_vector_access_is_reported():
+    # A uint4 read through reinterpret_cast at a 4-byte offset: Metal requires 16-byte alignment.
+    x = mx.arange(16, dtype=mx.uint32)
+    aligned = "out[0] = float(reinterpret_cast<const device uint4*>(inp)[1].x);"
+    assert run(aligned, [x], (1,), grid=(1, 1, 1), tg=(1, 1, 1), names=["inp"]).item() == 4.0
+    shifted = "out[0] = float(reinterpret_cast<const device uint4*>(inp + 1)[0].x);"
+    expected = r"misaligned access to buffer 0 \(`inp`, input\) at byte offset 4: .*16-byte"
+    with pytest.raises(sim.MisalignedAccessError, match=expected):
+        run(shifted, [x], (1,), grid=(1, 1, 1), tg=(1, 1, 1), names=["inp"])

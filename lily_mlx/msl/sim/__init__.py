@@ -9,6 +9,7 @@ from .build import CompileError
 from .kernel import (
     DivergenceError,
     MetalKernel,
+    MisalignedAccessError,
     OutOfBoundsError,
     RaceError,
     SimulatorError,
@@ -22,5 +23,6 @@ __all__ = [
     "OutOfBoundsError",
     "DivergenceError",
     "RaceError",
+    "MisalignedAccessError",
     "CompileError",
 ]

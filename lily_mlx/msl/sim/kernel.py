@@ -33,9 +33,13 @@ class RaceError(SimulatorError):
     """Two threads accessed the same threadgroup memory between barriers, at least one writing."""
 
 
+class MisalignedAccessError(SimulatorError):
+    """A buffer element was read or written at an address its type's alignment does not allow."""
+
+
 _warned_oob: dict = {}
 
-_ERRORS = {1: OutOfBoundsError, 2: DivergenceError, 3: RaceError}
+_ERRORS = {1: OutOfBoundsError, 2: DivergenceError, 3: RaceError, 5: MisalignedAccessError}
 
 
 class _Launch(ctypes.Structure):

@@ -27,7 +27,7 @@ struct Launch {
   int64_t stack_bytes;
   char* err;            // message out
   int32_t err_len;
-  int32_t err_kind;     // 0 ok, 1 out of bounds, 2 divergence, 3 race, 4 other
+  int32_t err_kind;     // 0 ok, 1 out of bounds, 2 divergence, 3 race, 4 other, 5 misaligned
   int32_t err_line;     // kernel-text line of the error (0 if unknown)
   int32_t allow_oob_reads;  // out-of-bounds reads of inputs yield zeros (counted) instead of an error
   int64_t oob_reads;        // number of such reads
@@ -302,8 +302,8 @@ inline void complete(SyncPoint& sp) {
 void race_new_epoch(Worker* w);
 
 // ---------------------------------------------------------------------------------------------
-// Checked device pointers. Raw (threadgroup, thread, constant-array) pointers convert implicitly
-// and are unchecked.
+// Checked device pointers: bounds and alignment of every access to a kernel buffer. Raw (threadgroup,
+// thread) pointers are unchecked and do not convert to them.
 [[noreturn]] inline void oob(const char* base, int64_t nbytes, int buf, const void* at, size_t elem, bool is_const,
                              int line) {
   char who[256], msg[1024];
@@ -315,6 +315,17 @@ void race_new_epoch(Worker* w);
                 (long long)(off >= 0 ? off / (int64_t)elem : -((-off + (int64_t)elem - 1) / (int64_t)elem)),
                 (long long)(nbytes / (int64_t)elem), elem, who);
   raise(1, line, msg);
+}
+
+// A load or store of a T whose address is not a multiple of alignof(T) (a uint4 read through
+// reinterpret_cast at a 4-byte offset, say): Metal requires the alignment (and the CUDA bridge faults).
+[[noreturn]] inline void misaligned(int buf, int64_t off, size_t align, int line) {
+  char who[256], msg[1024];
+  format_thread(who, sizeof(who));
+  std::snprintf(msg, sizeof(msg),
+                "misaligned access to buffer %d at byte offset %lld: the element type needs %zu-byte alignment, "
+                "as on a GPU, by %s", buf, (long long)off, align, who);
+  raise(5, line, msg);
 }
 
 // An index that remembers the kernel-text line it was written on (for bounds reports).
@@ -370,6 +381,11 @@ template <class T, int AS> struct dptr : dptr_parent_t<T, AS> {
           }
         }
         oob(this->base, this->nbytes, this->buf, q, sizeof(T), std::is_const_v<T>, line);
+      }
+      if constexpr (alignof(T) > 1) {
+        if (((const char*)q - this->base) & (int64_t)(alignof(T) - 1)) {
+          misaligned(this->buf, (const char*)q - this->base, alignof(T), line);
+        }
       }
     }
     return q;
