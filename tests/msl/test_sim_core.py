@@ -402,7 +402,7 @@ def test_threadgroup_memory_does_not_convert_to_a_device_pointer():
 
 
 def test_double_is_a_metal_compile_error():
-    with pytest.raises(sim.CompileError, match="no 64-bit float"):
+    with pytest.raises(sim.CompileError, match="no 64-bit float type"):
         run("double d = inp[0]; out[0] = float(d);", [mx.zeros((16,))], (1,), grid=(1, 1, 1), tg=(1, 1, 1),
             names=["inp"])
     # a comment may say it
@@ -426,3 +426,13 @@ def test_misaligned_vector_access_is_reported():
     expected = r"misaligned access to buffer 0 \(`inp`, input\) at byte offset 4: .*16-byte"
     with pytest.raises(sim.MisalignedAccessError, match=expected):
         run(shifted, [x], (1,), grid=(1, 1, 1), tg=(1, 1, 1), names=["inp"])
+
+
+@pytest.mark.parametrize("text", [
+    "template <typename T> requires (sizeof(T) == 4) inline T same(T x) { return x; }\n",
+    "inline float f(float x) { auto g = []<typename T>(T y) { return y; }; return g(x); }\n",
+])
+def test_cxx20_only_constructs_are_metal_compile_errors(text):
+    with pytest.raises(sim.CompileError, match="C\\+\\+20|C\\+\\+17"):
+        run("out[0] = inp[0];", [mx.zeros((16,))], (1,), grid=(1, 1, 1), tg=(1, 1, 1), names=["inp"],
+            header=text)

@@ -39,6 +39,13 @@ class MisalignedAccessError(SimulatorError):
 
 _warned_oob: dict = {}
 
+# Kernel text the simulator's C++20 compiler would take but Metal refuses: (pattern, what).
+_NOT_METAL = (
+    (r"\bdouble\b", "`double` (Apple GPUs have no 64-bit float type; use float)"),
+    (r"\brequires\b|\bconcept\b|\bconsteval\b|\bconstinit\b|<=>", "a C++20 construct (Metal is C++17-based)"),
+    (r"\[[^\[\]]*\]\s*<\s*(?:typename|class)\b", "a templated lambda (C++20)"),
+)
+
 _ERRORS = {1: OutOfBoundsError, 2: DivergenceError, 3: RaceError, 5: MisalignedAccessError}
 
 
@@ -186,7 +193,7 @@ class MetalKernel:
         built = self._built.get((kname, traced))
         if built is None:
             self._check_mlx_signature(metal_text, kname)
-            self._check_metal_types(metal_text, kname)
+            self._check_metal_language(metal_text, kname)
             specs = sig.classify_inputs(self.input_names, inputs, self.source)
             params = sig.parameters(specs, self.output_names, output_dtypes, self.source, self.atomic_outputs)
             cpp = translate.kernel_cpp(kname, self.header, self.source, sig.template_params(template),
@@ -275,16 +282,17 @@ class MetalKernel:
         return outputs_np
 
     @staticmethod
-    def _check_metal_types(metal_text: str, kname: str) -> None:
-        # Apple GPUs have no 64-bit float: `double` in a kernel is a Metal compile error, while the
-        # simulator's C++ and the CUDA bridge would accept it.
+    def _check_metal_language(metal_text: str, kname: str) -> None:
+        # What the simulator's C++20 and the CUDA bridge accept but Metal (C++17-based, no 64-bit
+        # float on Apple GPUs) refuses: caught here rather than on a user's Mac.
         code = re.sub(r"//[^\n]*|/\*.*?\*/", " ", metal_text, flags=re.DOTALL)
-        m = re.search(r"\bdouble\b", code)
-        if m:
-            line = code.count("\n", 0, m.start()) + 1
-            raise build.CompileError(
-                f"[lily_mlx.msl.sim] kernel {kname}: `double` at line {line}: Metal has no 64-bit float "
-                f"type on Apple GPUs (use float).\n{build.numbered(metal_text)}")
+        for pattern, what in _NOT_METAL:
+            m = re.search(pattern, code)
+            if m:
+                line = code.count("\n", 0, m.start()) + 1
+                raise build.CompileError(
+                    f"[lily_mlx.msl.sim] kernel {kname}: {what} at line {line} ({m.group(0).strip()!r}): "
+                    f"Metal does not compile it.\n{build.numbered(metal_text)}")
 
     @staticmethod
     def _check_mlx_signature(metal_text: str, kname: str) -> None:
