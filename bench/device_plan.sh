@@ -30,7 +30,10 @@ export LILY_BACKEND=${LILY_BACKEND:-cuda} LILY_TUNE=off PYTHONUNBUFFERED=1
 # Compiled kernels kept on disk: a later process (and a later call on the same machine) skips NVRTC.
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-$HOME/.cache/lily-mlx-ptx}
 mkdir -p "$OUT/plan"
-LOG="$OUT/log.txt"
+LOG=${PLAN_LOG:-$OUT/log.txt}
+# PLAN_PARTS="sweep" / "ablations": one part only, e.g. one per GPU of a two-GPU host, each process with its
+# own CUDA_VISIBLE_DEVICES, PLAN_LOG and MLX_PTX_CACHE_DIR (two writers must not share one cache file).
+PARTS=" ${PLAN_PARTS:-sweep ablations} "
 
 # The sweep: the write-up's 10 prompt lengths and 10 decode contexts, stock / stock-kernels / lily; every
 # decode from one cache per round prefilled by lily; stock prefills only up to 16K (~270 tok/s on CUDA).
@@ -64,8 +67,10 @@ say "budget ${BUDGET}s (stop at $STOP_AT), state $STATE, LILY_BACKEND=$LILY_BACK
 # --stop-at keeps each tool inside the budget; the timeout (45 s later) is only a guard: the results
 # files are written whole after every length / ablation, so a kill loses the one in progress at most.
 guard() { local g=$(( STOP_AT + 45 - $(date +%s) )); echo $(( g > 1 ? g : 1 )); }
-timeout --signal=INT --kill-after=15 "$(guard)" $PY -m bench.run "${SWEEP[@]}" --stop-at "$STOP_AT" --out "$STATE/sweep" 2>&1 | tee -a "$LOG"
-if [ $(( STOP_AT - $(date +%s) )) -gt 60 ]; then
+if [[ "$PARTS" == *" sweep "* ]]; then
+  timeout --signal=INT --kill-after=15 "$(guard)" $PY -m bench.run "${SWEEP[@]}" --stop-at "$STOP_AT" --out "$STATE/sweep" 2>&1 | tee -a "$LOG"
+fi
+if [[ "$PARTS" == *" ablations "* ]] && [ $(( STOP_AT - $(date +%s) )) -gt 60 ]; then
   timeout --signal=INT --kill-after=15 "$(guard)" $PY -m bench.ablations "${ABLATIONS[@]}" --stop-at "$STOP_AT" \
     --out "$STATE/ablations" 2>&1 | tee -a "$LOG"
 fi

@@ -158,7 +158,9 @@ def run(args) -> int:
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
     for engine in engines:
         e2e.validate_engine(engine)
-    lengths = e2e.parse_lengths(args.lengths)
+    lengths = [] if args.lengths.strip().lower() in ("", "none") else e2e.parse_lengths(args.lengths)
+    if not lengths and not args.check_prompt:
+        raise SystemExit("--lengths none needs the check (--check-prompt > 0): nothing would run")
     out_dir = Path(args.out) if args.out else None
     if out_dir and rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -197,6 +199,11 @@ def run(args) -> int:
         log(f"[check] {args.check_layers} layers: {check_line(check)} ({check['seconds']} s)")
         if out_dir and rank == 0:
             save_logits(out_dir / "check_logits.npz", logits)
+
+    if not lengths:  # --lengths none: the check alone
+        save()
+        log(f"[shard] check only (--lengths none): {json.dumps(results.get('check'))}")
+        return 0
 
     config = model_config(args.size, args.num_layers)
     model = build_random_model(config, seed=args.seed, log=log)
@@ -309,7 +316,7 @@ def merge(dirs, out: Path) -> int:
 
     env = sh["environment"]
     lines = [f"# 1 device vs {n} ranks ({sh['backend']})", "",
-             f"{sh['model']}; {env.get('device', {}).get('device_name', env['default_device'])}; mlx {env['mlx']}, "
+             f"{sh.get('model', 'no timed run (--lengths none)')}; {env.get('device', {}).get('device_name', env['default_device'])}; mlx {env['mlx']}, "
              f"mlx-lm {env['mlx_lm']}, lily {env['lily_mlx']}, lily backend {env['lily_backend']}; "
              f"medians of {sh['args']['rounds']} rounds, {sh['args']['gen_tokens']} decode tokens; "
              f"GPUs per rank (CUDA_VISIBLE_DEVICES) {env.get('cuda_visible_devices_per_rank')}.", "",
@@ -337,7 +344,8 @@ def merge(dirs, out: Path) -> int:
                      f"oracle (1 device): lily {n} ranks {g['lily_sharded_vs_fp32_oracle']}, stock {n} ranks "
                      f"{g['stock_sharded_vs_fp32_oracle']}, lily 1 device {g['lily_one_vs_fp32_oracle']}; "
                      f"fp32 lily {n} ranks vs 1 device {g['fp32_lily_sharded_vs_one']}")
-    lines.append(f"- Same weights on every rank: {sh.get('same_weights_on_ranks')}")
+    if "same_weights_on_ranks" in sh:
+        lines.append(f"- Same weights on every rank: {sh['same_weights_on_ranks']}")
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(
@@ -358,7 +366,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="full", choices=("full", "tiny"), help="random model size")
     p.add_argument("--num-layers", type=int, default=None, help="fewer layers (quick runs)")
     p.add_argument("--seed", type=int, default=0, help="weights' seed (every rank builds the same model)")
-    p.add_argument("--lengths", default="4K,32K", help="prompt lengths (K = 1024), each also the decode context")
+    p.add_argument("--lengths", default="4K,32K",
+                   help="prompt lengths (K = 1024), each also the decode context; 'none': the check alone")
     p.add_argument("--rounds", type=int, default=3, help="rounds per length (engine order alternates)")
     p.add_argument("--gen-tokens", type=int, default=32, help="decode tokens timed after the first")
     p.add_argument("--prefill-step-size", type=int, default=2048)
