@@ -81,7 +81,7 @@ say "lily backend for benchmarks: $LILY_BACKEND"
 
 if has tests; then
   say "kernel tests on this GPU (-k '$TESTS_K', limit ${TESTS_TIMEOUT}s)"
-  CI=true LILY_TEST_KERNEL_BACKEND=cuda timeout "$TESTS_TIMEOUT" $PY -m pytest -q -p no:cacheprovider -o addopts= \
+  CI=true LILY_TEST_KERNEL_BACKEND=cuda timeout "$TESTS_TIMEOUT" $PY -m pytest -v -p no:cacheprovider -o addopts= \
     tests/kernels/test_deltanet_kernels.py tests/kernels/test_moe_kernels.py tests/kernels/test_attention_kernels.py \
     tests/kernels/test_attention_prefill.py \
     tests/kernels/test_compiled_decode.py -k "$TESTS_K" -rA --durations=15 \
