@@ -5,6 +5,9 @@ The same tests check every execution of one Metal source: the CPU simulator by d
 """
 
 import os
+from contextlib import contextmanager
+
+import pytest
 
 from lily_mlx.core.backend import resolve_backend
 
@@ -20,3 +23,32 @@ def kernel_backend_problem() -> str | None:
     except (RuntimeError, ValueError) as e:
         return str(e)
     return None
+
+
+@contextmanager
+def attention_kernels_on(backend: str = KERNEL_BACKEND):
+    """The attention kernels run on ``backend`` for the duration, also where the product does not
+    enable them yet (``kernels.*_BACKENDS`` list the simulator until a GPU run of these tests passes and
+    a benchmark shows the kernel wins): that GPU run is what these tests are for. No-op on the simulator."""
+    from dataclasses import replace
+
+    from lily_mlx.core import dispatch
+    from lily_mlx.ops.attention import kernels as ak
+    from lily_mlx.ops.attention import layer as att
+
+    makers = {"attention_decode": ak.decode_attention_from_cache,
+              "attention_decode_long": ak.decode_attention_fixed_blocks_from_cache,
+              "attention_prefill": ak.prefill_attention_from_cache}
+    with pytest.MonkeyPatch.context() as mp:
+        for op, make in makers.items():
+            if (op, backend) not in att.KERNELS:
+                mp.setitem(att.KERNELS, (op, backend), make(backend))
+            spec = dispatch.OPS[op]
+            if backend not in spec.kernel_backends:
+                mp.setitem(dispatch.OPS, op, replace(spec, kernel_backends=spec.kernel_backends | {backend}))
+        dispatch.invalidate()
+        try:
+            yield
+        finally:
+            dispatch.invalidate()
+    dispatch.invalidate()

@@ -22,13 +22,20 @@ from lily_mlx.ops.attention import kernels as ak
 from lily_mlx.ops.attention import layer as att
 from lily_mlx.ops.attention import reference as attref
 from lily_mlx.ops.deltanet import kernels as deltanet_kernels
-from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
+from tests.kernels.kernel_backend import KERNEL_BACKEND, attention_kernels_on, kernel_backend_problem
 from tests.kernels.model_checks import check_fallbacks_match_stock, decided_positions
 from tests.kernels.model_checks import teacher_forced_logits as shared_teacher_forced_logits
 from tests.ops.deltanet_cases import rel_l2
 
 SIM_MISSING = kernel_backend_problem() or deltanet_kernels.backend_unavailable_reason(KERNEL_BACKEND)
 needs_sim = pytest.mark.skipif(SIM_MISSING is not None, reason=f"{KERNEL_BACKEND} kernels not available: {SIM_MISSING}")
+
+
+@pytest.fixture(autouse=True)
+def _attention_kernels_on_test_backend():
+    """On a GPU these tests check kernels the product has not enabled there yet (kernel_backend.py)."""
+    with attention_kernels_on():
+        yield
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 TOL = {"float32": 1e-5, "bfloat16": 2e-3, "float16": 2e-3}
@@ -125,7 +132,8 @@ def test_dispatch_uses_kernel_for_plain_kv_cache(monkeypatch, packed, coalesced)
     keys, values = cache.update_and_fetch(k[:, :, 19:], v[:, :, 19:])  # the decode step's row
     assert cache.keys.shape[2] > keys.shape[2]  # spare capacity the kernel must not read
     off = [n for n, on in (("gqa_packing", packed), ("coalesced_kv", coalesced)) if not on]
-    with switches.overrides(disable=off), record_launches() as rec:
+    # the one-pass kernel (CUDA takes the fixed-block kernels at every context: FIXED_BLOCK_EVERYWHERE)
+    with switches.overrides(disable=off + ["fixed_block_attention"]), record_launches() as rec:
         out = att.attention(q, keys, values, scale=0.125, mask=None, cache=cache)
     assert rec.names() == ["attention_decode"]
     assert (rec[0].template["GT"], rec[0].template["COALESCED"]) == (4 if packed else 1, int(coalesced))
@@ -201,7 +209,8 @@ def test_embedded_model_decode_matches_stock(monkeypatch, off):
     monkeypatch.setenv("LILY_REFERENCE_OPS", "moe,deltanet")  # only attention goes to the kernels
     lily_patch.patch(model)
     try:
-        with switches.overrides(disable=list(off)), record_launches() as rec:
+        # the one-pass decode kernel (CUDA would take the fixed-block kernels: FIXED_BLOCK_EVERYWHERE)
+        with switches.overrides(disable=list(off) + ["fixed_block_attention"]), record_launches() as rec:
             logits = teacher_forced_logits(stock_tokens)
         # the prompt through the prefill kernel (tests/kernels/test_attention_prefill.py), then every
         # decode step through the decode kernel, nothing else

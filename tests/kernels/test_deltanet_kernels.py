@@ -387,7 +387,8 @@ def test_fused_conv_step_forward_is_bitwise_the_two_kernels(kind, B, S, padding,
                                                             for i in (1, 2)]
     runs = {}
     for on in (True, False):
-        state = dict(disable=[] if on else ["fused_conv_step"],
+        # the eager path (a traced decode replays without launching: tests/kernels/test_compiled_decode.py)
+        state = dict(disable=["compiled_decode"] + ([] if on else ["fused_conv_step"]),
                      enable=["fused_recurrent_norm"] + (["fused_conv_step"] if on else []))
         with switches.overrides(**state), _lily_backend(KERNEL_BACKEND), record_launches() as rec:
             runs[on] = _turns(module, FORWARDS[kind], turns, left, lengths)
@@ -582,7 +583,7 @@ def test_embedded_model_greedy_tokens_match_stock(monkeypatch, off):
     monkeypatch.setattr(deltanet, "op_backend", lambda name, backend=None: KERNEL_BACKEND)
     lily_patch.patch(model)
     try:
-        with switches.overrides(disable=off), record_launches() as rec:
+        with switches.overrides(disable=list(off) + ["compiled_decode"]), record_launches() as rec:
             lily_tokens = greedy()
             lily_choice = np.array(mx.argmax(teacher_forced_logits(stock_tokens), axis=-1))
         used = set(rec.names())
@@ -620,7 +621,8 @@ def test_embedded_model_decode_logits_identical_with_fused_conv_step(monkeypatch
     try:
         logits = {}
         for on in (True, False):
-            with switches.overrides(disable=[] if on else ["fused_conv_step"], enable=["fused_recurrent_norm"]), \
+            with switches.overrides(disable=["compiled_decode"] + ([] if on else ["fused_conv_step"]),
+                                    enable=["fused_recurrent_norm"]), \
                     record_launches() as rec:
                 logits[on] = shared_teacher_forced_logits(model, prompt, tokens)
             counts = rec.counts()
