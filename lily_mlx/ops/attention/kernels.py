@@ -35,23 +35,21 @@ KERNELS = {
 
 # Backends the decode kernels run on. The one-pass kernel (op ``attention_decode``) runs only
 # B * Hkv * G / GT threadgroups (2 per sequence at Qwen3.6's shape) and loses to stock's SDPA on a large
-# GPU at every context (H200: 654-783 us at 4K against 148), so it stays off CUDA. The fixed-block
-# kernels (op ``attention_decode_long``) beat stock's SDPA on the H200 from 32K (docs/attention.md) but
-# have not yet passed the kernel tests on a GPU: add "cuda" to LONG_BACKENDS once they do
-# (FIXED_BLOCK_EVERYWHERE then sends every CUDA decode step to them; with ``fixed_block_attention``
-# off a CUDA decode step takes stock's SDPA).
+# GPU at every context (H200: 654-783 us at 4K against 148), so it stays off CUDA: there a decode step
+# below the fixed-block threshold takes stock's SDPA. The fixed-block kernels (op ``attention_decode_long``)
+# pass the kernel tests on the H200 and beat stock's SDPA there from 32K (212 / 191 / 394 us against 384 /
+# 627 / 1,196 at 32K / 64K / 128K) but not at 4K (196 against 154): docs/attention.md.
 DECODE_BACKENDS = frozenset({"sim"})
-LONG_BACKENDS = frozenset({"sim"})
+LONG_BACKENDS = frozenset({"sim", "cuda"})
 
-# Which decode path a step takes (``layer.decode_path``). The write-up's rule: the fixed-block path
-# from 32K tokens, only at head dim 256 with 8 query heads per KV head; the one-pass kernel otherwise.
+# Which decode path a step takes (``layer.decode_path``), on every backend: the write-up's rule, the
+# fixed-block path from 32K tokens of the row's context, only at head dim 256 with 8 query heads per KV
+# head; below it the one-pass kernel (the simulator, Metal) or stock's SDPA (CUDA). On the H200 the
+# crossover lies between the two measured contexts (4K: stock faster; 32K: fixed blocks 1.8x), so 32K
+# may be late there: a per-chip threshold is tune's to measure.
 FIXED_BLOCK_MIN_CONTEXT = 32 * 1024
 FIXED_BLOCK_HEAD_DIM = 256
 FIXED_BLOCK_GQA_FACTOR = 8
-# Backends on which every decode step (any context, any supported shape) takes the fixed-block
-# kernels: the one-pass kernel runs only B * Hkv * G / GT threadgroups (2 per sequence at Qwen3.6's
-# shape), which cannot fill a large GPU at any context (H200: 654-783 us at 4K against stock's 148).
-FIXED_BLOCK_EVERYWHERE = frozenset({"cuda"})
 
 # Fixed-block schedule: rows per block BR from the row's own context length S (never from the
 # batch): the smallest power of two >= S / FIXED_BLOCK_TARGET_BLOCKS, clamped to

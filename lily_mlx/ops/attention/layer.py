@@ -105,14 +105,11 @@ def long_context_attention(queries, keys, values, *, scale, mask=None, cache=Non
     return attention_reference(queries, keys, values, scale=scale, mask=mask, cache=cache)
 
 
-def decode_path(kv_length: int, head_dim: int, gqa_factor: int, backend: Optional[str] = None) -> str:
-    """``"fixed_block"`` or ``"ordinary"``: which decode path a shape takes on ``backend`` (default:
-    the active one): switch + shape rules, ``kernels.FIXED_BLOCK_*``. On the backends of
-    ``kernels.FIXED_BLOCK_EVERYWHERE`` every shape and context takes the fixed-block path."""
+def decode_path(kv_length: int, head_dim: int, gqa_factor: int) -> str:
+    """``"fixed_block"`` or ``"ordinary"``: which decode path a shape takes (switch + the write-up's
+    shape rule, ``kernels.FIXED_BLOCK_*``). ``kv_length`` is the row's own context, never the batch's."""
     if not is_enabled("fixed_block_attention"):
         return "ordinary"
-    if (backend or active_backend()) in kernels.FIXED_BLOCK_EVERYWHERE:
-        return "fixed_block"
     if (
         kv_length >= kernels.FIXED_BLOCK_MIN_CONTEXT
         and head_dim == kernels.FIXED_BLOCK_HEAD_DIM
