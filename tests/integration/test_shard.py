@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import free_port, subprocess_env
+from .conftest import free_port, mlx_lm_command, subprocess_env
 
 WORKER = Path(__file__).with_name("shard_worker.py")
 
@@ -148,3 +148,32 @@ def test_shard_benchmark_two_ranks(tmp_path):
     assert len(row["lily"]["tokens"]) == 4 and row["lily"]["tokens"] == row["stock"]["tokens"]
     assert row["lily"]["prompt_tps"] > 0 and row["lily"]["generation_tps"] > 0
     assert (out / "shard.md").exists() and (out / "check_logits.npz").exists()
+
+
+@pytest.mark.slow  # ~20 s: two 2-rank servers on the CPU ring
+def test_sharded_server_lily_answers_like_sharded_stock(random_model, tmp_path):
+    """``mlx.launch --backend ring -n 2 -- mlx_lm.server --lily`` (docs/usage.md): both ranks load with
+    MLX-LM's sharded_load and patch; rank 0 answers temperature-0 chat requests with the completions of
+    the sharded stock server (reference backend: the same tokens), through bench/serve_check.py."""
+    pytest.importorskip("mlx._distributed_utils.launch", reason="this MLX has no mlx.launch")
+    model_dir = random_model("qwen3_5_moe")
+    env = subprocess_env()
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])  # bench/ and the lily_mlx under test
+    env["LILY_BACKEND"] = "reference"
+    results = {}
+    for engine in ("lily", "stock"):
+        out = tmp_path / f"{engine}.json"
+        server = mlx_lm_command("server") + ["--model", str(model_dir), "--port", str(free_port())]
+        cmd = ([sys.executable, "-m", "bench.serve_check", "--max-tokens", "12", "--ready-timeout", "150",
+                "--out", str(out), "--"] + launch_command()
+               + ["--backend", "ring", "-n", "2", "--starting-port", str(free_port()), "--"]
+               + server + (["--lily"] if engine == "lily" else []))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+        log = out.with_suffix(".log").read_text() if out.with_suffix(".log").exists() else ""
+        assert proc.returncode == 0, f"{engine} server failed:\n{proc.stderr}\n{log}"
+        results[engine] = json.loads(out.read_text())
+        if engine == "lily":
+            assert log.count("model patched") == 2, log  # one line per rank
+    texts = {e: [a["text"] for a in r["answers"]] for e, r in results.items()}
+    assert len(texts["lily"]) == 2 and all(texts["lily"]), texts
+    assert texts["lily"] == texts["stock"]
