@@ -64,9 +64,26 @@ GENERATION_LEVEL = {
 }
 
 
-def skip_reason(switch: str, backend: str, time_all: bool = False) -> Optional[str]:
+# Decode-attention switches: which attention op a Qwen3.6 decode step (D = 256, G = 8) runs at a context
+# decides whether the switch reaches a kernel there (layer.decode_path's rule).
+ATTENTION_DECODE_SWITCHES = ("coalesced_kv", "gqa_packing", "fixed_block_attention")
+
+
+def attention_ops_at(switch: str, length: int) -> set:
+    """The attention ops a decode step at ``length`` runs with ``switch`` on or off."""
+    from lily_mlx.ops.attention import kernels as ak
+
+    if length < ak.FIXED_BLOCK_MIN_CONTEXT:
+        return {"attention_decode"}
+    return {"attention_decode_long", "attention_decode"} if switch == "fixed_block_attention" \
+        else {"attention_decode_long"}
+
+
+def skip_reason(switch: str, backend: str, time_all: bool = False, length: Optional[int] = None) -> Optional[str]:
     """Why ``switch`` is not timed on ``backend`` (None: it is). ``time_all`` times every switch that has a
-    kernel on some backend (harness tests on the reference backend)."""
+    kernel on some backend (harness tests on the reference backend). With ``length``, a decode-attention
+    switch is timed only where a step at that context reaches a kernel of this backend (on CUDA a step
+    below the fixed-block threshold takes stock's SDPA, switch on or off)."""
     from lily_mlx.core.compiled import COMPILE_BACKENDS
     from lily_mlx.ops import load_all
 
@@ -80,9 +97,20 @@ def skip_reason(switch: str, backend: str, time_all: bool = False) -> Optional[s
     anywhere = sorted(set().union(*(op.kernel_backends for op in ops))) if ops else []
     if not anywhere:
         return NO_KERNEL
-    if backend in anywhere or time_all:
+    if time_all:
         return None
-    return f"no kernel on {backend} yet (kernels: {', '.join(anywhere)})"
+    if backend not in anywhere:
+        return f"no kernel on {backend} yet (kernels: {', '.join(anywhere)})"
+    if length is not None and switch in ATTENTION_DECODE_SWITCHES:
+        from lily_mlx.ops.attention import kernels as ak
+
+        if switch == "fixed_block_attention" and length < ak.FIXED_BLOCK_MIN_CONTEXT:
+            return f"below {e2e.length_label(ak.FIXED_BLOCK_MIN_CONTEXT)} both states take the ordinary decode path"
+        reached = [op for op in ops if op.name in attention_ops_at(switch, length) and backend in op.kernel_backends]
+        if not reached:
+            return (f"at {e2e.length_label(length)} a decode step runs {', '.join(sorted(attention_ops_at(switch, length)))}, "
+                    f"which has no kernel on {backend} (stock's attention, switch on or off)")
+    return None
 
 
 def has_kernel(switch: str) -> bool:
@@ -105,7 +133,7 @@ def units(rows: List[Dict], backend: str, time_all: bool) -> List[Dict]:
     decode-profile run), one per skipped row; in the order of the table's first row of each unit."""
     out, decode_at = [], {}
     for row in rows:
-        reason = skip_reason(row["switch"], backend, time_all)
+        reason = skip_reason(row["switch"], backend, time_all, row["length"] if row["phase"] == "decode" else None)
         if reason:
             out.append({"kind": "skip", "rows": [row], "reason": reason})
         elif row["phase"] == "prefill":

@@ -128,6 +128,12 @@ def test_ablations_cover_every_switch_and_resume(tmp_path):
     assert "Metal/CUDA" in ablations.skip_reason("compiled_decode", "sim")
     assert "no kernel" in ablations.skip_reason("chunked_prefill", "cuda")
     assert "no kernel on reference" in ablations.skip_reason("register_scan", "reference")
+    # decode attention on CUDA: the fixed blocks from 32K; below, stock's SDPA with the switches on or off
+    assert "has no kernel on cuda" in ablations.skip_reason("coalesced_kv", "cuda", length=3840)
+    for switch in ("coalesced_kv", "gqa_packing", "fixed_block_attention"):
+        assert ablations.skip_reason(switch, "cuda", length=32768) is None
+    assert ablations.skip_reason("coalesced_kv", "sim", length=3840) is None  # the one-pass kernel
+    assert "ordinary decode path" in ablations.skip_reason("fixed_block_attention", "sim", length=3840)
 
     argv = ["--size", "tiny", "--num-layers", "4", "--lengths-scale", "0.01", "--rounds", "1",
             "--decode-rounds", "1", "--long-rounds", "1", "--profile-steps", "2", "--time-all",
