@@ -151,6 +151,17 @@ def microbench_cases() -> List[Tuple[str, Callable[[], None], int, int]]:
             cases.append((f"gemm_down_fused_{label}[{t}]",
                           _run(lambda h=h, s=s: mk.gemm_down(h, s["blocks"], sw.down_proj, True, s["counts"], backend)),
                           down_bytes, down_flops))
+        # The same tiles with bf16 operand fragments (fp32 accumulation): tensor cores through the bridge.
+        # Not a product path yet (not the GEMVs' bits; docs/moe.md): timed to see what it would buy.
+        cases.append((f"gemm_gate_up_swiglu_fused_adaptive_bf16tiles[{t}]",
+                      _run(lambda x=x, s=sched: mk.gemm_gate_up_swiglu(
+                          x, s["sorted_rows"], s["blocks"], sw.gate_proj, sw.up_proj, TOP_K, True, s["counts"], backend,
+                          tile_dtype=mx.bfloat16)),
+                      up_bytes, up_flops))
+        cases.append((f"gemm_down_fused_adaptive_bf16tiles[{t}]",
+                      _run(lambda h=h, s=sched: mk.gemm_down(h, s["blocks"], sw.down_proj, True, s["counts"], backend,
+                                                             tile_dtype=mx.bfloat16)),
+                      down_bytes, down_flops))
         # fused_dequant off: dequantise the touched experts to bf16 first (their bytes written and read back).
         dense_up = 2 * 2 * 2 * touched * EXPERT_WIDTH * HIDDEN
         cases.append((f"gemm_gate_up_swiglu_unfused[{t}]",

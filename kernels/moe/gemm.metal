@@ -13,8 +13,10 @@
 // block layout; the combine adds the m chunk rows, gated.
 // Weights either 4-bit affine group-64 (uint32 words of 8 nibbles, low nibble first; one scale and
 // one bias per 64 weights; w = scale * q + bias), dequantised one 32 x 64 tile at a time into
-// threadgroup memory, or already dequantised [E, O, K]. simdgroup_matrix<float, 8, 8>, fp32
-// accumulation, output in the activation type.
+// threadgroup memory, or already dequantised [E, O, K]. Tile operands of type MT: float (the default,
+// bit-compatible with the decode GEMVs below) or the activation type T (bf16/f16 fragments, which Apple
+// GPUs and the bridge's tensor-core path multiply natively: a benchmark variant until timed, see
+// docs/moe.md); fp32 accumulation either way, output in the activation type.
 //
 // Tiles: a threadgroup is 4 simdgroups (128 threads) computing one block of TILE rows (16 or 32,
 // from the block map) x 32 output columns, stepping K by 64 (one quantisation group). 32-row tiles:
@@ -69,10 +71,10 @@ inline float moe_dequant_q4(uint32_t word, int j, float scale, float bias,
 }
 
 // 4-bit affine, group 64: one uint32 word holds 8 consecutive K values, low nibble first.
-template <typename S>
+template <typename S, typename MT>
 inline void moe_load_weight_tile(
     const device uint32_t* w, const device S* scales, const device S* biases,
-    threadgroup float* wt, int e, int n0, int k0, int O, int K, uint tid) {
+    threadgroup MT* wt, int e, int n0, int k0, int O, int K, uint tid) {
   const int words_per_row = K / 8;
   const int groups_per_row = K / 64;
   // 32 columns x 8 words per tile: 256 words, 2 per thread.
@@ -84,20 +86,20 @@ inline void moe_load_weight_tile(
     float scale = float(scales[row * groups_per_row + k0 / 64]);
     float bias = float(biases[row * groups_per_row + k0 / 64]);
     for (int j = 0; j < 8; ++j) {
-      wt[(wi * 8 + j) * MOE_BN + n] = moe_dequant_q4(word, j, scale, bias);
+      wt[(wi * 8 + j) * MOE_BN + n] = MT(moe_dequant_q4(word, j, scale, bias));
     }
   }
 }
 
 // Already dequantised weights [E, O, K] (the fused_dequant=off ablation).
-template <typename W, typename S>
+template <typename W, typename S, typename MT>
 inline void moe_load_weight_tile(
     const device W* w, const device S* scales, const device S* biases,
-    threadgroup float* wt, int e, int n0, int k0, int O, int K, uint tid) {
+    threadgroup MT* wt, int e, int n0, int k0, int O, int K, uint tid) {
   for (int i = int(tid); i < MOE_BN * MOE_BK; i += MOE_THREADS) {
     int n = i / MOE_BK;
     int kk = i % MOE_BK;
-    wt[kk * MOE_BN + n] = float(w[(long(e) * O + (n0 + n)) * K + k0 + kk]);
+    wt[kk * MOE_BN + n] = MT(float(w[(long(e) * O + (n0 + n)) * K + k0 + kk]));
   }
 }
 
@@ -106,9 +108,9 @@ inline void moe_load_weight_tile(
 // token_base >= 0 (shared-expert rows, in token order); else row first + r of x.
 // (Pointer types are template parameters: a call of few assignments hands sorted_rows over in the
 // constant address space, as MLX passes every input of fewer than 8 elements.)
-template <bool GATHER, typename PX, typename PR>
+template <bool GATHER, typename PX, typename PR, typename MT>
 inline void moe_load_rows_tile(
-    PX x, PR sorted_rows, threadgroup float* xt,
+    PX x, PR sorted_rows, threadgroup MT* xt,
     int first, int rows, int tile_rows, int top_k, int k0, int K, uint tid, int token_base = -1) {
   for (int i = int(tid); i < tile_rows * MOE_BK; i += MOE_THREADS) {
     int r = i / MOE_BK;
@@ -119,18 +121,18 @@ inline void moe_load_rows_tile(
                  : token_base >= 0 ? long(token_base + r) : long(sorted_rows[first + r] / top_k);
       v = float(x[src * K + k0 + kk]);
     }
-    xt[r * MOE_BK + kk] = v;
+    xt[r * MOE_BK + kk] = MT(v);
   }
 }
 
 // acc[i][j] += xt[rows of i] . wt[:, cols of j] over one 64-wide K step, for this simdgroup's
 // 16 x (8 * NJ) sub-tile at (row0, col0).
-template <int NJ>
+template <int NJ, typename MT>
 inline void moe_mma_step(
-    thread simdgroup_matrix<float, 8, 8> (&acc)[2][2], const threadgroup float* xt,
-    const threadgroup float* wt, int row0, int col0) {
+    thread simdgroup_matrix<float, 8, 8> (&acc)[2][2], const threadgroup MT* xt,
+    const threadgroup MT* wt, int row0, int col0) {
   for (int kk = 0; kk < MOE_BK; kk += 8) {
-    simdgroup_matrix<float, 8, 8> a0, a1, b0, b1;
+    simdgroup_matrix<MT, 8, 8> a0, a1, b0, b1;
     simdgroup_load(a0, xt + row0 * MOE_BK + kk, MOE_BK);
     simdgroup_load(a1, xt + (row0 + 8) * MOE_BK + kk, MOE_BK);
     simdgroup_load(b0, wt + kk * MOE_BN + col0, MOE_BN);
@@ -367,10 +369,12 @@ inline float moe_gemv_staged(
 // x [N, D] tokens; sorted_rows [A]; blocks [max_blocks, 4]; w_gate, w_up: [E, I, D / 8] uint32
 // (+ scales/biases [E, I, D / 64]) or dequantised [E, I, D]; w_gate_s, w_up_s: the shared expert's
 // [m * I, D / 8] uint32 (+ scales/biases), read by blocks of experts E + c. h [A (+ m * N), I]: rows
-// in slot order.
-threadgroup float xt[MOE_MAX_ROWS * MOE_BK];
-threadgroup float wg[MOE_BK * MOE_BN];
-threadgroup float wu[MOE_BK * MOE_BN];
+// in slot order. MT: the tile operands' type (float, or T for tensor-core fragments).
+// xs holds the activation tile (as MT) during the K loop, then the fp32 results of the epilogue.
+threadgroup float xs[MOE_MAX_ROWS * MOE_BK];
+threadgroup MT* xt = reinterpret_cast<threadgroup MT*>(xs);
+threadgroup MT wg[MOE_BK * MOE_BN];
+threadgroup MT wu[MOE_BK * MOE_BN];
 const uint tid = thread_index_in_threadgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const int n0 = int(threadgroup_position_in_grid.x) * MOE_BN;
@@ -414,16 +418,16 @@ for (int k0 = 0; k0 < D; k0 += MOE_BK) {
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
-// Gate and up results side by side in xt ([rows][64]: gate in columns 0..31, up in 32..63).
-moe_store_acc(acc_g, xt, MOE_BK, row0, col0, nj);
-moe_store_acc(acc_u, xt, MOE_BK, row0, MOE_BN + col0, nj);
+// Gate and up results side by side in xs ([rows][64]: gate in columns 0..31, up in 32..63).
+moe_store_acc(acc_g, xs, MOE_BK, row0, col0, nj);
+moe_store_acc(acc_u, xs, MOE_BK, row0, MOE_BN + col0, nj);
 threadgroup_barrier(mem_flags::mem_threadgroup);
 for (int i = int(tid); i < tile_rows * MOE_BN; i += MOE_THREADS) {
   int r = i / MOE_BN;
   int c = i % MOE_BN;
   if (r < rows) {
-    float g = xt[r * MOE_BK + c];
-    float u = xt[r * MOE_BK + MOE_BN + c];
+    float g = xs[r * MOE_BK + c];
+    float u = xs[r * MOE_BK + MOE_BN + c];
     h[long(first + r) * I + n0 + c] = static_cast<T>(g / (1.0f + metal::exp(-g)) * u);
   }
 }
@@ -432,9 +436,10 @@ for (int i = int(tid); i < tile_rows * MOE_BN; i += MOE_THREADS) {
 // grid (D / 32 * 128, max_blocks, 1), threadgroup (128, 1, 1). params: [I, D, E, Is].
 // h [A (+ N), I] rows in slot order; w_down [E, D, I / 8] uint32 (+ scales/biases [E, D, I / 64]) or
 // dequantised [E, D, I]; w_down_s the shared expert's [D, Is / 8] (Is = m * I; blocks of expert E + c
-// read its columns c * I ..). y [A (+ m * N), D] rows in slot order.
-threadgroup float xt[MOE_MAX_ROWS * MOE_BK];
-threadgroup float wt[MOE_BK * MOE_BN];
+// read its columns c * I ..). y [A (+ m * N), D] rows in slot order. MT: as in moe_gemm_gate_up_swiglu.
+threadgroup float xs[MOE_MAX_ROWS * MOE_BK];
+threadgroup MT* xt = reinterpret_cast<threadgroup MT*>(xs);
+threadgroup MT wt[MOE_BK * MOE_BN];
 const uint tid = thread_index_in_threadgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const int n0 = int(threadgroup_position_in_grid.x) * MOE_BN;
@@ -470,13 +475,13 @@ for (int k0 = 0; k0 < I; k0 += MOE_BK) {
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
-moe_store_acc(acc, xt, MOE_BN, row0, col0, nj);
+moe_store_acc(acc, xs, MOE_BN, row0, col0, nj);
 threadgroup_barrier(mem_flags::mem_threadgroup);
 for (int i = int(tid); i < tile_rows * MOE_BN; i += MOE_THREADS) {
   int r = i / MOE_BN;
   int c = i % MOE_BN;
   if (r < rows) {
-    y[long(first + r) * D + n0 + c] = static_cast<T>(xt[r * MOE_BN + c]);
+    y[long(first + r) * D + n0 + c] = static_cast<T>(xs[r * MOE_BN + c]);
   }
 }
 

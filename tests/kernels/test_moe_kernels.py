@@ -229,8 +229,10 @@ GEMM_SHAPES = st.sampled_from([(128, 64, 16, 4), (64, 128, 8, 2), (192, 128, 4, 
 
 @SETTINGS
 @given(kind=ROUTING_KINDS, tokens=st.sampled_from([1, 3, 17, 40]), shape=GEMM_SHAPES,
-       adaptive=st.booleans(), fused=st.booleans(), seed=st.integers(0, 1000))
-def test_grouped_gemms(gemm_sim, kind, tokens, shape, adaptive, fused, seed):
+       adaptive=st.booleans(), fused=st.booleans(), half_tiles=st.booleans(), seed=st.integers(0, 1000))
+def test_grouped_gemms(gemm_sim, kind, tokens, shape, adaptive, fused, half_tiles, seed):
+    """Both tile operand types (``tile_dtype``: fp32, or the activation dtype with fp32 accumulation)
+    within the bf16 tolerance of the fp32 oracle, every output written."""
     d, i, e, k = shape
     block = make_sparse_moe_block(hidden=d, expert_width=i, num_experts=e, top_k=k, seed=seed % 5)
     sw = block.switch_mlp
@@ -238,8 +240,9 @@ def test_grouped_gemms(gemm_sim, kind, tokens, shape, adaptive, fused, seed):
     flat = inds.reshape(-1)
     x = make_inputs(1, tokens, d, seed=seed).reshape(tokens, d)
     sched = _schedule_numpy(flat, e, adaptive)
+    tile_dtype = x.dtype if half_tiles else None
     h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, k,
-                               fused, sched["counts"], KERNEL_BACKEND, init_value=float("nan"))
+                               fused, sched["counts"], KERNEL_BACKEND, init_value=float("nan"), tile_dtype=tile_dtype)
     # Reference in fp32 on the same (bf16) inputs.
     xs = x.astype(mx.float32)[mx.array(np.asarray(sched["sorted_rows"]) // k)]  # [A, D] slot order
     e_of_slot = mx.array(np.sort(flat))
@@ -247,9 +250,36 @@ def test_grouped_gemms(gemm_sim, kind, tokens, shape, adaptive, fused, seed):
     u = mx.einsum("ad,aod->ao", xs, _dense(sw.up_proj)[e_of_slot])
     want_h = g * mx.sigmoid(g) * u
     _assert_close_bf16(h, want_h, "gate_up_swiglu")
-    y = mk.gemm_down(h, sched["blocks"], sw.down_proj, fused, sched["counts"], KERNEL_BACKEND, init_value=float("nan"))
+    y = mk.gemm_down(h, sched["blocks"], sw.down_proj, fused, sched["counts"], KERNEL_BACKEND, init_value=float("nan"),
+                     tile_dtype=tile_dtype)
     want_y = mx.einsum("ai,adi->ad", h.astype(mx.float32), _dense(sw.down_proj)[e_of_slot])
     _assert_close_bf16(y, want_y, "down")
+
+
+def test_half_tiles_rows_independent_of_their_tile(gemm_sim):
+    """With bf16 tile operands a row's bits still do not depend on its tile (16 or 32 rows, its place
+    in it) or on the other rows: the same tokens alone and among many, in adaptive and fixed tiles."""
+    d, i, k = 64, 64, 2
+    block = make_sparse_moe_block(hidden=d, expert_width=i, num_experts=len(EDGE_COUNTS), top_k=k, seed=5)
+    sw = block.switch_mlp
+    inds = routing_with_counts(EDGE_COUNTS, k, seed=5)
+    x = make_inputs(1, inds.shape[0], d, seed=5).reshape(-1, d)
+
+    def h_by_token(rows, adaptive):
+        flat = inds[rows].reshape(-1)
+        sched = _schedule_numpy(flat, len(EDGE_COUNTS), adaptive)
+        h = mk.gemm_gate_up_swiglu(x[mx.array(rows)], sched["sorted_rows"], sched["blocks"], sw.gate_proj,
+                                   sw.up_proj, k, True, sched["counts"], KERNEL_BACKEND, init_value=float("nan"),
+                                   tile_dtype=x.dtype)
+        # slot of (token t, choice j) = slot_of_row[t * k + j]
+        return np.asarray(h.astype(mx.float32))[np.asarray(sched["slot_of_row"])].reshape(len(rows), k, i)
+
+    every = list(range(inds.shape[0]))
+    few = [0, 7, 99, 150]
+    for adaptive in (True, False):
+        whole = h_by_token(every, adaptive)
+        assert np.array_equal(h_by_token(few, adaptive), whole[few])
+    assert np.array_equal(h_by_token(every, True), h_by_token(every, False))
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-dequant", "dense"])
@@ -542,6 +572,7 @@ def test_microbench_cases_small(gemm_sim, monkeypatch):
     cases = moe_bench.microbench_cases()
     names = [c[0] for c in cases]
     assert "stock_switch_glu[24tok]" in names and "gemm_gate_up_swiglu_fused_adaptive[24tok]" in names
+    assert "gemm_down_fused_adaptive_bf16tiles[40tok]" in names
     for name, run_once, bytes_moved, flops in cases:
         run_once()
         assert bytes_moved > 0 and flops >= 0, name
@@ -820,3 +851,42 @@ def test_router_and_shared_expert_kernels_fall_back_where_they_do_not_apply(gemm
     stock = _stock_on_cpu(lambda: type(block).__call__(block, x))
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(stock.astype(mx.float32)),
                                atol=0.05 * float(mx.abs(stock).max().item()))
+
+
+def test_gemm_tile_operand_types_compile_for_cuda(monkeypatch):
+    """The grouped GEMMs with fp32, bf16 and f16 tile operands translate and compile for the H200 (the
+    bridge multiplies bf16/f16 fragments with mma.sync, fp32 ones with scalar FMAs: docs/bridge.md)."""
+    from lily_dev.compile_check import compile_cuda, compiler_available
+    from lily_mlx.core.kernel_registry import kernel_source
+    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
+
+    if compiler_available() is None:
+        pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
+    calls = {}
+
+    def capture(name, backend=None):
+        def launch(*, inputs, template, output_shapes, output_dtypes, **kw):
+            calls[(name, dict(template).get("MT"))] = (inputs, template, output_dtypes)
+            return [mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]
+        return launch
+
+    monkeypatch.setattr(mk, "_kernel", capture)
+    block = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=8, top_k=2, seed=1)
+    sw = block.switch_mlp
+    inds = make_routing("uniform", 5, 2, 8, 1)
+    sched = _schedule_numpy(inds.reshape(-1), 8, True)
+    for dtype in (mx.bfloat16, mx.float16):
+        x = make_inputs(1, 5, 128, seed=1).reshape(5, 128).astype(dtype)
+        for tile in (None, dtype):
+            h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, 2,
+                                       True, sched["counts"], "cuda", tile_dtype=tile)
+            mk.gemm_down(h, sched["blocks"], sw.down_proj, True, sched["counts"], "cuda", tile_dtype=tile)
+    assert len(calls) == 6  # (gate_up, down) x (fp32 tiles, bf16 tiles, f16 tiles)
+    for (name, mt), (inputs, template, output_dtypes) in calls.items():
+        spec = mk.KERNELS[name]
+        header, body = kernel_source(spec)
+        kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
+        _, unit = wrap_like_mlx(kernel, inputs, output_dtypes, template=template)
+        assert ("MT", mt) in template
+        ok, log = compile_cuda(unit)
+        assert ok, (name, mt, log[-3000:])

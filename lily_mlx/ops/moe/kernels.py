@@ -303,14 +303,17 @@ def gemv_threads(width: int) -> int:
 def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, gate_proj, up_proj,
                         top_k: int, fused_dequant: bool = True, counts: Optional[mx.array] = None,
                         backend: Optional[str] = None, init_value=None, shared=None, gemv: bool = False,
-                        gemv_layout=None) -> mx.array:
+                        gemv_layout=None, tile_dtype=None) -> mx.array:
     """h [A (+ N), I] (slot order) = silu(x Wg^T) * (x Wu^T) for the rows of every block. ``shared``:
     the shared expert (an MLP of 4-bit gate/up/down projections) as m chunks, experts E .. E + m - 1,
     rows A + c * N + n.
     ``gemv``: the one-row-block form (every block must have one row; 4-bit weights). ``gemv_layout``
     (benchmarks, tests): None, the staged GEMV at GEMV_LAYOUT; (R, KC) another staged layout;
     'rowwise' the rowwise form as it was before the staged one (a nibble conversion per weight),
-    'rowwise_exp' the rowwise form with moe_q4_value. All give the same bits."""
+    'rowwise_exp' the rowwise form with moe_q4_value. All give the same bits.
+    ``tile_dtype`` (benchmarks, tests): the GEMM tiles' operand type, float32 (default; the same bits as
+    the GEMVs) or the activation dtype (bf16/f16 fragments with fp32 accumulation: tensor cores through
+    the bridge; not the same bits as the GEMVs, so not a product path yet, docs/moe.md)."""
     n, d = x2d.shape
     e, i = gate_proj["scales"].shape[:2]
     a = sorted_rows.size
@@ -322,11 +325,11 @@ def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, 
     inputs.append(KERNELS["gate_up"].pack(top_k=top_k, D=d, I=i, E=e, A=a, N=n))
     rows = a + shared_chunks(shared, i) * n
     return _launch_expert_kernel("gate_up", gemv, inputs, blocks, (rows, i), x2d.dtype, backend, init_value,
-                                 d, gemv_layout)
+                                 d, gemv_layout, tile_dtype)
 
 
 def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_shape, dtype, backend,
-                          init_value, k: int, gemv_layout=None) -> mx.array:
+                          init_value, k: int, gemv_layout=None, tile_dtype=None) -> mx.array:
     """Launch expert GEMM ``name`` over ``blocks`` (reduction length ``k``), or its one-row GEMV form:
     out [rows, width]."""
     width = out_shape[1]
@@ -344,6 +347,9 @@ def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_s
         name = "gemv_" + name
     else:
         grid, threads = (width // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), (GEMM_THREADS, 1, 1)
+        if tile_dtype is not None and tile_dtype not in (mx.float32, dtype):
+            raise ValueError(f"tile operands: float32 or the activation dtype {dtype}, not {tile_dtype}")
+        template.append(("MT", tile_dtype or mx.float32))
     (out,) = _kernel(name, backend)(
         inputs=inputs, template=template, grid=grid, threadgroup=threads,
         output_shapes=[out_shape], output_dtypes=[dtype], init_value=init_value,
@@ -353,9 +359,9 @@ def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_s
 
 def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = True,
               counts: Optional[mx.array] = None, backend: Optional[str] = None, init_value=None,
-              shared=None, gemv: bool = False, gemv_layout=None) -> mx.array:
+              shared=None, gemv: bool = False, gemv_layout=None, tile_dtype=None) -> mx.array:
     """y [rows, D] (slot order) = h Wd^T for the rows of every block (``shared``: the chunks' down;
-    ``gemv``: the one-row-block form; ``gemv_layout`` as for gemm_gate_up_swiglu)."""
+    ``gemv``: the one-row-block form; ``gemv_layout``, ``tile_dtype`` as for gemm_gate_up_swiglu)."""
     rows, i = h.shape
     e, d = down_proj["scales"].shape[:2]
     inputs = [h, blocks] + _weights(down_proj, fused_dequant, counts, h.dtype, backend)
@@ -363,7 +369,7 @@ def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = Tr
     shared_width = i * max(1, shared_chunks(shared, i))
     inputs.append(KERNELS["down"].pack(I=i, D=d, E=e, Is=shared_width))
     return _launch_expert_kernel("down", gemv, inputs, blocks, (rows, d), h.dtype, backend, init_value, i,
-                                 gemv_layout)
+                                 gemv_layout, tile_dtype)
 
 
 def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: Optional[str] = None,
