@@ -166,3 +166,19 @@ def test_plans_and_device_script(capsys):
     assert estimate.e2e_row_s(128 * 1024, ("stock", "lily"), 1, 64, True, True, True, {"stock": 16384}) < \
         estimate.e2e_row_s(128 * 1024, ("stock", "lily"), 1, 64, True, True)  # stock's 128K prefill left out
     subprocess.run(["bash", "-n", str(REPO / "bench" / "device_plan.sh")], check=True)
+
+
+def test_device_pair_runs_one_job_per_gpu(tmp_path):
+    """bench/device_pair.sh: each command sees its own GPU and PTX cache, its output lands in
+    $OUT/gpu<N>.txt, and a failing job's status comes back."""
+    import os
+
+    script = str(REPO / "bench" / "device_pair.sh")
+    env = {**os.environ, "OUT": str(tmp_path), "MLX_PTX_CACHE_DIR": str(tmp_path / "ptx")}
+    show = 'echo "$CUDA_VISIBLE_DEVICES $MLX_PTX_CACHE_DIR"'
+    done = subprocess.run(["bash", script, show, show + "; exit 3"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 3, done.stdout + done.stderr
+    for gpu in (0, 1):
+        assert (tmp_path / f"gpu{gpu}.txt").read_text().split() == [str(gpu), f"{tmp_path / 'ptx'}-gpu{gpu}"]
+    assert subprocess.run(["bash", script, "only one"], env=env, capture_output=True).returncode == 2
