@@ -119,9 +119,9 @@ def compile_cuda(text: str, arch: str = "sm_90a", include_dir: Optional[str] = N
 
 
 def compile_nvcc(text: str, arch: str = "sm_90a", include_dir: Optional[str] = None,
-                 timeout: float = 300.0) -> Tuple[bool, str]:
+                 timeout: float = 300.0, extra_flags: Tuple[str, ...] = ()) -> Tuple[bool, str]:
     """Compile one translation unit to a cubin (front end and ptxas, as the driver would).
-    Returns (ok, compiler output)."""
+    Returns (ok, compiler output). ``extra_flags``: more nvcc flags (``-Xptxas -v``: resource usage)."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found")
@@ -132,7 +132,7 @@ def compile_nvcc(text: str, arch: str = "sm_90a", include_dir: Optional[str] = N
         src = tmp / "kernel.cu"
         src.write_text(text)
         cmd = [nvcc, "-std=c++17", f"-arch={arch}", "-cubin", "-I", str(inc), "-x", "cu", str(src),
-               "-o", str(tmp / "kernel.cubin")]
+               "-o", str(tmp / "kernel.cubin"), *extra_flags]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         out = p.stdout + p.stderr
         ok = p.returncode == 0 and (tmp / "kernel.cubin").stat().st_size > 0

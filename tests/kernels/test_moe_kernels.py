@@ -890,3 +890,15 @@ def test_gemm_tile_operand_types_compile_for_cuda(monkeypatch):
         assert ("MT", mt) in template
         ok, log = compile_cuda(unit)
         assert ok, (name, mt, log[-3000:])
+
+
+def test_gemm_tiles_do_not_spill_on_the_h200():
+    """ptxas: the grouped GEMMs with fp32 and bf16 tile operands keep their accumulators in registers
+    (no local-memory spills) at Qwen3.6's widths."""
+    from lily_dev import compile_check, resource_usage
+
+    if compile_check.nvcc_path() is None:
+        pytest.skip("nvcc (CUDA toolkit) not installed")
+    for name, unit in resource_usage.moe_gemm_units().items():
+        u = resource_usage.ptxas_usage(unit)
+        assert u["registers"] > 0 and u["spill_stores"] == 0 and u["spill_loads"] == 0, (name, u)

@@ -1,0 +1,171 @@
+"""What ptxas gives each kernel on the H200 (sm_90a), without a GPU: registers per thread, spills, static
+shared memory, for lily's DeltaNet scans and MLX-LM's own gated-delta kernels (the fair baseline's) at
+Qwen3.6's head shape, and the MoE GEMM tiles with fp32 and bf16 operands.
+
+    python -m lily_dev.resource_usage [--family deltanet,moe]    # needs nvcc (CUDA toolkit)
+
+Static facts, not timings: a kernel with more registers per thread keeps fewer threads resident per
+SM (65,536 registers), a spill is local-memory traffic. They explain timings; they do not replace them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict
+from unittest import mock
+
+import mlx.core as mx
+import numpy as np
+
+from . import compile_check
+
+REGISTERS_PER_SM = 65536
+MAX_THREADS_PER_SM = 2048
+
+
+def ptxas_usage(unit: str) -> dict:
+    """{registers, spill_stores, spill_loads, smem} of the kernel in one translation unit (nvcc -Xptxas -v)."""
+    ok, out = compile_check.compile_nvcc(unit, extra_flags=("-Xptxas", "-v"))
+    if not ok:
+        raise RuntimeError(out[-2000:])
+
+    def grab(pattern: str) -> int:
+        m = re.search(pattern, out)
+        return int(m.group(1)) if m else 0
+
+    return {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
+            "spill_loads": grab(r"(\d+) bytes spill loads"), "smem": grab(r"(\d+) bytes smem")}
+
+
+def record_deltanet_units() -> Dict[str, str]:
+    """{kernel name: CUDA translation unit} for one call of every lily DeltaNet kernel variant at
+    Qwen3.6's head shape (Hk 16, Hv 32, Dk = Dv = 128, bf16), as the host code launches them."""
+    from lily_mlx.core import backend, kernel_registry
+    from lily_mlx.ops.deltanet import kernels as dk
+
+    from .deltanet_bench import QWEN36, _inputs
+
+    records: Dict[str, str] = {}
+    Hk, Hv, Dk, Dv = QWEN36["Hk"], QWEN36["Hv"], QWEN36["Dk"], QWEN36["Dv"]
+    kernel_registry.clear_cache()
+    try:
+        with mock.patch.object(mx.fast, "cuda_kernel",
+                               side_effect=lambda **kw: compile_check.RecordedCudaKernel(records, **kw)), \
+                mock.patch.object(backend, "_cuda_available", return_value=True):
+            x = _inputs(2, 3, Hk, Hv, Dk, Dv, mx.bfloat16)
+            g, beta = dk.gates(x["a"], x["b"], x["A_log"], x["dt_bias"], backend="cuda")
+            for register in (True, False):
+                dk.scan(x["q"], x["k"], x["v"], g, beta, x["state"], mx.ones((2, 3), mx.bool_), register=register,
+                        backend="cuda")
+            dk.scan(x["q"], x["k"], x["v"], g, beta, x["state"], mx.ones((2, 3), mx.bool_), staged=True,
+                    backend="cuda")
+            dk.gated_norm(x["v"], x["z"], x["weight"], 1e-6, backend="cuda")
+            x = _inputs(2, 1, Hk, Hv, Dk, Dv, mx.bfloat16)
+            for fused in (True, False):
+                dk.decode(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], x["state"], x["z"],
+                          x["weight"], 1e-6, fused=fused, backend="cuda")
+            C = 2 * Hk * Dk + Hv * Dv
+            dk.conv_qk_norm_decode(mx.zeros((2, 1, C), mx.bfloat16), mx.zeros((2, 3, C), mx.bfloat16),
+                                   mx.zeros((C, 4, 1), mx.bfloat16), None, Hk, Dk, Hv, Dv, backend="cuda")
+            dk.decode_conv(mx.zeros((2, 1, C), mx.bfloat16), mx.zeros((2, 3, C), mx.bfloat16),
+                           mx.zeros((C, 4, 1), mx.bfloat16), None, x["a"], x["b"], x["A_log"], x["dt_bias"], x["state"],
+                           x["z"], x["weight"], 1e-6, Hk, Dk, Hv, Dv, backend="cuda")
+    finally:
+        kernel_registry.clear_cache()
+    return records
+
+
+def mlx_lm_gdn_units() -> Dict[str, str]:
+    """MLX-LM's own gated-delta Metal kernels through the bridge at Qwen3.6's head shape, bf16."""
+    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
+
+    from .deltanet_stock_kernels import mlx_lm_kernel_args
+
+    B, T, Hk, Hv, Dk, Dv = 1, 5, 16, 32, 128, 128
+    dt = mx.bfloat16
+    units = {}
+    for name, kw in mlx_lm_kernel_args().items():
+        q = mx.zeros((B, T, Hk, Dk), dt)
+        g = mx.zeros((B, T, Hv, Dk) if "vec" in name else (B, T, Hv))
+        inputs = [q, q, mx.zeros((B, T, Hv, Dv), dt), g, mx.zeros((B, T, Hv)), mx.zeros((B, Hv, Dv, Dk)), T]
+        if "mask" in name:
+            inputs.append(mx.zeros((B, T), mx.bool_))
+        template = [("InT", dt), ("StT", mx.float32), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)]
+        units[f"mlx_lm:{name}"] = wrap_like_mlx(metal_kernel(**kw), inputs, [dt, mx.float32], template)[1]
+    return units
+
+
+def moe_gemm_units() -> Dict[str, str]:
+    """The grouped GEMMs (gate+up+SwiGLU, down) at Qwen3.6's widths with fp32 and bf16 tile operands."""
+    from lily_mlx.core.kernel_registry import kernel_source
+    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
+    from lily_mlx.ops.moe import kernels as mk
+
+    from .moe_testing import make_routing, make_sparse_moe_block
+
+    calls = {}
+
+    def capture(name, backend=None):
+        def launch(*, inputs, template, output_shapes, output_dtypes, **kw):
+            calls[(name, dict(template).get("MT"))] = (inputs, template, output_dtypes)
+            return [mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]
+        return launch
+
+    block = make_sparse_moe_block(hidden=2048, expert_width=512, num_experts=8, top_k=2, seed=1)
+    sw = block.switch_mlp
+    flat = make_routing("uniform", 40, 2, 8, 1).reshape(-1)
+    counts = np.bincount(flat, minlength=8)
+    sched = {"counts": mx.array(counts.astype(np.int32)),
+             "sorted_rows": mx.array(np.argsort(flat, kind="stable").astype(np.int32)),
+             "blocks": mx.array(mk.host_block_map(counts, True))}
+    x = mx.zeros((40, 2048), mx.bfloat16)
+    with mock.patch.object(mk, "_kernel", capture):
+        for tile in (None, mx.bfloat16):
+            h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, 2,
+                                       True, sched["counts"], "cuda", tile_dtype=tile)
+            mk.gemm_down(h, sched["blocks"], sw.down_proj, True, sched["counts"], "cuda", tile_dtype=tile)
+    units = {}
+    for (name, mt), (inputs, template, output_dtypes) in calls.items():
+        spec = mk.KERNELS[name]
+        header, body = kernel_source(spec)
+        kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
+        units[f"{spec.name}[MT={'bf16' if mt == mx.bfloat16 else 'fp32'}]"] = wrap_like_mlx(
+            kernel, inputs, output_dtypes, template=template)[1]
+    return units
+
+
+def table(usage: Dict[str, dict], threads: Dict[str, int]) -> str:
+    lines = ["| kernel | registers / thread | spill stores / loads (bytes) | static smem (bytes) | threads / SM by registers |",
+             "|---|---|---|---|---|"]
+    for name, u in usage.items():
+        per_sm = min(MAX_THREADS_PER_SM, REGISTERS_PER_SM // max(1, u["registers"]) // 32 * 32)
+        lines.append(f"| {name} | {u['registers']} | {u['spill_stores']} / {u['spill_loads']} | {u['smem']} | {per_sm} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lily_dev.resource_usage", description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", default="deltanet,moe", help="comma-separated: deltanet, moe")
+    args = p.parse_args(argv)
+    if compile_check.nvcc_path() is None:
+        print("nvcc (CUDA toolkit) not found", file=sys.stderr)
+        return 2
+    families = {f.strip() for f in args.family.split(",")}
+    units: Dict[str, str] = {}
+    if "deltanet" in families:
+        units.update({name.removeprefix("custom_kernel_").rsplit("_", 1)[0]: unit
+                      for name, unit in record_deltanet_units().items() if "scan" in name or "decode" in name})
+        units.update(mlx_lm_gdn_units())
+    if "moe" in families:
+        units.update(moe_gemm_units())
+    with ThreadPoolExecutor(2) as pool:
+        usage = dict(zip(units, pool.map(ptxas_usage, units.values())))
+    print(table(usage, {}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
