@@ -98,8 +98,9 @@ def mlx_lm_gdn_units() -> Dict[str, str]:
     return units
 
 
-def moe_gemm_units() -> Dict[str, str]:
-    """The grouped GEMMs (gate+up+SwiGLU, down) at Qwen3.6's widths with fp32 and bf16 tile operands."""
+def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
+    """The grouped GEMMs (gate+up+SwiGLU, down) at Qwen3.6's widths, for each activation dtype with fp32
+    tile operands and with operands of that dtype."""
     from lily_mlx.core.kernel_registry import kernel_source
     from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
     from lily_mlx.ops.moe import kernels as mk
@@ -110,7 +111,7 @@ def moe_gemm_units() -> Dict[str, str]:
 
     def capture(name, backend=None):
         def launch(*, inputs, template, output_shapes, output_dtypes, **kw):
-            calls[(name, dict(template).get("MT"))] = (inputs, template, output_dtypes)
+            calls[(name, dict(template)["T"], dict(template).get("MT"))] = (inputs, template, output_dtypes)
             return [mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]
         return launch
 
@@ -121,18 +122,19 @@ def moe_gemm_units() -> Dict[str, str]:
     sched = {"counts": mx.array(counts.astype(np.int32)),
              "sorted_rows": mx.array(np.argsort(flat, kind="stable").astype(np.int32)),
              "blocks": mx.array(mk.host_block_map(counts, True))}
-    x = mx.zeros((40, 2048), mx.bfloat16)
     with mock.patch.object(mk, "_kernel", capture):
-        for tile in (None, mx.bfloat16):
-            h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, 2,
-                                       True, sched["counts"], "cuda", tile_dtype=tile)
-            mk.gemm_down(h, sched["blocks"], sw.down_proj, True, sched["counts"], "cuda", tile_dtype=tile)
+        for dtype in dtypes:
+            x = mx.zeros((40, 2048), dtype)
+            for tile in (None, dtype):
+                h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, 2,
+                                           True, sched["counts"], "cuda", tile_dtype=tile)
+                mk.gemm_down(h, sched["blocks"], sw.down_proj, True, sched["counts"], "cuda", tile_dtype=tile)
     units = {}
-    for (name, mt), (inputs, template, output_dtypes) in calls.items():
+    for (name, dtype, mt), (inputs, template, output_dtypes) in calls.items():
         spec = mk.KERNELS[name]
         header, body = kernel_source(spec)
         kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
-        units[f"{spec.name}[MT={'bf16' if mt == mx.bfloat16 else 'fp32'}]"] = wrap_like_mlx(
+        units[f"{spec.name}[T={dtype}, MT={mt}]"] = wrap_like_mlx(
             kernel, inputs, output_dtypes, template=template)[1]
     return units
 

@@ -853,43 +853,19 @@ def test_router_and_shared_expert_kernels_fall_back_where_they_do_not_apply(gemm
                                atol=0.05 * float(mx.abs(stock).max().item()))
 
 
-def test_gemm_tile_operand_types_compile_for_cuda(monkeypatch):
+def test_gemm_tile_operand_types_compile_for_cuda():
     """The grouped GEMMs with fp32, bf16 and f16 tile operands translate and compile for the H200 (the
     bridge multiplies bf16/f16 fragments with mma.sync, fp32 ones with scalar FMAs: docs/bridge.md)."""
+    from lily_dev import resource_usage
     from lily_dev.compile_check import compile_cuda, compiler_available
-    from lily_mlx.core.kernel_registry import kernel_source
-    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
 
     if compiler_available() is None:
         pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
-    calls = {}
-
-    def capture(name, backend=None):
-        def launch(*, inputs, template, output_shapes, output_dtypes, **kw):
-            calls[(name, dict(template).get("MT"))] = (inputs, template, output_dtypes)
-            return [mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]
-        return launch
-
-    monkeypatch.setattr(mk, "_kernel", capture)
-    block = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=8, top_k=2, seed=1)
-    sw = block.switch_mlp
-    inds = make_routing("uniform", 5, 2, 8, 1)
-    sched = _schedule_numpy(inds.reshape(-1), 8, True)
-    for dtype in (mx.bfloat16, mx.float16):
-        x = make_inputs(1, 5, 128, seed=1).reshape(5, 128).astype(dtype)
-        for tile in (None, dtype):
-            h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, 2,
-                                       True, sched["counts"], "cuda", tile_dtype=tile)
-            mk.gemm_down(h, sched["blocks"], sw.down_proj, True, sched["counts"], "cuda", tile_dtype=tile)
-    assert len(calls) == 6  # (gate_up, down) x (fp32 tiles, bf16 tiles, f16 tiles)
-    for (name, mt), (inputs, template, output_dtypes) in calls.items():
-        spec = mk.KERNELS[name]
-        header, body = kernel_source(spec)
-        kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
-        _, unit = wrap_like_mlx(kernel, inputs, output_dtypes, template=template)
-        assert ("MT", mt) in template
+    units = resource_usage.moe_gemm_units(dtypes=(mx.bfloat16, mx.float16))
+    assert len(units) == 8  # (gate_up, down) x (bf16, f16) x (fp32 tiles, tiles of the dtype)
+    for name, unit in units.items():
         ok, log = compile_cuda(unit)
-        assert ok, (name, mt, log[-3000:])
+        assert ok, (name, log[-3000:])
 
 
 def test_gemm_tiles_do_not_spill_on_the_h200():

@@ -17,7 +17,7 @@ import pytest
 
 from bench import bridge_checks as bc
 from lily_mlx.core.kernel_registry import kernels_dir, load_kernel_file
-from lily_dev.deltanet_stock_kernels import mlx_lm_kernel_args
+from lily_dev import resource_usage
 from lily_mlx.msl.cuda import UnbridgeableError, metal_kernel, translate, wrap_like_mlx
 from lily_mlx.msl.cuda.kernel import prelude
 from lily_dev.compile_check import compile_cuda, compiler_available, record_model_translations
@@ -161,19 +161,7 @@ def _feature_units():
 
 
 def _gdn_units():
-    args = mlx_lm_kernel_args()
-    B, T, Hk, Hv, Dk, Dv = 1, 5, 16, 32, 128, 128
-    units = {}
-    for name, kw in args.items():
-        for dt in (mx.bfloat16,):  # the model's dtype; fp32 takes the same code path
-            q = mx.zeros((B, T, Hk, Dk), dt)
-            g = mx.zeros((B, T, Hv, Dk) if "vec" in name else (B, T, Hv))
-            inputs = [q, q, mx.zeros((B, T, Hv, Dv), dt), g, mx.zeros((B, T, Hv)), mx.zeros((B, Hv, Dv, Dk)), T]
-            if "mask" in name:
-                inputs.append(mx.zeros((B, T), mx.bool_))
-            template = [("InT", dt), ("StT", mx.float32), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)]
-            units[f"{name}_{dt}"] = wrap_like_mlx(metal_kernel(**kw), inputs, [dt, mx.float32], template)[1]
-    return units
+    return resource_usage.mlx_lm_gdn_units()
 
 
 def _compile_all(units):
