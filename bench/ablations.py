@@ -70,10 +70,15 @@ ATTENTION_DECODE_SWITCHES = ("coalesced_kv", "gqa_packing", "fixed_block_attenti
 
 
 def attention_ops_at(switch: str, length: int) -> set:
-    """The attention ops a decode step at ``length`` runs with ``switch`` on or off."""
+    """The attention ops a Qwen3.6 decode step at ``length`` runs with ``switch`` on or off (the layer's
+    own rule, ``decode_path``, with the fixed blocks allowed)."""
+    from lily_mlx.core import switches
     from lily_mlx.ops.attention import kernels as ak
+    from lily_mlx.ops.attention import layer as att
 
-    if length < ak.FIXED_BLOCK_MIN_CONTEXT:
+    with switches.overrides(enable=["fixed_block_attention"]):
+        fixed = att.decode_path(length, ak.FIXED_BLOCK_HEAD_DIM, ak.FIXED_BLOCK_GQA_FACTOR) == "fixed_block"
+    if not fixed:
         return {"attention_decode"}
     return {"attention_decode_long", "attention_decode"} if switch == "fixed_block_attention" \
         else {"attention_decode_long"}
@@ -102,13 +107,11 @@ def skip_reason(switch: str, backend: str, time_all: bool = False, length: Optio
     if backend not in anywhere:
         return f"no kernel on {backend} yet (kernels: {', '.join(anywhere)})"
     if length is not None and switch in ATTENTION_DECODE_SWITCHES:
-        from lily_mlx.ops.attention import kernels as ak
-
-        if switch == "fixed_block_attention" and length < ak.FIXED_BLOCK_MIN_CONTEXT:
-            return f"below {e2e.length_label(ak.FIXED_BLOCK_MIN_CONTEXT)} both states take the ordinary decode path"
-        reached = [op for op in ops if op.name in attention_ops_at(switch, length) and backend in op.kernel_backends]
-        if not reached:
-            return (f"at {e2e.length_label(length)} a decode step runs {', '.join(sorted(attention_ops_at(switch, length)))}, "
+        runs = attention_ops_at(switch, length)
+        if switch == "fixed_block_attention" and runs == {"attention_decode"}:
+            return f"at {e2e.length_label(length)} both states take the ordinary decode path (below the fixed-block threshold)"
+        if not any(op.name in runs and backend in op.kernel_backends for op in ops):
+            return (f"at {e2e.length_label(length)} a decode step runs {', '.join(sorted(runs))}, "
                     f"which has no kernel on {backend} (stock's attention, switch on or off)")
     return None
 
