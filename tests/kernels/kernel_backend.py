@@ -39,16 +39,23 @@ def attention_kernels_on(backend: str = KERNEL_BACKEND):
     makers = {"attention_decode": ak.decode_attention_from_cache,
               "attention_decode_long": ak.decode_attention_fixed_blocks_from_cache,
               "attention_prefill": ak.prefill_attention_from_cache}
-    with pytest.MonkeyPatch.context() as mp:
-        for op, make in makers.items():
-            if (op, backend) not in att.KERNELS:
-                mp.setitem(att.KERNELS, (op, backend), make(backend))
-            spec = dispatch.OPS[op]
-            if backend not in spec.kernel_backends:
-                mp.setitem(dispatch.OPS, op, replace(spec, kernel_backends=spec.kernel_backends | {backend}))
-        dispatch.invalidate()
-        try:
-            yield
-        finally:
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for op, make in makers.items():
+                if (op, backend) not in att.KERNELS:
+                    mp.setitem(att.KERNELS, (op, backend), make(backend))
+                spec = dispatch.OPS[op]
+                if backend not in spec.kernel_backends:
+                    mp.setitem(dispatch.OPS, op, replace(spec, kernel_backends=spec.kernel_backends | {backend}))
             dispatch.invalidate()
-    dispatch.invalidate()
+            yield
+    finally:
+        dispatch.invalidate()  # the plan resolved while the tables were patched is stale now
+
+
+@pytest.fixture(autouse=True)
+def attention_kernels_on_test_backend():
+    """Autouse in the attention kernel test modules that import it: on a GPU they check kernels the
+    product has not enabled there yet (``attention_kernels_on``)."""
+    with attention_kernels_on():
+        yield

@@ -31,19 +31,13 @@ from lily_mlx.ops.attention import kernels as ak
 from lily_mlx.ops.attention import layer as att
 from lily_mlx.ops.attention import reference as attref
 from lily_mlx.ops.deltanet import kernels as deltanet_kernels
-from tests.kernels.kernel_backend import KERNEL_BACKEND, attention_kernels_on, kernel_backend_problem
+from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
+from tests.kernels.kernel_backend import attention_kernels_on_test_backend  # noqa: F401 (autouse fixture)
 from tests.kernels.model_checks import check_fallbacks_match_stock, decided_positions
 from tests.ops.deltanet_cases import rel_l2
 
 SIM_MISSING = kernel_backend_problem() or deltanet_kernels.backend_unavailable_reason(KERNEL_BACKEND)
 needs_sim = pytest.mark.skipif(SIM_MISSING is not None, reason=f"{KERNEL_BACKEND} kernels not available: {SIM_MISSING}")
-
-
-@pytest.fixture(autouse=True)
-def _attention_kernels_on_test_backend():
-    """On a GPU these tests check kernels the product has not enabled there yet (kernel_backend.py)."""
-    with attention_kernels_on():
-        yield
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16}
 TOL = {"bfloat16": 2 * 2**-9, "float16": 2 * 2**-11}  # module docstring
