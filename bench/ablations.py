@@ -39,6 +39,7 @@ ABLATIONS = (
     ("gpu_routing", "prefill", 512, 89.0),
     ("adaptive_tile", "prefill", 2 * K, 13.2),
     ("register_scan", "prefill", 2 * K, 5.6),
+    ("staged_scan", "prefill", 2 * K, None),
     ("fused_combine", "prefill", 2 * K, None),
     ("chunked_prefill", "prefill", 16 * K, None),
     ("compiled_decode", "decode", 4 * K, None),

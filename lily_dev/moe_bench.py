@@ -190,7 +190,7 @@ def microbench_cases() -> List[Tuple[str, Callable[[], None], int, int]]:
 GEMV_POOL = 32  # distinct decode calls the GEMV cases cycle through
 REPEATS = 8  # launches per evaluation in the _x8 cases
 # Staged layouts timed besides the default (kernels.GEMV_LAYOUT): (R outputs per threadgroup, K chunk).
-GEMV_VARIANTS = {"gate_up": ((16, 256), (64, 128)), "down": ((32, 256), (128, 256), (64, 128))}
+GEMV_VARIANTS = {"gate_up": ((32, 256), (64, 128)), "down": ((64, 256), (128, 256), (64, 128))}
 
 
 def _decode_calls(tokens: int, backend: str):

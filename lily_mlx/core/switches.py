@@ -42,6 +42,10 @@ _SWITCH_LIST = [
     Switch("register_scan", "deltanet", "prefill", True,
            "Gated DeltaNet prefill scan with the fp32 state held in registers for the whole chunk.",
            "Blockwise (chunked) scan that materialises per-block state in memory."),
+    Switch("staged_scan", "deltanet", "prefill", True,
+           "The register scan loads each chunk of tokens' q, k, v, gates and mask ahead, coalesced, into "
+           "threadgroup memory and steps from there (same bits; with register_scan).",
+           "The register scan reads each token's inputs from device memory as it steps."),
     Switch("chunked_prefill", "generation", "prefill", True,
            "Process long prompts in bounded chunks (state and KV cache carry over).",
            "One chunk for the whole prompt (higher peak memory)."),

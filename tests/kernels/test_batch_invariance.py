@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(SIM_PROBLEM is not None, reason=f"simulator unav
 # plain KVCache without a mask; MLX-LM's batch caches always pass one): the attention test below
 # covers it directly. The remaining switches have no kernel yet.
 MOE_SWITCHES = ("fused_dequant", "gpu_routing", "adaptive_tile", "fused_combine")
-DELTANET_SWITCHES = ("register_scan", "fused_recurrent_norm", "fused_conv_step")
+DELTANET_SWITCHES = ("register_scan", "staged_scan", "fused_recurrent_norm", "fused_conv_step")
 STATES = [()] + [(name,) for name in MOE_SWITCHES + DELTANET_SWITCHES]
 STATE_IDS = ["all-on"] + [f"{name}-off" for name in MOE_SWITCHES + DELTANET_SWITCHES]
 

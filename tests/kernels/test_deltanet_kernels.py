@@ -474,9 +474,10 @@ def test_forward_with_sim_kernels_matches_stock(kind, B, S, padding, dtype, regi
             _lily_backend(KERNEL_BACKEND), record_launches() as rec:
         outs1, _, cache1 = _turns(module, FORWARDS[kind], turns, left, lengths)
     used = set(rec.names())
-    scan_kernel = "deltanet_scan_register" if register else "deltanet_scan_blockwise"
+    scan_kernel = "deltanet_scan_staged" if register else "deltanet_scan_blockwise"  # staged_scan on
     other_scan = "deltanet_scan_blockwise" if register else "deltanet_scan_register"
     assert S == 1 or scan_kernel in used, used
+    assert register or "deltanet_scan_staged" not in used, used
     assert ("deltanet_decode_fused" in used) == (fused and not conv_step), used
     assert ("deltanet_decode_conv_fused" in used) == (fused and conv_step), used  # decode: one kernel
     assert other_scan not in used or (not fused and other_scan == "deltanet_scan_register"), used  # unfused decode: T = 1 scan
@@ -552,7 +553,8 @@ def test_unsupported_shapes_fall_back_to_reference(monkeypatch, caplog):
 
 @needs_sim
 @pytest.mark.slow
-@pytest.mark.parametrize("off", [(), ("register_scan",), ("fused_recurrent_norm",), ("fused_conv_step",)])
+@pytest.mark.parametrize("off", [(), ("register_scan",), ("staged_scan",), ("fused_recurrent_norm",),
+                                 ("fused_conv_step",)])
 def test_embedded_model_greedy_tokens_match_stock(monkeypatch, off):
     """The patched embedded model with the DeltaNet kernels simulated, in every switch state: the
     free-running greedy tokens equal stock's up to stock's first near-tie, and teacher-forced along
@@ -587,7 +589,8 @@ def test_embedded_model_greedy_tokens_match_stock(monkeypatch, off):
             lily_tokens = greedy()
             lily_choice = np.array(mx.argmax(teacher_forced_logits(stock_tokens), axis=-1))
         used = set(rec.names())
-        scan = "deltanet_scan_blockwise" if "register_scan" in off else "deltanet_scan_register"
+        scan = ("deltanet_scan_blockwise" if "register_scan" in off else
+                "deltanet_scan_register" if "staged_scan" in off else "deltanet_scan_staged")
         assert {scan, "deltanet_gates", "deltanet_gated_norm", "deltanet_conv_qk_norm_decode"} <= used, used
         if "register_scan" in off:  # the register scan may run only as the T = 1 scan of an unfused decode
             assert "deltanet_decode_conv_fused" in used and "deltanet_scan_register" not in used, used

@@ -673,10 +673,12 @@ def test_decode_gemvs_same_bits_as_gemm_tiles(gemm_sim, shape, tokens, chunks, l
 def test_decode_gemv_geometry():
     """The staged GEMVs' layouts: R divides the output width, KC (a multiple of 64) divides K, whole
     simdgroups, threadgroup memory within Apple's 32 KB; at Qwen3.6's shapes the defaults, whose bytes
-    are what ptxas reports for the bridge's translations (24,704 and 24,576 bytes of shared memory)."""
-    assert mk.gemv_geometry("gate_up", 512, 2048) == (32, 256)
-    assert mk.gemv_geometry("down", 2048, 512) == (64, 256)
+    are what ptxas reports for the bridge's translations (24,704 and 24,576 bytes of shared memory at
+    R = 32 / 64)."""
+    assert mk.gemv_geometry("gate_up", 512, 2048) == (16, 256)
+    assert mk.gemv_geometry("down", 2048, 512) == (32, 256)
     assert mk.gemv_stage_bytes(2, 32, 256) == 24704 and mk.gemv_stage_bytes(1, 64, 256) == 24576
+    assert mk.gemv_stage_bytes(2, 16, 256) == 13376 and mk.gemv_stage_bytes(1, 32, 256) == 13312
     for name in ("gate_up", "down"):
         for width in (64, 128, 192, 320, 512, 2048, 4096):
             for k in (64, 128, 192, 320, 512, 2048, 4096, 8192):

@@ -13,7 +13,8 @@ template or geometry:
 | ``gpu_routing`` | ``moe_route_block_map_i32``; block map padded to ``max_blocks_bound`` | block map built on the host, exactly sized |
 | ``adaptive_tile`` | 32-row tiles for experts with >= 32 rows | 16-row tiles only |
 | ``fused_combine`` | ``moe_combine_weighted_rows`` | no combine kernel (gather + weighted sum) |
-| ``register_scan`` | ``deltanet_scan_register`` | ``deltanet_scan_blockwise``, ceil(T / 16) state blocks |
+| ``register_scan`` | ``deltanet_scan_staged`` / ``deltanet_scan_register`` | ``deltanet_scan_blockwise``, ceil(T / 16) state blocks |
+| ``staged_scan`` | ``deltanet_scan_staged`` (with ``register_scan``) | ``deltanet_scan_register`` |
 | ``fused_recurrent_norm`` | ``deltanet_decode_fused`` | gates, scan (T = 1), gated norm kernels |
 | ``fused_conv_step`` | decode: ``deltanet_decode_conv_fused`` alone (with ``fused_recurrent_norm``) | ``deltanet_conv_qk_norm_decode`` + the decode kernel(s) |
 | ``gqa_packing`` | ``attention_decode`` template GT = G, grid B * Hkv threadgroups | GT = 1, B * Hq threadgroups |
@@ -286,9 +287,9 @@ def test_moe_switch_paths(sim, state, call):
 
 
 # ----------------------------------------------------------------------------------------------
-# DeltaNet: register_scan, fused_recurrent_norm, fused_conv_step
+# DeltaNet: register_scan, staged_scan, fused_recurrent_norm, fused_conv_step
 
-DELTANET_SWITCHES = ("register_scan", "fused_recurrent_norm", "fused_conv_step")
+DELTANET_SWITCHES = ("register_scan", "staged_scan", "fused_recurrent_norm", "fused_conv_step")
 SCAN_BLOCK = 16  # docs/deltanet.md: the blockwise scan materialises the state every 16 tokens
 DELTANET_TURNS = (33, 16, 1, 1)  # prefill chunks across and on block boundaries, then decode steps
 HK, HV, DK, DV = 2, 4, 32, 32
@@ -299,7 +300,12 @@ def expected_deltanet_launches(state: Dict[str, bool], tokens: int) -> List[str]
         if state["fused_conv_step"]:  # one kernel from the in_proj output (Dk = Dv at every shape here)
             return ["deltanet_decode_conv_fused"]
         return ["deltanet_conv_qk_norm_decode", "deltanet_decode_fused"]
-    scan = "deltanet_scan_register" if state["register_scan"] or tokens == 1 else "deltanet_scan_blockwise"
+    if tokens == 1:  # an unfused decode step runs the register scan for its one token
+        scan = "deltanet_scan_register"
+    elif state["register_scan"]:
+        scan = "deltanet_scan_staged" if state["staged_scan"] else "deltanet_scan_register"
+    else:
+        scan = "deltanet_scan_blockwise"
     return ["deltanet_conv_qk_norm_decode", "deltanet_gates", scan, "deltanet_gated_norm"]
 
 
@@ -338,7 +344,7 @@ def test_deltanet_switch_paths(sim, state, kind):
         for launch in rec:
             if launch.name == "deltanet_scan_blockwise":  # one materialised state per 16-token block
                 assert launch.kwargs["output_shapes"][2] == (B * HV, -(-t // SCAN_BLOCK), DV, DK)
-            if launch.name == "deltanet_scan_register":
+            if launch.name in ("deltanet_scan_register", "deltanet_scan_staged"):
                 assert len(launch.kwargs["output_shapes"]) == 2  # no block states
             if launch.name == "deltanet_decode_conv_fused":  # deltanet_decode_fused's geometry
                 simdgroups = DV // (32 * 32 // DK)

@@ -39,7 +39,7 @@ def test_ops_registered():
                  "deltanet_decode", "deltanet_gated_norm"):
         assert OPS[name].family == "deltanet"
         assert op_backend(name) == "reference"
-    assert OPS["deltanet_scan"].switches == ("register_scan",)
+    assert OPS["deltanet_scan"].switches == ("register_scan", "staged_scan")
     assert OPS["deltanet_decode"].switches == ("fused_recurrent_norm", "fused_conv_step")
 
 

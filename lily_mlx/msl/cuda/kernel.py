@@ -17,6 +17,7 @@ How the Metal launch is reproduced (see docs/bridge.md):
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from functools import lru_cache
@@ -91,6 +92,59 @@ def trimmed_prelude(sections: frozenset) -> str:
     if keep:
         parts.append(text[last:])
     return _drop_comment_lines("\n".join(line.strip() for line in "".join(parts).splitlines()))
+
+
+# MLX hashes a custom kernel's whole source, header included, every time it evaluates a launch
+# (H200, bench.launch_cost: +6.8 us per launch for a 36 KB header). So the header a kernel hands to MLX
+# is one ``#include`` of a file holding its real header (prelude + translated Metal header), named by
+# the content's hash and written once per content; NVRTC reads the file at compile time only. Where no
+# file can be written, the header is inlined as before (same code, larger per-launch hash).
+HEADER_DIR_ENV = "LILY_CUDA_HEADER_DIR"  # a folder, or "inline" for no header files
+
+
+def header_dir() -> Optional[Path]:
+    """Folder of the header files: ``LILY_CUDA_HEADER_DIR``, else ``lily_mlx/cuda-headers`` under the
+    user's cache folder; None when the variable says ``inline``."""
+    value = os.environ.get(HEADER_DIR_ENV, "").strip()
+    if value == "inline":
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "lily_mlx" / "cuda-headers"
+
+
+_UNWRITABLE: set = set()
+
+
+def _header_file(text: str, folder: Path) -> Optional[Path]:
+    """The file in ``folder`` holding ``text`` (written, atomically, if missing or different), or None
+    if it cannot be written."""
+    path = folder / f"lily_{hashlib.sha1(text.encode()).hexdigest()[:20]}.cuh"
+    try:
+        if not (path.is_file() and path.read_text() == text):
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+    except OSError as e:
+        if folder not in _UNWRITABLE:  # said once per folder (this package stands alone: no lily logging)
+            _UNWRITABLE.add(folder)
+            logging.getLogger("lily_mlx").warning(
+                "lily-mlx: cannot write CUDA kernel headers to %s (%s); headers are inlined (slower launches). "
+                "Set %s to a writable folder.", folder, e, HEADER_DIR_ENV)
+        return None
+    return path
+
+
+def launch_header(text: str) -> str:
+    """What MLX gets as a kernel's header: ``#include "<file holding text>"``, or ``text`` itself
+    (``LILY_CUDA_HEADER_DIR=inline``, an unwritable folder, or a path an include line cannot hold)."""
+    folder = header_dir()
+    path = _header_file(text, folder) if folder is not None else None
+    if path is None or '"' in str(path) or "\n" in str(path):
+        return text
+    return f'#include "{path}"\n'
 
 
 def _mma_enabled() -> bool:
@@ -273,11 +327,11 @@ class CudaMetalKernel:
             specs = self.specs(inputs)
             header, body = self.cuda_header(), self.cuda_body(specs, template)
             k = mx.fast.cuda_kernel(
-                name=self.kernel_name(header, body),
+                name=self.kernel_name(header, body),  # the full header's hash, not the include line's
                 input_names=self.cuda_input_names(),
                 output_names=self.cuda_output_names(),
                 source=body,
-                header=header,
+                header=launch_header(header),
                 ensure_row_contiguous=self.ensure_row_contiguous,
             )
             self._kernels[key] = k

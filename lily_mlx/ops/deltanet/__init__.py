@@ -9,7 +9,8 @@ Ops (``lily_mlx.ops.OPS``):
 - ``deltanet_conv1d_silu``: depthwise causal conv1d + SiLU and the conv-state update; one kernel
   also does ``deltanet_qk_norm`` (L2 normalisation of q/k with the read-out scale), for every chunk.
 - ``deltanet_gates``: g = exp(-exp(A_log) softplus(a + dt_bias)) and beta = sigmoid(b).
-- ``deltanet_scan``: prefill delta-rule scan; switch ``register_scan`` (off: blockwise scan).
+- ``deltanet_scan``: prefill delta-rule scan; switch ``register_scan`` (off: blockwise scan), switch
+  ``staged_scan`` (the register scan's inputs staged through threadgroup memory; off: read per token).
 - ``deltanet_decode``: one recurrent step + gated RMSNorm; switch ``fused_recurrent_norm``
   (off: gates, step and norm as separate kernels); switch ``fused_conv_step``: the conv + q/k-norm
   kernel's work for the token inside the same kernel (one launch per layer and decode token).
@@ -40,7 +41,7 @@ OP_GATES = register_op(Op(
 ))
 OP_SCAN = register_op(Op(
     "deltanet_scan", "deltanet", "Prefill delta-rule scan, fp32 state [B, Hv, Dv, Dk].",
-    switches=("register_scan",), kernel_backends=KERNEL_BACKENDS,
+    switches=("register_scan", "staged_scan"), kernel_backends=KERNEL_BACKENDS,
 ))
 OP_DECODE = register_op(Op(
     "deltanet_decode", "deltanet", "Decode step: gates, delta-rule update, read-out, gated RMSNorm.",

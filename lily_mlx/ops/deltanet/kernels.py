@@ -166,8 +166,8 @@ def scan(q, k, v, g, beta, state, mask=None, *, register: bool = True, backend: 
     q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g: [B, T, Hv] fp32; beta: [B, T, Hv]; state fp32 or None.
     ``register``: state in registers for the whole scan; else the blockwise ablation.
     ``staged`` (with ``register``): ``deltanet_scan_staged``, the register scan with its inputs staged
-    through threadgroup memory a chunk of tokens at a time (same bits; not dispatched by the layer
-    until timed on a GPU, see docs/deltanet.md).
+    through threadgroup memory a chunk of tokens at a time (same bits; the layer's default, switch
+    ``staged_scan``, see docs/deltanet.md).
     ``out_dtype``: y's dtype (default q's).
     """
     _refuse_unsupported(q, v, g, state)

@@ -82,10 +82,11 @@ def recurrence(module, q, k, v, a, b, z, state, mask):
     dk, backend = _kernels_for("deltanet_scan", module, q, v, state)
     if dk is not None:
         register = switches.is_enabled("register_scan")
+        staged = register and switches.is_enabled("staged_scan")
         # y stays fp32 into the gated-norm kernel, as in the decode kernels: a token's output is then
         # the same from a prefill chunk and from a decode step (batch invariance).
         out_dtype = mx.float32 if norm_dk is not None else None
-        out, state = dk.scan(q, k, v, g, beta, state, mask, register=register, backend=backend,
+        out, state = dk.scan(q, k, v, g, beta, state, mask, register=register, staged=staged, backend=backend,
                              out_dtype=out_dtype)
     else:
         out, state = ref.scan_stock(q, k, v, g, beta, state, mask, use_kernel=not module.training)

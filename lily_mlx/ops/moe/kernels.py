@@ -265,8 +265,10 @@ GEMV_MAX_K = 4096  # kernels/moe/gemm.metal: MOE_GEMV_MAX_K, the rowwise forms' 
 
 # The staged decode GEMVs (kernels/moe/gemm.metal): (outputs per threadgroup R, K chunk KC) per kernel.
 # gate+up: 2R threads (a gate and an up chain per output), K = hidden (2048 at Qwen3.6: 8 chunks);
-# down: R threads, K = expert width (512: 2 chunks). Bench variants: lily_dev/moe_bench.py.
-GEMV_LAYOUT = {"gate_up": (32, 256), "down": (64, 256)}
+# down: R threads, K = expert width (512: 2 chunks). One simdgroup per threadgroup for both: on the H200
+# (2026-12-01, op cases gemv_*_x8[1tok]) R = 16 / 32 ran gate+up 18 % and down 7 % faster than R = 32 / 64
+# (more, smaller threadgroups; same bits at any layout). Bench variants: lily_dev/moe_bench.py.
+GEMV_LAYOUT = {"gate_up": (16, 256), "down": (32, 256)}
 GEMV_THREADGROUP_BYTES = 32 * 1024  # Apple's threadgroup memory limit
 
 
