@@ -42,6 +42,7 @@ ABLATIONS = (
     ("staged_scan", "prefill", 2 * K, None),
     ("fused_combine", "prefill", 2 * K, None),
     ("chunked_prefill", "prefill", 16 * K, None),
+    ("bounded_lookahead", "prefill", 16 * K, None),
     ("compiled_decode", "decode", 4 * K, None),
     ("fused_conv_step", "decode", 4 * K, None),
     ("fused_recurrent_norm", "decode", 4 * K, None),

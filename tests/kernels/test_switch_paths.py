@@ -418,8 +418,10 @@ MODEL_ERROR_FACTOR = 1.25
 # Switches whose kernels are not written yet, and chunked_prefill (chosen by MLX-LM's prompt chunking,
 # lily_mlx.patch.prefill_step_size, before the model is called): flipping them changes no launch here.
 # compiled_decode replays the same launches from a trace, on Metal and CUDA only (the simulator runs
-# eagerly): tests/kernels/test_compiled_decode.py.
-NO_KERNEL_SWITCHES = ("fused_qk_prep", "fixed_block_attention", "chunked_prefill", "compiled_decode")
+# eagerly): tests/kernels/test_compiled_decode.py. bounded_lookahead evaluates the same graph in
+# pieces (when, not what): tests/core/test_lookahead.py.
+NO_KERNEL_SWITCHES = ("fused_qk_prep", "fixed_block_attention", "chunked_prefill", "compiled_decode",
+                      "bounded_lookahead")
 assert set(NO_KERNEL_SWITCHES) | set(MOE_SWITCHES) | set(MOE_BLOCK_SWITCHES) | set(DELTANET_SWITCHES) | set(
     ATTENTION_SWITCHES) == set(switches.SWITCHES), "a new switch needs its expected launches here"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx.nn.layers.distributed import sum_gradients
 
+from ...core import lookahead
 from ...core.dispatch import op_backend
 from .reference import (
     combine_reference,
@@ -64,4 +65,5 @@ def sparse_moe_forward(self, x: mx.array) -> mx.array:
 
     if self.sharding_group is not None:
         y = mx.distributed.all_sum(y, group=self.sharding_group)
+    lookahead.after_prefill_layer(y)  # the last op of each decoder layer's work (switch bounded_lookahead)
     return y
