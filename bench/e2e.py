@@ -131,6 +131,36 @@ class Engines:
         set_eval_per_layer(self.model, engine.endswith(EVAL_PER_LAYER))
 
 
+def warm_long_context(model, engines: Sequence[str], lengths: Sequence[int], log=print) -> None:
+    """One untimed decode step of one attention layer at the long-context threshold, per lily engine, if
+    any of ``lengths`` reaches it: the decode kernels used only from there (fixed-block attention, from
+    32K) are then compiled before the first timed token at a long length, not inside it (their variants
+    do not depend on the context beyond the threshold). The short warm-up run never reaches them."""
+    from mlx_lm.models.cache import KVCache
+
+    from lily_mlx.ops.attention.kernels import FIXED_BLOCK_MIN_CONTEXT
+
+    if max(lengths, default=0) < FIXED_BLOCK_MIN_CONTEXT:
+        return
+    layer = next((l for l in model.layers if hasattr(l, "self_attn")), None)
+    if layer is None:
+        return
+    attn, hidden = layer.self_attn, layer.input_layernorm.weight.shape[0]
+    dtype = layer.input_layernorm.weight.dtype
+    shape = (1, attn.num_key_value_heads, FIXED_BLOCK_MIN_CONTEXT, attn.head_dim)
+    sw = Engines(model)
+    for engine in engines:
+        if not is_lily(engine):
+            continue
+        sw.use(engine)
+        cache = KVCache()
+        cache.update_and_fetch(mx.zeros(shape, dtype), mx.zeros(shape, dtype))
+        with switches.overrides(disable=switches_off(engine)):
+            mx.eval(attn(mx.zeros((1, 1, hidden), dtype), cache=cache))
+        log(f"[warmup] {engine}: one attention decode step at context {length_label(FIXED_BLOCK_MIN_CONTEXT)}")
+    sw.use("stock")
+
+
 def prefill_step(engine: str, requested: int) -> int:
     """The chunk size ``engine`` prefills with (call under the engine's switch state)."""
     if is_lily(engine):

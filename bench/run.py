@@ -341,6 +341,7 @@ def run_sweep(args, setup, done, remaining, model, vocab, results, save, out_dir
         else:
             e2e.sweep(model, [args.warmup_length], [], [args.warmup_length], 1, 4, args.prefill_step_size,
                       engines, vocab, seed=args.seed + 999, log=lambda m: log("[warmup] " + m))
+            e2e.warm_long_context(model, engines, remaining, log=log)
     pending = {}
 
     def before_row(length: int) -> bool:
