@@ -204,27 +204,30 @@ def run_decode(model, switches_: List[str], length: int, rounds: int, steps: int
 
 def table_markdown(rows: List[Dict]) -> str:
     lines = ["| switch | phase | length | lily tok/s | switch off tok/s | gain (ours) | gain (write-up) | "
-             "eval ms/step on / off | build ms/step on / off |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "eval ms/step on / off | build ms/step on / off | peak GB on / off |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         label = e2e.length_label(r["length"])
         wu = "-" if r.get("writeup_pct") is None else f"+{r['writeup_pct']:.1f} %"
         if r.get("skipped"):
-            lines.append(f"| `{r['switch']}` | {r['phase']} | {label} | - | - | {r['skipped']} | {wu} | - | - |")
+            lines.append(f"| `{r['switch']}` | {r['phase']} | {label} | - | - | {r['skipped']} | {wu} | - | - | - |")
             continue
-        ev = bd = "-"
+        ev = bd = peak = "-"
         if r.get("eval_ms_on") is not None:
             ev = f"{r['eval_ms_on']:.2f} / {r['eval_ms_off']:.2f}"
             bd = f"{r['build_ms_on']:.2f} / {r['build_ms_off']:.2f}"
+        if r.get("peak_gb_on") is not None and r.get("peak_gb_off") is not None:  # prefill rows
+            peak = f"{r['peak_gb_on']:.2f} / {r['peak_gb_off']:.2f}"
         lines.append(f"| `{r['switch']}` | {r['phase']} | {label} | {r['on']:,.1f} | {r['off']:,.1f} | "
-                     f"{r['gain_pct']:+.1f} % | {wu} | {ev} | {bd} |")
+                     f"{r['gain_pct']:+.1f} % | {wu} | {ev} | {bd} | {peak} |")
     return "\n".join(lines)
 
 
 NOTES = ("Prefill rows: prompt tok/s, medians over rounds (both engines run once untimed first). Decode rows: "
          "pipelined decode tok/s (as generate_step decodes), and one step's graph build and evaluation time "
          "(medians over rounds x steps), all engines at one context decoding from copies of one cache "
-         "prefilled once per round by lily. Gain = lily / switch off - 1.")
+         "prefilled once per round by lily. Gain = lily / switch off - 1. Peak GB (prefill rows): "
+         "mx.get_peak_memory() / 1e9 of each engine's own runs (bounded_lookahead is about this column).")
 
 
 def plot(rows: List[Dict], path: Path) -> Optional[Path]:

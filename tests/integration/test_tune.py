@@ -117,8 +117,9 @@ def test_a_wrong_kernel_is_pinned_with_its_reason(tune_dir, sim_model, monkeypat
     _, pinned, bad_off = tune.check_kernels(bench, tune.kernel_ops(bench, "sim"))
     assert list(pinned) == ["deltanet_scan"]
     assert pinned["deltanet_scan"].startswith("kernel differs from its reference at decode@32")
-    # Off variants that run the scan kernel: the blockwise scan, and the unfused decode step.
-    assert sorted(bad_off) == ["fused_recurrent_norm", "register_scan"]
+    # Off variants that run the scan kernel: the blockwise scan, the unstaged register scan, and the
+    # unfused decode step.
+    assert sorted(bad_off) == ["fused_recurrent_norm", "register_scan", "staged_scan"]
     assert tune.follow(pinned) == {"deltanet_decode": "follows deltanet_scan to its reference (batch invariance)"}
 
 
