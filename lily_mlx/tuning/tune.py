@@ -264,7 +264,7 @@ def time_switches(bench: Bench, ops, pinned: Dict[str, str], bad_off: Dict[str, 
                 live.setdefault(name, set()).add(op.family)
     untimed = {s: "its ops run their reference here" for s, sw in switches.SWITCHES.items()
                if s not in live and sw.family != "generation"}
-    untimed.update({s: "generation level (prompt chunk size), not a kernel choice"
+    untimed.update({s: "generation level (how prompts are chunked, traced or scheduled), not a kernel choice"
                     for s, sw in switches.SWITCHES.items() if sw.family == "generation"})
     todo = [(name, family, shape) for name in live for family in sorted(live[name])
             for shape in _classes_for(switches.SWITCHES[name].phase, bench.classes)]
