@@ -23,6 +23,9 @@ from . import switches
 from .log import log_once
 
 DEPTH = 2  # layers the host may run ahead of the GPU in a prefill chunk
+# Chunks of fewer tokens (B x T) run as before: their transients are small, and waits would only slow
+# short multi-token calls such as a speculative-decoding verify step.
+MIN_TOKENS = 256
 
 _local = threading.local()  # a server's generation thread and the caller's keep separate queues
 
@@ -35,8 +38,11 @@ def _pending() -> collections.deque:
 
 
 def after_prefill_layer(y: mx.array) -> None:
-    """Called with a layer's output ``y`` [B, T, D]; bounds the host's lookahead when T > 1 (prefill)."""
-    if y.ndim != 3 or y.shape[1] <= 1 or not switches.is_enabled("bounded_lookahead"):
+    """Called with a layer's output ``y`` [B, T, D]; bounds the host's lookahead in prefill chunks of at
+    least ``MIN_TOKENS`` tokens."""
+    if y.ndim != 3 or y.shape[1] <= 1 or y.shape[0] * y.shape[1] < MIN_TOKENS:
+        return
+    if not switches.is_enabled("bounded_lookahead"):
         return
     try:
         mx.async_eval(y)

@@ -50,8 +50,8 @@ _SWITCH_LIST = [
            "Process long prompts in bounded chunks (state and KV cache carry over).",
            "One chunk for the whole prompt (higher peak memory)."),
     Switch("bounded_lookahead", "generation", "prefill", True,
-           "In a prefill chunk the host submits each layer as it is built and waits for the layer two "
-           "back before building the next: about three layers' transients alive instead of a chunk's.",
+           "In a prefill chunk (>= 256 tokens) the host submits each layer as it is built and waits for "
+           "the layer two back before building the next: about three layers' transients alive, not a chunk's.",
            "The host builds and encodes a whole chunk's layers before waiting for any (the GPU runs far behind)."),
     Switch("row_gemv", "moe", "decode", True,
            "One-row GEMV forms of the expert GEMMs for decode calls (one thread per output, the GEMMs' "

@@ -49,7 +49,8 @@ def _prefill_and_step(model, tokens):
     return logits, step
 
 
-def test_prefill_layers_are_submitted_and_the_host_waits_two_layers_back(model, spy):
+def test_prefill_layers_are_submitted_and_the_host_waits_two_layers_back(model, spy, monkeypatch):
+    monkeypatch.setattr(lookahead, "MIN_TOKENS", 40)  # the tiny model's test chunk
     tokens = mx.arange(40) % 97
     n_layers = len(model.layers)
     logits, step = _prefill_and_step(model, tokens)
@@ -68,7 +69,14 @@ def test_prefill_layers_are_submitted_and_the_host_waits_two_layers_back(model, 
     assert mx.array_equal(logits, logits_off).item() and mx.array_equal(step, step_off).item()
 
 
-def test_inside_mx_compile_nothing_is_submitted(model, spy):
+def test_chunks_below_the_minimum_are_left_alone(model, spy):
+    """A short multi-token call (e.g. a speculative-decoding verify step) runs as stock schedules it."""
+    _prefill_and_step(model, mx.arange(lookahead.MIN_TOKENS - 1) % 97)
+    assert not [kind for kind, _ in spy if kind == "submit"]
+
+
+def test_inside_mx_compile_nothing_is_submitted(model, spy, monkeypatch):
+    monkeypatch.setattr(lookahead, "MIN_TOKENS", 2)
     tokens = (mx.arange(12) % 31)[None]
     cache = make_prompt_cache(model)
     eager = model(tokens, cache=cache)
