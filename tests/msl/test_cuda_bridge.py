@@ -140,6 +140,10 @@ def test_mlx_gets_the_header_as_an_include_of_a_content_addressed_file(tmp_path,
     k._cuda_kernel([mx.zeros((32,))], None)
     assert calls[0]["header"] == line and calls[0]["name"] == k.kernel_name(text, calls[0]["source"])
 
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(HEADER_DIR_ENV, "relative")  # written and included by its absolute path
+    assert launch_header(text) == f'#include "{tmp_path / "relative" / path.name}"\n'
+
     monkeypatch.setenv(HEADER_DIR_ENV, "inline")
     assert launch_header(text) == text
     blocker = tmp_path / "a-file"

@@ -108,10 +108,10 @@ def header_dir() -> Optional[Path]:
     value = os.environ.get(HEADER_DIR_ENV, "").strip()
     if value == "inline":
         return None
-    if value:
-        return Path(value).expanduser()
+    if value:  # absolute: NVRTC would resolve a relative include against its own idea of the directory
+        return Path(value).expanduser().absolute()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "lily_mlx" / "cuda-headers"
+    return (Path(base) / "lily_mlx" / "cuda-headers").absolute()
 
 
 _UNWRITABLE: set = set()
