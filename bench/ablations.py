@@ -96,6 +96,8 @@ def skip_reason(switch: str, backend: str, time_all: bool = False, length: Optio
 
     if switch in GENERATION_LEVEL:
         return GENERATION_LEVEL[switch]
+    if switch == "bounded_lookahead":  # when the host waits, not which kernel: acts on every backend
+        return None
     if switch == "compiled_decode":
         if backend in COMPILE_BACKENDS or time_all:
             return None

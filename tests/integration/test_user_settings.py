@@ -186,7 +186,7 @@ def test_switches_without_kernels_say_so(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line and line.split()[0] in
             lily_mlx.switches.SWITCHES}
-    without = {"fused_qk_prep"}
+    without = set()  # every switch acts somewhere now (fused_qk_prep: a simulator kernel since 2026-12-01)
     for name, row in rows.items():
         assert ("no kernel yet" in row) == (name in without), row
 
@@ -222,7 +222,8 @@ def test_patch_report_names_each_op_backend_and_why_reference(loaded_model, monk
         report = lily_mlx.patch(model)._lily_report
         assert lily_mlx.patch_report(model) is report and report.backend == "sim"
         assert report.op_backends["deltanet_scan"] == "sim"
-        assert report.reference_reasons["attention_qk_prep"] == "no sim kernel yet"
+        assert report.reference_reasons["moe_expert_up"] == "no sim kernel yet"
+        assert report.op_backends["attention_qk_prep"] == "sim"
         assert report.reference_reasons["moe_routing"] == "LILY_REFERENCE_OPS"
         assert "deltanet_scan" not in report.reference_reasons
         assert report.layers == {"Qwen3NextSparseMoeBlock": 4, "Qwen3NextAttention": 1, "GatedDeltaNet": 3}

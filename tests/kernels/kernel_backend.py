@@ -4,6 +4,7 @@ The same tests check every execution of one Metal source: the CPU simulator by d
 ``LILY_TEST_KERNEL_BACKEND=cuda`` on an NVIDIA GPU through the bridge (``metal`` on a Mac).
 """
 
+import functools
 import os
 from contextlib import contextmanager
 
@@ -38,7 +39,8 @@ def attention_kernels_on(backend: str = KERNEL_BACKEND):
 
     makers = {"attention_decode": ak.decode_attention_from_cache,
               "attention_decode_long": ak.decode_attention_fixed_blocks_from_cache,
-              "attention_prefill": ak.prefill_attention_from_cache}
+              "attention_prefill": ak.prefill_attention_from_cache,
+              "attention_qk_prep": lambda b: functools.partial(ak.qk_prep, backend=b)}
     try:
         with pytest.MonkeyPatch.context() as mp:
             for op, make in makers.items():

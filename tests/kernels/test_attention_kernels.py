@@ -205,10 +205,11 @@ def test_embedded_model_decode_matches_stock(monkeypatch, off):
         with switches.overrides(disable=list(off)), record_launches() as rec:
             logits = teacher_forced_logits(stock_tokens)
         # the prompt through the prefill kernel (tests/kernels/test_attention_prefill.py), then every
-        # decode step through the decode kernel, nothing else
-        assert rec.names() == ["attention_prefill"] + ["attention_decode"] * (n - 1)
+        # decode step through the decode kernel, each after the q/k preparation kernel, nothing else
+        assert rec.names() == ["attention_qk_prep", "attention_prefill"] + ["attention_qk_prep", "attention_decode"] * (n - 1)
         packed = "gqa_packing" not in off
-        assert {(launch.template["GT"], launch.template["COALESCED"]) for launch in rec[1:]} == {
+        decode = [launch for launch in rec if launch.name == "attention_decode"]
+        assert {(launch.template["GT"], launch.template["COALESCED"]) for launch in decode} == {
             (8 if packed else 1, int("coalesced_kv" not in off))}
         for pos in range(n):
             assert rel_l2(logits[pos], stock_logits[pos]) < LOGIT_TOL, pos

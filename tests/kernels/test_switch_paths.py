@@ -415,15 +415,17 @@ SECOND_CHUNK = 16  # tokens: 64 expert assignments, a prefill chunk on the per-a
 # chunking) x every switch state: ratio 0.93 to 1.06 (lily keeps fp32 where stock rounds to bf16, but
 # rounds in other places). A broken kernel moves the logits by far more.
 MODEL_ERROR_FACTOR = 1.25
-# Switches whose kernels are not written yet, and chunked_prefill (chosen by MLX-LM's prompt chunking,
+# Switches without kernels of their own here, and chunked_prefill (chosen by MLX-LM's prompt chunking,
 # lily_mlx.patch.prefill_step_size, before the model is called): flipping them changes no launch here.
 # compiled_decode replays the same launches from a trace, on Metal and CUDA only (the simulator runs
 # eagerly): tests/kernels/test_compiled_decode.py. bounded_lookahead evaluates the same graph in
 # pieces (when, not what): tests/core/test_lookahead.py.
-NO_KERNEL_SWITCHES = ("fused_qk_prep", "fixed_block_attention", "chunked_prefill", "compiled_decode",
-                      "bounded_lookahead")
+NO_KERNEL_SWITCHES = ("fixed_block_attention", "chunked_prefill", "compiled_decode", "bounded_lookahead")
+# fused_qk_prep: on, attention_qk_prep before each attention kernel; off, stock's ops
+# (expected_model_launches; tests/kernels/test_attention_qk_prep.py).
+QK_PREP_SWITCHES = ("fused_qk_prep",)
 assert set(NO_KERNEL_SWITCHES) | set(MOE_SWITCHES) | set(MOE_BLOCK_SWITCHES) | set(DELTANET_SWITCHES) | set(
-    ATTENTION_SWITCHES) == set(switches.SWITCHES), "a new switch needs its expected launches here"
+    ATTENTION_SWITCHES) | set(QK_PREP_SWITCHES) == set(switches.SWITCHES), "a new switch needs its expected launches here"
 
 
 def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Sequence[str], top_k: int) -> List[str]:
@@ -433,7 +435,11 @@ def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Se
     for kind in layer_types:
         if kind == "linear_attention":
             names += expected_deltanet_launches(state, tokens)
-        elif tokens == 1:  # decode over a plain KVCache, no mask: the decode attention kernel
+            names += expected_block_launches(state, tokens * top_k)
+            continue
+        if state["fused_qk_prep"]:  # q/k norms, RoPE and the gate split in one kernel
+            names.append("attention_qk_prep")
+        if tokens == 1:  # decode over a plain KVCache, no mask: the decode attention kernel
             names.append("attention_decode")
         else:  # a prefill chunk over a plain KVCache, mask "causal": the prefill kernel (no switch)
             names.append("attention_prefill")

@@ -133,17 +133,19 @@ def test_ablations_cover_every_switch_and_resume(tmp_path):
     for switch in ("coalesced_kv", "gqa_packing", "fixed_block_attention"):
         assert ablations.skip_reason(switch, "cuda", length=32768) is None
     assert ablations.skip_reason("coalesced_kv", "sim", length=3840) is None  # the one-pass kernel
+    assert "no kernel on cuda yet (kernels: sim)" in ablations.skip_reason("fused_qk_prep", "cuda")
+    assert ablations.skip_reason("bounded_lookahead", "cuda") is None  # acts on every backend
     assert "ordinary decode path" in ablations.skip_reason("fixed_block_attention", "sim", length=3840)
 
     argv = ["--size", "tiny", "--num-layers", "4", "--lengths-scale", "0.01", "--rounds", "1",
             "--decode-rounds", "1", "--long-rounds", "1", "--profile-steps", "2", "--time-all",
-            "--only", "register_scan,row_gemv,fused_expert_up,fused_qk_prep", "--out", str(tmp_path)]
+            "--only", "register_scan,row_gemv,fused_expert_up,chunked_prefill", "--out", str(tmp_path)]
     assert ablations.main(argv + ["--stop-at", str(time.time() - 1)]) == 0  # nothing fits
     assert json.loads((tmp_path / "ablations.json").read_text())["complete"] is False
     assert ablations.main(argv) == 0
     data = json.loads((tmp_path / "ablations.json").read_text())
     got = {r["switch"]: r for r in data["rows"]}
-    assert data["complete"] and got["fused_qk_prep"]["skipped"] == ablations.NO_KERNEL
+    assert data["complete"] and got["chunked_prefill"]["skipped"] == ablations.GENERATION_LEVEL["chunked_prefill"]
     for s in ("row_gemv", "fused_expert_up"):  # one decode-profile run for both, shared prefill
         assert got[s]["phase"] == "decode" and got[s]["shared_prefill"]
         assert got[s]["on"] == got["row_gemv"]["on"] and got[s]["eval_ms_off"] > 0 and got[s]["build_ms_on"] > 0

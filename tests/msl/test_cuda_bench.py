@@ -140,7 +140,7 @@ def test_eval_per_layer_engines(monkeypatch):
 
 def test_ablations_command_writes_the_table_and_resumes(monkeypatch, tmp_path):
     """`python -m bench.ablations` on the tiny model: one timed ablation (lily vs lily with the switch
-    off; --time-all: the reference backend runs no kernel), one switch without a kernel listed as such,
+    off; --time-all: the reference backend runs no kernel), one generation-level switch listed as such,
     the write-up's figure beside ours; a second run (--resume, the default) keeps what is in
     ablations.json."""
     import json
@@ -149,10 +149,10 @@ def test_ablations_command_writes_the_table_and_resumes(monkeypatch, tmp_path):
 
     monkeypatch.setenv("LILY_BACKEND", "reference")
     argv = ["--size", "tiny", "--num-layers", "4", "--lengths-scale", "0.01", "--rounds", "1", "--gen-tokens", "2",
-            "--only", "register_scan,fused_qk_prep", "--time-all", "--out", str(tmp_path)]
+            "--only", "register_scan,chunked_prefill", "--time-all", "--out", str(tmp_path)]
     assert ablations.main(argv) == 0
     rows = {r["switch"]: r for r in json.loads((tmp_path / "ablations.json").read_text())["rows"]}
-    assert rows["fused_qk_prep"]["skipped"] == "no kernel yet"
+    assert rows["chunked_prefill"]["skipped"] == ablations.GENERATION_LEVEL["chunked_prefill"]
     scan = rows["register_scan"]
     assert scan["phase"] == "prefill" and scan["on"] > 0 and scan["off"] > 0 and scan["writeup_pct"] == 5.6
     table = (tmp_path / "ablations.md").read_text()

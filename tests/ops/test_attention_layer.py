@@ -172,7 +172,8 @@ def test_sim_backend_unsupported_shapes_fall_back_to_reference(monkeypatch, capl
     module = make_attention(4, 1, 32, seed=7)
     mx.random.seed(8)
     xs = [mx.random.normal((1, t, HIDDEN)) for t in (4, 1)]
-    with caplog.at_level("INFO", logger="lily_mlx"):
+    # (the q/k preparation kernel takes head dim 32: off here, this test is about the attention kernels)
+    with caplog.at_level("INFO", logger="lily_mlx"), switches.overrides(disable=["fused_qk_prep"]):
         ours = run_chunks(att.attention_forward, module, xs, KVCache())
     stock = run_chunks(stock_forward, module, xs, KVCache())
     for a, b in zip(ours, stock):

@@ -18,8 +18,8 @@ a kernel:
   token-identical).
 
 Kernels: ``attention_decode`` and ``attention_decode_long`` (the fixed-block split: block partials,
-then a merge), ``attention_prefill`` (flash-attention tiles; kernels/attention/prefill.metal);
-``qk_prep`` runs its reference.
+then a merge), ``attention_prefill`` (flash-attention tiles; kernels/attention/prefill.metal),
+``attention_qk_prep`` (switch ``fused_qk_prep``; kernels/attention/qk_prep.metal).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ QK_PREP = register_op(Op(
     "attention_qk_prep", "attention",
     "q/k RMSNorm, partial RoPE and output-gate split of a full-attention layer",
     switches=("fused_qk_prep",),
+    kernel_backends=kernels.QK_PREP_BACKENDS,  # simulator only until timed on a GPU (kernels.py)
 ))
 PREFILL = register_op(Op(
     "attention_prefill", "attention",

@@ -19,6 +19,7 @@ from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel
 # Dispatch table: one row per kernel of kernels/attention/decode.metal and prefill.metal.
 _FILE = "attention/decode.metal"
 _PREFILL_FILE = "attention/prefill.metal"
+_QK_PREP_FILE = "attention/qk_prep.metal"
 KERNELS = {
     spec.name: spec
     for spec in (
@@ -30,6 +31,9 @@ KERNELS = {
                    params=("NB",)),
         KernelSpec("attention_prefill", _PREFILL_FILE, ("q", "k", "v", "scale", "params"), ("out",),
                    params=("Hkv", "L", "S", "S_cap", "NQ")),
+        KernelSpec("attention_qk_prep", _QK_PREP_FILE,
+                   ("q_proj", "k_proj", "q_weight", "k_weight", "positions", "eps", "log2_base", "rope_scale",
+                    "params"), ("q_out", "k_out", "gate"), params=("H", "Hkv", "L")),
     )
 }
 
@@ -393,3 +397,60 @@ def prefill_attention_from_cache(backend: str):
         return prefill_attention(queries, keys, values, scale=scale, causal=causal, backend=backend)
 
     return launch
+
+
+# --- q/k preparation (kernels/attention/qk_prep.metal; switch fused_qk_prep) ------------------------
+
+# Backends the q/k preparation kernel (op ``attention_qk_prep``) runs on: the simulator only until it has
+# been timed on a GPU (it replaces five small primitives per attention layer; on MLX CUDA a primitive's
+# evaluation costs 2.4-4.3 us of host time, docs/decode.md).
+QK_PREP_BACKENDS = frozenset({"sim"})
+QK_PREP_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+def qk_prep_supports(q_proj_out: mx.array, k_proj_out: mx.array, n_heads: int, n_kv_heads: int, q_norm,
+                     k_norm, rope, offset) -> Optional[str]:
+    """None when the kernel computes stock's q/k preparation for these inputs, else why not."""
+    import mlx.nn as nn
+
+    B, L, _ = q_proj_out.shape
+    D = q_proj_out.shape[-1] // (2 * n_heads)
+    if q_proj_out.dtype not in QK_PREP_DTYPES or k_proj_out.dtype != q_proj_out.dtype:
+        return f"dtype {q_proj_out.dtype}"
+    if q_proj_out.shape[-1] != 2 * n_heads * D or k_proj_out.shape[-1] != n_kv_heads * D or D % 32:
+        return f"head dim {D} (a multiple of 32 is needed)"
+    if type(rope) is not nn.RoPE or rope.traditional or rope.dims % 2 or rope.dims > D:
+        return f"rotary embedding {type(rope).__name__} (plain non-traditional nn.RoPE only)"
+    for norm in (q_norm, k_norm):
+        if type(norm) is not nn.RMSNorm or norm.weight.shape != (D,):
+            return f"norm {type(norm).__name__} (nn.RMSNorm over the head dim only)"
+    if isinstance(offset, mx.array) and offset.shape not in ((B,), ()):
+        return f"offset of shape {offset.shape}"
+    return None
+
+
+def qk_prep(q_proj_out: mx.array, k_proj_out: mx.array, *, n_heads: int, n_kv_heads: int, q_norm, k_norm,
+            rope, offset: Any = 0, backend: str, init_value=None) -> Tuple[mx.array, mx.array, mx.array]:
+    """Queries [B, H, L, D] and keys [B, Hkv, L, D] (normalised, rotated) and the output gate
+    [B, L, H * D], as ``reference.qk_prep_reference`` computes them, in one launch."""
+    import math
+
+    B, L, _ = q_proj_out.shape
+    D = q_proj_out.shape[-1] // (2 * n_heads)
+    if isinstance(offset, mx.array):
+        positions = mx.broadcast_to(offset.astype(mx.int32), (B,))
+    else:
+        positions = mx.array([int(offset)] * B, dtype=mx.int32)  # a constant: no graph primitive
+    spec = KERNELS["attention_qk_prep"]
+    dtype = q_proj_out.dtype
+    q_out, k_out, gate = get_kernel(spec, backend)(
+        inputs=[q_proj_out, k_proj_out, q_norm.weight, k_norm.weight, positions, float32_scalar(q_norm.eps),
+                float32_scalar(math.log2(rope.base)), float32_scalar(rope.scale),
+                spec.pack(H=n_heads, Hkv=n_kv_heads, L=L)],
+        template=[("T", dtype), ("D", D), ("DIMS", rope.dims)],
+        grid=(32, n_heads + n_kv_heads, B * L), threadgroup=(32, 1, 1),
+        output_shapes=[(B, n_heads, L, D), (B, n_kv_heads, L, D), (B, L, n_heads * D)],
+        output_dtypes=[dtype] * 3,
+        init_value=init_value,
+    )
+    return q_out, k_out, gate

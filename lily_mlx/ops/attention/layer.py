@@ -6,10 +6,13 @@ module as ``self``, and the dispatch of each op (``qk_prep``, ``prefill_attentio
 On the reference backend it is exactly stock's computation: the same MLX primitives in the same
 order, mlx_lm's own ``scaled_dot_product_attention`` (quantized KV caches included; ``reference``).
 Kernels: ``attention_decode``, ``attention_decode_long`` (``kernels``, kernels/attention/decode.metal)
-and ``attention_prefill`` (kernels/attention/prefill.metal); ``qk_prep`` runs its reference.
+and ``attention_prefill`` (kernels/attention/prefill.metal), ``attention_qk_prep``
+(kernels/attention/qk_prep.metal).
 """
 
 from __future__ import annotations
+
+import functools
 
 from typing import Any, Callable, Optional, Tuple
 
@@ -29,6 +32,8 @@ KERNELS: dict = {
        for backend in kernels.LONG_BACKENDS},
     **{("attention_prefill", backend): kernels.prefill_attention_from_cache(backend)
        for backend in kernels.PREFILL_BACKENDS},
+    **{("attention_qk_prep", backend): functools.partial(kernels.qk_prep, backend=backend)
+       for backend in kernels.QK_PREP_BACKENDS},
 }
 
 
@@ -62,12 +67,17 @@ def _kv_shape(keys: Any) -> Tuple[int, ...]:
 
 def qk_prep(q_proj_out, k_proj_out, v_proj_out, *, n_heads, n_kv_heads, q_norm, k_norm, rope,
             offset=0):
-    """q/k preparation; see ``qk_prep_reference`` for shapes. Kernel: ``fused_qk_prep``."""
-    kernel = _kernel_for("attention_qk_prep")
-    if kernel is not None:  # pragma: no cover - no kernels yet
-        return kernel(q_proj_out, k_proj_out, v_proj_out, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                      q_norm=q_norm, k_norm=k_norm, rope=rope, offset=offset,
-                      fused=is_enabled("fused_qk_prep"))
+    """q/k preparation; see ``qk_prep_reference`` for shapes. Kernel (switch ``fused_qk_prep``; off: the
+    reference's separate ops): ``attention_qk_prep``, the values only transposed, as stock."""
+    if is_enabled("fused_qk_prep"):
+        kernel = _kernel_for("attention_qk_prep", kernels.qk_prep_supports(
+            q_proj_out, k_proj_out, n_heads, n_kv_heads, q_norm, k_norm, rope, offset))
+        if kernel is not None:
+            queries, keys, gate = kernel(q_proj_out, k_proj_out, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                                         q_norm=q_norm, k_norm=k_norm, rope=rope, offset=offset)
+            B, L, _ = v_proj_out.shape
+            values = v_proj_out.reshape(B, L, n_kv_heads, -1).transpose(0, 2, 1, 3)
+            return queries, keys, values, gate
     return qk_prep_reference(q_proj_out, k_proj_out, v_proj_out, n_heads=n_heads,
                              n_kv_heads=n_kv_heads, q_norm=q_norm, k_norm=k_norm, rope=rope,
                              offset=offset)
