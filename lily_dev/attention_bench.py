@@ -30,6 +30,11 @@ cached keys plus the chunk itself (``PREFILL_CACHED``), causal, bf16, B = 1:
 - ``attention_prefill_lily_sg8_L2K_S*`` / ``_sg2_``: 8 / 2 simdgroups per threadgroup (8 / 2 chunk
   positions per staged K/V tile: half / twice the K/V staging traffic of the default).
 
+q/k preparation (``qk_prep_cases``), one token (decode) and a 2048-token chunk:
+``attention_qk_prep_stock_L*`` (stock's five ops: gate split, q_norm, k_norm, two RoPEs) against
+``attention_qk_prep_lily_L*`` (the ``fused_qk_prep`` kernel), each also ``_x8`` (8 independent calls per
+evaluation). Bytes: q_proj and k_proj read, queries, keys and gate written.
+
 Flops: the causal work only, 4 * D * Hq * (L * S_cached + L (L + 1) / 2) (two products per visible
 (query, key) pair and head; stock's unfused path computes the masked half of the chunk's square too,
 not counted); bytes: K and V of all S_cached + L rows once, plus q and out.
@@ -113,9 +118,10 @@ def prefill_cases(backend: Optional[str] = None, cached: Sequence[int] = PREFILL
 
 def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CONTEXTS, B: int = 1,
                      dtype=mx.bfloat16, prefill_cached: Sequence[int] = PREFILL_CACHED,
-                     prefill_chunk: int = PREFILL_CHUNK) -> List[Case]:
+                     prefill_chunk: int = PREFILL_CHUNK,
+                     qk_prep_chunks: Sequence[int] = (1, PREFILL_CHUNK)) -> List[Case]:
     """The decode cases at each of `contexts`, then ``prefill_cases`` (chunk `prefill_chunk` over each
-    of `prefill_cached`; none when it is empty)."""
+    of `prefill_cached`; none when it is empty), then ``qk_prep_cases`` for `qk_prep_chunks`."""
     backend = backend or resolve_backend()
     Hq, Hkv, D = QWEN36["Hq"], QWEN36["Hkv"], QWEN36["D"]
     isz = mx.zeros((), dtype=dtype).itemsize
@@ -159,4 +165,47 @@ def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CO
             mx.eval([_fixed_blocks(q, k, v, s, backend, S, "auto") for s in scales])
 
         cases.append((f"attention_fixed_blocks_auto_x{REPEATS}_S{label}", blocks_x8, REPEATS * nbytes, REPEATS * flops))
-    return cases + prefill_cases(backend, prefill_cached, prefill_chunk, B, dtype)
+    return (cases + prefill_cases(backend, prefill_cached, prefill_chunk, B, dtype)
+            + qk_prep_cases(backend, qk_prep_chunks, B=B, dtype=dtype))
+
+
+def qk_prep_cases(backend: Optional[str] = None, chunks: Sequence[int] = (1, PREFILL_CHUNK), B: int = 1,
+                  dtype=mx.bfloat16, offset: int = 4096) -> List[Case]:
+    """Stock's q/k preparation vs the ``fused_qk_prep`` kernel at Qwen3.6's attention shape (64 of 256
+    dims rotated, RoPE base 1e7) for each chunk length (module docstring)."""
+    import mlx.nn as nn
+
+    from lily_mlx.ops.attention.reference import qk_prep_reference
+
+    backend = backend or resolve_backend()
+    Hq, Hkv, D = QWEN36["Hq"], QWEN36["Hkv"], QWEN36["D"]
+    isz = mx.zeros((), dtype=dtype).itemsize
+    q_norm, k_norm = nn.RMSNorm(D, eps=1e-6), nn.RMSNorm(D, eps=1e-6)
+    q_norm.weight, k_norm.weight = q_norm.weight.astype(dtype), k_norm.weight.astype(dtype)
+    rope = nn.RoPE(D // 4, traditional=False, base=1e7)
+    kw = dict(n_heads=Hq, n_kv_heads=Hkv, q_norm=q_norm, k_norm=k_norm, rope=rope)
+    cases: List[Case] = []
+    for L in chunks:
+        keys = mx.random.split(mx.random.key(L), 2 * REPEATS)
+        inputs = [(mx.random.normal((B, L, Hq * 2 * D), key=keys[2 * i]).astype(dtype),
+                   mx.random.normal((B, L, Hkv * D), key=keys[2 * i + 1]).astype(dtype))
+                  for i in range(REPEATS)]  # distinct calls, nothing to share
+        mx.eval(inputs)
+        nbytes = B * L * (Hq * 2 * D + Hkv * D + 2 * Hq * D + Hkv * D) * isz
+        flops = 10 * B * L * (Hq + Hkv) * D
+
+        def stock(calls):
+            return lambda: mx.eval([qk_prep_reference(q, k, k, offset=offset, **kw) for q, k in calls])
+
+        def lily(calls):
+            return lambda: mx.eval([ak.qk_prep(q, k, offset=offset, backend=backend, **kw) for q, k in calls])
+
+        cases.append((f"attention_qk_prep_stock_L{_label(L)}", stock(inputs[:1]), nbytes, flops))
+        cases.append((f"attention_qk_prep_stock_x{REPEATS}_L{_label(L)}", stock(inputs), REPEATS * nbytes,
+                      REPEATS * flops))
+        if backend == "reference":
+            continue
+        cases.append((f"attention_qk_prep_lily_L{_label(L)}", lily(inputs[:1]), nbytes, flops))
+        cases.append((f"attention_qk_prep_lily_x{REPEATS}_L{_label(L)}", lily(inputs), REPEATS * nbytes,
+                      REPEATS * flops))
+    return cases

@@ -182,3 +182,17 @@ def test_qk_prep_kernel_compiles_for_cuda():
                                 template=[("T", dtype), ("D", D), ("DIMS", dims)])
         ok, log = compile_cuda(unit)
         assert ok, log
+
+
+@needs_sim
+def test_qk_prep_bench_cases():
+    """The cases the kernels mode times (small chunks here): each runs, stock's and lily's per chunk."""
+    from lily_dev.attention_bench import qk_prep_cases
+
+    cases = qk_prep_cases(KERNEL_BACKEND, chunks=(1, 3))
+    names = [name for name, *_ in cases]
+    assert names == [f"attention_qk_prep_{who}{x}_L{n}" for n in (1, 3) for who in ("stock", "lily")
+                     for x in ("", "_x8")]
+    for _, run, nbytes, flops in cases:
+        run()
+        assert nbytes > 0 and flops > 0
