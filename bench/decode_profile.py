@@ -247,6 +247,14 @@ def table_markdown(profile: Dict) -> str:
     for engine, row in profile["engines"].items():
         lines.append(f"| {engine} | {row['build_ms']:.2f} | {row['eval_ms']:.2f} | {row['decode_tok_s']:.1f} | "
                      f"{row['primitives_per_step']:,} | {row.get('kernel_launches_per_step', 0):,} |")
+    counted = {e: row["primitives"] for e, row in profile["engines"].items() if row.get("primitives")}
+    if counted:  # what a step is made of: the fusion targets (docs/decode.md)
+        kinds = sorted({k for c in counted.values() for k in c if k not in VIEW_PRIMITIVES},
+                       key=lambda k: -max(c.get(k, 0) for c in counted.values()))
+        lines += ["", "Non-view primitives per step by kind:", "",
+                  "| primitive | " + " | ".join(counted) + " |", "|---|" + "---|" * len(counted)]
+        for kind in kinds:
+            lines.append(f"| {kind} | " + " | ".join(f"{c.get(kind, 0):,}" for c in counted.values()) + " |")
     timed = {e: row["kernel_ms"] for e, row in profile["engines"].items() if row.get("kernel_ms")}
     if timed:
         lines += ["", "GPU ms per step of each lily kernel (one step's launches of it re-run together, median):", "",

@@ -182,7 +182,15 @@ def test_decode_profile_engines_run_their_switch_states(monkeypatch):
     assert rows["lily"]["kernel_launches"].get("moe_gemv_gate_up_swiglu", 0) > 0
     off = rows["lily-off:row_gemv"]["kernel_launches"]
     assert off.get("moe_gemm_gate_up_swiglu", 0) > 0 and "moe_gemv_gate_up_swiglu" not in off
-    assert "lily kernel launches/step" in decode_profile.table_markdown(profile)
+    table = decode_profile.table_markdown(profile)
+    assert "lily kernel launches/step" in table
+    # the breakdown by kind: one row per non-view primitive, a column per engine, counts that add up
+    breakdown = table.split("by kind:\n\n")[1].split("\n\n")[0].splitlines()[2:]  # rows after the header
+    kinds = {line.split(" | ")[0].strip("| ") for line in breakdown}
+    stock = rows["stock"]["primitives"]
+    assert kinds == {k for p in (r["primitives"] for r in rows.values()) for k in p
+                     if k not in decode_profile.VIEW_PRIMITIVES}
+    assert sum(n for k, n in stock.items() if k not in decode_profile.VIEW_PRIMITIVES) == rows["stock"]["primitives_per_step"]
 
 
 def test_decode_profile_shared_prefill_decodes_every_engine_from_one_cache(monkeypatch):
