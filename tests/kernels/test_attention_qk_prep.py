@@ -160,6 +160,8 @@ def test_dispatch_runs_the_kernel_with_the_switch_and_falls_back_outside_its_sha
     assert not rec.names() and all(mx.array_equal(x, y).item() for x, y in zip(fallback, want_t))
     assert "traditional" in ak.qk_prep_supports(q_proj, k_proj, 4, 2, kw["q_norm"], kw["k_norm"],
                                                 traditional["rope"], 12)
+    fp32_norm = nn.RMSNorm(64, eps=1e-6)  # fp32 weight, bf16 activations: stock promotes, so stock's ops run
+    assert "dtype" in ak.qk_prep_supports(q_proj, k_proj, 4, 2, fp32_norm, kw["k_norm"], kw["rope"], 12)
 
 
 def test_qk_prep_kernel_compiles_for_cuda():

@@ -424,6 +424,8 @@ def qk_prep_supports(q_proj_out: mx.array, k_proj_out: mx.array, n_heads: int, n
     for norm in (q_norm, k_norm):
         if type(norm) is not nn.RMSNorm or norm.weight.shape != (D,):
             return f"norm {type(norm).__name__} (nn.RMSNorm over the head dim only)"
+        if norm.weight.dtype != q_proj_out.dtype:  # stock would promote the output's dtype
+            return f"norm weight dtype {norm.weight.dtype} differs from the activations' {q_proj_out.dtype}"
     if isinstance(offset, mx.array) and offset.shape not in ((B,), ()):
         return f"offset of shape {offset.shape}"
     return None
