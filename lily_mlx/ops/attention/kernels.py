@@ -10,9 +10,11 @@ states, ``backend`` (``metal``, ``sim`` or ``cuda``) and ``init_value`` (tests p
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel
 
@@ -411,8 +413,6 @@ QK_PREP_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 def qk_prep_supports(q_proj_out: mx.array, k_proj_out: mx.array, n_heads: int, n_kv_heads: int, q_norm,
                      k_norm, rope, offset) -> Optional[str]:
     """None when the kernel computes stock's q/k preparation for these inputs, else why not."""
-    import mlx.nn as nn
-
     B, L, _ = q_proj_out.shape
     D = q_proj_out.shape[-1] // (2 * n_heads)
     if q_proj_out.dtype not in QK_PREP_DTYPES or k_proj_out.dtype != q_proj_out.dtype:
@@ -435,8 +435,6 @@ def qk_prep(q_proj_out: mx.array, k_proj_out: mx.array, *, n_heads: int, n_kv_he
             rope, offset: Any = 0, backend: str, init_value=None) -> Tuple[mx.array, mx.array, mx.array]:
     """Queries [B, H, L, D] and keys [B, Hkv, L, D] (normalised, rotated) and the output gate
     [B, L, H * D], as ``reference.qk_prep_reference`` computes them, in one launch."""
-    import math
-
     B, L, _ = q_proj_out.shape
     D = q_proj_out.shape[-1] // (2 * n_heads)
     if isinstance(offset, mx.array):

@@ -13,7 +13,6 @@ and ``attention_prefill`` (kernels/attention/prefill.metal), ``attention_qk_prep
 from __future__ import annotations
 
 import functools
-
 from typing import Any, Callable, Optional, Tuple
 
 import mlx.core as mx
