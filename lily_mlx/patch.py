@@ -317,6 +317,10 @@ def patch(model, strict: bool = True):
         if forward_cls in targets:
             module.__class__ = _lily_class(forward_cls, targets[forward_cls])
             swapped += 1
+    if swapped:
+        from .core import projections
+
+        projections.prepare_model(model)  # once: each layer's projections as one weight (views, no copy)
     if swapped == 0 and not is_patched(model):
         msg = f"lily-mlx found no patchable layers in this {_describe(model)} model"
         if strict:

@@ -72,6 +72,14 @@ _SWITCH_LIST = [
     Switch("fused_qk_prep", "attention", "both", True,
            "q/k RMSNorm, partial RoPE and output-gate split in one kernel.",
            "Separate norm, RoPE and split ops."),
+    Switch("fused_in_proj", "deltanet", "decode", True,
+           "A DeltaNet layer's in-projections (qkv, z, b, a) in a decode step as one quantised matmul over "
+           "their weights concatenated once at patch time (same bits; calls of up to 7 rows).",
+           "One quantised matmul per projection (four per layer and step)."),
+    Switch("fused_qkv_proj", "attention", "decode", True,
+           "An attention layer's q/k/v projections in a decode step as one quantised matmul over their "
+           "weights concatenated once at patch time (same bits; calls of up to 7 rows).",
+           "One quantised matmul per projection (three per layer and step)."),
     Switch("fused_recurrent_norm", "deltanet", "decode", True,
            "DeltaNet decode step fused with the gate/beta computation and the gated RMSNorm.",
            "Separate gate, recurrent step and gated-norm kernels."),

@@ -6,12 +6,14 @@ Modules: ``layer`` (the forward and the dispatch of each op), ``kernels`` (the a
 launchers and shape rules; kernels/attention/decode.metal and prefill.metal), ``reference`` (plain-MLX
 references and the fixed-block algorithm).
 
-Four ops, each a function of ``layer`` with a reference in plain MLX ops and one dispatch point into
+Five ops, each a function of ``layer`` with a reference in plain MLX ops and one dispatch point into
 a kernel:
 
 - ``qk_prep``: q_norm, k_norm, partial RoPE and the split of the output gate off ``q_proj``.
 - ``prefill_attention``: a chunk of T > 1 queries over cache + chunk (causal or given mask).
 - ``decode_attention``: one query row per sequence over the KV cache, GQA.
+- ``qkv_proj``: the q/k/v projections of a decode-sized call as one quantised matmul (switch
+  ``fused_qkv_proj``; ``lily_mlx.core.projections``).
 - ``long_context_attention``: decode at long context, where the write-up splits the KV cache into
   fixed blocks processed in parallel and merges them (``reference.blockwise_attention`` is that
   algorithm in plain MLX; the reference stays stock's primitive so the reference path is
@@ -50,4 +52,11 @@ LONG_CONTEXT = register_op(Op(
     "decode attention at long context: fixed KV blocks in parallel, then merged",
     switches=("fixed_block_attention", "coalesced_kv", "gqa_packing"),
     kernel_backends=kernels.LONG_BACKENDS,
+))
+QKV_PROJ = register_op(Op(
+    "attention_qkv_proj", "attention",
+    "q/k/v projections of a decode-sized call as one quantised matmul over their weights concatenated "
+    "at patch time (MLX's own kernel; same bits; lily_mlx.core.projections)",
+    switches=("fused_qkv_proj",),
+    kernel_backends=frozenset({"metal", "sim", "cuda"}),
 ))

@@ -20,6 +20,7 @@ import mlx.core as mx
 from ...core.dispatch import active_backend, op_backend
 from ...core.log import log_once
 from ...core.switches import is_enabled
+from ...core import projections
 from . import kernels
 from .reference import attention_reference, qk_prep_reference
 
@@ -141,14 +142,26 @@ def attention(queries, keys, values, *, scale, mask=None, cache=None):
 
 # --- the layer ------------------------------------------------------------------------------------
 
+def _qkv_projections(self, x: mx.array) -> Optional[projections.FusedProjection]:
+    """The fused q/k/v projection record for this call (switch ``fused_qkv_proj``, op
+    ``attention_qkv_proj``; calls of a few rows), or None: three matmuls. Same bits either way."""
+    if not is_enabled("fused_qkv_proj") or op_backend("attention_qkv_proj") == "reference":
+        return None
+    return projections.fused_for(self, projections.GROUPS["Qwen3NextAttention"], x)
+
+
 def attention_forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
     """``Qwen3NextAttention.__call__`` with the stock module as ``self`` (attributes read now, so a
     sharded module's per-rank head counts apply). x: [B, L, hidden] -> [B, L, hidden]."""
     if self.training:  # the kernels have no gradients: training runs stock's ops, stock's gradients
         return getattr(type(self), "_lily_stock_class", type(self)).__call__(self, x, mask=mask, cache=cache)
     B, L, _ = x.shape
-    q_proj_out = self.q_proj(x)  # [B, L, H * 2D]
-    k_proj_out, v_proj_out = self.k_proj(x), self.v_proj(x)  # [B, L, Hkv * D]
+    fused = _qkv_projections(self, x)
+    if fused is not None:
+        q_proj_out, k_proj_out, v_proj_out = projections.run(fused, x)
+    else:
+        q_proj_out = self.q_proj(x)  # [B, L, H * 2D]
+        k_proj_out, v_proj_out = self.k_proj(x), self.v_proj(x)  # [B, L, Hkv * D]
     queries, keys, values, gate = qk_prep(
         q_proj_out, k_proj_out, v_proj_out,
         n_heads=self.num_attention_heads, n_kv_heads=self.num_key_value_heads,

@@ -51,3 +51,9 @@ OP_GATED_NORM = register_op(Op(
     "deltanet_gated_norm", "deltanet", "Gated RMSNorm rms_norm(out) * weight * silu(z) after the scan.",
     kernel_backends=KERNEL_BACKENDS,
 ))
+OP_IN_PROJ = register_op(Op(
+    "deltanet_in_proj", "deltanet",
+    "In-projections of a decode-sized call (in_proj_qkv, _z, _b, _a) as one quantised matmul over their "
+    "weights concatenated at patch time (MLX's own kernel; same bits; lily_mlx.core.projections).",
+    switches=("fused_in_proj",), kernel_backends=KERNEL_BACKENDS,
+))

@@ -16,7 +16,8 @@ between them) and the decode kernels compute a token with the same arithmetic.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import dataclasses
+from typing import Any, Optional, Tuple
 
 import mlx.core as mx
 from mlx.nn.layers.distributed import sum_gradients
@@ -24,6 +25,7 @@ from mlx.nn.layers.distributed import sum_gradients
 from ...core import compiled, switches
 from ...core.dispatch import op_backend
 from ...core.log import log_once
+from ...core import projections
 from . import reference as ref
 
 # ----------------------------------------------------------------------------------------------
@@ -229,26 +231,32 @@ class _DecodeStates:
         pass
 
 
-def _traced_decode(self, mixer, inputs: mx.array, mask, cache) -> Optional[mx.array]:
-    """``mixer(self, inputs, mask, cache)`` for a one-token step through its trace (switch
-    ``compiled_decode``, kernels on Metal or CUDA), or None where that does not apply."""
+def _traced_decode(self, mixer, inputs: mx.array, mask, cache, fused=None) -> Optional[mx.array]:
+    """``mixer(self, inputs, mask, cache, fused)`` for a one-token step through its trace (switch
+    ``compiled_decode``, kernels on Metal or CUDA), or None where that does not apply. The fused
+    in-projection weights enter the trace as inputs, so a re-prepared record is never replayed stale."""
     if inputs.shape[1] != 1 or cache is None or cache[0] is None or cache[1] is None or self.training:
         return None
     backends = (op_backend("deltanet_conv1d_silu"), op_backend("deltanet_decode"))
     if not compiled.enabled(*backends):
         return None
     lengths = cache.lengths
-    args = [inputs, cache[0], cache[1]] + [a for a in (mask, lengths) if a is not None]
+    weights = [] if fused is None else [a for a in (fused.weight, fused.scales, fused.biases) if a is not None]
+    args = [inputs, cache[0], cache[1]] + [a for a in (mask, lengths) if a is not None] + weights
 
     def step(inputs, conv_state, state, *rest):
         rest = list(rest)
         m = rest.pop(0) if mask is not None else None
         states = _DecodeStates(conv_state, state, rest.pop(0) if lengths is not None else None)
-        return mixer(self, inputs, m, states), states[0], states[1]
+        record = None
+        if fused is not None:
+            w, s = rest.pop(0), rest.pop(0)
+            record = dataclasses.replace(fused, weight=w, scales=s, biases=rest.pop(0) if rest else None)
+        return mixer(self, inputs, m, states, record), states[0], states[1]
 
     key = (mixer, tuple((a.shape, a.dtype) for a in args), mask is None, lengths is None, backends,
            switches.is_enabled("fused_recurrent_norm"), switches.is_enabled("fused_conv_step"),
-           self.out_proj.weight.shape)
+           self.out_proj.weight.shape, None if fused is None else (fused.names, fused.split_at))
     traced = compiled.call(self, key, step, args)
     if traced is None:
         return None
@@ -257,20 +265,31 @@ def _traced_decode(self, mixer, inputs: mx.array, mask, cache) -> Optional[mx.ar
     return out
 
 
-def _qwen3_5_mixer(self, inputs: mx.array, mask, cache) -> mx.array:
-    B, S, _ = inputs.shape
-    qkv = self.in_proj_qkv(inputs)
-    z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
-    b = self.in_proj_b(inputs)
-    a = self.in_proj_a(inputs)
+def _in_projections(self, names: Tuple[str, ...], inputs: mx.array) -> Optional[projections.FusedProjection]:
+    """The fused in-projection record for this call (switch ``fused_in_proj``, op ``deltanet_in_proj``;
+    calls of a few rows), or None: each projection then runs its own matmul. Same bits either way."""
+    if not switches.is_enabled("fused_in_proj") or _kernel_backend("deltanet_in_proj", self) is None:
+        return None
+    return projections.fused_for(self, names, inputs)
 
+
+def _qwen3_5_mixer(self, inputs: mx.array, mask, cache, fused=None) -> mx.array:
+    B, S, _ = inputs.shape
+    if fused is not None:
+        qkv, z, b, a = projections.run(fused, inputs)
+    else:
+        qkv, z, b, a = (self.in_proj_qkv(inputs), self.in_proj_z(inputs), self.in_proj_b(inputs),
+                        self.in_proj_a(inputs))
+    z = z.reshape(B, S, self.num_v_heads, self.head_v_dim)
     out = _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, inputs.dtype)
     return self.out_proj(out.reshape(B, S, -1))
 
 
-def _qwen3_next_mixer(self, inputs: mx.array, mask, cache) -> mx.array:
+def _qwen3_next_mixer(self, inputs: mx.array, mask, cache, fused=None) -> mx.array:
     B, S, _ = inputs.shape
-    q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
+    qkvz, ba = projections.run(fused, inputs) if fused is not None else (self.in_proj_qkvz(inputs),
+                                                                         self.in_proj_ba(inputs))
+    q, k, v, z, b, a = self.fix_query_key_value_ordering(qkvz, ba)
     qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
     out = _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, inputs.dtype)
     return self.out_proj(out.reshape(B, S, -1))
@@ -280,9 +299,10 @@ def qwen3_5_deltanet_forward(self, inputs: mx.array, mask: Optional[mx.array] = 
     """``mlx_lm.models.qwen3_5.GatedDeltaNet.__call__``: inputs [B, S, hidden] -> [B, S, hidden]."""
     if self.sharding_group is not None:
         inputs = sum_gradients(self.sharding_group)(inputs)
-    out = _traced_decode(self, _qwen3_5_mixer, inputs, mask, cache)
+    fused = _in_projections(self, projections.GROUPS["GatedDeltaNet"], inputs)
+    out = _traced_decode(self, _qwen3_5_mixer, inputs, mask, cache, fused)
     if out is None:
-        out = _qwen3_5_mixer(self, inputs, mask, cache)
+        out = _qwen3_5_mixer(self, inputs, mask, cache, fused)
     if self.sharding_group is not None:
         out = mx.distributed.all_sum(out, group=self.sharding_group)
     return out
@@ -290,5 +310,6 @@ def qwen3_5_deltanet_forward(self, inputs: mx.array, mask: Optional[mx.array] = 
 
 def qwen3_next_deltanet_forward(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None):
     """``mlx_lm.models.qwen3_next.Qwen3NextGatedDeltaNet.__call__``."""
-    out = _traced_decode(self, _qwen3_next_mixer, inputs, mask, cache)
-    return _qwen3_next_mixer(self, inputs, mask, cache) if out is None else out
+    fused = _in_projections(self, projections.GROUPS["Qwen3NextGatedDeltaNet"], inputs)
+    out = _traced_decode(self, _qwen3_next_mixer, inputs, mask, cache, fused)
+    return _qwen3_next_mixer(self, inputs, mask, cache, fused) if out is None else out

@@ -1,0 +1,176 @@
+"""Input projections of a decode step as one quantised matmul (switches ``fused_in_proj``,
+``fused_qkv_proj``).
+
+A Qwen3.5/3.6 DeltaNet layer projects its input four times (``in_proj_qkv``, ``in_proj_z``,
+``in_proj_b``, ``in_proj_a``; Qwen3-Next: ``in_proj_qkvz``, ``in_proj_ba``) and an attention layer three
+times (``q_proj``, ``k_proj``, ``v_proj``), each an MLX quantised matmul over the same input. In a decode
+step each of them is one primitive to build and evaluate and one short kernel (the b and a projections
+have 32 output rows: the launch is all latency). :func:`prepare` concatenates a layer's projection
+weights once, at patch time, and hands each projection module a view of its rows of the concatenation
+(no second copy of the weights); :func:`run` then computes the group as one matmul and splits its output (:func:`fused_for` says
+whether a call takes that path).
+
+Same bits: a quantised matmul computes each output element from its weight row and the input alone,
+in an order that does not depend on the other rows, as long as MLX picks the same kernel for the
+concatenation as for each piece. MLX picks its vector kernel (qmv) for a few rows and a tiled GEMM
+(whose split-K and alignment choices depend on N) from there on, so the fused path runs for calls of at
+most :data:`MAX_ROWS` rows (a decode step of up to that many sequences); prefill chunks keep one matmul
+per projection. Checked bit for bit on the CPU (tests/core/test_projections.py) and on the GPU through
+``bench/projection_bits.py``.
+
+The concatenation belongs to the arrays the modules held at patch time: if a projection's weights are
+replaced later (``load_weights``, ``update``, LoRA, sharding) the group is prepared again on its next
+call, or runs unfused where it cannot be (a piece no longer quantised alike).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# Calls of at most this many rows (batch x tokens) take the fused matmul: MLX's quantised matmul runs
+# its vector kernel there on every backend it has (Metal: below 13 rows at the smallest; CUDA: below 8),
+# so the concatenation and each piece get the same kernel and the same bits.
+MAX_ROWS = 7
+
+# Stock class name -> the projections fused, in output order (all read the layer's input).
+GROUPS: Dict[str, Tuple[str, ...]] = {
+    "GatedDeltaNet": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    "Qwen3NextGatedDeltaNet": ("in_proj_qkvz", "in_proj_ba"),
+    "Qwen3NextAttention": ("q_proj", "k_proj", "v_proj"),
+}
+
+_ATTR = "_lily_fused_projections"  # in the module's __dict__: not a parameter, not saved
+
+
+@dataclass(frozen=True)
+class FusedProjection:
+    """One layer's projections as one quantised weight; ``pieces`` are the arrays (weight, scales,
+    biases or None) each module held when fused, views of the concatenation."""
+
+    names: Tuple[str, ...]
+    weight: mx.array  # [sum N, K * bits / 32] uint32
+    scales: mx.array
+    biases: Optional[mx.array]
+    split_at: Tuple[int, ...]  # output offsets where each piece after the first starts
+    group_size: int
+    bits: int
+    mode: str
+    pieces: Tuple[Tuple[mx.array, mx.array, Optional[mx.array]], ...]
+
+
+@dataclass(frozen=True)
+class _Unfusable:
+    """The arrays seen when a group could not be fused, so that it is not tried again per call."""
+
+    reason: str
+    pieces: Tuple[Tuple[mx.array, mx.array, Optional[mx.array]], ...]
+
+
+def _held(module, names) -> Tuple[Tuple[mx.array, mx.array, Optional[mx.array]], ...]:
+    """(weight, scales, biases) of each projection as the module holds them now (None where absent)."""
+    out = []
+    for name in names:
+        piece = module.get(name)
+        if piece is None:
+            return ()
+        out.append((piece.get("weight"), piece.get("scales"), piece.get("biases")))
+    return tuple(out)
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(x is y for p, q in zip(a, b) for x, y in zip(p, q))
+
+
+def _unfusable_reason(module, names) -> Optional[str]:
+    pieces = [module.get(name) for name in names]
+    if any(not isinstance(p, nn.QuantizedLinear) for p in pieces):
+        return "not every projection is an nn.QuantizedLinear"
+    if any("bias" in p for p in pieces):
+        return "a projection has an additive bias"
+    first = pieces[0]
+    key = (first.group_size, first.bits, first.mode, first["weight"].shape[-1], first["weight"].dtype,
+           first["scales"].dtype, "biases" in first)
+    for p in pieces[1:]:
+        if (p.group_size, p.bits, p.mode, p["weight"].shape[-1], p["weight"].dtype, p["scales"].dtype,
+                "biases" in p) != key:
+            return "projections quantised differently"
+    if any(p["weight"].ndim != 2 for p in pieces):
+        return "weights are not 2-D"
+    return None
+
+
+def prepare(module, names: Sequence[str]) -> Optional[FusedProjection]:
+    """Concatenate ``names`` of ``module`` into one quantised weight and point each projection at its
+    rows of it. Returns the record (also kept on the module), or None where the group cannot be fused."""
+    names = tuple(names)
+    reason = _unfusable_reason(module, names)
+    if reason is not None:
+        module.__dict__.setdefault(_ATTR, {})[names] = _Unfusable(reason, _held(module, names))
+        return None
+    pieces = [module[name] for name in names]
+    has_biases = "biases" in pieces[0]
+    weight = mx.concatenate([p["weight"] for p in pieces], axis=0)
+    scales = mx.concatenate([p["scales"] for p in pieces], axis=0)
+    biases = mx.concatenate([p["biases"] for p in pieces], axis=0) if has_biases else None
+    mx.eval(weight, scales, biases)
+    split_at, start = [], 0
+    for p in pieces:
+        rows = p["weight"].shape[0]
+        # A row slice of a row-contiguous array: MLX evaluates it as a view of the same buffer.
+        p["weight"] = weight[start:start + rows]
+        p["scales"] = scales[start:start + rows]
+        if has_biases:
+            p["biases"] = biases[start:start + rows]
+        mx.eval(p["weight"], p["scales"], p.get("biases"))
+        start += rows
+        split_at.append(start)
+    first = pieces[0]
+    record = FusedProjection(names, weight, scales, biases, tuple(split_at[:-1]), first.group_size,
+                             first.bits, first.mode, _held(module, names))
+    module.__dict__.setdefault(_ATTR, {})[names] = record
+    return record
+
+
+def prepare_model(model) -> int:
+    """:func:`prepare` every layer of ``model`` that has a group (:data:`GROUPS`, matched on the stock
+    class name, the class's MRO included). Returns the number of groups fused."""
+    fused = 0
+    for module in model.modules():
+        names = next((GROUPS[c.__name__] for c in type(module).__mro__ if c.__name__ in GROUPS), None)
+        if names is not None and current(module, names) is not None:
+            fused += 1
+    return fused
+
+
+def current(module, names: Tuple[str, ...]) -> Optional[FusedProjection]:
+    """The module's fused record for ``names`` if it still matches the arrays the module holds
+    (prepared again once if they were replaced), else None."""
+    records = module.__dict__.get(_ATTR)
+    record = records.get(names) if records else None
+    held = _held(module, names)
+    if record is not None and _same(record.pieces, held):
+        return record if isinstance(record, FusedProjection) else None
+    if not held:
+        return None
+    return prepare(module, names)
+
+
+def fused_for(module, names: Tuple[str, ...], x: mx.array) -> Optional[FusedProjection]:
+    """The record to run ``names`` of ``module`` on input x [..., K] as one matmul, or None where the
+    fused path does not apply (more than :data:`MAX_ROWS` rows, the group cannot be fused). Call it
+    outside a trace: inside one the module's arrays are placeholders."""
+    if x.size > MAX_ROWS * x.shape[-1]:
+        return None
+    return current(module, names)
+
+
+def run(record: FusedProjection, x: mx.array) -> List[mx.array]:
+    """``[module.<name>(x) for name in record.names]`` from one quantised matmul: x [..., K] ->
+    one [..., N_i] per projection."""
+    y = mx.quantized_matmul(x, record.weight, scales=record.scales, biases=record.biases, transpose=True,
+                            group_size=record.group_size, bits=record.bits, mode=record.mode)
+    return mx.split(y, list(record.split_at), axis=-1)
