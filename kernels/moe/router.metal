@@ -1,7 +1,9 @@
-// MoE router in one kernel (lily_mlx/ops/moe/kernels.py dispatches it; every call size, switch
-// fused_expert_up):
+// MoE router (lily_mlx/ops/moe/kernels.py dispatches it; every call size, switch fused_expert_up):
 //   moe_router_softmax_topk_q   per token: router logits (quantised GEMV), softmax, top-k, renormalise,
 //                               the shared expert's sigmoid gate, and the decode GEMM schedule
+//                               (switch split_router off: one threadgroup per token does it all)
+//   moe_router_logits_q         the logits alone, one simdgroup per expert row (split_router on)
+//   moe_router_topk_from_logits then the rest of the first kernel's work from those logits
 //
 // It computes what MLX-LM's Qwen3NextSparseMoeBlock does with five to seven MLX ops, with stock's
 // roundings: logits rounded to T (the quantised matmul's output type), softmax in fp32 rounded to T,
@@ -17,6 +19,7 @@
 // @header
 #define MOE_ROUTER_THREADS 1024  // 32 simdgroups: one token per threadgroup must still fill an SM
 #define MOE_ROUTER_MAX_E 1024   // experts (threadgroup arrays; the host checks)
+#define MOE_ROUTER_LOGIT_SIMDGROUPS 8  // expert rows per threadgroup of moe_router_logits_q
 
 // Dot product of one quantised row with x over D, reduced over the simdgroup (every lane gets it).
 // Pointer types are template parameters: MLX passes an input of fewer than 8 elements (a small
@@ -91,6 +94,87 @@ inline uint moe_router_max_key(uint v, threadgroup uint* partial, uint sg, uint 
   return m;
 }
 
+// Steps 2-4 of the router for token n, from its T-rounded logits in probs[0 .. E] (row E: the
+// shared-expert gate's, when has_gate): softmax, top-k, renormalisation, the gate, the decode schedule.
+// Every thread of the MOE_ROUTER_THREADS-thread threadgroup calls it. probs: E + 1 floats, chosen: E
+// ints, partial / partial_key: MOE_ROUTER_THREADS / 32 each (threadgroup memory).
+template <typename T, typename PI, typename PS, typename PG, typename PB>
+inline void moe_router_select(threadgroup float* probs, threadgroup int* chosen, threadgroup float* partial,
+                              threadgroup uint* partial_key, uint tid, uint sg, uint lane, long n, int num_tokens,
+                              int E, int top_k, int norm_topk, int has_gate, int decode_tile, int shared_chunks,
+                              PI inds, PS scores, PG gate, PB blocks) {
+  // 2. Softmax over the E router logits, fp32, rounded to T.
+  float local_max = -INFINITY;
+  for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
+    local_max = metal::max(local_max, probs[e]);
+  }
+  const float top = moe_router_max(local_max, partial, sg, lane);
+  float local_sum = 0.0f;
+  for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
+    local_sum += metal::exp(probs[e] - top);
+  }
+  const float total = moe_router_sum(local_sum, partial, sg, lane);
+  for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
+    probs[e] = float(static_cast<T>(metal::exp(probs[e] - top) / total));
+    chosen[e] = 0;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // 3. Top-k: k rounds of a threadgroup max over keys = the probability's fp32 bits with the expert id
+  // in the low 10 bits (1023 - e: ties go to the lower id). Probabilities are >= 0, so their bits order
+  // like their values, and as T-rounded values (bf16 or fp16) their low 13 fp32 mantissa bits are zero.
+  for (int j = 0; j < top_k; ++j) {
+    uint best = 0u;
+    for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
+      if (chosen[e] == 0) {
+        best = metal::max(best, as_type<uint>(probs[e]) | uint(MOE_ROUTER_MAX_E - 1 - e));
+      }
+    }
+    best = moe_router_max_key(best, partial_key, sg, lane);
+    if (tid == 0) {
+      chosen[MOE_ROUTER_MAX_E - 1 - int(best & uint(MOE_ROUTER_MAX_E - 1))] = j + 1;  // 1 + rank
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  // 4. Scores, the gate and the decode schedule (one thread: k is small).
+  if (tid == 0) {
+    const long a0 = n * top_k;
+    for (int e = 0; e < E; ++e) {
+      if (chosen[e] > 0) {
+        inds[a0 + chosen[e] - 1] = e;
+      }
+    }
+    float picked_sum = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+      picked_sum += probs[inds[a0 + j]];
+    }
+    const float denom = float(static_cast<T>(picked_sum));
+    for (int j = 0; j < top_k; ++j) {
+      const int e = inds[a0 + j];
+      const float p = probs[e];
+      scores[a0 + j] = static_cast<T>(norm_topk != 0 ? p / denom : p);
+      blocks[4 * (a0 + j) + 0] = e;
+      blocks[4 * (a0 + j) + 1] = int(a0 + j);
+      blocks[4 * (a0 + j) + 2] = 1;
+      blocks[4 * (a0 + j) + 3] = decode_tile;
+    }
+    if (has_gate != 0) {
+      const float g = 1.0f / (1.0f + metal::exp(-probs[E]));
+      gate[n] = float(static_cast<T>(g));
+    } else {
+      gate[n] = 0.0f;
+    }
+    for (int c = 0; c < shared_chunks; ++c) {
+      const long slot = long(num_tokens) * (top_k + c) + n;
+      blocks[4 * slot + 0] = E + c;
+      blocks[4 * slot + 1] = int(slot);
+      blocks[4 * slot + 2] = 1;
+      blocks[4 * slot + 3] = decode_tile;
+    }
+  }
+}
+
 // @kernel moe_router_softmax_topk_q
 // grid (1024, N, 1), threadgroup (1024, 1, 1); template T (activation dtype), BITS (8 or 4).
 // params: [D, E, top_k, norm_topk, has_gate, decode_tile, shared_chunks].
@@ -127,73 +211,54 @@ for (int row = int(sg); row < E + has_gate; row += MOE_ROUTER_THREADS / 32) {
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
-// 2. Softmax over the E router logits, fp32, rounded to T.
-float local_max = -INFINITY;
-for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
-  local_max = metal::max(local_max, probs[e]);
-}
-const float top = moe_router_max(local_max, partial, sg, lane);
-float local_sum = 0.0f;
-for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
-  local_sum += metal::exp(probs[e] - top);
-}
-const float total = moe_router_sum(local_sum, partial, sg, lane);
-for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
-  probs[e] = float(static_cast<T>(metal::exp(probs[e] - top) / total));
-  chosen[e] = 0;
-}
-threadgroup_barrier(mem_flags::mem_threadgroup);
+moe_router_select<T>(probs, chosen, partial, partial_key, tid, sg, lane, n, num_tokens, E, top_k, norm_topk,
+                     has_gate, decode_tile, shared_chunks, inds, scores, gate, blocks);
 
-// 3. Top-k: k rounds of a threadgroup max over keys = the probability's fp32 bits with the expert id
-// in the low 10 bits (1023 - e: ties go to the lower id). Probabilities are >= 0, so their bits order
-// like their values, and as T-rounded values (bf16 or fp16) their low 13 fp32 mantissa bits are zero.
-for (int j = 0; j < top_k; ++j) {
-  uint best = 0u;
-  for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
-    if (chosen[e] == 0) {
-      best = metal::max(best, as_type<uint>(probs[e]) | uint(MOE_ROUTER_MAX_E - 1 - e));
+// @kernel moe_router_logits_q
+// The router's logits alone, spread over the GPU (switch split_router): one simdgroup per expert row
+// (row E is the shared-expert gate), MOE_ROUTER_LOGIT_SIMDGROUPS rows per threadgroup, so a token's
+// 0.5 MB of 8-bit router weights is read by many threadgroups at once instead of one. A row's dot
+// product is moe_router_row_dot, as in moe_router_softmax_topk_q: the same logits, bit for bit.
+// grid (32 * MOE_ROUTER_LOGIT_SIMDGROUPS, N, ceil((E + has_gate) / MOE_ROUTER_LOGIT_SIMDGROUPS)),
+// threadgroup (32 * MOE_ROUTER_LOGIT_SIMDGROUPS, 1, 1); template T, BITS. params: [D, E, has_gate].
+// logits [N, E + 1] float32: each logit rounded to T (row E unwritten when has_gate == 0).
+{
+  const uint lane = thread_index_in_simdgroup;
+  const int row = int(threadgroup_position_in_grid.z) * MOE_ROUTER_LOGIT_SIMDGROUPS + int(simdgroup_index_in_threadgroup);
+  const long n = long(threadgroup_position_in_grid.y);
+  const int words = D * BITS / 32;
+  const device T* xn = x + n * D;
+  if (row < E + has_gate) {  // uniform over the simdgroup: every lane reaches the simd_sum
+    float logit;
+    if (row < E) {
+      logit = moe_router_row_dot<BITS>(w_router + long(row) * words, scales_router + long(row) * (D / 64),
+                                       biases_router + long(row) * (D / 64), xn, D, lane);
+    } else {
+      logit = moe_router_row_dot<BITS>(w_gate, scales_gate, biases_gate, xn, D, lane);
+    }
+    if (lane == 0) {
+      logits[n * (E + 1) + row] = float(static_cast<T>(logit));
     }
   }
-  best = moe_router_max_key(best, partial_key, sg, lane);
-  if (tid == 0) {
-    chosen[MOE_ROUTER_MAX_E - 1 - int(best & uint(MOE_ROUTER_MAX_E - 1))] = j + 1;  // 1 + rank
+}
+
+// @kernel moe_router_topk_from_logits
+// Steps 2-4 of moe_router_softmax_topk_q from moe_router_logits_q's logits (switch split_router): one
+// threadgroup per token, the same arithmetic in the same order, so the same bits.
+// grid (1024, N, 1), threadgroup (1024, 1, 1); template T. params: [E, top_k, norm_topk, has_gate,
+// decode_tile, shared_chunks]. logits [N, E + 1] float32; outputs as moe_router_softmax_topk_q's.
+{
+  threadgroup float probs[MOE_ROUTER_MAX_E + 1];
+  threadgroup float partial[MOE_ROUTER_THREADS / 32];
+  threadgroup uint partial_key[MOE_ROUTER_THREADS / 32];
+  threadgroup int chosen[MOE_ROUTER_MAX_E];
+  const uint tid = thread_index_in_threadgroup;
+  const long n = long(threadgroup_position_in_grid.y);
+  for (int row = int(tid); row < E + has_gate; row += MOE_ROUTER_THREADS) {
+    probs[row] = logits[n * (E + 1) + row];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-}
-
-// 4. Scores, the gate and the decode schedule (one thread: k is small).
-if (tid == 0) {
-  const long a0 = n * top_k;
-  for (int e = 0; e < E; ++e) {
-    if (chosen[e] > 0) {
-      inds[a0 + chosen[e] - 1] = e;
-    }
-  }
-  float picked_sum = 0.0f;
-  for (int j = 0; j < top_k; ++j) {
-    picked_sum += probs[inds[a0 + j]];
-  }
-  const float denom = float(static_cast<T>(picked_sum));
-  for (int j = 0; j < top_k; ++j) {
-    const int e = inds[a0 + j];
-    const float p = probs[e];
-    scores[a0 + j] = static_cast<T>(norm_topk != 0 ? p / denom : p);
-    blocks[4 * (a0 + j) + 0] = e;
-    blocks[4 * (a0 + j) + 1] = int(a0 + j);
-    blocks[4 * (a0 + j) + 2] = 1;
-    blocks[4 * (a0 + j) + 3] = decode_tile;
-  }
-  if (has_gate != 0) {
-    const float g = 1.0f / (1.0f + metal::exp(-probs[E]));
-    gate[n] = float(static_cast<T>(g));
-  } else {
-    gate[n] = 0.0f;
-  }
-  for (int c = 0; c < shared_chunks; ++c) {
-    const long slot = long(num_tokens) * (top_k + c) + n;
-    blocks[4 * slot + 0] = E + c;
-    blocks[4 * slot + 1] = int(slot);
-    blocks[4 * slot + 2] = 1;
-    blocks[4 * slot + 3] = decode_tile;
-  }
+  moe_router_select<T>(probs, chosen, partial, partial_key, tid, simdgroup_index_in_threadgroup,
+                       thread_index_in_simdgroup, n, int(threadgroups_per_grid.y), E, top_k, norm_topk, has_gate,
+                       decode_tile, shared_chunks, inds, scores, gate, blocks);
 }

@@ -61,6 +61,10 @@ _SWITCH_LIST = [
            "Router GEMV, softmax, top-k, renormalisation and the shared expert's gate in one kernel "
            "per token; for decode it also writes the expert GEMMs' schedule.",
            "Router as MLX ops: quantised matmul, softmax, argpartition, gather, renormalise."),
+    Switch("split_router", "moe", "both", True,
+           "Router logits spread over the GPU (one simdgroup per expert row), then softmax, top-k and the "
+           "schedule in a second kernel (same bits): a token's 0.5 MB router no longer read by one threadgroup.",
+           "One threadgroup per token computes all router logits and the top-k (one launch)."),
     Switch("fused_expert_down", "moe", "both", True,
            "Shared expert inside the grouped expert GEMMs (one more expert); the combine kernel adds it, "
            "gated, with the routing-weighted expert rows.",

@@ -597,8 +597,8 @@ def test_small_calls_run_the_gemms_without_routing_kernels(gemm_sim, monkeypatch
     with record_launches() as small:
         alone = sparse_moe_forward(block, chunk[:, 5:6])  # 4 assignments
         mx.eval(alone)
-    assert small.counts() == {"moe_router_softmax_topk_q": 1, "moe_gemv_gate_up_swiglu": 1, "moe_gemv_down": 1,
-                              "moe_combine_weighted_rows": 1}
+    assert small.counts() == {"moe_router_logits_q": 1, "moe_router_topk_from_logits": 1,
+                              "moe_gemv_gate_up_swiglu": 1, "moe_gemv_down": 1, "moe_combine_weighted_rows": 1}
     assert {"moe_gemm_gate_up_swiglu", "moe_gemm_down"} <= set(routed.counts())
     assert {"moe_route_histogram_i32", "moe_route_scan_i32", "moe_route_scatter_i32",
             "moe_route_block_map_i32"} <= set(routed.counts())
@@ -768,6 +768,31 @@ def test_router_kernel(tokens, hidden, experts_topk, norm, bits, dtype, seed):
 
 
 @needs_sim
+@SETTINGS
+@given(tokens=st.sampled_from([1, 3, 9]), hidden=st.sampled_from([64, 256, 512]),
+       experts_topk=st.sampled_from([(16, 4), (256, 8), (8, 1), (300, 2), (1024, 8)]),
+       with_gate=st.booleans(), norm=st.booleans(), bits=st.sampled_from([8, 4]),
+       dtype=st.sampled_from([mx.bfloat16, mx.float16]), seed=st.integers(0, 10_000))
+def test_split_router_has_the_bits_of_the_one_kernel_router(tokens, hidden, experts_topk, with_gate, norm, bits,
+                                                           dtype, seed):
+    """Switch split_router: the logits kernel + top-k kernel give every output of the one-kernel router
+    bit for bit (the same row dot products, the same selection code), with poisoned outputs."""
+    experts, top_k = experts_topk
+    block = _router_block(hidden, experts, top_k, norm, bits, dtype, seed)
+    x = make_inputs(1, tokens, hidden, seed=seed, dtype=dtype).reshape(tokens, hidden)
+    with switches.overrides(disable=("split_router",)), record_launches() as one:
+        want = mk.route_tokens(block, x, with_gate, KERNEL_BACKEND, init_value=POISON_INT)
+        mx.eval(want)
+    with switches.overrides(enable=("split_router",)), record_launches() as split:
+        got = mk.route_tokens(block, x, with_gate, KERNEL_BACKEND, init_value=POISON_INT)
+        mx.eval(got)
+    assert one.names() == ["moe_router_softmax_topk_q"]
+    assert split.names() == ["moe_router_logits_q", "moe_router_topk_from_logits"]
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and mx.array_equal(g, w).item()
+
+
+@needs_sim
 def test_router_kernel_token_alone_equals_token_in_batch():
     """A token's routing (indices, scores, gate) has the same bits alone and among 37 others."""
     block = _router_block(256, 256, 8, True, 8, mx.bfloat16, 3)
@@ -804,8 +829,8 @@ def test_decode_plan_replays_the_general_path(gemm_sim, monkeypatch):
         with record_launches() as rec:
             got = sparse_moe_forward(block, x)
             mx.eval(got)
-        assert rec.names() == ["moe_router_softmax_topk_q", "moe_gemv_gate_up_swiglu", "moe_gemv_down",
-                               "moe_combine_weighted_rows"]
+        assert rec.names() == ["moe_router_logits_q", "moe_router_topk_from_logits", "moe_gemv_gate_up_swiglu",
+                               "moe_gemv_down", "moe_combine_weighted_rows"]
         assert mx.array_equal(got, general(x)).item(), step
     plans = block.__dict__["_lily_decode_plans"]
     assert len(plans) == 1 and isinstance(next(iter(plans.values())), DecodePlan)
@@ -847,7 +872,7 @@ def test_router_and_shared_expert_kernels_fall_back_where_they_do_not_apply(gemm
     with record_launches() as rec:
         got = sparse_moe_forward(block, x)
         mx.eval(got)
-    assert "moe_router_softmax_topk_q" not in rec.names() and "moe_gemv_gate_up_swiglu" in rec.names()
+    assert "moe_router_topk_from_logits" not in rec.names() and "moe_gemv_gate_up_swiglu" in rec.names()
     gate_up = next(launch for launch in rec if launch.name == "moe_gemv_gate_up_swiglu")
     assert gate_up.kwargs["output_shapes"][0][0] == 3 * 4  # routed rows only: no shared-expert rows
     stock = _stock_on_cpu(lambda: type(block).__call__(block, x))

@@ -160,12 +160,14 @@ def expected_blocks(counts: Sequence[int], state: Dict[str, bool], flat_inds: np
 # ----------------------------------------------------------------------------------------------
 # The whole MoE block: fused_expert_up (router kernel), fused_expert_down (shared expert as expert E)
 
-ROUTER = "moe_router_softmax_topk_q"
-MOE_BLOCK_SWITCHES = ("fused_expert_up", "fused_expert_down", "row_gemv")
+ROUTER = ["moe_router_softmax_topk_q"]  # split_router off
+SPLIT_ROUTER = ["moe_router_logits_q", "moe_router_topk_from_logits"]  # split_router on
+MOE_BLOCK_SWITCHES = ("fused_expert_up", "fused_expert_down", "row_gemv", "split_router")
 
 
 def expected_block_launches(state: Dict[str, bool], assignments: int) -> List[str]:
-    return ([ROUTER] if state["fused_expert_up"] else []) + expected_moe_launches(state, assignments)
+    router = (SPLIT_ROUTER if state["split_router"] else ROUTER) if state["fused_expert_up"] else []
+    return router + expected_moe_launches(state, assignments)
 
 
 @pytest.mark.parametrize("chunks", [1, 2], ids=["shared-1x", "shared-2x"])

@@ -54,6 +54,13 @@ KERNELS: Dict[str, KernelSpec] = {
                          ("x", "w_router", "scales_router", "biases_router", "w_gate", "scales_gate", "biases_gate",
                           "params"), ("inds", "scores", "gate", "blocks"),
                          params=("D", "E", "top_k", "norm_topk", "has_gate", "decode_tile", "shared_chunks")),
+    # The same router in two kernels (switch split_router): the logits over many threadgroups, then the rest.
+    "router_logits": KernelSpec("moe_router_logits_q", ROUTER,
+                                ("x", "w_router", "scales_router", "biases_router", "w_gate", "scales_gate",
+                                 "biases_gate", "params"), ("logits",), params=("D", "E", "has_gate")),
+    "router_topk": KernelSpec("moe_router_topk_from_logits", ROUTER, ("logits", "params"),
+                              ("inds", "scores", "gate", "blocks"),
+                              params=("E", "top_k", "norm_topk", "has_gate", "decode_tile", "shared_chunks")),
     "histogram": KernelSpec("moe_route_histogram_i32", ROUTING, ("inds", "params"), ("chunk_counts", "local_rank"),
                             params=("A", "E", "n_chunks")),
     "scan": KernelSpec("moe_route_scan_i32", ROUTING, ("chunk_counts", "params"), ("counts", "offsets", "chunk_offsets"),
@@ -398,6 +405,7 @@ def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: 
 # Router kernel and the shared expert (fused_expert_up, fused_expert_down)
 
 ROUTER_THREADS = 1024  # kernels/moe/router.metal: MOE_ROUTER_THREADS
+ROUTER_LOGIT_SIMDGROUPS = 8  # kernels/moe/router.metal: MOE_ROUTER_LOGIT_SIMDGROUPS (expert rows per threadgroup)
 ROUTER_MAX_EXPERTS = 1024  # kernels/moe/router.metal's threadgroup arrays
 
 
@@ -451,26 +459,37 @@ def _swiglu_mlp_call():
 
 
 def route_tokens(block, x2d: mx.array, with_gate: bool, backend: Optional[str] = None, init_value=None):
-    """The router kernel: x [N, D] -> inds [N, k] int32, scores [N, k], gate [N] fp32 (the shared
+    """The router kernel(s): x [N, D] -> inds [N, k] int32, scores [N, k], gate [N] fp32 (the shared
     expert's sigmoid gate; zeros without ``with_gate``), blocks [N * k (+ N), 4] (the one-row decode
-    schedule, shared-expert rows last)."""
+    schedule, shared-expert rows last). Switch ``split_router``: the logits over many threadgroups, then
+    the top-k kernel (same bits); off: one threadgroup per token does everything."""
     n, d = x2d.shape
     router, gate = block.gate, block.shared_expert_gate if with_gate else block.gate
     e = router["scales"].shape[0]
     k = block.top_k
     m = shared_chunks(block.shared_expert if with_gate else None, block.switch_mlp.gate_proj["scales"].shape[1])
     rows = n * (k + m)
-    return _kernel("router", backend)(
-        inputs=[x2d, router["weight"], router["scales"], router["biases"],
-                gate["weight"], gate["scales"], gate["biases"],
-                KERNELS["router"].pack(D=d, E=e, top_k=k, norm_topk=bool(block.norm_topk_prob),
-                                       has_gate=with_gate, decode_tile=SMALL_TILE, shared_chunks=m)],
+    weights = [x2d, router["weight"], router["scales"], router["biases"], gate["weight"], gate["scales"],
+               gate["biases"]]
+    select = dict(top_k=k, norm_topk=bool(block.norm_topk_prob), has_gate=with_gate, decode_tile=SMALL_TILE,
+                  shared_chunks=m)
+    outputs = dict(output_shapes=[(n, k), (n, k), (n,), (rows, 4)],
+                   output_dtypes=[mx.int32, x2d.dtype, mx.float32, mx.int32], init_value=init_value)
+    if not switches.is_enabled("split_router"):
+        return _kernel("router", backend)(
+            inputs=weights + [KERNELS["router"].pack(D=d, E=e, **select)],
+            template=[("T", x2d.dtype), ("BITS", router.bits)],
+            grid=(ROUTER_THREADS, n, 1), threadgroup=(ROUTER_THREADS, 1, 1), **outputs)
+    threads = 32 * ROUTER_LOGIT_SIMDGROUPS
+    row_groups = -(-(e + int(with_gate)) // ROUTER_LOGIT_SIMDGROUPS)
+    (logits,) = _kernel("router_logits", backend)(
+        inputs=weights + [KERNELS["router_logits"].pack(D=d, E=e, has_gate=with_gate)],
         template=[("T", x2d.dtype), ("BITS", router.bits)],
-        grid=(ROUTER_THREADS, n, 1), threadgroup=(ROUTER_THREADS, 1, 1),
-        output_shapes=[(n, k), (n, k), (n,), (rows, 4)],
-        output_dtypes=[mx.int32, x2d.dtype, mx.float32, mx.int32],
-        init_value=init_value,
-    )
+        grid=(threads, n, row_groups), threadgroup=(threads, 1, 1),
+        output_shapes=[(n, e + 1)], output_dtypes=[mx.float32], init_value=init_value)
+    return _kernel("router_topk", backend)(
+        inputs=[logits, KERNELS["router_topk"].pack(E=e, **select)], template=[("T", x2d.dtype)],
+        grid=(ROUTER_THREADS, n, 1), threadgroup=(ROUTER_THREADS, 1, 1), **outputs)
 
 
 @lru_cache(maxsize=256)
@@ -653,7 +672,8 @@ def sparse_moe_kernels(block, x: mx.array) -> Optional[mx.array]:
         # A decode-sized call on the fused path: replayed from a plan after the first call. The key
         # holds everything the launches' geometry depends on (sharding or re-quantising changes it).
         key = (x2d.shape, x.dtype, backend, router_backend, block.gate["weight"].shape,
-               block.switch_mlp.gate_proj["weight"].shape, block.shared_expert.gate_proj["weight"].shape)
+               block.switch_mlp.gate_proj["weight"].shape, block.shared_expert.gate_proj["weight"].shape,
+               switches.is_enabled("split_router"))
         general = lambda x2: _block_general(block, x2, True, True, router_backend)  # noqa: E731
         out = compiled.call(block, key, general, (x2d,)) if compiled.enabled(backend, router_backend) else None
         if out is None:
