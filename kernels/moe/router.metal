@@ -49,110 +49,65 @@ inline float moe_router_row_dot(PW w, PS scales, PB biases, PX x, int D, uint la
   return simd_sum(acc);
 }
 
-// Largest of v over the threadgroup (every thread gets it). partial: 8 floats of threadgroup memory.
-inline float moe_router_max(float v, threadgroup float* partial, uint sg, uint lane) {
-  v = simd_max(v);
-  if (lane == 0) {
-    partial[sg] = v;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  float m = partial[0];
-  for (int i = 1; i < MOE_ROUTER_THREADS / 32; ++i) {
-    m = metal::max(m, partial[i]);
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  return m;
-}
-
-// Sum of v over the threadgroup, in a fixed order (every thread gets it).
-inline float moe_router_sum(float v, threadgroup float* partial, uint sg, uint lane) {
-  v = simd_sum(v);
-  if (lane == 0) {
-    partial[sg] = v;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  float s = 0.0f;
-  for (int i = 0; i < MOE_ROUTER_THREADS / 32; ++i) {
-    s += partial[i];
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  return s;
-}
-
-// Largest key over the threadgroup (every thread gets it).
-inline uint moe_router_max_key(uint v, threadgroup uint* partial, uint sg, uint lane) {
-  v = simd_max(v);
-  if (lane == 0) {
-    partial[sg] = v;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  uint m = partial[0];
-  for (int i = 1; i < MOE_ROUTER_THREADS / 32; ++i) {
-    m = metal::max(m, partial[i]);
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  return m;
-}
-
-// Steps 2-4 of the router for token n, from its T-rounded logits in probs[0 .. E] (row E: the
-// shared-expert gate's, when has_gate): softmax, top-k, renormalisation, the gate, the decode schedule.
-// Every thread of the MOE_ROUTER_THREADS-thread threadgroup calls it. probs: E + 1 floats, chosen: E
-// ints, partial / partial_key: MOE_ROUTER_THREADS / 32 each (threadgroup memory).
+// Steps 2-4 of the router for token n, by one simdgroup (the caller's simdgroup 0; no barriers), from
+// its T-rounded logits in probs[0 .. E] (threadgroup memory; row E: the shared-expert gate's, when
+// has_gate): softmax, top-k, renormalisation, the gate, the decode schedule. Lane l owns experts
+// l, l + 32, ... (E / 32 of them): the softmax's max and sum are each lane's in order, then simd_max /
+// simd_sum; top-k is k rounds of a simd_max over keys = the probability's fp32 bits with the expert id
+// in the low 10 bits (1023 - e: ties go to the lower id). Probabilities are >= 0, so their bits order
+// like their values, and as T-rounded values (bf16 or fp16) their low 13 fp32 mantissa bits are zero:
+// a key holds its probability exactly.
 template <typename T, typename PI, typename PS, typename PG, typename PB>
-inline void moe_router_select(threadgroup float* probs, threadgroup int* chosen, threadgroup float* partial,
-                              threadgroup uint* partial_key, uint tid, uint sg, uint lane, long n, int num_tokens,
-                              int E, int top_k, int norm_topk, int has_gate, int decode_tile, int shared_chunks,
-                              PI inds, PS scores, PG gate, PB blocks) {
-  // 2. Softmax over the E router logits, fp32, rounded to T.
-  float local_max = -INFINITY;
-  for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
-    local_max = metal::max(local_max, probs[e]);
+inline void moe_router_select(threadgroup float* probs, uint lane, long n, int num_tokens, int E, int top_k,
+                              int norm_topk, int has_gate, int decode_tile, int shared_chunks, PI inds, PS scores,
+                              PG gate, PB blocks) {
+  constexpr int PER_LANE = MOE_ROUTER_MAX_E / 32;
+  uint keys[PER_LANE];  // this lane's experts' keys; 0 once chosen (a real key is never 0: e <= 1022 or p > 0)
+  float top = -INFINITY;
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int e = int(lane) + 32 * i;
+    if (e < E) {
+      top = metal::max(top, probs[e]);
+    }
   }
-  const float top = moe_router_max(local_max, partial, sg, lane);
-  float local_sum = 0.0f;
-  for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
-    local_sum += metal::exp(probs[e] - top);
+  top = simd_max(top);
+  float total = 0.0f;
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int e = int(lane) + 32 * i;
+    if (e < E) {
+      total += metal::exp(probs[e] - top);
+    }
   }
-  const float total = moe_router_sum(local_sum, partial, sg, lane);
-  for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
-    probs[e] = float(static_cast<T>(metal::exp(probs[e] - top) / total));
-    chosen[e] = 0;
+  total = simd_sum(total);
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int e = int(lane) + 32 * i;
+    const float p = e < E ? float(static_cast<T>(metal::exp(probs[e] - top) / total)) : 0.0f;
+    keys[i] = e < E ? (as_type<uint>(p) | uint(MOE_ROUTER_MAX_E - 1 - e)) : 0u;
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  // 3. Top-k: k rounds of a threadgroup max over keys = the probability's fp32 bits with the expert id
-  // in the low 10 bits (1023 - e: ties go to the lower id). Probabilities are >= 0, so their bits order
-  // like their values, and as T-rounded values (bf16 or fp16) their low 13 fp32 mantissa bits are zero.
+  const long a0 = n * top_k;
+  float picked_sum = 0.0f;
   for (int j = 0; j < top_k; ++j) {
     uint best = 0u;
-    for (int e = int(tid); e < E; e += MOE_ROUTER_THREADS) {
-      if (chosen[e] == 0) {
-        best = metal::max(best, as_type<uint>(probs[e]) | uint(MOE_ROUTER_MAX_E - 1 - e));
-      }
+    for (int i = 0; i < PER_LANE; ++i) {
+      best = metal::max(best, keys[i]);
     }
-    best = moe_router_max_key(best, partial_key, sg, lane);
-    if (tid == 0) {
-      chosen[MOE_ROUTER_MAX_E - 1 - int(best & uint(MOE_ROUTER_MAX_E - 1))] = j + 1;  // 1 + rank
+    best = simd_max(best);
+    const int e = MOE_ROUTER_MAX_E - 1 - int(best & uint(MOE_ROUTER_MAX_E - 1));
+    if (e % 32 == int(lane)) {
+      keys[e / 32] = 0u;  // chosen: out of the later rounds
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (lane == 0) {
+      inds[a0 + j] = e;
+      picked_sum += as_type<float>(best & ~uint(MOE_ROUTER_MAX_E - 1));
+    }
   }
 
-  // 4. Scores, the gate and the decode schedule (one thread: k is small).
-  if (tid == 0) {
-    const long a0 = n * top_k;
-    for (int e = 0; e < E; ++e) {
-      if (chosen[e] > 0) {
-        inds[a0 + chosen[e] - 1] = e;
-      }
-    }
-    float picked_sum = 0.0f;
-    for (int j = 0; j < top_k; ++j) {
-      picked_sum += probs[inds[a0 + j]];
-    }
+  if (lane == 0) {  // scores, the gate and the decode schedule (k is small)
     const float denom = float(static_cast<T>(picked_sum));
     for (int j = 0; j < top_k; ++j) {
       const int e = inds[a0 + j];
-      const float p = probs[e];
+      const float p = float(static_cast<T>(metal::exp(probs[e] - top) / total));
       scores[a0 + j] = static_cast<T>(norm_topk != 0 ? p / denom : p);
       blocks[4 * (a0 + j) + 0] = e;
       blocks[4 * (a0 + j) + 1] = int(a0 + j);
@@ -185,10 +140,6 @@ inline void moe_router_select(threadgroup float* probs, threadgroup int* chosen,
 // decode schedule, assignment a = n * k + j -> (inds[a], a, 1, decode_tile), shared-expert chunk c
 // of token n -> (E + c, N * k + c * N + n, 1, decode_tile).
 threadgroup float probs[MOE_ROUTER_MAX_E + 1];
-threadgroup float partial[MOE_ROUTER_THREADS / 32];
-threadgroup uint partial_key[MOE_ROUTER_THREADS / 32];
-threadgroup int chosen[MOE_ROUTER_MAX_E];
-const uint tid = thread_index_in_threadgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const uint lane = thread_index_in_simdgroup;
 const long n = long(threadgroup_position_in_grid.y);
@@ -211,8 +162,10 @@ for (int row = int(sg); row < E + has_gate; row += MOE_ROUTER_THREADS / 32) {
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
-moe_router_select<T>(probs, chosen, partial, partial_key, tid, sg, lane, n, num_tokens, E, top_k, norm_topk,
-                     has_gate, decode_tile, shared_chunks, inds, scores, gate, blocks);
+if (sg == 0) {  // the selection is one simdgroup's work (no barriers inside)
+  moe_router_select<T>(probs, lane, n, num_tokens, E, top_k, norm_topk, has_gate, decode_tile, shared_chunks, inds,
+                       scores, gate, blocks);
+}
 
 // @kernel moe_router_logits_q
 // The router's logits alone, spread over the GPU (switch split_router): one simdgroup per expert row
@@ -244,21 +197,17 @@ moe_router_select<T>(probs, chosen, partial, partial_key, tid, sg, lane, n, num_
 
 // @kernel moe_router_topk_from_logits
 // Steps 2-4 of moe_router_softmax_topk_q from moe_router_logits_q's logits (switch split_router): one
-// threadgroup per token, the same arithmetic in the same order, so the same bits.
-// grid (1024, N, 1), threadgroup (1024, 1, 1); template T. params: [E, top_k, norm_topk, has_gate,
+// simdgroup per token runs the same selection code, so the same bits.
+// grid (32, N, 1), threadgroup (32, 1, 1); template T. params: [E, top_k, norm_topk, has_gate,
 // decode_tile, shared_chunks]. logits [N, E + 1] float32; outputs as moe_router_softmax_topk_q's.
 {
   threadgroup float probs[MOE_ROUTER_MAX_E + 1];
-  threadgroup float partial[MOE_ROUTER_THREADS / 32];
-  threadgroup uint partial_key[MOE_ROUTER_THREADS / 32];
-  threadgroup int chosen[MOE_ROUTER_MAX_E];
-  const uint tid = thread_index_in_threadgroup;
+  const uint lane = thread_index_in_simdgroup;
   const long n = long(threadgroup_position_in_grid.y);
-  for (int row = int(tid); row < E + has_gate; row += MOE_ROUTER_THREADS) {
+  for (int row = int(lane); row < E + has_gate; row += 32) {
     probs[row] = logits[n * (E + 1) + row];
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  moe_router_select<T>(probs, chosen, partial, partial_key, tid, simdgroup_index_in_threadgroup,
-                       thread_index_in_simdgroup, n, int(threadgroups_per_grid.y), E, top_k, norm_topk, has_gate,
-                       decode_tile, shared_chunks, inds, scores, gate, blocks);
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  moe_router_select<T>(probs, lane, n, int(threadgroups_per_grid.y), E, top_k, norm_topk, has_gate, decode_tile,
+                       shared_chunks, inds, scores, gate, blocks);
 }

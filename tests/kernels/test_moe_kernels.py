@@ -793,6 +793,24 @@ def test_split_router_has_the_bits_of_the_one_kernel_router(tokens, hidden, expe
 
 
 @needs_sim
+@pytest.mark.skipif(KERNEL_BACKEND != "sim", reason="the race check is the simulator's")
+@pytest.mark.parametrize("split", [True, False], ids=["split_router", "one_kernel"])
+def test_router_kernels_race_check(monkeypatch, split):
+    """The simulator's race check on the logits shared through threadgroup memory (E not a multiple of
+    32: the gate's logit is written by another lane than lane 0, which reads it)."""
+    monkeypatch.setenv("LILY_MSL_RACE", "1")
+    block = _router_block(128, 40, 4, True, 8, mx.bfloat16, 1)
+    x = make_inputs(1, 3, 128, seed=2).reshape(3, 128)
+    with switches.overrides(enable=("split_router",) if split else (), disable=() if split else ("split_router",)):
+        got = mk.route_tokens(block, x, True, KERNEL_BACKEND)
+        mx.eval(got)
+    with switches.overrides(enable=() if split else ("split_router",), disable=("split_router",) if split else ()):
+        other = mk.route_tokens(block, x, True, KERNEL_BACKEND)
+    for g, w in zip(got, other):
+        assert mx.array_equal(g, w).item()
+
+
+@needs_sim
 def test_router_kernel_token_alone_equals_token_in_batch():
     """A token's routing (indices, scores, gate) has the same bits alone and among 37 others."""
     block = _router_block(256, 256, 8, True, 8, mx.bfloat16, 3)

@@ -487,9 +487,9 @@ def route_tokens(block, x2d: mx.array, with_gate: bool, backend: Optional[str] =
         template=[("T", x2d.dtype), ("BITS", router.bits)],
         grid=(threads, n, row_groups), threadgroup=(threads, 1, 1),
         output_shapes=[(n, e + 1)], output_dtypes=[mx.float32], init_value=init_value)
-    return _kernel("router_topk", backend)(
+    return _kernel("router_topk", backend)(  # one simdgroup per token: the selection needs no more
         inputs=[logits, KERNELS["router_topk"].pack(E=e, **select)], template=[("T", x2d.dtype)],
-        grid=(ROUTER_THREADS, n, 1), threadgroup=(ROUTER_THREADS, 1, 1), **outputs)
+        grid=(32, n, 1), threadgroup=(32, 1, 1), **outputs)
 
 
 @lru_cache(maxsize=256)
