@@ -403,9 +403,9 @@ def prefill_attention_from_cache(backend: str):
 
 # --- q/k preparation (kernels/attention/qk_prep.metal; switch fused_qk_prep) ------------------------
 
-# Backends the q/k preparation kernel (op ``attention_qk_prep``) runs on: the simulator only until it has
-# been timed on a GPU (it replaces five small primitives per attention layer; on MLX CUDA a primitive's
-# evaluation costs 2.4-4.3 us of host time, docs/decode.md).
+# Backends the q/k preparation kernel (op ``attention_qk_prep``) runs on: the simulator only. On the H200 it
+# saves 0.04 ms of GPU time and 50 kernels per decode step but its launch is built in Python per step, and
+# the decode profiles did not show it faster (docs/attention.md): on CUDA once the layer's launches replay.
 QK_PREP_BACKENDS = frozenset({"sim"})
 QK_PREP_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
