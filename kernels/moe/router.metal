@@ -62,9 +62,10 @@ inline void moe_router_select(threadgroup float* probs, uint lane, long n, int n
                               int norm_topk, int has_gate, int decode_tile, int shared_chunks, PI inds, PS scores,
                               PG gate, PB blocks) {
   constexpr int PER_LANE = MOE_ROUTER_MAX_E / 32;
+  const int per_lane = (E + 31) / 32;  // the entries of keys in use (loops stop there: 8 for 256 experts)
   uint keys[PER_LANE];  // this lane's experts' keys; 0 once chosen (a real key is never 0: e <= 1022 or p > 0)
   float top = -INFINITY;
-  for (int i = 0; i < PER_LANE; ++i) {
+  for (int i = 0; i < per_lane; ++i) {
     const int e = int(lane) + 32 * i;
     if (e < E) {
       top = metal::max(top, probs[e]);
@@ -72,14 +73,14 @@ inline void moe_router_select(threadgroup float* probs, uint lane, long n, int n
   }
   top = simd_max(top);
   float total = 0.0f;
-  for (int i = 0; i < PER_LANE; ++i) {
+  for (int i = 0; i < per_lane; ++i) {
     const int e = int(lane) + 32 * i;
     if (e < E) {
       total += metal::exp(probs[e] - top);
     }
   }
   total = simd_sum(total);
-  for (int i = 0; i < PER_LANE; ++i) {
+  for (int i = 0; i < per_lane; ++i) {
     const int e = int(lane) + 32 * i;
     const float p = e < E ? float(static_cast<T>(metal::exp(probs[e] - top) / total)) : 0.0f;
     keys[i] = e < E ? (as_type<uint>(p) | uint(MOE_ROUTER_MAX_E - 1 - e)) : 0u;
@@ -89,7 +90,7 @@ inline void moe_router_select(threadgroup float* probs, uint lane, long n, int n
   float picked_sum = 0.0f;
   for (int j = 0; j < top_k; ++j) {
     uint best = 0u;
-    for (int i = 0; i < PER_LANE; ++i) {
+    for (int i = 0; i < per_lane; ++i) {
       best = metal::max(best, keys[i]);
     }
     best = simd_max(best);
