@@ -52,11 +52,13 @@ _TARGETS: Dict[str, List[Tuple[Tuple[str, str], Tuple[str, str]]]] = {
         ((_QWEN3_NEXT, "Qwen3NextGatedDeltaNet"), ("deltanet", "qwen3_next_deltanet_forward")),
         ((_QWEN3_NEXT, "Qwen3NextAttention"), ("attention", "attention_forward")),
         ((_QWEN3_NEXT, "Qwen3NextSparseMoeBlock"), ("moe", "sparse_moe_forward")),
+        ((_QWEN3_NEXT, "Qwen3NextDecoderLayer"), ("moe", "decoder_layer_forward")),
     ],
     "qwen3_5": [
         ((_QWEN3_5, "GatedDeltaNet"), ("deltanet", "qwen3_5_deltanet_forward")),
         ((_QWEN3_NEXT, "Qwen3NextAttention"), ("attention", "attention_forward")),
         ((_QWEN3_NEXT, "Qwen3NextSparseMoeBlock"), ("moe", "sparse_moe_forward")),
+        ((_QWEN3_5, "DecoderLayer"), ("moe", "decoder_layer_forward")),
     ],
 }
 _TARGETS["qwen3_5_moe"] = _TARGETS["qwen3_5"]  # same layer classes; MoE vs dense MLP per config

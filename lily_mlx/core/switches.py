@@ -65,6 +65,10 @@ _SWITCH_LIST = [
            "Router logits spread over the GPU (one simdgroup per expert row), then softmax, top-k and the "
            "schedule in a second kernel (same bits): a token's 0.5 MB router no longer read by one threadgroup.",
            "One threadgroup per token computes all router logits and the top-k (one launch)."),
+    Switch("fused_residual", "moe", "both", True,
+           "The decoder layer's residual add after the MoE block inside the combine kernel (same bits as "
+           "MLX's add; with fused_expert_down and fused_combine).",
+           "The residual added by MLX after the MoE block."),
     Switch("fused_expert_down", "moe", "both", True,
            "Shared expert inside the grouped expert GEMMs (one more expert); the combine kernel adds it, "
            "gated, with the routing-weighted expert rows.",

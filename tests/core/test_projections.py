@@ -179,3 +179,18 @@ def test_model_decode_same_bits_and_fewer_matmuls(tiny, monkeypatch):
     attention = len(model.layers) - deltanet
     assert deltanet and attention
     assert unfused - fused == 3 * deltanet + 2 * attention, (unfused, fused)
+
+
+def test_a_row_has_the_same_bits_fused_alone_and_unfused_in_a_larger_batch():
+    """Batch invariance across the MAX_ROWS boundary: a decode row alone (fused matmul) and the same row
+    in a batch of MAX_ROWS + 2 rows (one matmul per projection) get the same bits."""
+    layer = Layer(256, [128, 64, 32, 32], seed=5)
+    projections.prepare(layer, layer.names)
+    batch = mx.random.normal((projections.MAX_ROWS + 2, 1, 256), key=mx.random.key(9)).astype(mx.bfloat16)
+    assert projections.fused_for(layer, layer.names, batch) is None
+    together = layer.separately(batch)
+    for row in (0, 4, projections.MAX_ROWS + 1):
+        record = projections.fused_for(layer, layer.names, batch[row:row + 1])
+        assert record is not None
+        for alone, full in zip(projections.run(record, batch[row:row + 1]), together):
+            assert _equal(alone, full[row:row + 1])

@@ -226,7 +226,8 @@ def test_patch_report_names_each_op_backend_and_why_reference(loaded_model, monk
         assert report.op_backends["attention_qk_prep"] == "sim"
         assert report.reference_reasons["moe_routing"] == "LILY_REFERENCE_OPS"
         assert "deltanet_scan" not in report.reference_reasons
-        assert report.layers == {"Qwen3NextSparseMoeBlock": 4, "Qwen3NextAttention": 1, "GatedDeltaNet": 3}
+        assert report.layers == {"Qwen3NextSparseMoeBlock": 4, "Qwen3NextAttention": 1, "GatedDeltaNet": 3,
+                                 "DecoderLayer": 4}
         assert "reference path:" in report.summary()
     finally:
         lily_mlx.unpatch(model)

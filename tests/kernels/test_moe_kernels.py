@@ -348,6 +348,30 @@ def test_combine_rows(tokens, k, width, dtype, seed):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(1.0, np.abs(want).max()))
 
 
+@needs_sim
+@SETTINGS
+@given(tokens=st.sampled_from([1, 3, 33]), k=st.sampled_from([1, 4, 8]), width=st.sampled_from([4, 36, 520]),
+       dtype=st.sampled_from(["bfloat16", "float16", "float32"]), shared=st.booleans(), seed=st.integers(0, 1000))
+def test_combine_with_residual_has_the_bits_of_mlx_add(tokens, k, width, dtype, shared, seed):
+    """Switch fused_residual: the combine kernel's residual add gives the bits of MLX's add of the
+    residual to the kernel's own output (rounded to the activation type first), poisoned outputs."""
+    rng = np.random.default_rng(seed)
+    dt = getattr(mx, dtype)
+    a = tokens * k
+    rows = a + tokens if shared else a
+    y = mx.array(rng.standard_normal((rows, width)).astype(np.float32)).astype(dt)
+    slot_of_row = mx.array(rng.permutation(a).astype(np.int32))
+    scores = mx.array(rng.uniform(0, 1, (tokens, k)).astype(np.float32)).astype(dt)
+    gate = mx.array(rng.uniform(0, 1, (tokens,)).astype(np.float32)) if shared else None
+    residual = mx.array((40 * rng.standard_normal((tokens, width))).astype(np.float32)).astype(dt)
+    plain = mk.combine_rows(y, slot_of_row, scores, backend=KERNEL_BACKEND, init_value=float("nan"), gate=gate)
+    fused = mk.combine_rows(y, slot_of_row, scores, backend=KERNEL_BACKEND, init_value=float("nan"), gate=gate,
+                            residual=residual)
+    want = residual + plain
+    assert fused.dtype == want.dtype and not bool(mx.any(mx.isnan(fused)).item())
+    assert mx.array_equal(fused, want).item()
+
+
 def _accumulate_in(dtype, y: np.ndarray, slot_of_row: np.ndarray, scores: np.ndarray) -> np.ndarray:
     """The combine with its running sum held in ``dtype`` (float32: the kernel's documented
     accumulator; bfloat16/float16: an accumulator in the activation type): each step computes
@@ -867,6 +891,33 @@ def test_decode_plan_replays_the_general_path(gemm_sim, monkeypatch):
         out = mk._block_general(block, x2d, True, True, backend)
     assert DecodePlan.record(block, x2d, rec, out, mk._input_names, mk._PLAN_CONSTANTS) is not None
     assert DecodePlan.record(block, x2d, rec, out, mk._input_names, frozenset()) is None
+
+
+@needs_sim
+@pytest.mark.parametrize("tokens", [1, 2, 40])
+def test_block_with_residual_equals_residual_plus_block(gemm_sim, monkeypatch, tokens):
+    """sparse_moe_forward(block, x, residual=r) is r + sparse_moe_forward(block, x) bit for bit, the add in
+    the combine kernel (no other launch, no MLX add) with fused_residual on, MLX's add with it off; decode
+    sizes through their plans (three calls: recorded, then replayed with each call's residual)."""
+    from lily_mlx.ops.moe import sparse_moe_forward
+
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    monkeypatch.setitem(switches._state, "compiled_decode", False)  # plans: the path without traces
+    block = make_sparse_moe_block(num_experts=16, top_k=4, seed=9, shared_width=128)
+    for step in range(3):
+        x = make_inputs(1, tokens, 128, seed=step)
+        residual = make_inputs(1, tokens, 128, seed=100 + step)
+        want = residual + sparse_moe_forward(block, x)
+        with record_launches() as rec:
+            got = sparse_moe_forward(block, x, residual=residual)
+            mx.eval(got)
+        assert mx.array_equal(got, want).item(), step
+        combine = [launch for launch in rec if launch.name == "moe_combine_weighted_rows"]
+        assert len(combine) == 1 and combine[0].kwargs["inputs"][4].shape == (tokens, 128)
+        with switches.overrides(disable=("fused_residual",)), record_launches() as off:
+            unfused = sparse_moe_forward(block, x, residual=residual)
+        assert mx.array_equal(unfused, want).item()
+        assert next(l for l in off if l.name == "moe_combine_weighted_rows").kwargs["inputs"][4].size == 1
 
 
 @needs_sim

@@ -133,3 +133,35 @@ def test_embedded_model_teacher_forced_vs_fp32(embedded, moe_on_sim):
 
     assert rms(lily, exact) <= 1.1 * rms(stock, exact), (rms(lily, exact), rms(stock, exact))
     assert agree(lily, exact) >= agree(stock, exact) - 0.04, (agree(lily, exact), agree(stock, exact))
+
+
+def test_fused_residual_same_logits_and_the_combine_adds_it(embedded, moe_on_sim):
+    """Switch fused_residual through the patched decoder layers: prefill and decode logits bit for bit
+    with it on and off, and with it on every MoE layer's combine launch takes the layer's residual."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from lily_mlx.core.kernel_registry import record_launches
+
+    model, tokenizer, lily_patch = embedded
+    prompt = mx.array(tokenizer.encode(PROMPT))[None]
+
+    def run():
+        cache = make_prompt_cache(model)
+        out = [model(prompt, cache=cache)[:, -1]]
+        for _ in range(2):
+            out.append(model(mx.argmax(out[-1], axis=-1)[:, None], cache=cache)[:, -1])
+        return mx.stack(out)
+
+    lily_patch.patch(model)
+    try:
+        with record_launches() as rec:
+            on = run()
+            mx.eval(on)
+        with switches.overrides(disable=("fused_residual",)):
+            off = run()
+    finally:
+        lily_patch.unpatch(model)
+    assert mx.array_equal(on, off).item()
+    combines = [launch for launch in rec if launch.name == "moe_combine_weighted_rows"]
+    assert len(combines) == 3 * len(model.layers)
+    assert all(launch.kwargs["inputs"][4].size > 1 for launch in combines)  # the residual, not the placeholder

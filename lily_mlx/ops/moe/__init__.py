@@ -23,7 +23,7 @@ Ops, each with a plain-MLX reference and, where written, kernels:
 from __future__ import annotations
 
 from ...core.dispatch import Op, register_op
-from .layer import sparse_moe_forward  # noqa: F401
+from .layer import decoder_layer_forward, sparse_moe_forward  # noqa: F401
 
 KERNEL_BACKENDS = frozenset({"metal", "sim", "cuda"})
 
@@ -42,7 +42,7 @@ register_op(Op(
     "moe_grouped_gemm", "moe",
     "Grouped 4-bit (affine, group 64) expert GEMMs (prefill and decode): gate+up+SwiGLU and down, the "
     "shared expert as one more expert, then the routing-weighted sum over each token's experts.",
-    switches=("fused_dequant", "adaptive_tile", "fused_combine", "fused_expert_down", "row_gemv"),
+    switches=("fused_dequant", "adaptive_tile", "fused_combine", "fused_expert_down", "row_gemv", "fused_residual"),
     kernel_backends=KERNEL_BACKENDS,
 ))
 register_op(Op("moe_expert_up", "moe", "Decode expert GEMV (stock's): gate and up projections with SwiGLU."))

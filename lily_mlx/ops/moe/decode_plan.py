@@ -18,14 +18,16 @@ from mlx.utils import tree_flatten
 
 from ...core.kernel_registry import LaunchRecord
 
-# Where a launch input comes from: ("x",), ("out", launch, output), ("weight", key path), ("const", array).
+# Where a launch input comes from: ("arg", i) (the call's i-th activation array: x, then the residual
+# where the combine adds it), ("out", launch, output), ("weight", key path), ("const", array).
 Source = Tuple
 
 
 class DecodePlan:
     """The launches of one recorded call, with the source of each of their inputs."""
 
-    def __init__(self, block, x2d: mx.array, record: LaunchRecord, result: mx.array, input_names, constants):
+    def __init__(self, block, args: Tuple[mx.array, ...], record: LaunchRecord, result: mx.array, input_names,
+                 constants):
         weight_paths = {id(a): tuple(path.split(".")) for path, a in tree_flatten(block.parameters())}
         outputs = {}
         self.launches = []
@@ -33,8 +35,9 @@ class DecodePlan:
         for i, launch in enumerate(record):
             sources = []
             for name, a in zip(input_names(launch.name), launch.kwargs["inputs"]):
-                if a is x2d:
-                    sources.append(("x",))
+                arg = next((i for i, b in enumerate(args) if a is b), None)
+                if arg is not None:
+                    sources.append(("arg", arg))
                 elif id(a) in outputs:
                     sources.append(("out",) + outputs[id(a)])
                 elif id(a) in weight_paths:
@@ -52,24 +55,26 @@ class DecodePlan:
         self.result = last[1] if last is not None and last[0] == len(record) - 1 else None
 
     @classmethod
-    def record(cls, block, x2d: mx.array, record: LaunchRecord, result: mx.array, input_names,
+    def record(cls, block, args, record: LaunchRecord, result: mx.array, input_names,
                constants) -> Optional["DecodePlan"]:
         """A plan from ``record``, or None when the call cannot be replayed from its launches alone.
+        ``args``: the call's activation arrays (x [N, D], or a tuple of x and the residual);
         ``input_names(kernel)``: the kernel's input names; ``constants``: the names of inputs that may be
-        kept from the recorded call (anything else must be the activations, a weight or an output)."""
+        kept from the recorded call (anything else must be an activation, a weight or an output)."""
         if not record or any(launch.launcher is None for launch in record):
             return None
-        plan = cls(block, x2d, record, result, input_names, constants)
+        plan = cls(block, _as_tuple(args), record, result, input_names, constants)
         return plan if plan.replayable and plan.result is not None else None
 
-    def __call__(self, block, x2d: mx.array) -> mx.array:
+    def __call__(self, block, args) -> mx.array:
+        args = _as_tuple(args)
         outs: List[tuple] = []
         for launcher, sources, static in self.launches:
             inputs = []
             for src in sources:
                 kind = src[0]
-                if kind == "x":
-                    inputs.append(x2d)
+                if kind == "arg":
+                    inputs.append(args[src[1]])
                 elif kind == "out":
                     inputs.append(outs[src[1]][src[2]])
                 elif kind == "weight":
@@ -81,3 +86,7 @@ class DecodePlan:
                     inputs.append(src[1])
             outs.append(launcher(inputs=inputs, **static))
         return outs[-1][self.result]
+
+
+def _as_tuple(args) -> Tuple[mx.array, ...]:
+    return tuple(args) if isinstance(args, (tuple, list)) else (args,)

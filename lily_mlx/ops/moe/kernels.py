@@ -80,14 +80,17 @@ KERNELS: Dict[str, KernelSpec] = {
     "gemv_down_rowwise": KernelSpec("moe_gemv_down_rowwise", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
     "dequant": KernelSpec("moe_dequant_experts_q4", GEMM, ("w", "scales", "biases", "counts", "params"), ("w_out",),
                           params=("O", "K")),
-    "combine": KernelSpec("moe_combine_weighted_rows", GEMM, ("y", "slot_of_row", "scores", "gate", "params"),
-                          ("out",), params=("k", "D", "A", "shared_chunks")),
+    "combine": KernelSpec("moe_combine_weighted_rows", GEMM, ("y", "slot_of_row", "scores", "gate", "residual",
+                                                                "params"),
+                          ("out",), params=("k", "D", "A", "shared_chunks", "has_residual")),
 }
 
 CHUNK = 256  # assignments per threadgroup in the histogram and scatter kernels
 GEMM_THREADS = 128  # 4 simdgroups
 GEMM_COLS = 32  # output columns per threadgroup
 COMBINE_THREADS = 128  # threads per threadgroup of the combine kernel, 4 columns each
+# Placeholder for the combine kernel's residual input when it adds none (one element, never read).
+_ONE_ZERO = {dtype: mx.zeros((1,), dtype=dtype) for dtype in (mx.bfloat16, mx.float16, mx.float32)}
 SMALL_TILE, LARGE_TILE = 16, 32
 MAX_EXPERTS = 1024  # the scan and block-map kernels keep one thread per expert in one threadgroup
 NEVER = 1 << 30
@@ -382,10 +385,12 @@ def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = Tr
 
 
 def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: Optional[str] = None,
-                 init_value=None, gate: Optional[mx.array] = None, chunks: int = 1) -> mx.array:
+                 init_value=None, gate: Optional[mx.array] = None, chunks: int = 1,
+                 residual: Optional[mx.array] = None) -> mx.array:
     """out [N, D] = sum_j scores[n, j] * y[slot_of_row[n * k + j]] (+ gate[n] * sum_c y[A + c * N + n],
     the shared expert's ``chunks`` rows): y [A (+ chunks * N), D] (slot order), scores [N, k] (any
-    float dtype), gate [N] fp32; fp32 accumulation, output in y's dtype."""
+    float dtype), gate [N] fp32; fp32 accumulation, output in y's dtype. ``residual`` [N, D] (y's dtype):
+    ``residual + out`` in the same launch, the bits of MLX's add of the two."""
     d = y.shape[1]
     n, k = scores.shape
     a = slot_of_row.size
@@ -393,7 +398,8 @@ def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: 
     m = chunks if gate is not None else 0
     (out,) = _kernel("combine", backend)(
         inputs=[y, slot_of_row, scores, gate if m else float32_scalar(0.0),
-                KERNELS["combine"].pack(k=k, D=d, A=a, shared_chunks=m)],
+                residual if residual is not None else _ONE_ZERO[y.dtype],
+                KERNELS["combine"].pack(k=k, D=d, A=a, shared_chunks=m, has_residual=residual is not None)],
         template=[("T", y.dtype)],
         grid=(groups * COMBINE_THREADS, n, 1), threadgroup=(COMBINE_THREADS, 1, 1),
         output_shapes=[(n, d)], output_dtypes=[y.dtype], init_value=init_value,
@@ -648,9 +654,11 @@ def routed_experts_combined_kernel(switch_mlp, x: mx.array, inds: mx.array, scor
     return out.reshape(x.shape)
 
 
-def sparse_moe_kernels(block, x: mx.array) -> Optional[mx.array]:
+def sparse_moe_kernels(block, x: mx.array, residual: Optional[mx.array] = None) -> Optional[mx.array]:
     """The whole sparse MoE block on the kernels (router, routed experts, shared expert): x [..., D]
     -> [..., D], or None when the grouped kernels do not apply (the caller runs the reference).
+    ``residual`` (x's shape and dtype): ``residual + block(x)`` is returned instead, the add inside the
+    combine kernel where the shared expert is fused into it (same bits as MLX's add), else MLX's add.
 
     fused_expert_up: the router kernel gives indices, scores, the shared expert's gate and (small
     calls) the GEMMs' schedule; off, stock's router ops. fused_expert_down: the shared expert runs in
@@ -667,38 +675,48 @@ def sparse_moe_kernels(block, x: mx.array) -> Optional[mx.array]:
     router_backend = op_backend("moe_router")
     fuse_router = (switches.is_enabled("fused_expert_up") and router_backend != "reference"
                    and _cached_reason(block, x, ("router", fuse_shared), router_reason, fuse_shared) is None)
+    r2d = None
+    if residual is not None:
+        if fuse_shared and residual.dtype == x.dtype and residual.shape == x.shape:
+            r2d = residual.reshape(x2d.shape)
+        else:
+            out = sparse_moe_kernels(block, x)
+            return None if out is None else residual + out
+    args = (x2d,) if r2d is None else (x2d, r2d)
     if (fuse_router and fuse_shared and x2d.shape[0] * k <= PER_ASSIGNMENT_MAX and switches.is_enabled("fused_dequant")
             and switches.is_enabled("row_gemv")):
         # A decode-sized call on the fused path: replayed from a plan after the first call. The key
         # holds everything the launches' geometry depends on (sharding or re-quantising changes it).
         key = (x2d.shape, x.dtype, backend, router_backend, block.gate["weight"].shape,
                block.switch_mlp.gate_proj["weight"].shape, block.shared_expert.gate_proj["weight"].shape,
-               switches.is_enabled("split_router"))
-        general = lambda x2: _block_general(block, x2, True, True, router_backend)  # noqa: E731
-        out = compiled.call(block, key, general, (x2d,)) if compiled.enabled(backend, router_backend) else None
+               switches.is_enabled("split_router"), r2d is not None)
+        general = lambda *a: _block_general(block, a[0], True, True, router_backend, residual2d=a[1] if len(a) > 1 else None)  # noqa: E731
+        out = compiled.call(block, key, general, args) if compiled.enabled(backend, router_backend) else None
         if out is None:
-            out = _planned(block, x2d, key, general)
+            out = _planned(block, args, key, general)
         return out.reshape(x.shape)
-    return _block_general(block, x2d, fuse_router, fuse_shared, router_backend, fused_combine).reshape(x.shape)
+    return _block_general(block, x2d, fuse_router, fuse_shared, router_backend, fused_combine,
+                          residual2d=r2d).reshape(x.shape)
 
 
 _UNPLANNABLE = object()
-# Inputs a decode plan may keep from its recorded call: shape constants, never data.
-_PLAN_CONSTANTS = frozenset({"params", "sorted_rows", "slot_of_row"})
+# Inputs a decode plan may keep from its recorded call: shape constants, never data (the residual only as
+# the placeholder of a call without one: a real residual is one of the call's activations).
+_PLAN_CONSTANTS = frozenset({"params", "sorted_rows", "slot_of_row", "residual"})
 
 
-def _planned(block, x2d: mx.array, key, general):
-    """``general(x2d)`` recorded on the first call for ``key``, then replayed by its ``DecodePlan``."""
+def _planned(block, args, key, general):
+    """``general(*args)`` recorded on the first call for ``key``, then replayed by its ``DecodePlan``."""
     from .decode_plan import DecodePlan
 
     plans = block.__dict__.setdefault("_lily_decode_plans", {})
     plan = plans.get(key)
     if plan is None:
         with record_launches() as record:
-            out = general(x2d)
-        plans[key] = DecodePlan.record(block, x2d, record, out, _input_names, _PLAN_CONSTANTS) or _UNPLANNABLE
+            out = general(*args)
+        plans[key] = DecodePlan.record(block, args, record, out, _input_names, _PLAN_CONSTANTS) or _UNPLANNABLE
         return out
-    return general(x2d) if plan is _UNPLANNABLE else plan(block, x2d)
+    return general(*args) if plan is _UNPLANNABLE else plan(block, args)
 
 
 @lru_cache(maxsize=None)
@@ -707,8 +725,9 @@ def _input_names(kernel_name: str):
 
 
 def _block_general(block, x2d: mx.array, fuse_router: bool, fuse_shared: bool, router_backend: str,
-                   fused_combine: bool = True) -> mx.array:
-    """The block on the kernels, building every launch: out [N, D]."""
+                   fused_combine: bool = True, residual2d: Optional[mx.array] = None) -> mx.array:
+    """The block on the kernels, building every launch: out [N, D] (``residual2d + out`` when given: the
+    combine kernel adds it where it also adds the shared expert, else MLX's add after)."""
     from .reference import router_reference, shared_expert_reference
 
     k = block.top_k
@@ -729,10 +748,14 @@ def _block_general(block, x2d: mx.array, fuse_router: bool, fuse_shared: bool, r
         shared = block.shared_expert if fuse_shared else None
         y, schedule, backend = _routed_rows(block.switch_mlp, x2d, inds, shared, decode_blocks, checked=True)
         chunks = shared_chunks(shared, block.switch_mlp.gate_proj["scales"].shape[1])
-        out = combine_rows(y, schedule["slot_of_row"], scores, backend, gate=gate, chunks=chunks)
+        fold = residual2d is not None and fuse_shared
+        out = combine_rows(y, schedule["slot_of_row"], scores, backend, gate=gate, chunks=chunks,
+                           residual=residual2d if fold else None)
+        if fold:
+            return out
     if not fuse_shared:
         out = out + shared_expert_reference(block, x2d)
-    return out
+    return out if residual2d is None else residual2d + out
 
 
 def _cached_reason(block, x: mx.array, what, check, *args) -> Optional[str]:

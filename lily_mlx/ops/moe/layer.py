@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx.nn.layers.distributed import sum_gradients
 
-from ...core import lookahead
+from ...core import lookahead, switches
 from ...core.dispatch import op_backend
 from .reference import (
     combine_reference,
@@ -29,20 +29,23 @@ from .reference import (
 SORT_THRESHOLD = 64
 
 
-def moe_kernels(block, x: mx.array):
-    """The block on the kernels (``kernels.sparse_moe_kernels``): x [..., D] -> [..., D]; None on the
-    reference backend or where the kernels do not apply."""
+def moe_kernels(block, x: mx.array, residual=None):
+    """The block on the kernels (``kernels.sparse_moe_kernels``): x [..., D] -> [..., D] (plus
+    ``residual`` when given); None on the reference backend or where the kernels do not apply."""
     if op_backend("moe_grouped_gemm") == "reference":
         return None
     from .kernels import sparse_moe_kernels
 
-    return sparse_moe_kernels(block, x)
+    return sparse_moe_kernels(block, x, residual)
 
 
-def sparse_moe_forward(self, x: mx.array) -> mx.array:
-    """``Qwen3NextSparseMoeBlock.__call__`` on lily ops. x: [B, T, D] -> [B, T, D]."""
+def sparse_moe_forward(self, x: mx.array, residual=None) -> mx.array:
+    """``Qwen3NextSparseMoeBlock.__call__`` on lily ops. x: [B, T, D] -> [B, T, D]. ``residual`` (from
+    ``decoder_layer_forward``; stock's block takes none): ``residual + block(x)`` is returned, the add in
+    the combine kernel where it can be (switch ``fused_residual``), else MLX's add after the block."""
     if self.training:  # the kernels have no gradients: training runs stock's ops, stock's gradients
-        return getattr(type(self), "_lily_stock_class", type(self)).__call__(self, x)
+        y = getattr(type(self), "_lily_stock_class", type(self)).__call__(self, x)
+        return y if residual is None else residual + y
     if self.sharding_group is not None:
         x = sum_gradients(self.sharding_group)(x)
 
@@ -52,7 +55,11 @@ def sparse_moe_forward(self, x: mx.array) -> mx.array:
     # (MLX-LM pads a 1-token prompt chunk to the batch's longest one). So wherever the kernels apply
     # they run for every call size, decode included: their per-token arithmetic is fixed (a row's
     # fp32 accumulation is the same in 16- and 32-row tiles). The reference keeps stock's split.
-    y = moe_kernels(self, x)
+    # The residual goes into the combine only without sharding (all_sum adds the ranks' partial outputs).
+    fold = residual if (residual is not None and self.sharding_group is None
+                        and switches.is_enabled("fused_residual")) else None
+    y = moe_kernels(self, x, fold)
+    folded = y is not None and fold is not None
     if y is None:
         inds, scores = router_reference(self.gate(x), self.top_k, self.norm_topk_prob)  # [B, T, k]
         if inds.size >= SORT_THRESHOLD:
@@ -65,5 +72,20 @@ def sparse_moe_forward(self, x: mx.array) -> mx.array:
 
     if self.sharding_group is not None:
         y = mx.distributed.all_sum(y, group=self.sharding_group)
+    if residual is not None and not folded:
+        y = residual + y
     lookahead.after_prefill_layer(y)  # the last op of each decoder layer's work (switch bounded_lookahead)
     return y
+
+
+def decoder_layer_forward(self, x: mx.array, mask=None, cache=None) -> mx.array:
+    """A Qwen3.5/3.6/Next decoder layer (``DecoderLayer`` / ``Qwen3NextDecoderLayer.__call__``): stock's
+    computation, except that a lily sparse-MoE block is handed the residual, so that its combine kernel
+    adds it (switch ``fused_residual``; same bits as stock's add). x: [B, T, D] -> [B, T, D]."""
+    if self.training:
+        return getattr(type(self), "_lily_stock_class", type(self)).__call__(self, x, mask, cache)
+    mixer = self.linear_attn if self.is_linear else self.self_attn
+    h = x + mixer(self.input_layernorm(x), mask, cache)
+    if type(self.mlp).__call__ is sparse_moe_forward:
+        return sparse_moe_forward(self.mlp, self.post_attention_layernorm(h), residual=h)
+    return h + self.mlp(self.post_attention_layernorm(h))
