@@ -503,12 +503,14 @@ if (counts[e] > 0) {
 }
 
 // @kernel moe_combine_weighted_rows
-// grid (ceil(D / 4 / 128) * 128, N, 1), threadgroup (128, 1, 1). params: [k, D, A, shared_chunks]
-// (D % 4 == 0). y [A (+ m * N), D] the down GEMM's rows in slot order; slot_of_row [A]: slot of
-// assignment a = token * k + j; scores [N, k] routing weights; gate [N] fp32 the shared expert's
-// sigmoid gate (m = shared_chunks > 0: its chunk rows of token n are slots A + c * N + n). out [N, D]:
-// each token's k rows read straight from slot order, weighted and summed in fp32 (then the gated
-// shared chunks), rounded once (no [A, D] gather or product arrays in between).
+// grid (ceil(D / 4 / 128) * 128, N, 1), threadgroup (128, 1, 1). params: [k, D, A, shared_chunks,
+// has_residual] (D % 4 == 0). y [A (+ m * N), D] the down GEMM's rows in slot order; slot_of_row [A]:
+// slot of assignment a = token * k + j; scores [N, k] routing weights; gate [N] fp32 the shared
+// expert's sigmoid gate (m = shared_chunks > 0: its chunk rows of token n are slots A + c * N + n);
+// residual [N, D] T (if has_residual). out [N, D]: each token's k rows read straight from slot order,
+// weighted and summed in fp32 (then the gated shared chunks), rounded once (no [A, D] gather or product
+// arrays in between); with has_residual (switch fused_residual) the decoder layer's residual add
+// follows, as MLX adds two T arrays: T(float(residual) + float(T(sum))), the same bits as that add.
 const int d0 = int(thread_position_in_grid.x) * 4;
 const long n = long(thread_position_in_grid.y);
 if (d0 < D) {
@@ -529,7 +531,8 @@ if (d0 < D) {
     }
   }
   for (int c = 0; c < 4; ++c) {
-    out[n * D + d0 + c] = static_cast<T>(acc[c]);
+    const T mixed = static_cast<T>(acc[c]);
+    out[n * D + d0 + c] = has_residual != 0 ? static_cast<T>(float(residual[n * D + d0 + c]) + float(mixed)) : mixed;
   }
 }
 
