@@ -1,9 +1,10 @@
 """Swap lily-mlx forwards into an MLX-LM Qwen3.5/3.6-family model, per instance, and back.
 
-``patch(model)`` changes the ``__class__`` of each DeltaNet, attention and sparse-MoE module of the
-model to a lily subclass of the stock class whose ``__call__`` is the op forward of
-``lily_mlx.ops`` (see docs/design.md). Nothing else changes: weights, submodules, caches and cache
-formats stay stock's, so
+``patch(model)`` changes the ``__class__`` of each DeltaNet, attention, sparse-MoE and decoder-layer
+module of the model to a lily subclass of the stock class whose ``__call__`` is the op forward of
+``lily_mlx.ops`` (see docs/design.md). Nothing else changes: submodules, caches and cache formats stay
+stock's, and so do the weights' names, shapes and values (a layer's input projections become views of
+one concatenated weight, ``lily_mlx.core.projections``: the same values in the same memory footprint), so
 
 - MLX-LM's by-name imports do not matter (no module-level name is replaced),
 - ``model.shard()`` works before or after patching (the forwards read head and expert counts, and the

@@ -194,3 +194,18 @@ def test_a_row_has_the_same_bits_fused_alone_and_unfused_in_a_larger_batch():
         assert record is not None
         for alone, full in zip(projections.run(record, batch[row:row + 1]), together):
             assert _equal(alone, full[row:row + 1])
+
+
+def test_prepare_keeps_one_copy_of_the_weights():
+    """The modules hold views of the concatenation: after the pieces are freed, the same memory."""
+    import gc
+
+    layer = Layer(512, [1024, 512, 64, 64], seed=3)
+    mx.eval(layer.parameters())
+    gc.collect()
+    before = mx.get_active_memory()
+    projections.prepare(layer, layer.names)
+    gc.collect()
+    after = mx.get_active_memory()
+    weights = sum(v.nbytes for _, v in tree_flatten(layer.parameters()))
+    assert abs(after - before) < 0.05 * weights, (before, after, weights)

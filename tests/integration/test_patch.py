@@ -13,6 +13,7 @@ from mlx_lm.generate import generate_step
 
 import lily_mlx
 from lily_mlx import patch as lily_patch
+from lily_mlx.core import projections
 from lily_mlx.core import switches
 
 from .conftest import PROMPT
@@ -82,14 +83,14 @@ def test_each_switch_off_still_identical(model, stock_tokens, name):
 def test_patch_swaps_only_target_layers_and_unpatch_restores(model):
     m, tok = model
     before_classes = stock_classes(m)
-    before_params = {k: id(v) for k, v in tree_flatten(m.parameters())}
+    before_params = dict(tree_flatten(m.parameters()))
     stock_logits = logits(m, tok)
 
     lily_mlx.patch(m)
     lily_mlx.patch(m)  # idempotent
     swapped = {type(x).__name__ for x in m.modules() if type(x) not in before_classes}
     assert swapped <= {"LilyGatedDeltaNet", "LilyQwen3NextGatedDeltaNet", "LilyQwen3NextAttention",
-                       "LilyQwen3NextSparseMoeBlock"}
+                       "LilyQwen3NextSparseMoeBlock", "LilyDecoderLayer", "LilyQwen3NextDecoderLayer"}
     assert "LilyQwen3NextAttention" in swapped
     for mod in m.modules():  # a lily class is a subclass of the stock one: isinstance still holds
         if type(mod).__name__.startswith("Lily"):
@@ -98,7 +99,15 @@ def test_patch_swaps_only_target_layers_and_unpatch_restores(model):
     lily_mlx.unpatch(m)
     assert not lily_mlx.is_patched(m)
     assert stock_classes(m) == before_classes
-    assert {k: id(v) for k, v in tree_flatten(m.parameters())} == before_params  # same weights
+    # Same weights: the same arrays, except a layer's fused projections (lily_mlx.core.projections), which
+    # now hold views of one concatenation with the same values, shapes and dtypes.
+    after = dict(tree_flatten(m.parameters()))
+    assert after.keys() == before_params.keys()
+    fused_names = {name for group in projections.GROUPS.values() for name in group}
+    for k, v in after.items():
+        if v is not before_params[k]:
+            assert k.split(".")[-2] in fused_names, k
+            assert v.dtype == before_params[k].dtype and mx.array_equal(v, before_params[k]).item(), k
     assert mx.array_equal(logits(m, tok), stock_logits).item()
 
 
