@@ -294,14 +294,18 @@ def switches_main(argv: List[str]) -> int:
     print(f"lily-mlx switches (backend in force: {backend})")
     print(_table(["switch", "default", "state", "phase", "family", "backend", "kernel", "description"], rows))
     print()
+    trials_on = profile.kernel_ops if profile is not None else {}
     op_rows = [
         [op.name, op.family, ",".join(op.switches) or "-", op_backend(op.name, backend),
-         ",".join(sorted(op.kernel_backends)) or "none yet", pinned.get(op.name, "")]
+         ",".join(sorted(op.kernel_backends)) or "none yet", ",".join(sorted(op.trial_backends)) or "-",
+         pinned.get(op.name, "") or trials_on.get(op.name, "")]
         for op in ops.values()
     ]
     print("ops: backend each op would use here (kernel only where it has one for this backend and the "
-          "tune profile does not pin it to its reference; otherwise its reference in plain MLX ops)")
-    print(_table(["op", "family", "switches", "backend", "kernels for", "tune profile"], op_rows))
+          "tune profile does not pin it to its reference; a trial kernel only where the tune profile turned "
+          "it on; otherwise its reference in plain MLX ops)")
+    print(_table(["op", "family", "switches", "backend", "kernels for", "trial kernels for", "tune profile"],
+                 op_rows))
     print()
     print(tune_profile.describe(profile))
     if profile is not None:

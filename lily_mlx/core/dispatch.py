@@ -4,13 +4,16 @@ Every op family registers its ops here (:func:`register_op`): name, family, the 
 the backends it has kernels for. The plan maps each op to the backend it runs on: the active backend
 (``LILY_BACKEND``) where the op has a kernel for it and ``LILY_REFERENCE_OPS`` does not keep it on
 its reference and the tune profile of this machine (``core.tune_profile``) does not pin it there,
-else ``"reference"``. The environment and the profile are read when the plan is resolved (at
+else ``"reference"``. A *trial* kernel (``Op.trial_backends``: written for that backend, but not
+measured faster than its reference on the machines tried) runs only where this machine's tune profile
+measured it correct and faster (``python -m lily_mlx tune`` times trial kernels too). The environment and the profile are read when the plan is resolved (at
 ``patch()``, or on first use after :func:`invalidate`), never on the hot path: a forward's
 ``op_backend(name)`` is one dict lookup.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass, field
@@ -31,6 +34,8 @@ class Op:
     description: str
     switches: Tuple[str, ...] = ()
     kernel_backends: FrozenSet[str] = field(default_factory=frozenset)  # backends with a kernel
+    # Backends with a kernel that runs only where a tune profile turned it on (measured faster there).
+    trial_backends: FrozenSet[str] = field(default_factory=frozenset)
 
 
 OPS: Dict[str, Op] = {}
@@ -40,6 +45,7 @@ _backend: Optional[str] = None  # the backend in force, resolved with the plan
 _plan: Dict[str, str] = {}  # op name -> backend it runs on
 _profile: Optional[tune_profile.Profile] = None  # the tune profile the plan applies
 _profile_off: FrozenSet[str] = frozenset()  # switches that profile turned off
+_all_trials = False  # every trial kernel on (while ``python -m lily_mlx tune`` measures them)
 
 
 def register_op(op: Op) -> Op:
@@ -56,10 +62,18 @@ def reference_ops() -> FrozenSet[str]:
     return frozenset(t.strip() for t in text.split(",") if t.strip())
 
 
-def _choose(op: Op, backend: str, forced: FrozenSet[str], pinned=()) -> str:
+def _choose(op: Op, backend: str, forced: FrozenSet[str], pinned=(), trials=()) -> str:
     if op.name in forced or op.family in forced or op.name in pinned:
         return REFERENCE
-    return backend if backend in op.kernel_backends else REFERENCE
+    if backend in op.kernel_backends:
+        return backend
+    if backend in op.trial_backends and (_all_trials or op.name in trials):
+        return backend
+    return REFERENCE
+
+
+def _trials_for(profile: Optional[tune_profile.Profile]):
+    return profile.kernel_ops if profile is not None else {}
 
 
 def _env_names(var: str) -> set:
@@ -87,10 +101,11 @@ def resolve() -> str:
     forced = reference_ops()
     profile = tune_profile.load(backend)
     pinned = profile.reference_ops if profile is not None else {}
+    trials = _trials_for(profile)
     with _lock:
         _backend, _profile = backend, profile
         _plan.clear()
-        _plan.update({name: _choose(op, backend, forced, pinned) for name, op in OPS.items()})
+        _plan.update({name: _choose(op, backend, forced, pinned, trials) for name, op in OPS.items()})
     _apply_profile_switches(profile)
     return backend
 
@@ -105,6 +120,26 @@ def _pinned_for(backend: str):
     """Ops the tune profile for ``backend`` pins to their reference."""
     profile = _profile if backend == _backend else tune_profile.load(backend)
     return profile.reference_ops if profile is not None else {}
+
+
+def _trial_ops_for(backend: str):
+    """Trial kernels the tune profile for ``backend`` turned on."""
+    return _trials_for(_profile if backend == _backend else tune_profile.load(backend))
+
+
+@contextlib.contextmanager
+def all_trial_kernels():
+    """Every trial kernel on, the plan resolved again on entry and exit (``python -m lily_mlx tune``
+    checks and times them like the other kernels)."""
+    global _all_trials
+    saved = _all_trials
+    _all_trials = True
+    invalidate()
+    try:
+        yield
+    finally:
+        _all_trials = saved
+        invalidate()
 
 
 def invalidate() -> None:
@@ -124,10 +159,11 @@ def op_backend(name: str, backend: Optional[str] = None) -> str:
     """Backend op ``name`` runs on. Hot path: a lookup in the resolved plan. With an explicit
     ``backend`` (tools, tables): what the op would use there."""
     if backend is not None:
-        return _choose(OPS[name], backend, reference_ops(), _pinned_for(backend))
+        return _choose(OPS[name], backend, reference_ops(), _pinned_for(backend), _trial_ops_for(backend))
     chosen = _plan.get(name)
     if chosen is None or _backend is None:
         active = active_backend()
         with _lock:
-            chosen = _plan.setdefault(name, _choose(OPS[name], active, reference_ops(), _pinned_for(active)))
+            chosen = _plan.setdefault(name, _choose(OPS[name], active, reference_ops(), _pinned_for(active),
+                                                    _trial_ops_for(active)))
     return chosen

@@ -3,7 +3,8 @@
 A profile is a JSON file in the tune folder (``LILY_TUNE_DIR``, default ``~/.cache/lily_mlx/tune``)
 named after its key: the device, the backend, the MLX version and the lily-mlx version. It holds, per
 op, whether its kernel or its reference runs (a kernel that disagreed with its reference, or measured
-slower than it, is pinned to the reference) and, per switch, on or off. The dispatch plan reads the
+slower than it, is pinned to the reference; a trial kernel, ``"trial": true``, runs only where the
+profile chose it) and, per switch, on or off. The dispatch plan reads the
 matching profile when it is resolved (``patch()``), never per call. ``LILY_TUNE=off`` ignores
 profiles. Format and choices: docs/usage.md, "Tuning for your machine".
 """
@@ -34,6 +35,7 @@ class Profile:
     model: str  # what it was tuned on
     reference_ops: Dict[str, str] = field(default_factory=dict)  # op -> why it runs its reference
     switches_off: Dict[str, str] = field(default_factory=dict)  # switch -> why it is off
+    kernel_ops: Dict[str, str] = field(default_factory=dict)  # trial kernel -> why it runs (measured faster)
 
 
 def tune_enabled() -> bool:
@@ -84,7 +86,9 @@ def _choices(data: dict, path: Path) -> Profile:
            for name, entry in data.get("ops", {}).items() if entry.get("choice") == "reference"}
     off = {name: entry.get("reason", "tune profile")
            for name, entry in data.get("switches", {}).items() if entry.get("choice") == "off"}
-    return Profile(path, str(data.get("model", "?")), ops, off)
+    trials = {name: entry.get("reason", "tune profile")
+              for name, entry in data.get("ops", {}).items() if entry.get("trial") and entry.get("choice") == "kernel"}
+    return Profile(path, str(data.get("model", "?")), ops, off, trials)
 
 
 # (path, mtime) -> Profile or None: read a file once, even when the plan is resolved many times.
@@ -129,5 +133,6 @@ def describe(profile: Optional[Profile]) -> str:
         return f"tune profile: off ({TUNE_ENV}={os.environ.get(TUNE_ENV)})"
     if profile is None:
         return "tune profile: none"
+    trials = f", trial kernel(s) on: {', '.join(sorted(profile.kernel_ops))}" if profile.kernel_ops else ""
     return (f"tune profile: {profile.path} (tuned on {profile.model}; {len(profile.reference_ops)} op(s) on "
-            f"reference, {len(profile.switches_off)} switch(es) off)")
+            f"reference, {len(profile.switches_off)} switch(es) off{trials})")

@@ -156,7 +156,29 @@ def _classes_for(phase: str, classes: Sequence[ShapeClass]) -> List[ShapeClass]:
 def kernel_ops(bench: Bench, backend: str):
     from ..ops import OPS
 
-    return [op for op in OPS.values() if backend in op.kernel_backends and op.family in bench.cases]
+    return [op for op in OPS.values()
+            if (backend in op.kernel_backends or backend in op.trial_backends) and op.family in bench.cases]
+
+
+def decide_trials(ops, backend: str, op_rows: List[dict], pinned: Dict[str, str]) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """Trial kernels (``Op.trial_backends``) run only where measured faster than their reference beyond
+    noise (time ratio below 1 / SLOWER). Returns (op -> why it stays on its reference, op -> why it runs)."""
+    ratios: Dict[str, List[float]] = {}
+    for row in op_rows:
+        ratios.setdefault(row["op"], []).append(row["ratio"])
+    off, on = {}, {}
+    for op in ops:
+        if backend in op.kernel_backends or op.name in pinned:
+            continue
+        if op.name not in ratios:
+            off[op.name] = "trial kernel: it does not run alone at these shapes, so it stays off"
+            continue
+        g = _geomean(ratios[op.name])
+        if g < 1 / SLOWER:
+            on[op.name] = f"trial kernel faster than its reference here (time x{g:.2f})"
+        else:
+            off[op.name] = f"trial kernel not faster than its reference here (time x{g:.2f})"
+    return off, on
 
 
 def check_kernels(bench: Bench, ops) -> Tuple[List[dict], Dict[str, str], Dict[str, str]]:
@@ -175,15 +197,22 @@ def check_kernels(bench: Bench, ops) -> Tuple[List[dict], Dict[str, str], Dict[s
     rows, pinned, bad_off = [], {}, {}
 
     def check(n, label, family, shape, reference, off):
+        failure = None
         with variant(reference=reference, disable=off), record_launches() as rec:
-            got = bench.check_outputs(bench.cases[family], shape)
-        err = max(_error(g, w) for g, w in zip(got, want[family, shape.name]))
-        ran = bool(rec)
+            try:
+                got = bench.check_outputs(bench.cases[family], shape)
+            except Exception as e:  # a kernel that fails to build or run here counts as wrong, not fatal
+                failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        err = math.inf if failure else max(_error(g, w) for g, w in zip(got, want[family, shape.name]))
+        ran = bool(rec) or failure is not None
         ok = err <= TOLERANCE
-        verdict = (f"{'ok' if ok else 'DIFFERS'} (error {err:.2g})" if ran
+        verdict = (f"FAILED ({failure})" if failure else f"{'ok' if ok else 'DIFFERS'} (error {err:.2g})" if ran
                    else "its kernel does not run alone here (part of another op's kernel)")
         _say(f"check {n}/{total} {label} @ {shape.name}: {verdict}")
-        return {"what": label, "class": shape.name, "ran": ran, "error": err, "ok": ok or not ran}
+        row = {"what": label, "class": shape.name, "ran": ran, "error": err, "ok": ok or not ran}
+        if failure:
+            row["failure"] = failure
+        return row
 
     n = 0
     for op, off, shape in plans:
@@ -192,7 +221,8 @@ def check_kernels(bench: Bench, ops) -> Tuple[List[dict], Dict[str, str], Dict[s
         row = check(n, label, op.family, shape, [o.name for o in ops if o is not op], off)
         rows.append(row)
         if not row["ok"]:
-            why = f"kernel differs from its reference at {shape.name} (error {row['error']:.2g})"
+            why = (f"kernel failed at {shape.name} ({row['failure']})" if "failure" in row else
+                   f"kernel differs from its reference at {shape.name} (error {row['error']:.2g})")
             if off:
                 bad_off.setdefault(off[0], f"off variant of {op.name}: {why}")
             else:
@@ -301,17 +331,22 @@ def tune(model, model_name: str, classes: Sequence[ShapeClass], rounds: int, rep
     backend = resolve_backend()
     for name in switches.SWITCHES:  # measured from the shipped defaults, whatever the environment says
         switches.set_enabled(name, switches.SWITCHES[name].default)
-    bench = Bench(model, classes)
-    ops = kernel_ops(bench, backend)
-    _say(f"backend {backend}, device {tune_profile.device_name()}; {len(ops)} ops with kernels: "
-         f"{', '.join(op.name for op in ops)}; shape classes: {', '.join(c.name for c in classes)}")
-    check_rows, wrong, bad_off = check_kernels(bench, ops)
-    pinned = dict(wrong)
-    pinned.update(follow(pinned))
-    op_rows, slower = time_ops(bench, ops, pinned, rounds, reps)
-    pinned.update(slower)
-    pinned.update(follow(pinned))
-    switch_rows, off, untimed = time_switches(bench, ops, pinned, bad_off, rounds, reps)
+    with dispatch.all_trial_kernels():  # trial kernels are checked and timed like the others
+        bench = Bench(model, classes)
+        ops = kernel_ops(bench, backend)
+        trial = {op.name for op in ops if backend not in op.kernel_backends}
+        _say(f"backend {backend}, device {tune_profile.device_name()}; {len(ops)} ops with kernels: "
+             f"{', '.join(op.name + (' (trial)' if op.name in trial else '') for op in ops)}; shape classes: "
+             f"{', '.join(c.name for c in classes)}")
+        check_rows, wrong, bad_off = check_kernels(bench, ops)
+        pinned = dict(wrong)
+        pinned.update(follow(pinned))
+        op_rows, slower = time_ops(bench, ops, pinned, rounds, reps)
+        pinned.update(slower)
+        trials_off, trials_on = decide_trials(ops, backend, op_rows, pinned)
+        pinned.update(trials_off)
+        pinned.update(follow(pinned))
+        switch_rows, off, untimed = time_switches(bench, ops, pinned, bad_off, rounds, reps)
     timed = {row["op"] for row in op_rows}
     return {
         "format": tune_profile.FORMAT,
@@ -324,7 +359,9 @@ def tune(model, model_name: str, classes: Sequence[ShapeClass], rounds: int, rep
         "tolerance": TOLERANCE,
         "slower_ratio": SLOWER,
         "ops": {op.name: {"choice": "reference" if op.name in pinned else "kernel",
+                          **({"trial": True} if op.name in trial else {}),
                           **({"reason": pinned[op.name]} if op.name in pinned else
+                             {"reason": trials_on[op.name]} if op.name in trials_on else
                              {} if op.name in timed else {"note": NEVER_ALONE})} for op in ops},
         "switches": {name: {"choice": "off" if name in off else "on",
                             **({"reason": off[name]} if name in off else

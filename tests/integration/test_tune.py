@@ -50,12 +50,14 @@ def sim_model(loaded_model):
     lily_mlx.unpatch(model)
 
 
-def write_profile(folder: Path, ops=(), switches_off=(), **key_changes) -> Path:
-    """A profile as tune writes it, by hand: ``ops`` run their reference, ``switches_off`` are off."""
+def write_profile(folder: Path, ops=(), switches_off=(), trials_on=(), **key_changes) -> Path:
+    """A profile as tune writes it, by hand: ``ops`` run their reference, ``switches_off`` are off,
+    ``trials_on`` are trial kernels it turned on."""
     key = {**tune_profile.device_key("sim"), **key_changes}
     profile = {
         "format": tune_profile.FORMAT, "key": key, "model": "hand-written",
-        "ops": {name: {"choice": "reference", "reason": "hand-written"} for name in ops},
+        "ops": {**{name: {"choice": "reference", "reason": "hand-written"} for name in ops},
+                **{name: {"choice": "kernel", "trial": True, "reason": "hand-written"} for name in trials_on}},
         "switches": {name: {"choice": "off", "reason": "hand-written"} for name in switches_off},
     }
     path = folder / tune_profile.profile_filename(key)
@@ -198,3 +200,65 @@ def test_lily_tune_values(monkeypatch, value, ok):
     assert (problems == []) == ok, problems
     if not ok:
         assert problems == [f"LILY_TUNE={value!r} is not one of on, off (off: ignore tune profiles)"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Trial kernels (Op.trial_backends): on only where a tune profile measured them faster
+
+
+@pytest.fixture
+def qk_prep_as_trial(monkeypatch):
+    """The q/k preparation kernel as a trial kernel of the simulator (as it is of Metal and CUDA)."""
+    import dataclasses
+
+    from lily_mlx.core import dispatch
+
+    op = dispatch.OPS["attention_qk_prep"]
+    monkeypatch.setitem(dispatch.OPS, "attention_qk_prep",
+                        dataclasses.replace(op, kernel_backends=frozenset(), trial_backends=frozenset({"sim"})))
+    dispatch.invalidate()
+    yield "attention_qk_prep"
+    dispatch.invalidate()
+
+
+def test_a_trial_kernel_runs_only_where_the_profile_turned_it_on(tune_dir, sim_model, qk_prep_as_trial, monkeypatch):
+    model, tokenizer = sim_model
+    report = lily_mlx.patch(model)._lily_report  # no profile: the trial kernel stays off
+    assert report.op_backends["attention_qk_prep"] == "reference"
+    assert "trial kernel" in report.reference_reasons["attention_qk_prep"]
+    with record_launches() as launches:
+        _logits(model, tokenizer)
+    assert "attention_qk_prep" not in launches.names()
+
+    path = write_profile(tune_dir, trials_on=["attention_qk_prep"])
+    report = lily_mlx.patch(model)._lily_report
+    assert report.op_backends["attention_qk_prep"] == "sim"
+    assert "trial kernel(s) on: attention_qk_prep" in report.tune_profile and str(path) in report.tune_profile
+    with record_launches() as launches:
+        _logits(model, tokenizer)
+    assert "attention_qk_prep" in launches.names()
+
+    monkeypatch.setenv("LILY_REFERENCE_OPS", "attention_qk_prep")  # the user's word still wins
+    assert lily_mlx.patch(model)._lily_report.op_backends["attention_qk_prep"] == "reference"
+    monkeypatch.delenv("LILY_REFERENCE_OPS")
+    monkeypatch.setenv("LILY_TUNE", "off")
+    assert lily_mlx.patch(model)._lily_report.op_backends["attention_qk_prep"] == "reference"
+
+
+def test_tune_checks_and_times_a_trial_kernel_and_records_its_choice(tune_dir, sim_model, qk_prep_as_trial):
+    """tune() with the q/k preparation kernel as a trial kernel: it is checked and timed like the others
+    and the profile says trial, with a choice and its reason; patch() then applies that choice."""
+    from lily_mlx.tuning import layers, tune
+
+    model, _ = sim_model
+    profile = tune.tune(model, "embedded", (layers.decode(32),), rounds=1, reps=1)
+    entry = profile["ops"]["attention_qk_prep"]
+    assert entry["trial"] is True and entry["choice"] in ("kernel", "reference")
+    assert entry["reason"].startswith("trial kernel") or entry["choice"] == "reference", entry
+    assert any(c["what"] == "attention_qk_prep" and c["ran"] for c in profile["checks"])
+    assert any(r["op"] == "attention_qk_prep" for r in profile["op_timings"])
+    assert all("trial" not in e for name, e in profile["ops"].items() if name != "attention_qk_prep")
+    tune.write(profile, tune_dir)
+    lily_mlx.unpatch(model)
+    report = lily_mlx.patch(model)._lily_report
+    assert report.op_backends["attention_qk_prep"] == ("sim" if entry["choice"] == "kernel" else "reference")

@@ -248,6 +248,8 @@ def test_ops_registered_with_their_switches():
                     "attention_qkv_proj": frozenset({"metal", "sim", "cuda"})}
     for op in ops.values():
         assert op.kernel_backends == with_kernels.get(op.name, frozenset())
+        # Every other GPU backend has the kernel as a trial kernel (on where a tune profile measured it faster).
+        assert op.trial_backends == frozenset({"metal", "cuda"}) - op.kernel_backends
         for backend in ("metal", "cuda", "sim", "reference"):
-            expected = backend if backend in op.kernel_backends else "reference"
+            expected = backend if backend in op.kernel_backends else "reference"  # no profile: trials off
             assert op_backend(op.name, backend) == expected

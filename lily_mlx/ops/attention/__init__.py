@@ -28,30 +28,38 @@ from __future__ import annotations
 
 from ...core.dispatch import Op, register_op
 from . import kernels
+
+# Attention kernels not on by default for a GPU backend are trial kernels there: each runs on a machine
+# whose tune profile measured it correct and faster than stock's attention (docs/usage.md, "Tuning").
+GPU_BACKENDS = frozenset({"metal", "cuda"})
 from .layer import attention_forward  # noqa: F401
 
 QK_PREP = register_op(Op(
     "attention_qk_prep", "attention",
     "q/k RMSNorm, partial RoPE and output-gate split of a full-attention layer",
     switches=("fused_qk_prep",),
-    kernel_backends=kernels.QK_PREP_BACKENDS,  # simulator only until timed on a GPU (kernels.py)
+    kernel_backends=kernels.QK_PREP_BACKENDS,  # simulator only (kernels.py)
+    trial_backends=GPU_BACKENDS - kernels.QK_PREP_BACKENDS,  # where `python -m lily_mlx tune` measures it faster
 ))
 PREFILL = register_op(Op(
     "attention_prefill", "attention",
     "attention of a T > 1 chunk over KV cache + chunk (head dim 256, GQA)",
     kernel_backends=kernels.PREFILL_BACKENDS,  # simulator only until timed on a GPU (kernels.py)
+    trial_backends=GPU_BACKENDS - kernels.PREFILL_BACKENDS,
 ))
 DECODE = register_op(Op(
     "attention_decode", "attention",
     "one query row per sequence over the KV cache (GQA)",
     switches=("coalesced_kv", "gqa_packing"),
     kernel_backends=kernels.DECODE_BACKENDS,  # not CUDA: slower than stock's SDPA there (kernels.py)
+    trial_backends=GPU_BACKENDS - kernels.DECODE_BACKENDS,
 ))
 LONG_CONTEXT = register_op(Op(
     "attention_decode_long", "attention",
     "decode attention at long context: fixed KV blocks in parallel, then merged",
     switches=("fixed_block_attention", "coalesced_kv", "gqa_packing"),
     kernel_backends=kernels.LONG_BACKENDS,
+    trial_backends=GPU_BACKENDS - kernels.LONG_BACKENDS,
 ))
 QKV_PROJ = register_op(Op(
     "attention_qkv_proj", "attention",
