@@ -262,3 +262,22 @@ def test_tune_checks_and_times_a_trial_kernel_and_records_its_choice(tune_dir, s
     lily_mlx.unpatch(model)
     report = lily_mlx.patch(model)._lily_report
     assert report.op_backends["attention_qk_prep"] == ("sim" if entry["choice"] == "kernel" else "reference")
+
+
+def test_a_kernel_that_fails_to_run_is_pinned_not_fatal(tune_dir, sim_model, monkeypatch):
+    """A kernel that raises in tune's check (e.g. it does not compile on this GPU) is pinned to its
+    reference with the error as the reason, and the check goes on."""
+    from lily_mlx.ops.deltanet import kernels as dk
+    from lily_mlx.tuning import tune
+
+    def broken_scan(*args, **kwargs):
+        raise RuntimeError("unable to build the kernel\nsecond line")
+
+    monkeypatch.setattr(dk, "scan", broken_scan)
+    monkeypatch.setenv("LILY_TUNE", "off")
+    model, _ = sim_model
+    lily_mlx.patch(model)
+    bench = tune.Bench(model, tune.QUICK_CLASSES)
+    rows, pinned, _ = tune.check_kernels(bench, tune.kernel_ops(bench, "sim"))
+    assert pinned["deltanet_scan"] == "kernel failed at decode@32 (RuntimeError: unable to build the kernel)"
+    assert any(r.get("failure") for r in rows) and any(r["ok"] and r["ran"] for r in rows)
