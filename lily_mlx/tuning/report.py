@@ -23,7 +23,8 @@ def markdown(profile: dict) -> str:
            "over the shape classes where it runs)", ""]
 
     out += ["## Choices (applied by `patch()` / `--lily` on this device; `LILY_TUNE=off` ignores them)", ""]
-    rows = [[f"`{n}`", e["choice"], e.get("reason") or e.get("note", "")] for n, e in profile["ops"].items()]
+    rows = [[f"`{n}`" + (" (trial kernel)" if e.get("trial") else ""), e["choice"], e.get("reason") or e.get("note", "")]
+            for n, e in profile["ops"].items()]
     out += _table(["op", "runs", "why"], rows) + [""]
     rows = [[f"`{n}`", e["choice"], e.get("reason") or e.get("note", "")] for n, e in profile["switches"].items()]
     out += _table(["switch", "state", "why / note"], rows) + [""]
