@@ -5,11 +5,15 @@ the GPU or on the host?
         python -m bench.step_gpu_time --engine lily --context 4096 --steps 2
     python -m bench.step_gpu_time --summarise step.csv [--steps 2]
 
+    python -m bench.step_gpu_time --compare lily,lily-off:split_router [--out DIR]
+
 The first command prefills ``--context`` tokens of the full-size random model, decodes a few warm-up
 steps, and decodes ``--steps`` more between cudaProfilerStart / cudaProfilerStop, so Nsight Compute
 measures those steps' kernels only (each replayed alone: their GPU durations, not the pipelined step).
-The second prints the sum per step and a table by kernel name. Compare the sum with the step's
-pipelined time from ``--mode decode-profile``: a sum well below it means the GPU waits on the host.
+The second prints the sum per step and a table by kernel name. The third runs the first for each engine
+in turn (``ncu`` on the PATH) and prints one table of GPU ms per step and kernels per step by engine,
+then each engine's table. Compare the sum with the step's pipelined time from ``--mode decode-profile``:
+a sum well below it means the GPU waits on the host.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import csv
 import ctypes
 import glob
 import os
+import subprocess
 import sys
+import tempfile
 
 
 def _profiler():
@@ -75,8 +81,9 @@ def profile(engine: str, context: int, steps: int, warmup: int) -> None:
     print(f"[step-gpu-time] profiled {steps} steps (profiler API from {lib}, start rc {rc})", flush=True)
 
 
-def summarise(path: str, steps: int) -> str:
-    """Markdown: the profiled kernels' GPU time per step, by kernel name."""
+def kernel_times(path: str):
+    """(us by kernel name, launches by kernel name) summed over an ``ncu --csv`` log's
+    ``gpu__time_duration.sum`` rows (other lines of the log are skipped)."""
     with open(path) as f:
         lines = [line for line in f if line.startswith('"')]
     total = collections.Counter()
@@ -90,6 +97,12 @@ def summarise(path: str, steps: int) -> str:
         name = row["Kernel Name"].split("(")[0].split("<")[0].strip()
         total[name] += us
         count[name] += 1
+    return total, count
+
+
+def summarise(path: str, steps: int) -> str:
+    """Markdown: the profiled kernels' GPU time per step, by kernel name."""
+    total, count = kernel_times(path)
     all_us = sum(total.values())
     out = [f"GPU time per decode step: {all_us / steps / 1e3:.3f} ms over {sum(count.values()) // steps} kernels "
            f"(each kernel replayed alone by Nsight Compute)", "",
@@ -99,6 +112,30 @@ def summarise(path: str, steps: int) -> str:
     return "\n".join(out)
 
 
+def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu") -> str:
+    """Profile each engine in its own process under Nsight Compute; Markdown: a comparison table, then
+    each engine's kernel table."""
+    os.makedirs(out_dir, exist_ok=True)
+    rows, tables = [], []
+    for engine in engines:
+        log = os.path.join(out_dir, f"ncu_{engine.replace(':', '_').replace('+', '_')}.csv")
+        cmd = [ncu, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum", "--csv", "--log-file",
+               log, sys.executable, "-m", "bench.step_gpu_time", "--engine", engine, "--context", str(context),
+               "--steps", str(steps)]
+        print(f"[step-gpu-time] {engine}: {' '.join(cmd[:8])} ...", flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not os.path.exists(log):
+            rows.append(f"| {engine} | failed (exit {proc.returncode}) | - |")
+            print(proc.stdout[-2000:] + proc.stderr[-2000:], flush=True)
+            continue
+        total, count = kernel_times(log)
+        rows.append(f"| {engine} | {sum(total.values()) / steps / 1e3:.3f} | {sum(count.values()) / steps:g} |")
+        tables.append(f"### {engine}\n\n" + summarise(log, steps))
+    head = [f"GPU time per decode step at context {context} (Nsight Compute, kernels replayed alone, {steps} steps)",
+            "", "| engine | GPU ms per step | kernels per step |", "|---|---|---|"]
+    return "\n".join(head + rows) + "\n\n" + "\n\n".join(tables)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="lily", help="stock, stock-kernels, lily or lily-off:<switch>")
@@ -106,9 +143,19 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="profiled decode steps")
     ap.add_argument("--warmup", type=int, default=4, help="decode steps before profiling")
     ap.add_argument("--summarise", metavar="CSV", help="print the table from an ncu --csv log instead")
+    ap.add_argument("--compare", metavar="ENGINES", help="comma-separated engines, each profiled under ncu in its "
+                    "own process (ncu on the PATH); prints the comparison")
+    ap.add_argument("--out", default=None, help="--compare: folder for the ncu logs and step_gpu_time.md")
     args = ap.parse_args(argv)
     if args.summarise:
         print(summarise(args.summarise, args.steps))
+        return 0
+    if args.compare:
+        out_dir = args.out or tempfile.mkdtemp(prefix="step_gpu_time_")
+        text = compare([e.strip() for e in args.compare.split(",") if e.strip()], args.context, args.steps, out_dir)
+        with open(os.path.join(out_dir, "step_gpu_time.md"), "w") as f:
+            f.write(text + "\n")
+        print(text)
         return 0
     profile(args.engine, args.context, args.steps, args.warmup)
     return 0
