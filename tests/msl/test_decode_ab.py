@@ -1,0 +1,24 @@
+"""``bench.decode_ab`` on the tiny random model (simulator): every engine decodes every turn, the first
+engine's ratios are 1, the model ends unpatched, and the table names each engine."""
+
+import lily_mlx
+from bench import decode_ab
+from bench.model_setup import load_model
+
+
+def test_decode_ab_alternates_engines_and_reports_paired_ratios(monkeypatch):
+    monkeypatch.setenv("LILY_BACKEND", "sim")
+    monkeypatch.setenv("LILY_TUNE", "off")
+    model, _ = load_model(None, "tiny", log=None)
+    lines = []
+    result = decode_ab.run(model, ["lily", "lily-off:split_router", "stock"], context=24, bursts=3, burst_steps=2,
+                           vocab=model.args.text_config["vocab_size"], log=lines.append)
+    assert len(lines) == 3 and all(line.startswith("[decode-ab] turn") for line in lines)
+    engines = result["engines"]
+    assert list(engines) == ["lily", "lily-off:split_router", "stock"]
+    assert engines["lily"]["ratio"] == 1.0 and engines["lily"]["ratio_range"] == [1.0, 1.0]
+    for r in engines.values():
+        assert len(r["tok_s_bursts"]) == 3 and min(r["tok_s_bursts"]) > 0
+    assert not lily_mlx.is_patched(model)
+    table = decode_ab.table_markdown(result)
+    assert "| lily-off:split_router |" in table and "median ratio to lily" in table
