@@ -613,6 +613,13 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
   const int dv = sg * ROWS + lane / LANES;
   const bool live = !has_mask || mask[b_idx];  // uniform over the threadgroup
 
+  // This lane's state elements, loaded first: the loads are in flight while the conv rows are computed.
+  const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
+  float state[DELTANET_EPL];
+  for (int i = 0; i < DELTANET_EPL; ++i) {
+    state[i] = has_state ? state_in[row + col0 + i * LANES] : 0.0f;
+  }
+
   // The conv rows (uniform per simdgroup: each simd_sum inside is reached by all 32 lanes).
   for (int j = sg; j < 3; j += SIMDGROUPS) {
     const int r = j == 0 ? hk : (j == 1 ? Hk + hk : 2 * Hk + hv);
@@ -628,12 +635,6 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-
-  const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
-  float state[DELTANET_EPL];
-  for (int i = 0; i < DELTANET_EPL; ++i) {
-    state[i] = has_state ? state_in[row + col0 + i * LANES] : 0.0f;
-  }
 
   float y_dv = 0.0f;  // the read-out stays fp32 into the norm
   if (live) {

@@ -348,6 +348,18 @@ def test_decode_conv_fused_kernel_is_bitwise_the_two_kernels(B, Hk, rep, D, conv
 
 
 @needs_sim
+@pytest.mark.skipif(KERNEL_BACKEND != "sim", reason="the race check is the simulator's")
+def test_decode_conv_fused_kernel_race_check(monkeypatch):
+    """The simulator's race check on the conv rows and the read-outs shared through threadgroup memory
+    (the state loads come before the conv rows' barrier)."""
+    monkeypatch.setenv("LILY_MSL_RACE", "1")
+    rng = np.random.default_rng(3)
+    x, _ = _conv_step_problem(rng, 2, 2, 4, 64, 4, mx.bfloat16, True, True, True, False)
+    for g, w in zip(_one_kernel(x, 2, 4, 64, NAN), _two_kernels(x, 2, 4, 64, NAN)):
+        assert _bitwise(g, w)
+
+
+@needs_sim
 def test_decode_conv_fused_kernel_refuses_what_it_does_not_compute():
     """Dv != Dk, several tokens, a bf16 recurrent state: the launcher refuses (the layer runs the two
     kernels there); decode_conv_unsupported_reason names each case."""
