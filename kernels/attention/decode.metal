@@ -329,9 +329,11 @@ inline void attention_decode_rows(
 #define ATTENTION_MERGE_HEADS(GT, SG, D) ((GT) * (SG) * (D) <= 4096 ? (GT) : (4096 / ((SG) * (D)) > 0 ? 4096 / ((SG) * (D)) : 1))
 
 // @kernel attention_decode
-// q: [B, Hq, 1, D] InT; k, v: [B, Hkv, S_cap, D] InT (rows < S read); scale: [1] fp32.
-// out: [B, Hq, 1, D] InT. Grid (32, SG, B * Hkv * G / GT), threadgroup (32, SG, 1).
-// params: named in the launcher's KernelSpec (a generated prologue declares them).
+// q: [B, Hq, 1, D] InT; k, v: [B, Hkv, S_cap, D] InT (rows < S read); scale: [1] fp32; row_start:
+// [B] int32 (if has_row_start: row b's keys are rows row_start[b] .. S - 1, its left padding skipped,
+// as mlx_lm's BatchKVCache; the simdgroups' row steps count from there, so a row's bits are those of
+// the same sequence alone). out: [B, Hq, 1, D] InT. Grid (32, SG, B * Hkv * G / GT), threadgroup
+// (32, SG, 1). params: named in the launcher's KernelSpec (a generated prologue declares them).
 {
   constexpr int HP = ATTENTION_MERGE_HEADS(GT, SG, D);
   threadgroup float sg_max[GT * SG];
@@ -340,9 +342,10 @@ inline void attention_decode_rows(
   const int blocks = G / GT;  // threadgroups per KV head
   const int n = static_cast<int>(thread_position_in_grid.z);
   const int bh = n / blocks;  // b * Hkv + hkv
+  const int begin = has_row_start != 0 ? static_cast<int>(row_start[bh / Hkv]) : 0;
   attention_decode_rows<InT, D, GT, SG, R, COALESCED, 0, HP>(
       q, k, v, scale[0], out, nullptr, nullptr, nullptr, Hkv * G, S_cap, bh, bh / Hkv,
-      (bh % Hkv) * G + (n % blocks) * GT, 0, S, 0, 1, sg_max, sg_sum, sg_acc,
+      (bh % Hkv) * G + (n % blocks) * GT, begin, S, 0, 1, sg_max, sg_sum, sg_acc,
       static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
 }
 

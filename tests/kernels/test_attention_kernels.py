@@ -133,6 +133,49 @@ def test_dispatch_uses_kernel_for_plain_kv_cache(monkeypatch, packed, coalesced)
     _check(out, _oracle(q, keys, values, 20, 0.125), TOL["bfloat16"])
 
 
+@needs_sim
+@pytest.mark.parametrize("packed, coalesced", SWITCH_STATES)
+def test_left_padded_batch_rows_have_their_own_bits(packed, coalesced):
+    """A BatchKVCache's rows (left padding 0, 5 and 23 rows of garbage): with ``row_start`` each row's
+    output is bit for bit the same sequence's alone in a plain buffer (the row steps count from the
+    row's first live key), and matches the fp32 oracle over its live keys; outputs poisoned."""
+    rng = np.random.default_rng(21)
+    B, Hkv, G, D, S = 3, 2, 4, 64, 60
+    pads = [0, 5, 23]
+    q, k, v = _problem(rng, B, Hkv, G, D, S, mx.bfloat16, spare=3)
+    kw = dict(scale=0.125, gqa_packed=packed, coalesced=coalesced, backend=KERNEL_BACKEND, init_value=NAN)
+    batch = ak.decode_attention(q, k, v, kv_length=S, row_start=mx.array(pads), **kw)
+    for b, pad in enumerate(pads):
+        live_k, live_v = k[b:b + 1, :, pad:S], v[b:b + 1, :, pad:S]
+        alone = ak.decode_attention(q[b:b + 1], live_k, live_v, kv_length=S - pad, **kw)
+        assert bool(mx.array_equal(batch[b:b + 1], alone).item()), b
+        _check(batch[b:b + 1], _oracle(q[b:b + 1], live_k, live_v, S - pad, 0.125), TOL["bfloat16"])
+
+
+@needs_sim
+def test_dispatch_uses_kernel_for_a_batch_kv_cache_with_its_own_mask(monkeypatch):
+    """mlx_lm's BatchKVCache with the mask it makes for a decode step: the one-pass kernel runs from
+    each row's left padding on and matches stock's masked attention; any other mask falls back."""
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import BatchKVCache
+
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    rng = np.random.default_rng(22)
+    q, k, v = _problem(rng, 2, 2, 4, 64, 20, mx.bfloat16)
+    cache = _filled_cache(BatchKVCache, k[:, :, :19], v[:, :, :19], left_padding=[7, 0])
+    mask = create_attention_mask(mx.zeros((2, 1, 8)), cache)  # before the step, as the model makes it
+    keys, values = cache.update_and_fetch(k[:, :, 19:], v[:, :, 19:])
+    with record_launches() as rec:
+        out = att.attention(q, keys, values, scale=0.125, mask=mask, cache=cache)
+    assert rec.names() == ["attention_decode"]
+    want = attref.attention_reference(*(x.astype(mx.float32) for x in (q, keys, values)), scale=0.125,
+                                      mask=mask).astype(q.dtype)
+    _check(out, want, TOL["bfloat16"])
+    additive = mx.where(mask, 0.0, -mx.inf).astype(mx.bfloat16)
+    assert "another mask" in ak.supports(q, keys, values, additive, cache, batch=True)
+    assert ak.supports(q, keys, values, mask, cache) == "a mask"  # the fixed-block kernels: no batches
+
+
 def _fallback_cases(rng):
     q, k, v = _problem(rng, 1, 2, 4, 64, 9, mx.float32)
     plain = _filled_cache(KVCache, k, v)
@@ -238,8 +281,8 @@ def test_every_switch_state_compiles_for_cuda():
     for packed, coalesced in SWITCH_STATES:
         template = [("InT", mx.bfloat16), ("D", 256), ("GT", 8 if packed else 1), ("SG", ak.DECODE_SIMDGROUPS),
                     ("R", ak.DECODE_ROWS_PER_STEP), ("COALESCED", int(coalesced))]
-        _, unit = wrap_like_mlx(kernel, [q, k, k, mx.zeros((1,)), mx.zeros((4,), mx.int32)], [mx.bfloat16],
-                                template=template)
+        _, unit = wrap_like_mlx(kernel, [q, k, k, mx.zeros((1,)), mx.zeros((1,), mx.int32), mx.zeros((5,), mx.int32)],
+                                [mx.bfloat16], template=template)
         ok, log = compile_cuda(unit)
         assert ok, log
 

@@ -18,6 +18,9 @@ import mlx.nn as nn
 
 from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel
 
+# Placeholder for the decode kernel's row_start input when every row starts at 0 (never read).
+_NO_ROW_START = mx.zeros((1,), dtype=mx.int32)
+
 # Dispatch table: one row per kernel of kernels/attention/decode.metal and prefill.metal.
 _FILE = "attention/decode.metal"
 _PREFILL_FILE = "attention/prefill.metal"
@@ -25,8 +28,8 @@ _QK_PREP_FILE = "attention/qk_prep.metal"
 KERNELS = {
     spec.name: spec
     for spec in (
-        KernelSpec("attention_decode", _FILE, ("q", "k", "v", "scale", "params"), ("out",),
-                   params=("Hkv", "G", "S", "S_cap")),
+        KernelSpec("attention_decode", _FILE, ("q", "k", "v", "scale", "row_start", "params"), ("out",),
+                   params=("Hkv", "G", "S", "S_cap", "has_row_start")),
         KernelSpec("attention_decode_block_partials", _FILE, ("q", "k", "v", "scale", "params"),
                    ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S", "S_cap", "NB", "BR")),
         KernelSpec("attention_decode_merge_blocks", _FILE, ("part_max", "part_sum", "part_acc", "params"), ("out",),
@@ -97,17 +100,24 @@ def fixed_block_rows(S: int, target_blocks: int = None, min_rows: int = None, ma
 
 
 def supports(queries: mx.array, keys: Any, values: Any, mask: Any = None,
-             cache: Any = None) -> Optional[str]:
+             cache: Any = None, batch: bool = False) -> Optional[str]:
     """None when the decode kernel can run these inputs; else why it cannot.
 
-    queries: [B, Hq, L, D]; keys, values: [B, Hkv, S, D] from a plain mlx_lm ``KVCache``."""
-    from mlx_lm.models.cache import KVCache
+    queries: [B, Hq, L, D]; keys, values: [B, Hkv, S, D] from a plain mlx_lm ``KVCache`` without a mask,
+    or (``batch``: the one-pass kernel) from a ``BatchKVCache`` with the bool mask [B, 1, 1, S] it makes for
+    one query row (keys from each row's left padding on; the kernel reads the padding from the cache)."""
+    from mlx_lm.models.cache import BatchKVCache, KVCache
 
     if isinstance(keys, (tuple, list)):  # QuantizedKVCache: (packed, scales, biases)
         return "quantized KV cache"
-    if mask is not None:
+    batched = batch and type(cache) is BatchKVCache
+    if batched:
+        S = keys.shape[2] if keys.ndim == 4 else -1
+        if not (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.shape == (queries.shape[0], 1, 1, S)):
+            return "a BatchKVCache with another mask than its own one-row mask"
+    elif mask is not None:
         return "a mask"
-    if type(cache) is not KVCache:  # rotating, quantized, batch caches or none at all
+    elif type(cache) is not KVCache:  # rotating, quantized, batch caches or none at all
         return f"cache {type(cache).__name__} is not a plain KVCache"
     B, Hq, L, D = queries.shape
     if L != 1:
@@ -125,7 +135,8 @@ def supports(queries: mx.array, keys: Any, values: Any, mask: Any = None,
         return f"dtypes q={queries.dtype}, k={keys.dtype}, v={values.dtype} not supported"
     if keys.shape[2] == 0:
         return "an empty KV cache"
-    if cache.keys is None or cache.offset != keys.shape[2]:
+    live = cache._idx if batched else cache.offset
+    if cache.keys is None or live != keys.shape[2]:
         return "keys are not the cache's live rows"
     return None
 
@@ -175,13 +186,16 @@ def decode_attention(
     backend: str,
     init_value=None,
     rows: Optional[int] = None,  # rows per simdgroup step (default DECODE_ROWS_PER_STEP)
+    row_start: Optional[mx.array] = None,  # [B] int: row b's first live row (left padding), else 0
 ) -> mx.array:  # [B, Hq, 1, D] in queries' dtype
     """Single-query attention over a contiguous KV buffer, GQA (query head h reads KV head h // G):
-    one threadgroup per (KV head, GT heads) over all rows."""
+    one threadgroup per (KV head, GT heads) over the rows ``row_start[b]`` .. ``kv_length`` - 1."""
     g = _geometry(queries, keys, kv_length, gqa_packed, coalesced, rows=rows)
+    has_start = row_start is not None
     (out,) = get_kernel(KERNELS["attention_decode"], backend)(
         inputs=[queries, keys, values, float32_scalar(scale),
-                KERNELS["attention_decode"].pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap)],
+                row_start.astype(mx.int32) if has_start else _NO_ROW_START,
+                KERNELS["attention_decode"].pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap, has_row_start=has_start)],
         template=g.template, grid=(32, g.sg, g.threadgroups),
         threadgroup=(32, g.sg, 1),
         output_shapes=[queries.shape],
@@ -271,8 +285,10 @@ def decode_attention_from_cache(backend: str):
     whole buffer (no copy of the live slice) with the live length as a parameter."""
 
     def launch(queries, keys, values, *, scale, mask=None, cache=None, coalesced=True, gqa_packed=True):
+        # A BatchKVCache (supports(batch=True)): each row starts after its left padding.
+        row_start = getattr(cache, "left_padding", None) if mask is not None else None
         return decode_attention(queries, cache.keys, cache.values, scale=scale, kv_length=keys.shape[2],
-                                gqa_packed=gqa_packed, coalesced=coalesced, backend=backend)
+                                gqa_packed=gqa_packed, coalesced=coalesced, backend=backend, row_start=row_start)
 
     return launch
 

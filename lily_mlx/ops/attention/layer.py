@@ -97,8 +97,9 @@ def prefill_attention(queries, keys, values, *, scale, mask=None, cache=None):
 
 def decode_attention(queries, keys, values, *, scale, mask=None, cache=None):
     """One query row (L == 1) over the KV cache. Kernel variants: ``coalesced_kv``, ``gqa_packing``.
-    The kernel takes a plain ``KVCache`` without a mask (shape rules: ``kernels.supports``)."""
-    kernel = _kernel_for("attention_decode", kernels.supports(queries, keys, values, mask, cache))
+    The kernel takes a plain ``KVCache`` without a mask, or a ``BatchKVCache`` with its own one-row mask
+    (the server's batches: each row from its left padding on; shape rules: ``kernels.supports``)."""
+    kernel = _kernel_for("attention_decode", kernels.supports(queries, keys, values, mask, cache, batch=True))
     if kernel is not None:
         return kernel(queries, keys, values, scale=scale, mask=mask, cache=cache,
                       coalesced=is_enabled("coalesced_kv"), gqa_packed=is_enabled("gqa_packing"))
@@ -135,6 +136,10 @@ def attention(queries, keys, values, *, scale, mask=None, cache=None):
     if L != 1:
         return prefill_attention(queries, keys, values, scale=scale, mask=mask, cache=cache)
     _, n_kv_heads, kv_length = _kv_shape(keys)[:3]
+    if mask is not None and hasattr(cache, "left_padding"):
+        # A batch's rows (BatchKVCache): kv_length is the batch's padded length, not a row's own context,
+        # so the fixed-block rule cannot be applied per row; the one-pass path serves every row alike.
+        return decode_attention(queries, keys, values, scale=scale, mask=mask, cache=cache)
     path = decode_path(kv_length, head_dim, n_heads // n_kv_heads)
     op = long_context_attention if path == "fixed_block" else decode_attention
     return op(queries, keys, values, scale=scale, mask=mask, cache=cache)
