@@ -20,32 +20,18 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Dict, List, Sequence
-
-import mlx.core as mx
 
 from lily_mlx.core import switches
 
-from .decode_profile import _prefill, _step, clone_cache
+from .decode_profile import _prefill, clone_cache, pipelined_decode
 from .e2e import Engines, switches_off, validate_engine
 
 
 def _burst(model, state, steps: int) -> float:
     """``steps`` pipelined decode steps from ``state`` = [last token, cache] (updated); tokens per second."""
-    y, cache = state
-    nxt = _step(model, y, cache)
-    mx.async_eval(nxt)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        following = _step(model, nxt, cache)
-        mx.async_eval(following)
-        nxt.item()
-        nxt = following
-    nxt.item()
-    elapsed = time.perf_counter() - t0
-    state[0] = nxt
-    return steps / elapsed
+    rate, state[0] = pipelined_decode(model, state[0], state[1], steps)
+    return rate
 
 
 def run(model, engines: Sequence[str], context: int, bursts: int, burst_steps: int, vocab: int, seed: int = 0,

@@ -88,6 +88,21 @@ def clone_cache(cache):
     return clones
 
 
+def pipelined_decode(model, y, cache, steps: int):
+    """``steps`` decode steps pipelined as MLX-LM's ``generate_step`` (build step n + 1 while step n
+    evaluates) from last token ``y``: (tokens per second, the last token)."""
+    nxt = _step(model, y, cache)
+    mx.async_eval(nxt)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        following = _step(model, nxt, cache)
+        mx.async_eval(following)
+        nxt.item()
+        nxt = following
+    nxt.item()
+    return steps / (time.perf_counter() - t0), nxt
+
+
 def profile_engine(model, context: int, steps: int, vocab: int, seed: int, prefilled=None,
                    detail: bool = True) -> Dict:
     """One round for the engine in force: build/eval split, primitives, pipelined decode.
@@ -122,19 +137,9 @@ def profile_engine(model, context: int, steps: int, vocab: int, seed: int, prefi
         evaluate.append(t2 - t1)
         y = nxt
 
-    # Pipelined, as generate_step: build step n + 1 while step n evaluates.
-    nxt = _step(model, y, cache)
-    mx.async_eval(nxt)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        following = _step(model, nxt, cache)
-        mx.async_eval(following)
-        nxt.item()
-        nxt = following
-    nxt.item()
-    elapsed = time.perf_counter() - t0
+    rate, _ = pipelined_decode(model, y, cache, steps)
     non_view = sum(n for name, n in primitives.items() if name not in VIEW_PRIMITIVES)
-    return {"build_s": build, "eval_s": evaluate, "decode_tok_s": steps / elapsed,
+    return {"build_s": build, "eval_s": evaluate, "decode_tok_s": rate,
             "primitives_per_step": non_view, "primitives": primitives,
             "kernel_launches_per_step": len(launches),
             "kernel_launches": launches.counts() if detail else {}, "kernel_ms": kernel_ms}
