@@ -49,6 +49,18 @@ inline float moe_router_row_dot(PW w, PS scales, PB biases, PX x, int D, uint la
   return simd_sum(acc);
 }
 
+// The logit of router row `row` (row E: the shared-expert gate), as both router forms compute it.
+template <int BITS, typename PW, typename PS, typename PB, typename PGW, typename PGS, typename PGB, typename PX>
+inline float moe_router_logit(int row, int E, PW w_router, PS scales_router, PB biases_router, PGW w_gate,
+                              PGS scales_gate, PGB biases_gate, PX xn, int D, uint lane) {
+  if (row < E) {
+    const long words = long(row) * (D * BITS / 32);
+    return moe_router_row_dot<BITS>(w_router + words, scales_router + long(row) * (D / 64),
+                                    biases_router + long(row) * (D / 64), xn, D, lane);
+  }
+  return moe_router_row_dot<BITS>(w_gate, scales_gate, biases_gate, xn, D, lane);
+}
+
 // Steps 2-4 of the router for token n, by one simdgroup (the caller's simdgroup 0; no barriers), from
 // its T-rounded logits in probs[0 .. E] (threadgroup memory; row E: the shared-expert gate's, when
 // has_gate): softmax, top-k, renormalisation, the gate, the decode schedule. Lane l owns experts
@@ -145,18 +157,12 @@ const uint sg = simdgroup_index_in_threadgroup;
 const uint lane = thread_index_in_simdgroup;
 const long n = long(threadgroup_position_in_grid.y);
 const int num_tokens = int(threadgroups_per_grid.y);
-const int words = D * BITS / 32;
 const device T* xn = x + n * D;
 
 // 1. Logits: simdgroup sg takes rows sg, sg + 32, ...; row E is the shared-expert gate.
 for (int row = int(sg); row < E + has_gate; row += MOE_ROUTER_THREADS / 32) {
-  float logit;
-  if (row < E) {
-    logit = moe_router_row_dot<BITS>(w_router + long(row) * words, scales_router + long(row) * (D / 64),
-                                     biases_router + long(row) * (D / 64), xn, D, lane);
-  } else {
-    logit = moe_router_row_dot<BITS>(w_gate, scales_gate, biases_gate, xn, D, lane);
-  }
+  const float logit = moe_router_logit<BITS>(row, E, w_router, scales_router, biases_router, w_gate, scales_gate,
+                                             biases_gate, xn, D, lane);
   if (lane == 0) {
     probs[row] = float(static_cast<T>(logit));
   }
@@ -180,16 +186,10 @@ if (sg == 0) {  // the selection is one simdgroup's work (no barriers inside)
   const uint lane = thread_index_in_simdgroup;
   const int row = int(threadgroup_position_in_grid.z) * MOE_ROUTER_LOGIT_SIMDGROUPS + int(simdgroup_index_in_threadgroup);
   const long n = long(threadgroup_position_in_grid.y);
-  const int words = D * BITS / 32;
   const device T* xn = x + n * D;
   if (row < E + has_gate) {  // uniform over the simdgroup: every lane reaches the simd_sum
-    float logit;
-    if (row < E) {
-      logit = moe_router_row_dot<BITS>(w_router + long(row) * words, scales_router + long(row) * (D / 64),
-                                       biases_router + long(row) * (D / 64), xn, D, lane);
-    } else {
-      logit = moe_router_row_dot<BITS>(w_gate, scales_gate, biases_gate, xn, D, lane);
-    }
+    const float logit = moe_router_logit<BITS>(row, E, w_router, scales_router, biases_router, w_gate, scales_gate,
+                                               biases_gate, xn, D, lane);
     if (lane == 0) {
       logits[n * (E + 1) + row] = float(static_cast<T>(logit));
     }
