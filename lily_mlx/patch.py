@@ -262,7 +262,7 @@ def _report(model, arch: str) -> PatchReport:
             elif name in pinned:
                 reasons[name] = f"tune profile: {pinned[name]}"
             elif backend in op.trial_backends:
-                reasons[name] = f"trial kernel, on where `python -m lily_mlx tune` measures it faster"
+                reasons[name] = "trial kernel, on where `python -m lily_mlx tune` measures it faster"
             else:
                 reasons[name] = f"no {backend} kernel yet"
     off = tuple(n for n, on in switches.state().items() if not on)
