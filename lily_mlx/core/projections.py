@@ -31,6 +31,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import switches
+from .dispatch import REFERENCE, op_backend
+
 # Calls of at most this many rows (batch x tokens) take the fused matmul: MLX's quantised matmul runs
 # its vector kernel there on every backend it has (Metal: below 13 rows at the smallest; CUDA: below 8),
 # so the concatenation and each piece get the same kernel and the same bits.
@@ -166,6 +169,14 @@ def fused_for(module, names: Tuple[str, ...], x: mx.array) -> Optional[FusedProj
     if x.size > MAX_ROWS * x.shape[-1]:
         return None
     return current(module, names)
+
+
+def for_call(module, names: Tuple[str, ...], x: mx.array, *, switch: str, op: str) -> Optional[FusedProjection]:
+    """:func:`fused_for` where the layer takes the fused path at all: switch ``switch`` on, op ``op`` off
+    its reference (the reference backend, ``LILY_REFERENCE_OPS``), the module not training."""
+    if not switches.is_enabled(switch) or getattr(module, "training", False) or op_backend(op) == REFERENCE:
+        return None
+    return fused_for(module, names, x)
 
 
 def run(record: FusedProjection, x: mx.array) -> List[mx.array]:

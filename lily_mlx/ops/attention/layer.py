@@ -150,9 +150,8 @@ def attention(queries, keys, values, *, scale, mask=None, cache=None):
 def _qkv_projections(self, x: mx.array) -> Optional[projections.FusedProjection]:
     """The fused q/k/v projection record for this call (switch ``fused_qkv_proj``, op
     ``attention_qkv_proj``; calls of a few rows), or None: three matmuls. Same bits either way."""
-    if not is_enabled("fused_qkv_proj") or op_backend("attention_qkv_proj") == "reference":
-        return None
-    return projections.fused_for(self, projections.GROUPS["Qwen3NextAttention"], x)
+    return projections.for_call(self, projections.GROUPS["Qwen3NextAttention"], x, switch="fused_qkv_proj",
+                                op="attention_qkv_proj")
 
 
 def attention_forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:

@@ -268,9 +268,7 @@ def _traced_decode(self, mixer, inputs: mx.array, mask, cache, fused=None) -> Op
 def _in_projections(self, names: Tuple[str, ...], inputs: mx.array) -> Optional[projections.FusedProjection]:
     """The fused in-projection record for this call (switch ``fused_in_proj``, op ``deltanet_in_proj``;
     calls of a few rows), or None: each projection then runs its own matmul. Same bits either way."""
-    if not switches.is_enabled("fused_in_proj") or _kernel_backend("deltanet_in_proj", self) is None:
-        return None
-    return projections.fused_for(self, names, inputs)
+    return projections.for_call(self, names, inputs, switch="fused_in_proj", op="deltanet_in_proj")
 
 
 def _qwen3_5_mixer(self, inputs: mx.array, mask, cache, fused=None) -> mx.array:
