@@ -690,7 +690,10 @@ def sparse_moe_kernels(block, x: mx.array, residual: Optional[mx.array] = None) 
         key = (x2d.shape, x.dtype, backend, router_backend, block.gate["weight"].shape,
                block.switch_mlp.gate_proj["weight"].shape, block.shared_expert.gate_proj["weight"].shape,
                switches.is_enabled("split_router"), r2d is not None)
-        general = lambda *a: _block_general(block, a[0], True, True, router_backend, residual2d=a[1] if len(a) > 1 else None)  # noqa: E731
+
+        def general(x2, r2=None):
+            return _block_general(block, x2, True, True, router_backend, residual2d=r2)
+
         out = compiled.call(block, key, general, args) if compiled.enabled(backend, router_backend) else None
         if out is None:
             out = _planned(block, args, key, general)
@@ -726,8 +729,8 @@ def _input_names(kernel_name: str):
 
 def _block_general(block, x2d: mx.array, fuse_router: bool, fuse_shared: bool, router_backend: str,
                    fused_combine: bool = True, residual2d: Optional[mx.array] = None) -> mx.array:
-    """The block on the kernels, building every launch: out [N, D] (``residual2d + out`` when given: the
-    combine kernel adds it where it also adds the shared expert, else MLX's add after)."""
+    """The block on the kernels, building every launch: out [N, D] (``residual2d + out`` when given, added
+    by the combine kernel: callers pass it only with the shared expert fused, ``sparse_moe_kernels``)."""
     from .reference import router_reference, shared_expert_reference
 
     k = block.top_k
@@ -748,14 +751,11 @@ def _block_general(block, x2d: mx.array, fuse_router: bool, fuse_shared: bool, r
         shared = block.shared_expert if fuse_shared else None
         y, schedule, backend = _routed_rows(block.switch_mlp, x2d, inds, shared, decode_blocks, checked=True)
         chunks = shared_chunks(shared, block.switch_mlp.gate_proj["scales"].shape[1])
-        fold = residual2d is not None and fuse_shared
         out = combine_rows(y, schedule["slot_of_row"], scores, backend, gate=gate, chunks=chunks,
-                           residual=residual2d if fold else None)
-        if fold:
-            return out
+                           residual=residual2d)
     if not fuse_shared:
         out = out + shared_expert_reference(block, x2d)
-    return out if residual2d is None else residual2d + out
+    return out
 
 
 def _cached_reason(block, x: mx.array, what, check, *args) -> Optional[str]:
