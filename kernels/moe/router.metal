@@ -19,65 +19,92 @@
 // @header
 #define MOE_ROUTER_THREADS 1024  // 32 simdgroups: one token per threadgroup must still fill an SM
 #define MOE_ROUTER_MAX_E 1024   // experts (threadgroup arrays; the host checks)
+#define MOE_ROUTER_MAX_D 4096   // hidden size (the activation row staged as floats; the host checks)
+#define MOE_ROUTER_MAX_K 32     // experts per token (lane j keeps round j's pick; the host checks)
 #define MOE_ROUTER_LOGIT_SIMDGROUPS 8  // expert rows per threadgroup of moe_router_logits_q
+#define MOE_ROUTER_LOADS 4      // 16-byte weight loads a lane issues before it uses them
 
-// Dot product of one quantised row with x over D, reduced over the simdgroup (every lane gets it).
+// The activation row x[0 .. D) into threadgroup memory as floats (D a multiple of 64), by the
+// threadgroup's `threads` threads; the caller puts a barrier after it. Every row's dot product of the
+// token then reads x from there instead of device memory.
+template <typename PX>
+inline void moe_router_stage_x(threadgroup float4* xs, PX x, int D, uint tid, uint threads) {
+  for (int i = int(tid); i < D / 4; i += int(threads)) {
+    xs[i] = float4(float(x[4 * i]), float(x[4 * i + 1]), float(x[4 * i + 2]), float(x[4 * i + 3]));
+  }
+}
+
+// Dot product of one quantised row with the staged x over D, reduced over the simdgroup (every lane
+// gets it). Adjacent lanes read adjacent words (coalesced); each lane sums its words l, l + 32, ... in
+// order, per word scale * (x . q) + bias * sum(x), as MLX's own quantised GEMV factors the affine
+// weights. A lane issues MOE_ROUTER_LOADS words' loads (word, scale, bias) before it uses the first, so
+// their memory latencies overlap; the arithmetic and its order do not depend on that.
 // Pointer types are template parameters: MLX passes an input of fewer than 8 elements (a small
 // shared-expert gate's scales) in the constant address space, which a `const device T*` refuses.
-template <int BITS, typename PW, typename PS, typename PB, typename PX>
-inline float moe_router_row_dot(PW w, PS scales, PB biases, PX x, int D, uint lane) {
+template <int BITS, typename PW, typename PS, typename PB>
+inline float moe_router_row_dot(PW w, PS scales, PB biases, const threadgroup float4* xs, int D, uint lane) {
   constexpr int VALUES_PER_WORD = 32 / BITS;
   constexpr int WORDS_PER_GROUP = 64 / VALUES_PER_WORD;
   constexpr uint32_t MASK = (1u << BITS) - 1u;
   const int words = D / VALUES_PER_WORD;
   float acc = 0.0f;
-  // Adjacent lanes read adjacent words (coalesced); each lane sums its words in order, per word
-  // scale * (x . q) + bias * sum(x), as MLX's own quantised GEMV factors the affine weights.
-  for (int wi = int(lane); wi < words; wi += 32) {
-    const uint32_t word = w[wi];
-    const float scale = float(scales[wi / WORDS_PER_GROUP]);
-    const float bias = float(biases[wi / WORDS_PER_GROUP]);
-    float xq = 0.0f;
-    float xsum = 0.0f;
-    for (int j = 0; j < VALUES_PER_WORD; ++j) {
-      const float xv = float(x[wi * VALUES_PER_WORD + j]);
-      xq = metal::fma(xv, float((word >> (BITS * j)) & MASK), xq);
-      xsum += xv;
+  for (int w0 = int(lane); w0 < words; w0 += 32 * MOE_ROUTER_LOADS) {
+    uint32_t word[MOE_ROUTER_LOADS];
+    float scale[MOE_ROUTER_LOADS];
+    float bias[MOE_ROUTER_LOADS];
+    for (int u = 0; u < MOE_ROUTER_LOADS; ++u) {
+      const int wi = w0 + 32 * u;
+      if (wi < words) {
+        word[u] = w[wi];
+        scale[u] = float(scales[wi / WORDS_PER_GROUP]);
+        bias[u] = float(biases[wi / WORDS_PER_GROUP]);
+      }
     }
-    acc += scale * xq + bias * xsum;
+    for (int u = 0; u < MOE_ROUTER_LOADS; ++u) {
+      const int wi = w0 + 32 * u;
+      if (wi < words) {
+        float xq = 0.0f;
+        float xsum = 0.0f;
+        for (int j = 0; j < VALUES_PER_WORD; ++j) {
+          const float xv = xs[(wi * VALUES_PER_WORD + j) / 4][j % 4];
+          xq = metal::fma(xv, float((word[u] >> (BITS * j)) & MASK), xq);
+          xsum += xv;
+        }
+        acc += scale[u] * xq + bias[u] * xsum;
+      }
+    }
   }
   return simd_sum(acc);
 }
 
 // The logit of router row `row` (row E: the shared-expert gate), as both router forms compute it.
-template <int BITS, typename PW, typename PS, typename PB, typename PGW, typename PGS, typename PGB, typename PX>
+template <int BITS, typename PW, typename PS, typename PB, typename PGW, typename PGS, typename PGB>
 inline float moe_router_logit(int row, int E, PW w_router, PS scales_router, PB biases_router, PGW w_gate,
-                              PGS scales_gate, PGB biases_gate, PX xn, int D, uint lane) {
+                              PGS scales_gate, PGB biases_gate, const threadgroup float4* xs, int D, uint lane) {
   if (row < E) {
     const long words = long(row) * (D * BITS / 32);
     return moe_router_row_dot<BITS>(w_router + words, scales_router + long(row) * (D / 64),
-                                    biases_router + long(row) * (D / 64), xn, D, lane);
+                                    biases_router + long(row) * (D / 64), xs, D, lane);
   }
-  return moe_router_row_dot<BITS>(w_gate, scales_gate, biases_gate, xn, D, lane);
+  return moe_router_row_dot<BITS>(w_gate, scales_gate, biases_gate, xs, D, lane);
 }
 
 // Steps 2-4 of the router for token n, by one simdgroup (the caller's simdgroup 0; no barriers), from
 // its T-rounded logits in probs[0 .. E] (threadgroup memory; row E: the shared-expert gate's, when
 // has_gate): softmax, top-k, renormalisation, the gate, the decode schedule. Lane l owns experts
-// l, l + 32, ... (E / 32 of them): the softmax's max and sum are each lane's in order, then simd_max /
-// simd_sum; top-k is k rounds of a simd_max over keys = the probability's fp32 bits with the expert id
-// in the low 10 bits (1023 - e: ties go to the lower id). Probabilities are >= 0, so their bits order
-// like their values, and as T-rounded values (bf16 or fp16) their low 13 fp32 mantissa bits are zero:
-// a key holds its probability exactly.
-template <typename T, typename PI, typename PS, typename PG, typename PB>
+// l, l + 32, ... (NPL = ceil(E / 32) of them, a template parameter so that its keys stay in registers):
+// the softmax's max and sum are each lane's in order, then simd_max / simd_sum; top-k is k rounds of a
+// simd_max over keys = the probability's fp32 bits with the expert id in the low 10 bits (1023 - e:
+// ties go to the lower id). Probabilities are >= 0, so their bits order like their values, and as
+// T-rounded values (bf16 or fp16) their low 13 fp32 mantissa bits are zero: a key holds its
+// probability exactly. Lane j keeps round j's key and writes that pick (k <= 32).
+template <typename T, int NPL, typename PI, typename PS, typename PG, typename PB>
 inline void moe_router_select(threadgroup float* probs, uint lane, long n, int num_tokens, int E, int top_k,
                               int norm_topk, int has_gate, int decode_tile, int shared_chunks, PI inds, PS scores,
                               PG gate, PB blocks) {
-  constexpr int PER_LANE = MOE_ROUTER_MAX_E / 32;
-  const int per_lane = (E + 31) / 32;  // the entries of keys in use (loops stop there: 8 for 256 experts)
-  uint keys[PER_LANE];  // this lane's experts' keys; 0 once chosen (a real key is never 0: e <= 1022 or p > 0)
+  constexpr uint ID_BITS = uint(MOE_ROUTER_MAX_E - 1);
   float top = -INFINITY;
-  for (int i = 0; i < per_lane; ++i) {
+  for (int i = 0; i < NPL; ++i) {
     const int e = int(lane) + 32 * i;
     if (e < E) {
       top = metal::max(top, probs[e]);
@@ -85,66 +112,68 @@ inline void moe_router_select(threadgroup float* probs, uint lane, long n, int n
   }
   top = simd_max(top);
   float total = 0.0f;
-  for (int i = 0; i < per_lane; ++i) {
+  for (int i = 0; i < NPL; ++i) {
     const int e = int(lane) + 32 * i;
     if (e < E) {
       total += metal::exp(probs[e] - top);
     }
   }
   total = simd_sum(total);
-  for (int i = 0; i < per_lane; ++i) {
+  uint keys[NPL];  // this lane's experts' keys; 0 once chosen (a real key is never 0: e <= 1022 or p > 0)
+  for (int i = 0; i < NPL; ++i) {
     const int e = int(lane) + 32 * i;
     const float p = e < E ? float(static_cast<T>(metal::exp(probs[e] - top) / total)) : 0.0f;
-    keys[i] = e < E ? (as_type<uint>(p) | uint(MOE_ROUTER_MAX_E - 1 - e)) : 0u;
+    keys[i] = e < E ? (as_type<uint>(p) | (ID_BITS - uint(e))) : 0u;
   }
 
-  const long a0 = n * top_k;
-  float picked_sum = 0.0f;
+  float picked_sum = 0.0f;  // the k picks' probabilities in pick order (every lane the same sum)
+  uint mine = 0u;           // lane j: round j's key
   for (int j = 0; j < top_k; ++j) {
     uint best = 0u;
-    for (int i = 0; i < per_lane; ++i) {
+    for (int i = 0; i < NPL; ++i) {
       best = metal::max(best, keys[i]);
     }
     best = simd_max(best);
-    const int e = MOE_ROUTER_MAX_E - 1 - int(best & uint(MOE_ROUTER_MAX_E - 1));
-    if (e % 32 == int(lane)) {
-      keys[e / 32] = 0u;  // chosen: out of the later rounds
+    for (int i = 0; i < NPL; ++i) {  // keys are distinct: only the owner's entry matches
+      keys[i] = keys[i] == best ? 0u : keys[i];
     }
-    if (lane == 0) {
-      inds[a0 + j] = e;
-      picked_sum += as_type<float>(best & ~uint(MOE_ROUTER_MAX_E - 1));
-    }
+    mine = int(lane) == j ? best : mine;
+    picked_sum += as_type<float>(best & ~ID_BITS);
   }
 
-  if (lane == 0) {  // scores, the gate and the decode schedule (k is small)
+  const long a0 = n * top_k;
+  if (int(lane) < top_k) {  // pick j = lane: its id, renormalised score and decode block
+    const long a = a0 + int(lane);
+    const int e = int(ID_BITS - (mine & ID_BITS));
+    const float p = as_type<float>(mine & ~ID_BITS);
     const float denom = float(static_cast<T>(picked_sum));
-    for (int j = 0; j < top_k; ++j) {
-      const int e = inds[a0 + j];
-      const float p = float(static_cast<T>(metal::exp(probs[e] - top) / total));
-      scores[a0 + j] = static_cast<T>(norm_topk != 0 ? p / denom : p);
-      blocks[4 * (a0 + j) + 0] = e;
-      blocks[4 * (a0 + j) + 1] = int(a0 + j);
-      blocks[4 * (a0 + j) + 2] = 1;
-      blocks[4 * (a0 + j) + 3] = decode_tile;
-    }
+    inds[a] = e;
+    scores[a] = static_cast<T>(norm_topk != 0 ? p / denom : p);
+    blocks[4 * a + 0] = e;
+    blocks[4 * a + 1] = int(a);
+    blocks[4 * a + 2] = 1;
+    blocks[4 * a + 3] = decode_tile;
+  }
+  if (lane == 0) {
     if (has_gate != 0) {
       const float g = 1.0f / (1.0f + metal::exp(-probs[E]));
       gate[n] = float(static_cast<T>(g));
     } else {
       gate[n] = 0.0f;
     }
-    for (int c = 0; c < shared_chunks; ++c) {
-      const long slot = long(num_tokens) * (top_k + c) + n;
-      blocks[4 * slot + 0] = E + c;
-      blocks[4 * slot + 1] = int(slot);
-      blocks[4 * slot + 2] = 1;
-      blocks[4 * slot + 3] = decode_tile;
-    }
+  }
+  for (int c = int(lane); c < shared_chunks; c += 32) {
+    const long slot = long(num_tokens) * (top_k + c) + n;
+    blocks[4 * slot + 0] = E + c;
+    blocks[4 * slot + 1] = int(slot);
+    blocks[4 * slot + 2] = 1;
+    blocks[4 * slot + 3] = decode_tile;
   }
 }
 
 // @kernel moe_router_softmax_topk_q
-// grid (1024, N, 1), threadgroup (1024, 1, 1); template T (activation dtype), BITS (8 or 4).
+// grid (1024, N, 1), threadgroup (1024, 1, 1); template T (activation dtype), BITS (8 or 4), NPL
+// (ceil(E / 32): the experts each lane of the selection owns).
 // params: [D, E, top_k, norm_topk, has_gate, decode_tile, shared_chunks].
 // x [N, D]; w_router [E, D * BITS / 32] uint32 (+ scales/biases [E, D / 64]); w_gate [1, ...] the
 // shared-expert gate (same layout; unused when has_gate == 0).
@@ -153,16 +182,18 @@ inline void moe_router_select(threadgroup float* probs, uint lane, long n, int n
 // decode schedule, assignment a = n * k + j -> (inds[a], a, 1, decode_tile), shared-expert chunk c
 // of token n -> (E + c, N * k + c * N + n, 1, decode_tile).
 threadgroup float probs[MOE_ROUTER_MAX_E + 1];
+threadgroup float4 xs[MOE_ROUTER_MAX_D / 4];
 const uint sg = simdgroup_index_in_threadgroup;
 const uint lane = thread_index_in_simdgroup;
 const long n = long(threadgroup_position_in_grid.y);
 const int num_tokens = int(threadgroups_per_grid.y);
-const device T* xn = x + n * D;
+moe_router_stage_x(xs, x + n * D, D, thread_index_in_threadgroup, MOE_ROUTER_THREADS);
+threadgroup_barrier(mem_flags::mem_threadgroup);
 
 // 1. Logits: simdgroup sg takes rows sg, sg + 32, ...; row E is the shared-expert gate.
 for (int row = int(sg); row < E + has_gate; row += MOE_ROUTER_THREADS / 32) {
   const float logit = moe_router_logit<BITS>(row, E, w_router, scales_router, biases_router, w_gate, scales_gate,
-                                             biases_gate, xn, D, lane);
+                                             biases_gate, xs, D, lane);
   if (lane == 0) {
     probs[row] = float(static_cast<T>(logit));
   }
@@ -170,7 +201,7 @@ for (int row = int(sg); row < E + has_gate; row += MOE_ROUTER_THREADS / 32) {
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
 if (sg == 0) {  // the selection is one simdgroup's work (no barriers inside)
-  moe_router_select<T>(probs, lane, n, num_tokens, E, top_k, norm_topk, has_gate, decode_tile, shared_chunks, inds,
+  moe_router_select<T, NPL>(probs, lane, n, num_tokens, E, top_k, norm_topk, has_gate, decode_tile, shared_chunks, inds,
                        scores, gate, blocks);
 }
 
@@ -183,13 +214,15 @@ if (sg == 0) {  // the selection is one simdgroup's work (no barriers inside)
 // threadgroup (32 * MOE_ROUTER_LOGIT_SIMDGROUPS, 1, 1); template T, BITS. params: [D, E, has_gate].
 // logits [N, E + 1] float32: each logit rounded to T (row E unwritten when has_gate == 0).
 {
+  threadgroup float4 xs[MOE_ROUTER_MAX_D / 4];
   const uint lane = thread_index_in_simdgroup;
   const int row = int(threadgroup_position_in_grid.z) * MOE_ROUTER_LOGIT_SIMDGROUPS + int(simdgroup_index_in_threadgroup);
   const long n = long(threadgroup_position_in_grid.y);
-  const device T* xn = x + n * D;
+  moe_router_stage_x(xs, x + n * D, D, thread_index_in_threadgroup, 32 * MOE_ROUTER_LOGIT_SIMDGROUPS);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   if (row < E + has_gate) {  // uniform over the simdgroup: every lane reaches the simd_sum
     const float logit = moe_router_logit<BITS>(row, E, w_router, scales_router, biases_router, w_gate, scales_gate,
-                                               biases_gate, xn, D, lane);
+                                               biases_gate, xs, D, lane);
     if (lane == 0) {
       logits[n * (E + 1) + row] = float(static_cast<T>(logit));
     }
@@ -199,7 +232,7 @@ if (sg == 0) {  // the selection is one simdgroup's work (no barriers inside)
 // @kernel moe_router_topk_from_logits
 // Steps 2-4 of moe_router_softmax_topk_q from moe_router_logits_q's logits (switch split_router): one
 // simdgroup per token runs the same selection code, so the same bits.
-// grid (32, N, 1), threadgroup (32, 1, 1); template T. params: [E, top_k, norm_topk, has_gate,
+// grid (32, N, 1), threadgroup (32, 1, 1); template T, NPL (ceil(E / 32)). params: [E, top_k, norm_topk, has_gate,
 // decode_tile, shared_chunks]. logits [N, E + 1] float32; outputs as moe_router_softmax_topk_q's.
 {
   threadgroup float probs[MOE_ROUTER_MAX_E + 1];
@@ -209,6 +242,6 @@ if (sg == 0) {  // the selection is one simdgroup's work (no barriers inside)
     probs[row] = logits[n * (E + 1) + row];
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);
-  moe_router_select<T>(probs, lane, n, int(threadgroups_per_grid.y), E, top_k, norm_topk, has_gate, decode_tile,
+  moe_router_select<T, NPL>(probs, lane, n, int(threadgroups_per_grid.y), E, top_k, norm_topk, has_gate, decode_tile,
                        shared_chunks, inds, scores, gate, blocks);
 }

@@ -413,6 +413,8 @@ def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: 
 ROUTER_THREADS = 1024  # kernels/moe/router.metal: MOE_ROUTER_THREADS
 ROUTER_LOGIT_SIMDGROUPS = 8  # kernels/moe/router.metal: MOE_ROUTER_LOGIT_SIMDGROUPS (expert rows per threadgroup)
 ROUTER_MAX_EXPERTS = 1024  # kernels/moe/router.metal's threadgroup arrays
+ROUTER_MAX_HIDDEN = 4096  # kernels/moe/router.metal: MOE_ROUTER_MAX_D (the staged activation row)
+ROUTER_MAX_TOP_K = 32  # kernels/moe/router.metal: MOE_ROUTER_MAX_K (one lane per pick)
 
 
 def _quantized_linear_reason(layer, x: mx.array, bits: tuple, what: str) -> Optional[str]:
@@ -437,6 +439,10 @@ def router_reason(block, x: mx.array, with_gate: bool) -> Optional[str]:
             reason = "router and shared-expert gate have different bit widths"
     if reason is None and block.gate["scales"].shape[0] > ROUTER_MAX_EXPERTS:
         reason = f"{block.gate['scales'].shape[0]} experts (the router kernel takes <= {ROUTER_MAX_EXPERTS})"
+    if reason is None and x.shape[-1] > ROUTER_MAX_HIDDEN:
+        reason = f"hidden size {x.shape[-1]} (the router kernel takes <= {ROUTER_MAX_HIDDEN})"
+    if reason is None and block.top_k > ROUTER_MAX_TOP_K:
+        reason = f"top-{block.top_k} routing (the router kernel takes k <= {ROUTER_MAX_TOP_K})"
     return reason
 
 
@@ -479,12 +485,13 @@ def route_tokens(block, x2d: mx.array, with_gate: bool, backend: Optional[str] =
                gate["biases"]]
     select = dict(top_k=k, norm_topk=bool(block.norm_topk_prob), has_gate=with_gate, decode_tile=SMALL_TILE,
                   shared_chunks=m)
+    per_lane = -(-e // 32)  # experts per lane of the selection (its keys in registers)
     outputs = dict(output_shapes=[(n, k), (n, k), (n,), (rows, 4)],
                    output_dtypes=[mx.int32, x2d.dtype, mx.float32, mx.int32], init_value=init_value)
     if not switches.is_enabled("split_router"):
         return _kernel("router", backend)(
             inputs=weights + [KERNELS["router"].pack(D=d, E=e, **select)],
-            template=[("T", x2d.dtype), ("BITS", router.bits)],
+            template=[("T", x2d.dtype), ("BITS", router.bits), ("NPL", per_lane)],
             grid=(ROUTER_THREADS, n, 1), threadgroup=(ROUTER_THREADS, 1, 1), **outputs)
     threads = 32 * ROUTER_LOGIT_SIMDGROUPS
     row_groups = -(-(e + int(with_gate)) // ROUTER_LOGIT_SIMDGROUPS)
@@ -494,7 +501,7 @@ def route_tokens(block, x2d: mx.array, with_gate: bool, backend: Optional[str] =
         grid=(threads, n, row_groups), threadgroup=(threads, 1, 1),
         output_shapes=[(n, e + 1)], output_dtypes=[mx.float32], init_value=init_value)
     return _kernel("router_topk", backend)(  # one simdgroup per token: the selection needs no more
-        inputs=[logits, KERNELS["router_topk"].pack(E=e, **select)], template=[("T", x2d.dtype)],
+        inputs=[logits, KERNELS["router_topk"].pack(E=e, **select)], template=[("T", x2d.dtype), ("NPL", per_lane)],
         grid=(32, n, 1), threadgroup=(32, 1, 1), **outputs)
 
 
