@@ -920,6 +920,16 @@ def test_block_with_residual_equals_residual_plus_block(gemm_sim, monkeypatch, t
         assert next(l for l in off if l.name == "moe_combine_weighted_rows").kwargs["inputs"][4].size == 1
 
 
+def test_router_kernel_refuses_shapes_beyond_its_threadgroup_arrays():
+    """The router kernels stage the activation row (hidden <= 4096) and write pick j from lane j (k <= 32):
+    larger shapes get a reason (the block then runs stock's router ops), never a launch."""
+    block = _router_block(64, 64, 4, True, 8, mx.bfloat16, 0)
+    assert mk.router_reason(block, mx.zeros((1, 64), mx.bfloat16), True) is None
+    assert "hidden size 4160" in mk.router_reason(block, mx.zeros((1, 4160), mx.bfloat16), True)
+    block.top_k = 33
+    assert "top-33" in mk.router_reason(block, mx.zeros((1, 64), mx.bfloat16), True)
+
+
 @needs_sim
 def test_router_and_shared_expert_kernels_fall_back_where_they_do_not_apply(gemm_sim, monkeypatch):
     """A router that is not quantised takes stock's router ops, and a shared expert whose width is not a
