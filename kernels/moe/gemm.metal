@@ -34,6 +34,7 @@
 #define MOE_BK 64         // K step = quantisation group size
 #define MOE_MAX_ROWS 32   // largest tile rows
 #define MOE_THREADS 128   // 4 simdgroups
+#define MOE_COMBINE_LOADS 8  // routed rows whose loads moe_combine_weighted_rows issues together
 
 // Weight tile loaders: fill wt[k][n] (k-major, MOE_BK x MOE_BN floats) for output columns
 // [n0, n0 + 32) and K range [k0, k0 + 64) of expert e. O, K: the weight's output and input dims.
@@ -511,15 +512,35 @@ if (counts[e] > 0) {
 // weighted and summed in fp32 (then the gated shared chunks), rounded once (no [A, D] gather or product
 // arrays in between); with has_residual (switch fused_residual) the decoder layer's residual add
 // follows, as MLX adds two T arrays: T(float(residual) + float(T(sum))), the same bits as that add.
+// The k rows are taken MOE_COMBINE_LOADS at a time: their weights and slots, then their values, all
+// loaded before the first is added (the loads' latencies overlap), then added in j order as before.
 const int d0 = int(thread_position_in_grid.x) * 4;
 const long n = long(thread_position_in_grid.y);
 if (d0 < D) {
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int j = 0; j < k; ++j) {
-    const float w = float(scores[n * k + j]);
-    const long src = long(slot_of_row[n * k + j]) * D + d0;
-    for (int c = 0; c < 4; ++c) {
-      acc[c] += w * float(y[src + c]);
+  for (int j0 = 0; j0 < k; j0 += MOE_COMBINE_LOADS) {
+    float w[MOE_COMBINE_LOADS];
+    long src[MOE_COMBINE_LOADS];
+    for (int u = 0; u < MOE_COMBINE_LOADS; ++u) {
+      if (j0 + u < k) {
+        w[u] = float(scores[n * k + j0 + u]);
+        src[u] = long(slot_of_row[n * k + j0 + u]) * D + d0;
+      }
+    }
+    float v[MOE_COMBINE_LOADS][4];
+    for (int u = 0; u < MOE_COMBINE_LOADS; ++u) {
+      if (j0 + u < k) {
+        for (int c = 0; c < 4; ++c) {
+          v[u][c] = float(y[src[u] + c]);
+        }
+      }
+    }
+    for (int u = 0; u < MOE_COMBINE_LOADS; ++u) {
+      if (j0 + u < k) {
+        for (int c = 0; c < 4; ++c) {
+          acc[c] += w[u] * v[u][c];
+        }
+      }
     }
   }
   const long num_tokens = long(threads_per_grid.y);

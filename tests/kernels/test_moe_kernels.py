@@ -326,7 +326,7 @@ def test_dequant_experts(gemm_sim):
 
 @needs_sim
 @SETTINGS
-@given(tokens=st.sampled_from([1, 2, 7, 33]), k=st.sampled_from([1, 2, 4, 8]),
+@given(tokens=st.sampled_from([1, 2, 7, 33]), k=st.sampled_from([1, 2, 4, 8, 10, 17]),
        width=st.sampled_from([4, 36, 128, 520]), dtype=st.sampled_from(["bfloat16", "float32"]),
        seed=st.integers(0, 1000))
 def test_combine_rows(tokens, k, width, dtype, seed):
