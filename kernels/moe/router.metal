@@ -38,7 +38,9 @@ inline void moe_router_stage_x(threadgroup float4* xs, PX x, int D, uint tid, ui
 // gets it). Adjacent lanes read adjacent words (coalesced); each lane sums its words l, l + 32, ... in
 // order, per word scale * (x . q) + bias * sum(x), as MLX's own quantised GEMV factors the affine
 // weights. A lane issues MOE_ROUTER_LOADS words' loads (word, scale, bias) before it uses the first, so
-// their memory latencies overlap; the arithmetic and its order do not depend on that.
+// their memory latencies overlap; the arithmetic and its order do not depend on that. Every multiply-add
+// is an explicit fma: a compiler free to contract `a * b + c * d` either way (CUDA's default) could
+// otherwise round a logit differently in the two router forms.
 // Pointer types are template parameters: MLX passes an input of fewer than 8 elements (a small
 // shared-expert gate's scales) in the constant address space, which a `const device T*` refuses.
 template <int BITS, typename PW, typename PS, typename PB>
@@ -70,7 +72,7 @@ inline float moe_router_row_dot(PW w, PS scales, PB biases, const threadgroup fl
           xq = metal::fma(xv, float((word[u] >> (BITS * j)) & MASK), xq);
           xsum += xv;
         }
-        acc += scale[u] * xq + bias[u] * xsum;
+        acc += metal::fma(scale[u], xq, bias[u] * xsum);  // fused explicitly: one rounding on every target
       }
     }
   }
