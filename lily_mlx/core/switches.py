@@ -77,6 +77,11 @@ _SWITCH_LIST = [
            "Decode-sized MoE blocks and DeltaNet mixers are traced once per shape with mx.compile and "
            "replayed: no Python per kernel launch (Metal and CUDA; the simulator runs eagerly).",
            "Every decode step builds each launch in Python (MoE blocks replay recorded launch plans)."),
+    Switch("compiled_attention", "generation", "decode", True,
+           "An attention layer's decode pieces before and after the KV cache (q/k/v projections with the "
+           "q/k preparation; output gate with o_proj) traced once per shape and replayed, the cache offset "
+           "an input (Metal and CUDA, with compiled_decode; same primitives, same bits).",
+           "Those pieces built op by op in Python each step (the cache update and the attention always are)."),
     Switch("fused_qk_prep", "attention", "both", True,
            "q/k RMSNorm, partial RoPE and output-gate split in one kernel.",
            "Separate norm, RoPE and split ops."),

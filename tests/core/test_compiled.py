@@ -70,3 +70,40 @@ def test_traces_do_not_keep_a_deleted_model_alive():
     del module, fn
     gc.collect()
     assert ref() is None
+
+
+def test_attention_decode_pieces_replay_traces_with_the_bits_of_built_ones(monkeypatch):
+    """Switch compiled_attention: an attention layer's projections + q/k preparation and its output gate +
+    o_proj replay traces in a decode step, the cache offset an input (an int for a plain KV cache, an
+    array for MLX-LM's batch cache): the embedded model's greedy decode logits and MLX-LM's batched
+    generation are bitwise those of the pieces built op by op. Traced on the CPU here (plain MLX ops on the
+    reference backend, the traceable backends widened for the test); on a GPU: tests/kernels/test_compiled_decode.py."""
+    import mlx_lm
+
+    from lily_mlx import patch as lily_patch
+    from lily_mlx.models import embedded
+    from tests.kernels.test_batch_invariance import PROMPTS, _batched_generation
+    from tests.kernels.test_compiled_decode import _greedy_logits
+
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    monkeypatch.setattr(compiled, "COMPILE_BACKENDS", compiled.COMPILE_BACKENDS | {"reference"})
+    model, tokenizer = mlx_lm.load(str(embedded.EMBEDDED_DIR))
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    lily_patch.patch(model)
+    try:
+        with switches.overrides(disable=["compiled_attention"]):
+            built, _ = _greedy_logits(model, prompts[2])
+            built_rows = _batched_generation(model, [prompts[r] for r in (3, 1, 0)])
+        traced, _ = _greedy_logits(model, prompts[2])
+        traced_rows = _batched_generation(model, [prompts[r] for r in (3, 1, 0)])
+        attention = [m for _, m in model.named_modules() if type(m).__name__.endswith("Attention")]
+        traces = attention[0].__dict__["_lily_compiled"]
+        assert sorted(k[0] for k in traces) == ["out", "out", "prep", "prep"]  # B = 1 and the batch of 3
+        assert all(v is not compiled._FAILED for v in traces.values())
+    finally:
+        lily_patch.unpatch(model)
+    for step, (a, b) in enumerate(zip(traced, built)):
+        assert mx.array_equal(a, b).item(), f"step {step}"
+    for r, (got, want) in enumerate(zip(traced_rows, built_rows)):
+        for step, (a, b) in enumerate(zip(got, want)):
+            assert mx.array_equal(a, b).item(), f"row {r}, step {step}"

@@ -281,3 +281,19 @@ def test_a_kernel_that_fails_to_run_is_pinned_not_fatal(tune_dir, sim_model, mon
     rows, pinned, _ = tune.check_kernels(bench, tune.kernel_ops(bench, "sim"))
     assert pinned["deltanet_scan"] == "kernel failed at decode@32 (RuntimeError: unable to build the kernel)"
     assert any(r.get("failure") for r in rows) and any(r["ok"] and r["ran"] for r in rows)
+
+
+def test_every_trial_kernel_has_a_launcher_on_its_trial_backends():
+    """A profile that turns a trial kernel on for Metal or CUDA must reach a kernel there: each op's
+    launcher table holds every backend the op can run a kernel on, trial backends included."""
+    from lily_mlx.core import dispatch
+    from lily_mlx.ops import load_all
+    from lily_mlx.ops.attention import layer as attention_layer
+
+    ops = [op for op in load_all().values() if op.trial_backends]
+    assert {op.name for op in ops} >= {"attention_qk_prep", "attention_prefill", "attention_decode"}
+    for op in ops:
+        assert op.family == "attention", op.name  # the only family with trial kernels so far
+        for backend in op.trial_backends | op.kernel_backends:
+            assert (op.name, backend) in attention_layer.KERNELS, (op.name, backend)
+    assert dispatch.OPS["attention_qk_prep"].trial_backends == {"metal", "cuda"}

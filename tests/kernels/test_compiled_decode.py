@@ -46,6 +46,7 @@ def test_decode_steps_from_traces_equal_built_steps(embedded_model, monkeypatch)
     traced, traced_cache = _greedy_logits(model, prompts[2])
     kinds = {type(m).__name__ for m in _traced_modules(model)}
     assert any("Moe" in k for k in kinds) and any("DeltaNet" in k for k in kinds), kinds
+    assert any(k.endswith("Attention") for k in kinds), kinds  # switch compiled_attention
     for step, (a, b) in enumerate(zip(traced, built)):
         assert mx.array_equal(a, b).item(), f"step {step}"
     for i, (ca, cb) in enumerate(zip(traced_cache, built_cache)):

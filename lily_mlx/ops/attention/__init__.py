@@ -31,7 +31,7 @@ from . import kernels
 
 # Attention kernels not on by default for a GPU backend are trial kernels there: each runs on a machine
 # whose tune profile measured it correct and faster than stock's attention (docs/usage.md, "Tuning").
-GPU_BACKENDS = frozenset({"metal", "cuda"})
+GPU_BACKENDS = kernels.GPU_BACKENDS
 from .layer import attention_forward  # noqa: F401
 
 QK_PREP = register_op(Op(

@@ -42,6 +42,12 @@ KERNELS = {
     )
 }
 
+# Every attention kernel is written for the GPU backends and the simulator; the *_BACKENDS sets below say
+# where each is on by default. On a GPU backend outside its set a kernel is a trial kernel: it runs where
+# the machine's tune profile measured it correct and faster (``lily_mlx.core.dispatch``).
+WRITTEN_FOR = frozenset({"sim", "metal", "cuda"})
+GPU_BACKENDS = frozenset({"metal", "cuda"})
+
 # Backends the decode kernels run on. The one-pass kernel (op ``attention_decode``) runs only
 # B * Hkv * G / GT threadgroups (2 per sequence at Qwen3.6's shape) and loses to stock's SDPA on a large
 # GPU at every context (H200: 654-783 us at 4K against 148), so it stays off CUDA: there a decode step

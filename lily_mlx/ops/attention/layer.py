@@ -12,6 +12,7 @@ and ``attention_prefill`` (kernels/attention/prefill.metal), ``attention_qk_prep
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Optional, Tuple
 
@@ -20,20 +21,22 @@ import mlx.core as mx
 from ...core.dispatch import active_backend, op_backend
 from ...core.log import log_once
 from ...core.switches import is_enabled
-from ...core import projections
+from ...core import compiled, projections
 from . import kernels
 from .reference import attention_reference, qk_prep_reference
 
-# (op name, backend) -> kernel launcher, filled as kernels land; ops without a row run their reference.
+# (op name, backend) -> kernel launcher, for every backend a kernel is written for: where it runs by
+# default (the op's kernel_backends) and where it is a trial kernel (on when the tune profile says so);
+# the dispatch (op_backend) decides which of them runs.
 KERNELS: dict = {
     **{("attention_decode", backend): kernels.decode_attention_from_cache(backend)
-       for backend in kernels.DECODE_BACKENDS},
+       for backend in kernels.WRITTEN_FOR},
     **{("attention_decode_long", backend): kernels.decode_attention_fixed_blocks_from_cache(backend)
-       for backend in kernels.LONG_BACKENDS},
+       for backend in kernels.WRITTEN_FOR},
     **{("attention_prefill", backend): kernels.prefill_attention_from_cache(backend)
-       for backend in kernels.PREFILL_BACKENDS},
+       for backend in kernels.WRITTEN_FOR},
     **{("attention_qk_prep", backend): functools.partial(kernels.qk_prep, backend=backend)
-       for backend in kernels.QK_PREP_BACKENDS},
+       for backend in kernels.WRITTEN_FOR},
 }
 
 
@@ -154,26 +157,79 @@ def _qkv_projections(self, x: mx.array) -> Optional[projections.FusedProjection]
                                 op="attention_qkv_proj")
 
 
-def attention_forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-    """``Qwen3NextAttention.__call__`` with the stock module as ``self`` (attributes read now, so a
-    sharded module's per-rank head counts apply). x: [B, L, hidden] -> [B, L, hidden]."""
-    if self.training:  # the kernels have no gradients: training runs stock's ops, stock's gradients
-        return getattr(type(self), "_lily_stock_class", type(self)).__call__(self, x, mask=mask, cache=cache)
-    B, L, _ = x.shape
-    fused = _qkv_projections(self, x)
+def _projected_and_prepared(self, x: mx.array, fused: Optional[projections.FusedProjection], offset):
+    """x [B, L, hidden] -> queries [B, H, L, D], keys / values [B, Hkv, L, D], gate [B, L, H * D]: the
+    q/k/v projections (one matmul with ``fused``) and the q/k preparation at ``offset``."""
     if fused is not None:
         q_proj_out, k_proj_out, v_proj_out = projections.run(fused, x)
     else:
         q_proj_out = self.q_proj(x)  # [B, L, H * 2D]
         k_proj_out, v_proj_out = self.k_proj(x), self.v_proj(x)  # [B, L, Hkv * D]
-    queries, keys, values, gate = qk_prep(
-        q_proj_out, k_proj_out, v_proj_out,
-        n_heads=self.num_attention_heads, n_kv_heads=self.num_key_value_heads,
-        q_norm=self.q_norm, k_norm=self.k_norm, rope=self.rope,
-        offset=cache.offset if cache is not None else 0,
-    )
+    return qk_prep(q_proj_out, k_proj_out, v_proj_out, n_heads=self.num_attention_heads,
+                   n_kv_heads=self.num_key_value_heads, q_norm=self.q_norm, k_norm=self.k_norm, rope=self.rope,
+                   offset=offset)
+
+
+def _gated_output(self, output: mx.array, gate: mx.array) -> mx.array:
+    """output [B, H, L, D], gate [B, L, H * D] -> o_proj(output * sigmoid(gate)) [B, L, hidden]."""
+    B, _, L, _ = output.shape
+    output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)  # [B, L, H * D]
+    return self.o_proj(output * mx.sigmoid(gate))
+
+
+def _traces_on(self, x: mx.array, cache: Any) -> bool:
+    """Whether this call's shape-stable pieces run from traces (switch ``compiled_attention``): a decode
+    step (one token per row) with a KV cache, on Metal or CUDA (ops on their reference there are plain
+    MLX ops, traceable; the simulator computes eagerly)."""
+    if x.shape[1] != 1 or cache is None or not is_enabled("compiled_attention"):
+        return False
+    kernel_backends = [b for b in (op_backend("attention_qk_prep"),) if b != "reference"]
+    return compiled.enabled(active_backend(), *kernel_backends)
+
+
+def _traced_prep(self, x: mx.array, fused: Optional[projections.FusedProjection], cache: Any):
+    """``_projected_and_prepared`` through its trace, the cache's offset an input (a [B] or scalar int32
+    array: the trace is shape-stable from token to token), or None where it cannot be traced. The fused
+    weights enter as inputs, as in the DeltaNet trace, so a re-prepared record is never replayed stale."""
+    offset = cache.offset
+    positions = offset.astype(mx.int32) if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
+    weights = [] if fused is None else [a for a in (fused.weight, fused.scales, fused.biases) if a is not None]
+
+    def prep(x, positions, *weights):
+        record = None
+        if fused is not None:
+            record = dataclasses.replace(fused, weight=weights[0], scales=weights[1],
+                                         biases=weights[2] if len(weights) > 2 else None)
+        return tuple(_projected_and_prepared(self, x, record, positions))
+
+    args = [x, positions] + weights
+    key = ("prep", tuple((a.shape, a.dtype) for a in args), op_backend("attention_qk_prep"),
+           is_enabled("fused_qk_prep"), self.q_proj.weight.shape, self.k_proj.weight.shape,
+           None if fused is None else (fused.names, fused.split_at))
+    return compiled.call(self, key, prep, args)
+
+
+def attention_forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    """``Qwen3NextAttention.__call__`` with the stock module as ``self`` (attributes read now, so a
+    sharded module's per-rank head counts apply). x: [B, L, hidden] -> [B, L, hidden].
+
+    In a decode step (switch ``compiled_attention``, Metal / CUDA) the pieces before and after the KV
+    cache (projections + q/k preparation; output gate + o_proj) replay traces: the same primitives,
+    none of their Python. The cache update and the attention over the grown cache are built as usual."""
+    if self.training:  # the kernels have no gradients: training runs stock's ops, stock's gradients
+        return getattr(type(self), "_lily_stock_class", type(self)).__call__(self, x, mask=mask, cache=cache)
+    fused = _qkv_projections(self, x)
+    traced = _traces_on(self, x, cache)
+    prepared = _traced_prep(self, x, fused, cache) if traced else None
+    if prepared is None:
+        prepared = _projected_and_prepared(self, x, fused, cache.offset if cache is not None else 0)
+    queries, keys, values, gate = prepared
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
     output = attention(queries, keys, values, scale=self.scale, mask=mask, cache=cache)
-    output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)  # [B, L, H * D]
-    return self.o_proj(output * mx.sigmoid(gate))
+    if traced:
+        key = ("out", output.shape, output.dtype, gate.shape, gate.dtype, self.o_proj.weight.shape)
+        out = compiled.call(self, key, functools.partial(_gated_output, self), (output, gate))
+        if out is not None:
+            return out
+    return _gated_output(self, output, gate)
