@@ -14,7 +14,9 @@ uncompiled from then on, with a one-time log line.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
+import contextlib
+import threading
+from typing import Callable, Dict, Hashable, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -26,6 +28,29 @@ COMPILE_BACKENDS = frozenset({"metal", "cuda"})
 
 _FAILED = object()
 
+# Patched mixer forwards whose one-token step a decoder layer's trace can include (switch compiled_layers):
+# forward -> parts(module, inputs, mask, cache), registered by their op family (the families do not
+# import each other; the decoder layer finds its mixer's entry here).
+STEP_PARTS: Dict[Callable, Callable] = {}
+_local = threading.local()  # .inline: depth of inline() (a larger piece is being traced)
+
+
+@contextlib.contextmanager
+def inline():
+    """While a larger piece is traced (a whole decoder layer): the pieces it calls run their functions
+    directly, as part of that trace, instead of tracing (or recording) themselves."""
+    _local.inline = getattr(_local, "inline", 0) + 1
+    try:
+        yield
+    finally:
+        _local.inline -= 1
+
+
+def inlining() -> bool:
+    """Whether the caller runs inside :func:`inline` (so must not keep host-side state built from the
+    trace's placeholder arrays, such as a recorded launch plan)."""
+    return getattr(_local, "inline", 0) > 0
+
 
 def enabled(*backends: str) -> bool:
     """Whether a piece whose kernels run on ``backends`` is compiled (switch on, every backend traceable)."""
@@ -35,7 +60,10 @@ def enabled(*backends: str) -> bool:
 def call(owner, key: Hashable, fn: Callable, args: Sequence[mx.array]):
     """``fn(*args)`` through a trace cached on ``owner`` per ``key``, or None when it cannot be traced
     (the caller then runs ``fn`` itself). ``key`` must hold everything besides the args' shapes and
-    dtypes that changes what ``fn`` builds (switch states, backends, weight shapes)."""
+    dtypes that changes what ``fn`` builds (switch states, backends, weight shapes). Inside
+    :func:`inline`, ``fn(*args)`` itself (traced as part of the larger piece)."""
+    if inlining():
+        return fn(*args)
     traces = owner.__dict__.setdefault("_lily_compiled", {})
     traced = traces.get(key)
     if traced is _FAILED:

@@ -77,6 +77,11 @@ _SWITCH_LIST = [
            "Decode-sized MoE blocks and DeltaNet mixers are traced once per shape with mx.compile and "
            "replayed: no Python per kernel launch (Metal and CUDA; the simulator runs eagerly).",
            "Every decode step builds each launch in Python (MoE blocks replay recorded launch plans)."),
+    Switch("compiled_layers", "generation", "decode", True,
+           "With compiled_decode: a DeltaNet decoder layer's whole decode step (norms, mixer, residual adds, "
+           "MoE block) replays one trace instead of two traced pieces and the ops between them (Metal and "
+           "CUDA; same primitives, same bits).",
+           "The mixer and the MoE block replay their own traces; the norms and adds are built in Python."),
     Switch("compiled_attention", "generation", "decode", True,
            "An attention layer's decode pieces before and after the KV cache (q/k/v projections with the "
            "q/k preparation; output gate with o_proj) traced once per shape and replayed, the cache offset "
@@ -190,6 +195,12 @@ def is_enabled(name: str) -> bool:
     except KeyError:
         _check_one(name)  # raises for unknown or empty names
         raise ValueError(f"switch name {name!r} has surrounding spaces") from None
+
+
+def key() -> tuple:
+    """Every switch's state, as a hashable value (part of a trace's cache key: a trace holds the paths
+    its switches chose when it was made)."""
+    return tuple(_state.values())
 
 
 def set_enabled(name: str, value: bool) -> None:

@@ -72,12 +72,15 @@ def test_traces_do_not_keep_a_deleted_model_alive():
     assert ref() is None
 
 
-def test_attention_decode_pieces_replay_traces_with_the_bits_of_built_ones(monkeypatch):
-    """Switch compiled_attention: an attention layer's projections + q/k preparation and its output gate +
-    o_proj replay traces in a decode step, the cache offset an input (an int for a plain KV cache, an
-    array for MLX-LM's batch cache): the embedded model's greedy decode logits and MLX-LM's batched
-    generation are bitwise those of the pieces built op by op. Traced on the CPU here (plain MLX ops on the
-    reference backend, the traceable backends widened for the test); on a GPU: tests/kernels/test_compiled_decode.py."""
+@pytest.mark.parametrize("off", ["compiled_decode", "compiled_layers", "compiled_attention"])
+def test_decode_traces_give_the_bits_of_steps_built_op_by_op(monkeypatch, off):
+    """The embedded model's greedy decode logits and MLX-LM's batched generation (batch cache: offsets and
+    masks as arrays) are bitwise the same with every trace on as with ``off`` off: whole DeltaNet decoder
+    layers (compiled_layers: norms, mixer, adds, MoE block in one trace), the attention layers' pieces
+    around the KV cache (compiled_attention, the cache offset an input), and all of them
+    (compiled_decode: every step built op by op). Traced on the CPU here (plain MLX ops on the reference
+    backend, the traceable backends widened for the test); with the kernels on a GPU:
+    tests/kernels/test_compiled_decode.py."""
     import mlx_lm
 
     from lily_mlx import patch as lily_patch
@@ -91,15 +94,20 @@ def test_attention_decode_pieces_replay_traces_with_the_bits_of_built_ones(monke
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     lily_patch.patch(model)
     try:
-        with switches.overrides(disable=["compiled_attention"]):
+        with switches.overrides(disable=[off]):
             built, _ = _greedy_logits(model, prompts[2])
             built_rows = _batched_generation(model, [prompts[r] for r in (3, 1, 0)])
         traced, _ = _greedy_logits(model, prompts[2])
         traced_rows = _batched_generation(model, [prompts[r] for r in (3, 1, 0)])
-        attention = [m for _, m in model.named_modules() if type(m).__name__.endswith("Attention")]
-        traces = attention[0].__dict__["_lily_compiled"]
-        assert sorted(k[0] for k in traces) == ["out", "out", "prep", "prep"]  # B = 1 and the batch of 3
-        assert all(v is not compiled._FAILED for v in traces.values())
+        traces = {type(m).__name__: m.__dict__["_lily_compiled"] for _, m in model.named_modules()
+                  if m.__dict__.get("_lily_compiled")}
+        layer = next(v for k, v in traces.items() if k.endswith("DecoderLayer"))
+        attention = next(v for k, v in traces.items() if k.endswith("Attention"))
+        assert {k[0] for k in layer} == {"layer"} and len(layer) >= 2  # B = 1 and the batch of 3
+        assert {k[0] for k in attention} == {"prep", "out"} and len(attention) >= 4
+        assert all(v is not compiled._FAILED for t in traces.values() for v in t.values())
+        if off != "compiled_layers":  # the mixers and MoE blocks were only ever traced inside the layers
+            assert not any("DeltaNet" in k or "Moe" in k for k in traces)
     finally:
         lily_patch.unpatch(model)
     for step, (a, b) in enumerate(zip(traced, built)):

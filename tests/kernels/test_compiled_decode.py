@@ -1,5 +1,5 @@
-"""``compiled_decode`` on a backend whose kernels are MLX primitives (``LILY_TEST_KERNEL_BACKEND=cuda``
-on an NVIDIA GPU, ``metal`` on a Mac): decode steps replayed from their traces give the bits of the
+"""``compiled_decode`` (with ``compiled_layers`` and ``compiled_attention``) on a backend whose kernels
+are MLX primitives (``LILY_TEST_KERNEL_BACKEND=cuda`` on an NVIDIA GPU, ``metal`` on a Mac): decode steps replayed from their traces give the bits of the
 steps built launch by launch, alone (B = 1) and in MLX-LM's batched generation (masks, left padding).
 The simulator computes eagerly and cannot be traced, so there these tests skip (CI covers the
 tracing helper itself in tests/core/test_compiled.py)."""
@@ -45,8 +45,10 @@ def test_decode_steps_from_traces_equal_built_steps(embedded_model, monkeypatch)
         built, built_cache = _greedy_logits(model, prompts[2])
     traced, traced_cache = _greedy_logits(model, prompts[2])
     kinds = {type(m).__name__ for m in _traced_modules(model)}
-    assert any("Moe" in k for k in kinds) and any("DeltaNet" in k for k in kinds), kinds
-    assert any(k.endswith("Attention") for k in kinds), kinds  # switch compiled_attention
+    # DeltaNet layers as whole-layer traces (compiled_layers), the attention layers' pieces
+    # (compiled_attention) and their MoE blocks (compiled_decode)
+    assert any(k.endswith("DecoderLayer") for k in kinds) and any("Moe" in k for k in kinds), kinds
+    assert any(k.endswith("Attention") for k in kinds), kinds
     for step, (a, b) in enumerate(zip(traced, built)):
         assert mx.array_equal(a, b).item(), f"step {step}"
     for i, (ca, cb) in enumerate(zip(traced_cache, built_cache)):

@@ -420,12 +420,12 @@ MODEL_ERROR_FACTOR = 1.25
 # Switches without kernels of their own here, and chunked_prefill (chosen by MLX-LM's prompt chunking,
 # lily_mlx.patch.prefill_step_size, before the model is called): flipping them changes no launch here.
 # compiled_decode replays the same launches from a trace, on Metal and CUDA only (the simulator runs
-# eagerly): tests/kernels/test_compiled_decode.py; so does compiled_attention for the attention layers'
-# pieces (tests/core/test_compiled.py traces them on the CPU). bounded_lookahead evaluates the same graph in
+# eagerly): tests/kernels/test_compiled_decode.py; so do compiled_layers (whole DeltaNet layers) and
+# compiled_attention (the attention layers' pieces; tests/core/test_compiled.py traces both on the CPU). bounded_lookahead evaluates the same graph in
 # pieces (when, not what): tests/core/test_lookahead.py. fused_in_proj / fused_qkv_proj merge MLX's own
 # quantised matmuls (no lily kernel; same bits): tests/core/test_projections.py. fused_residual hands the
 # combine kernel one more input (same launches, same bits): tests/kernels/test_moe_model.py.
-NO_KERNEL_SWITCHES = ("fixed_block_attention", "chunked_prefill", "compiled_decode", "compiled_attention",
+NO_KERNEL_SWITCHES = ("fixed_block_attention", "chunked_prefill", "compiled_decode", "compiled_layers", "compiled_attention",
                       "bounded_lookahead", "fused_in_proj", "fused_qkv_proj", "fused_residual")
 # fused_qk_prep: on, attention_qk_prep before each attention kernel; off, stock's ops
 # (expected_model_launches; tests/kernels/test_attention_qk_prep.py).

@@ -17,7 +17,7 @@ between them) and the decode kernels compute a token with the same arithmetic.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import mlx.core as mx
 from mlx.nn.layers.distributed import sum_gradients
@@ -231,10 +231,36 @@ class _DecodeStates:
         pass
 
 
-def _traced_decode(self, mixer, inputs: mx.array, mask, cache, fused=None) -> Optional[mx.array]:
-    """``mixer(self, inputs, mask, cache, fused)`` for a one-token step through its trace (switch
-    ``compiled_decode``, kernels on Metal or CUDA), or None where that does not apply. The fused
-    in-projection weights enter the trace as inputs, so a re-prepared record is never replayed stale."""
+@dataclasses.dataclass(frozen=True)
+class DecodeStepParts:
+    """A one-token DeltaNet step as a trace's inputs: ``args`` (conv state, recurrent state, then the mask,
+    the cache's lengths and the fused in-projection arrays where present) follow the layer input; ``bind``
+    turns the trace's placeholders for them back into (mask, states, fused record) for ``mixer``. The
+    fused weights enter as inputs, so a re-prepared record is never replayed stale. ``key``: everything
+    besides the input's shape that changes what the step builds."""
+
+    mixer: Callable
+    fused: Optional[projections.FusedProjection]
+    args: Tuple[mx.array, ...]
+    has_mask: bool
+    has_lengths: bool
+    key: Tuple
+
+    def bind(self, rest):
+        rest = list(rest)
+        conv_state, state = rest.pop(0), rest.pop(0)
+        m = rest.pop(0) if self.has_mask else None
+        states = _DecodeStates(conv_state, state, rest.pop(0) if self.has_lengths else None)
+        record = None
+        if self.fused is not None:
+            w, s = rest.pop(0), rest.pop(0)
+            record = dataclasses.replace(self.fused, weight=w, scales=s, biases=rest.pop(0) if rest else None)
+        return m, states, record
+
+
+def _step_parts(self, mixer, inputs: mx.array, mask, cache, fused) -> Optional[DecodeStepParts]:
+    """The parts of this call's one-token step (switch ``compiled_decode``, kernels on Metal or CUDA), or
+    None where the step is not traced."""
     if inputs.shape[1] != 1 or cache is None or cache[0] is None or cache[1] is None or self.training:
         return None
     backends = (op_backend("deltanet_conv1d_silu"), op_backend("deltanet_decode"))
@@ -242,22 +268,25 @@ def _traced_decode(self, mixer, inputs: mx.array, mask, cache, fused=None) -> Op
         return None
     lengths = cache.lengths
     weights = [] if fused is None else [a for a in (fused.weight, fused.scales, fused.biases) if a is not None]
-    args = [inputs, cache[0], cache[1]] + [a for a in (mask, lengths) if a is not None] + weights
-
-    def step(inputs, conv_state, state, *rest):
-        rest = list(rest)
-        m = rest.pop(0) if mask is not None else None
-        states = _DecodeStates(conv_state, state, rest.pop(0) if lengths is not None else None)
-        record = None
-        if fused is not None:
-            w, s = rest.pop(0), rest.pop(0)
-            record = dataclasses.replace(fused, weight=w, scales=s, biases=rest.pop(0) if rest else None)
-        return mixer(self, inputs, m, states, record), states[0], states[1]
-
+    args = tuple([cache[0], cache[1]] + [a for a in (mask, lengths) if a is not None] + weights)
     key = (mixer, tuple((a.shape, a.dtype) for a in args), mask is None, lengths is None, backends,
            switches.is_enabled("fused_recurrent_norm"), switches.is_enabled("fused_conv_step"),
            self.out_proj.weight.shape, None if fused is None else (fused.names, fused.split_at))
-    traced = compiled.call(self, key, step, args)
+    return DecodeStepParts(mixer, fused, args, mask is not None, lengths is not None, key)
+
+
+def _traced_decode(self, mixer, inputs: mx.array, mask, cache, fused=None) -> Optional[mx.array]:
+    """``mixer(self, inputs, mask, cache, fused)`` for a one-token step through its trace (switch
+    ``compiled_decode``, kernels on Metal or CUDA), or None where that does not apply."""
+    parts = _step_parts(self, mixer, inputs, mask, cache, fused)
+    if parts is None:
+        return None
+
+    def step(inputs, *rest):
+        m, states, record = parts.bind(rest)
+        return mixer(self, inputs, m, states, record), states[0], states[1]
+
+    traced = compiled.call(self, (inputs.shape, inputs.dtype) + parts.key, step, [inputs, *parts.args])
     if traced is None:
         return None
     out, cache[0], cache[1] = traced
@@ -311,3 +340,24 @@ def qwen3_next_deltanet_forward(self, inputs: mx.array, mask: Optional[mx.array]
     fused = _in_projections(self, projections.GROUPS["Qwen3NextGatedDeltaNet"], inputs)
     out = _traced_decode(self, _qwen3_next_mixer, inputs, mask, cache, fused)
     return _qwen3_next_mixer(self, inputs, mask, cache, fused) if out is None else out
+
+
+# The patched forwards and what a decoder layer's trace needs of each: the mixer and its projection group.
+_MIXERS = {
+    qwen3_5_deltanet_forward: (_qwen3_5_mixer, "GatedDeltaNet"),
+    qwen3_next_deltanet_forward: (_qwen3_next_mixer, "Qwen3NextGatedDeltaNet"),
+}
+
+
+def decode_step_parts(self, inputs: mx.array, mask, cache) -> Optional[DecodeStepParts]:
+    """For a trace of a whole decoder layer: the parts of this patched DeltaNet mixer's one-token step
+    (``inputs``: its input's shape and dtype), or None where the mixer's own step would not be traced
+    (or it is sharded: the layer then runs piece by piece)."""
+    entry = _MIXERS.get(type(self).__call__)
+    if entry is None or getattr(self, "sharding_group", None) is not None:
+        return None
+    mixer, group = entry
+    return _step_parts(self, mixer, inputs, mask, cache, _in_projections(self, projections.GROUPS[group], inputs))
+
+
+compiled.STEP_PARTS.update({forward: decode_step_parts for forward in _MIXERS})

@@ -719,6 +719,8 @@ def _planned(block, args, key, general):
     """``general(*args)`` recorded on the first call for ``key``, then replayed by its ``DecodePlan``."""
     from .decode_plan import DecodePlan
 
+    if compiled.inlining():  # traced as part of a larger piece: no plan recorded from its placeholders
+        return general(*args)
     plans = block.__dict__.setdefault("_lily_decode_plans", {})
     plan = plans.get(key)
     if plan is None:
