@@ -28,10 +28,12 @@ COMPILE_BACKENDS = frozenset({"metal", "cuda"})
 
 _FAILED = object()
 
-# Patched mixer forwards whose one-token step a decoder layer's trace can include (switch compiled_layers):
-# forward -> parts(module, inputs, mask, cache), registered by their op family (the families do not
-# import each other; the decoder layer finds its mixer's entry here).
-STEP_PARTS: Dict[Callable, Callable] = {}
+# Decode steps of whole decoder layers (switch compiled_layers), per patched mixer forward, registered by
+# the mixer's op family (families do not import each other; the decoder layer finds its mixer's entry):
+#   LAYER_TRACES[forward](mixer, x, mask, cache, *, owner, key, pre, post) -> the layer's output or None
+# computes post(x, mixer(pre(x))) for a one-token step with the shape-stable parts traced, ``owner``'s
+# weights (the decoder layer's) the traces' implicit inputs; ``key`` holds what pre/post depend on.
+LAYER_TRACES: Dict[Callable, Callable] = {}
 _local = threading.local()  # .inline: depth of inline() (a larger piece is being traced)
 
 

@@ -78,10 +78,10 @@ _SWITCH_LIST = [
            "replayed: no Python per kernel launch (Metal and CUDA; the simulator runs eagerly).",
            "Every decode step builds each launch in Python (MoE blocks replay recorded launch plans)."),
     Switch("compiled_layers", "generation", "decode", True,
-           "With compiled_decode: a DeltaNet decoder layer's whole decode step (norms, mixer, residual adds, "
-           "MoE block) replays one trace instead of two traced pieces and the ops between them (Metal and "
-           "CUDA; same primitives, same bits).",
-           "The mixer and the MoE block replay their own traces; the norms and adds are built in Python."),
+           "With compiled_decode: a decoder layer's decode step replays traces of whole layers: a DeltaNet "
+           "layer (norms, mixer, residual adds, MoE block) one, an attention layer (with compiled_attention) "
+           "two around its KV cache (Metal and CUDA; same primitives, same bits).",
+           "The mixers and MoE blocks replay their own traces; the norms and adds are built in Python."),
     Switch("compiled_attention", "generation", "decode", True,
            "An attention layer's decode pieces before and after the KV cache (q/k/v projections with the "
            "q/k preparation; output gate with o_proj) traced once per shape and replayed, the cache offset "

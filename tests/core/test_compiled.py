@@ -75,9 +75,9 @@ def test_traces_do_not_keep_a_deleted_model_alive():
 @pytest.mark.parametrize("off", ["compiled_decode", "compiled_layers", "compiled_attention"])
 def test_decode_traces_give_the_bits_of_steps_built_op_by_op(monkeypatch, off):
     """The embedded model's greedy decode logits and MLX-LM's batched generation (batch cache: offsets and
-    masks as arrays) are bitwise the same with every trace on as with ``off`` off: whole DeltaNet decoder
-    layers (compiled_layers: norms, mixer, adds, MoE block in one trace), the attention layers' pieces
-    around the KV cache (compiled_attention, the cache offset an input), and all of them
+    masks as arrays) are bitwise the same with every trace on as with ``off`` off: whole decoder layers
+    (compiled_layers: a DeltaNet layer in one trace, an attention layer in two around its KV cache), the
+    attention layers' own pieces (compiled_attention, the cache offset an input), and all of them
     (compiled_decode: every step built op by op). Traced on the CPU here (plain MLX ops on the reference
     backend, the traceable backends widened for the test); with the kernels on a GPU:
     tests/kernels/test_compiled_decode.py."""
@@ -99,15 +99,13 @@ def test_decode_traces_give_the_bits_of_steps_built_op_by_op(monkeypatch, off):
             built_rows = _batched_generation(model, [prompts[r] for r in (3, 1, 0)])
         traced, _ = _greedy_logits(model, prompts[2])
         traced_rows = _batched_generation(model, [prompts[r] for r in (3, 1, 0)])
-        traces = {type(m).__name__: m.__dict__["_lily_compiled"] for _, m in model.named_modules()
-                  if m.__dict__.get("_lily_compiled")}
-        layer = next(v for k, v in traces.items() if k.endswith("DecoderLayer"))
-        attention = next(v for k, v in traces.items() if k.endswith("Attention"))
-        assert {k[0] for k in layer} == {"layer"} and len(layer) >= 2  # B = 1 and the batch of 3
-        assert {k[0] for k in attention} == {"prep", "out"} and len(attention) >= 4
-        assert all(v is not compiled._FAILED for t in traces.values() for v in t.values())
-        if off != "compiled_layers":  # the mixers and MoE blocks were only ever traced inside the layers
-            assert not any("DeltaNet" in k or "Moe" in k for k in traces)
+        traces = [(type(m).__name__, k, v) for _, m in model.named_modules()
+                  for k, v in m.__dict__.get("_lily_compiled", {}).items()]
+        assert all(v is not compiled._FAILED for _, _, v in traces)
+        # every layer traced whole: DeltaNet layers in one trace, attention layers in two around the cache
+        assert {k[0] for owner, k, _ in traces if owner.endswith("DecoderLayer")} == {"layer", "prep", "out"}
+        if off == "compiled_decode":  # no piece was ever traced on its own
+            assert {owner for owner, _, _ in traces} == {"LilyDecoderLayer"}
     finally:
         lily_patch.unpatch(model)
     for step, (a, b) in enumerate(zip(traced, built)):

@@ -187,26 +187,69 @@ def _traces_on(self, x: mx.array, cache: Any) -> bool:
     return compiled.enabled(active_backend(), *kernel_backends)
 
 
-def _traced_prep(self, x: mx.array, fused: Optional[projections.FusedProjection], cache: Any):
-    """``_projected_and_prepared`` through its trace, the cache's offset an input (a [B] or scalar int32
-    array: the trace is shape-stable from token to token), or None where it cannot be traced. The fused
-    weights enter as inputs, as in the DeltaNet trace, so a re-prepared record is never replayed stale."""
+def _offset_and_weights(cache: Any, fused: Optional[projections.FusedProjection]):
+    """The cache's offset as an int32 array (a [B] or scalar input: the traces are shape-stable from token
+    to token) and the fused q/k/v weights as trace inputs (a re-prepared record is never replayed stale)."""
     offset = cache.offset
     positions = offset.astype(mx.int32) if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
     weights = [] if fused is None else [a for a in (fused.weight, fused.scales, fused.biases) if a is not None]
+    return positions, weights
+
+
+def _bound(fused: Optional[projections.FusedProjection], weights) -> Optional[projections.FusedProjection]:
+    """``fused`` with a trace's placeholders for its arrays."""
+    if fused is None:
+        return None
+    return dataclasses.replace(fused, weight=weights[0], scales=weights[1],
+                               biases=weights[2] if len(weights) > 2 else None)
+
+
+def _prep_key(self, args, fused: Optional[projections.FusedProjection]) -> tuple:
+    return (tuple((a.shape, a.dtype) for a in args), op_backend("attention_qk_prep"), is_enabled("fused_qk_prep"),
+            self.q_proj.weight.shape, self.k_proj.weight.shape, None if fused is None else (fused.names, fused.split_at))
+
+
+def _traced_prep(self, x: mx.array, fused: Optional[projections.FusedProjection], cache: Any):
+    """``_projected_and_prepared`` through its trace (switch ``compiled_attention``), or None where it
+    cannot be traced."""
+    positions, weights = _offset_and_weights(cache, fused)
 
     def prep(x, positions, *weights):
-        record = None
-        if fused is not None:
-            record = dataclasses.replace(fused, weight=weights[0], scales=weights[1],
-                                         biases=weights[2] if len(weights) > 2 else None)
-        return tuple(_projected_and_prepared(self, x, record, positions))
+        return tuple(_projected_and_prepared(self, x, _bound(fused, weights), positions))
 
     args = [x, positions] + weights
-    key = ("prep", tuple((a.shape, a.dtype) for a in args), op_backend("attention_qk_prep"),
-           is_enabled("fused_qk_prep"), self.q_proj.weight.shape, self.k_proj.weight.shape,
-           None if fused is None else (fused.names, fused.split_at))
-    return compiled.call(self, key, prep, args)
+    return compiled.call(self, ("prep",) + _prep_key(self, args, fused), prep, args)
+
+
+def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post) -> Optional[mx.array]:
+    """``post(x, attention_layer(pre(x)))`` for a decode step (``compiled.LAYER_TRACES``; switch
+    ``compiled_layers``): ``pre`` with the projections and q/k preparation, and the output gate and o_proj
+    with ``post``, replay traces owned by the decoder layer ``owner``; the KV cache update and the attention
+    over it are built in between. None (nothing done) where the pieces would not be traced."""
+    if not _traces_on(self, x, cache):
+        return None
+    fused = _qkv_projections(self, x)  # chosen from x: the caller hands a pre that keeps its shape and dtype
+    positions, weights = _offset_and_weights(cache, fused)
+
+    def prep(x, positions, *weights):
+        with compiled.inline():
+            return tuple(_projected_and_prepared(self, pre(x), _bound(fused, weights), positions))
+
+    args = [x, positions] + weights
+    prepared = compiled.call(owner, ("prep", key) + _prep_key(self, args, fused), prep, args)
+    if prepared is None:
+        return None
+    queries, keys, values, gate = prepared
+    keys, values = cache.update_and_fetch(keys, values)
+    output = attention(queries, keys, values, scale=self.scale, mask=mask, cache=cache)
+
+    def finish(output, gate, x):
+        with compiled.inline():
+            return post(x, _gated_output(self, output, gate))
+
+    out_key = ("out", key, output.shape, output.dtype, gate.shape, gate.dtype, x.shape, x.dtype, self.o_proj.weight.shape)
+    out = compiled.call(owner, out_key, finish, (output, gate, x))
+    return out if out is not None else post(x, _gated_output(self, output, gate))
 
 
 def attention_forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
@@ -233,3 +276,6 @@ def attention_forward(self, x: mx.array, mask: Any = None, cache: Any = None) ->
         if out is not None:
             return out
     return _gated_output(self, output, gate)
+
+
+compiled.LAYER_TRACES[attention_forward] = traced_decode_layer

@@ -17,7 +17,7 @@ between them) and the decode kernels compute a token with the same arithmetic.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import mlx.core as mx
 from mlx.nn.layers.distributed import sum_gradients
@@ -235,11 +235,10 @@ class _DecodeStates:
 class DecodeStepParts:
     """A one-token DeltaNet step as a trace's inputs: ``args`` (conv state, recurrent state, then the mask,
     the cache's lengths and the fused in-projection arrays where present) follow the layer input; ``bind``
-    turns the trace's placeholders for them back into (mask, states, fused record) for ``mixer``. The
+    turns the trace's placeholders for them back into (mask, states, fused record) for the mixer. The
     fused weights enter as inputs, so a re-prepared record is never replayed stale. ``key``: everything
     besides the input's shape that changes what the step builds."""
 
-    mixer: Callable
     fused: Optional[projections.FusedProjection]
     args: Tuple[mx.array, ...]
     has_mask: bool
@@ -272,7 +271,7 @@ def _step_parts(self, mixer, inputs: mx.array, mask, cache, fused) -> Optional[D
     key = (mixer, tuple((a.shape, a.dtype) for a in args), mask is None, lengths is None, backends,
            switches.is_enabled("fused_recurrent_norm"), switches.is_enabled("fused_conv_step"),
            self.out_proj.weight.shape, None if fused is None else (fused.names, fused.split_at))
-    return DecodeStepParts(mixer, fused, args, mask is not None, lengths is not None, key)
+    return DecodeStepParts(fused, args, mask is not None, lengths is not None, key)
 
 
 def _traced_decode(self, mixer, inputs: mx.array, mask, cache, fused=None) -> Optional[mx.array]:
@@ -349,15 +348,30 @@ _MIXERS = {
 }
 
 
-def decode_step_parts(self, inputs: mx.array, mask, cache) -> Optional[DecodeStepParts]:
-    """For a trace of a whole decoder layer: the parts of this patched DeltaNet mixer's one-token step
-    (``inputs``: its input's shape and dtype), or None where the mixer's own step would not be traced
-    (or it is sharded: the layer then runs piece by piece)."""
+def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post) -> Optional[mx.array]:
+    """``post(x, mixer(pre(x)))`` for a one-token step through one trace owned by the decoder layer
+    ``owner`` (``compiled.LAYER_TRACES``): the states enter and leave as arrays and the cache is updated
+    around the trace. None where this mixer's own step would not be traced (or it is sharded)."""
     entry = _MIXERS.get(type(self).__call__)
     if entry is None or getattr(self, "sharding_group", None) is not None:
         return None
     mixer, group = entry
-    return _step_parts(self, mixer, inputs, mask, cache, _in_projections(self, projections.GROUPS[group], inputs))
+    parts = _step_parts(self, mixer, x, mask, cache, _in_projections(self, projections.GROUPS[group], x))
+    if parts is None:
+        return None
+
+    def layer_step(x, *rest):
+        with compiled.inline():  # the mixer's pieces are traced as part of the layer
+            m, states, record = parts.bind(rest)
+            out = post(x, mixer(self, pre(x), m, states, record))
+        return out, states[0], states[1]
+
+    traced = compiled.call(owner, ("layer", x.shape, x.dtype, key) + parts.key, layer_step, [x, *parts.args])
+    if traced is None:
+        return None
+    out, cache[0], cache[1] = traced
+    cache.advance(1)
+    return out
 
 
-compiled.STEP_PARTS.update({forward: decode_step_parts for forward in _MIXERS})
+compiled.LAYER_TRACES.update({forward: traced_decode_layer for forward in _MIXERS})

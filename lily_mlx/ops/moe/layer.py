@@ -78,12 +78,12 @@ def sparse_moe_forward(self, x: mx.array, residual=None) -> mx.array:
     return y
 
 
-def _traced_linear_layer(self, x: mx.array, mask, cache):
-    """A DeltaNet decoder layer's decode step (input norm, mixer, residual add, post-attention norm, MoE
-    block with its residual) through one trace (switch ``compiled_layers``, with ``compiled_decode``, on
-    Metal or CUDA): the same primitives as the pieces, none of the Python between them. The states
-    enter and leave as arrays; the cache is updated around the trace. None where it does not apply
-    (the layer then runs piece by piece)."""
+def _traced_layer(self, x: mx.array, mask, cache):
+    """A decoder layer's decode step with its shape-stable parts traced as wholes (switch
+    ``compiled_layers``, with ``compiled_decode``, Metal or CUDA): a DeltaNet layer in one trace (input
+    norm, mixer, residual add, post-attention norm, MoE block with its residual), an attention layer in
+    two around its KV cache. The mixer's family does the tracing (``compiled.LAYER_TRACES``), this layer's
+    weights the traces' implicit inputs. None where it does not apply (the layer runs piece by piece)."""
     if not switches.is_enabled("compiled_layers") or type(self.mlp).__call__ is not sparse_moe_forward:
         return None
     if self.mlp.sharding_group is not None or getattr(self.input_layernorm, "weight", x).dtype != x.dtype:
@@ -91,37 +91,28 @@ def _traced_linear_layer(self, x: mx.array, mask, cache):
     moe_backends = (op_backend("moe_grouped_gemm"), op_backend("moe_router"))
     if not compiled.enabled(*moe_backends):
         return None
-    step_parts = compiled.STEP_PARTS.get(type(self.linear_attn).__call__)  # the DeltaNet family's
-    parts = step_parts(self.linear_attn, x, mask, cache) if step_parts is not None else None
-    if parts is None:
+    mixer = self.linear_attn if self.is_linear else self.self_attn
+    trace = compiled.LAYER_TRACES.get(type(mixer).__call__)
+    if trace is None:
         return None
-    mixer = self.linear_attn
 
-    def layer_step(x, *rest):
-        with compiled.inline():  # the mixer and the MoE block are traced as part of this piece
-            m, states, record = parts.bind(rest)
-            h = x + parts.mixer(mixer, self.input_layernorm(x), m, states, record)
-            out = sparse_moe_forward(self.mlp, self.post_attention_layernorm(h), residual=h)
-        return out, states[0], states[1]
+    def post(x, mixed):
+        h = x + mixed
+        return sparse_moe_forward(self.mlp, self.post_attention_layernorm(h), residual=h)
 
-    key = ("layer", x.shape, x.dtype, moe_backends, switches.key()) + parts.key
-    traced = compiled.call(self, key, layer_step, [x, *parts.args])
-    if traced is None:
-        return None
-    out, cache[0], cache[1] = traced
-    cache.advance(1)
-    return out
+    return trace(mixer, x, mask, cache, owner=self, key=(moe_backends, switches.key()), pre=self.input_layernorm,
+                 post=post)
 
 
 def decoder_layer_forward(self, x: mx.array, mask=None, cache=None) -> mx.array:
     """A Qwen3.5/3.6/Next decoder layer (``DecoderLayer`` / ``Qwen3NextDecoderLayer.__call__``): stock's
     computation, except that a lily sparse-MoE block is handed the residual, so that its combine kernel
-    adds it (switch ``fused_residual``; same bits as stock's add), and that a DeltaNet layer's decode
-    step may replay one trace (``_traced_linear_layer``). x: [B, T, D] -> [B, T, D]."""
+    adds it (switch ``fused_residual``; same bits as stock's add), and that a decode step may replay
+    traces of whole layers (``_traced_layer``). x: [B, T, D] -> [B, T, D]."""
     if self.training:
         return getattr(type(self), "_lily_stock_class", type(self)).__call__(self, x, mask, cache)
-    if self.is_linear and x.shape[1] == 1:
-        out = _traced_linear_layer(self, x, mask, cache)
+    if x.shape[1] == 1:
+        out = _traced_layer(self, x, mask, cache)
         if out is not None:
             return out
     mixer = self.linear_attn if self.is_linear else self.self_attn
