@@ -139,6 +139,55 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
     return units
 
 
+def router_units(shapes=((256, 8, 8, 2048), (1024, 32, 8, 4096), (16, 4, 4, 64))) -> Dict[str, tuple]:
+    """{name: (CUDA translation unit, threads per threadgroup)} of the router kernels (one kernel and the
+    split pair) for (experts, top-k, bits, hidden) shapes, bf16, as ``route_tokens`` launches them."""
+    from lily_mlx.core import switches
+    from lily_mlx.core.kernel_registry import kernel_source
+    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
+    from lily_mlx.ops.moe import kernels as mk
+
+    from .moe_testing import make_sparse_moe_block
+
+    units = {}
+    for experts, top_k, bits, hidden in shapes:
+        calls = {}
+
+        def capture(name, backend=None):
+            def launch(*, inputs, template, threadgroup, output_shapes, output_dtypes, **kw):
+                calls[name] = (inputs, template, threadgroup, output_dtypes)
+                return [mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]
+            return launch
+
+        block = make_sparse_moe_block(hidden=hidden, expert_width=64, num_experts=experts, top_k=top_k, seed=1)
+        if bits != 8:  # the block comes with an 8-bit router
+            _requantize_router(block, bits)
+        x = mx.zeros((1, hidden), mx.bfloat16)
+        with mock.patch.object(mk, "_kernel", capture):
+            for split in (True, False):
+                with switches.overrides(**({} if split else {"disable": ["split_router"]})):
+                    mk.route_tokens(block, x, True, "cuda")
+        for name, (inputs, template, threadgroup, output_dtypes) in calls.items():
+            spec = mk.KERNELS[name]
+            header, body = kernel_source(spec)
+            kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
+            unit = wrap_like_mlx(kernel, inputs, output_dtypes, template=template)[1]
+            units[f"{spec.name}[E={experts}, k={top_k}, bits={bits}, D={hidden}]"] = (unit, threadgroup[0])
+    return units
+
+
+def _requantize_router(block, bits: int) -> None:
+    """The block's router and shared-expert gate quantised to ``bits`` (group 64), bf16 scales."""
+    import mlx.nn as nn
+
+    for name in ("gate", "shared_expert_gate"):
+        layer = getattr(block, name)
+        w = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=layer.group_size, bits=layer.bits)
+        dense = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        dense.weight = w.astype(mx.bfloat16)
+        setattr(block, name, nn.QuantizedLinear.from_linear(dense, group_size=64, bits=bits))
+
+
 def table(usage: Dict[str, dict], threads: Dict[str, int]) -> str:
     lines = ["| kernel | registers / thread | spill stores / loads (bytes) | static smem (bytes) | threads / SM by registers |",
              "|---|---|---|---|---|"]

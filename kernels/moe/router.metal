@@ -17,7 +17,7 @@
 // the other tokens of the call or their number.
 
 // @header
-#define MOE_ROUTER_THREADS 1024  // 32 simdgroups: one token per threadgroup must still fill an SM
+#define MOE_ROUTER_THREADS 512  // 16 simdgroups (1024 would need <= 64 registers a thread on NVIDIA GPUs)
 #define MOE_ROUTER_MAX_E 1024   // experts (threadgroup arrays; the host checks)
 #define MOE_ROUTER_MAX_D 4096   // hidden size (the activation row staged as floats; the host checks)
 #define MOE_ROUTER_MAX_K 32     // experts per token (lane j keeps round j's pick; the host checks)
@@ -174,7 +174,7 @@ inline void moe_router_select(threadgroup float* probs, uint lane, long n, int n
 }
 
 // @kernel moe_router_softmax_topk_q
-// grid (1024, N, 1), threadgroup (1024, 1, 1); template T (activation dtype), BITS (8 or 4), NPL
+// grid (512, N, 1), threadgroup (512, 1, 1); template T (activation dtype), BITS (8 or 4), NPL
 // (ceil(E / 32): the experts each lane of the selection owns).
 // params: [D, E, top_k, norm_topk, has_gate, decode_tile, shared_chunks].
 // x [N, D]; w_router [E, D * BITS / 32] uint32 (+ scales/biases [E, D / 64]); w_gate [1, ...] the
@@ -192,7 +192,7 @@ const int num_tokens = int(threadgroups_per_grid.y);
 moe_router_stage_x(xs, x + n * D, D, thread_index_in_threadgroup, MOE_ROUTER_THREADS);
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
-// 1. Logits: simdgroup sg takes rows sg, sg + 32, ...; row E is the shared-expert gate.
+// 1. Logits: simdgroup sg takes rows sg, sg + 16, ...; row E is the shared-expert gate.
 for (int row = int(sg); row < E + has_gate; row += MOE_ROUTER_THREADS / 32) {
   const float logit = moe_router_logit<BITS>(row, E, w_router, scales_router, biases_router, w_gate, scales_gate,
                                              biases_gate, xs, D, lane);

@@ -4,7 +4,6 @@ The same tests check every execution of one Metal source: the CPU simulator by d
 ``LILY_TEST_KERNEL_BACKEND=cuda`` on an NVIDIA GPU through the bridge (``metal`` on a Mac).
 """
 
-import functools
 import os
 from contextlib import contextmanager
 
@@ -34,18 +33,11 @@ def attention_kernels_on(backend: str = KERNEL_BACKEND):
     from dataclasses import replace
 
     from lily_mlx.core import dispatch
-    from lily_mlx.ops.attention import kernels as ak
-    from lily_mlx.ops.attention import layer as att
 
-    makers = {"attention_decode": ak.decode_attention_from_cache,
-              "attention_decode_long": ak.decode_attention_fixed_blocks_from_cache,
-              "attention_prefill": ak.prefill_attention_from_cache,
-              "attention_qk_prep": lambda b: functools.partial(ak.qk_prep, backend=b)}
     try:
         with pytest.MonkeyPatch.context() as mp:
-            for op, make in makers.items():
-                if (op, backend) not in att.KERNELS:
-                    mp.setitem(att.KERNELS, (op, backend), make(backend))
+            # every backend has the launchers (ops.attention.layer.KERNELS); the dispatch decides
+            for op in ("attention_decode", "attention_decode_long", "attention_prefill", "attention_qk_prep"):
                 spec = dispatch.OPS[op]
                 if backend not in spec.kernel_backends:
                     mp.setitem(dispatch.OPS, op, replace(spec, kernel_backends=spec.kernel_backends | {backend}))

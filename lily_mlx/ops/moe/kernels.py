@@ -410,7 +410,7 @@ def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: 
 # ----------------------------------------------------------------------------------------------
 # Router kernel and the shared expert (fused_expert_up, fused_expert_down)
 
-ROUTER_THREADS = 1024  # kernels/moe/router.metal: MOE_ROUTER_THREADS
+ROUTER_THREADS = 512  # kernels/moe/router.metal: MOE_ROUTER_THREADS
 ROUTER_LOGIT_SIMDGROUPS = 8  # kernels/moe/router.metal: MOE_ROUTER_LOGIT_SIMDGROUPS (expert rows per threadgroup)
 ROUTER_MAX_EXPERTS = 1024  # kernels/moe/router.metal's threadgroup arrays
 ROUTER_MAX_HIDDEN = 4096  # kernels/moe/router.metal: MOE_ROUTER_MAX_D (the staged activation row)
