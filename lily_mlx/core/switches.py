@@ -69,6 +69,10 @@ _SWITCH_LIST = [
            "The decoder layer's residual add after the MoE block inside the combine kernel (same bits as "
            "MLX's add; with fused_expert_down and fused_combine).",
            "The residual added by MLX after the MoE block."),
+    Switch("fused_add_norm", "moe", "both", True,
+           "The decoder layer's residual add after its mixer and the post-attention RMSNorm in one kernel "
+           "(the add's bits; the norm's sum of squares in the kernel's own order).",
+           "MLX's add, then MLX's rms_norm (two primitives per layer)."),
     Switch("fused_expert_down", "moe", "both", True,
            "Shared expert inside the grouped expert GEMMs (one more expert); the combine kernel adds it, "
            "gated, with the routing-weighted expert rows.",

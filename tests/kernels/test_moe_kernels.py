@@ -1000,3 +1000,62 @@ def test_router_kernels_fit_their_threadgroups_on_the_h200():
         u = resource_usage.ptxas_usage(unit)
         assert 0 < u["registers"] * threads <= resource_usage.REGISTERS_PER_SM, (name, threads, u)
         assert u["spill_stores"] == 0 and u["spill_loads"] == 0, (name, u)
+
+
+# ----------------------------------------------------------------------------------------------
+# The decoder layer's residual add + post-attention RMSNorm (fused_add_norm)
+
+def _rms_norm_oracle(h: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    h64 = h.astype(np.float64)
+    return h64 / np.sqrt(np.mean(h64 * h64, axis=-1, keepdims=True) + eps) * w.astype(np.float64)
+
+
+@needs_sim
+@SETTINGS
+@given(rows=st.sampled_from([1, 3, 33]), width=st.sampled_from([64, 200, 2048, 4100]),
+       dtype=st.sampled_from(["bfloat16", "float16", "float32"]), scale=st.sampled_from([0.01, 1.0, 30.0]),
+       seed=st.integers(0, 1000))
+def test_residual_rms_norm(rows, width, dtype, scale, seed):
+    """h has the bits of MLX's add; n is the RMSNorm of h within a few roundings of the activation type of
+    a float64 oracle and of MLX's own rms_norm; every output element written (poisoned outputs)."""
+    rng = np.random.default_rng(seed)
+    dt = getattr(mx, dtype)
+    x = mx.array((scale * rng.standard_normal((rows, width))).astype(np.float32)).astype(dt)
+    y = mx.array((scale * rng.standard_normal((rows, width))).astype(np.float32)).astype(dt)
+    w = mx.array((1 + 0.2 * rng.standard_normal(width)).astype(np.float32)).astype(dt)
+    h, n = mk.residual_rms_norm(x, y, w, 1e-6, backend=KERNEL_BACKEND, init_value=float("nan"))
+    assert mx.array_equal(h, x + y).item()
+    got = np.asarray(n.astype(mx.float32), dtype=np.float64)
+    assert not np.isnan(got).any()
+    want = _rms_norm_oracle(np.asarray((x + y).astype(mx.float32)), np.asarray(w.astype(mx.float32)), 1e-6)
+    eps_t = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -23}[dtype]
+    # a few roundings of the type (the sum of squares, rsqrt, two products rounded to T)
+    np.testing.assert_allclose(got, want, rtol=4 * eps_t, atol=4 * eps_t * np.abs(want).max())
+    stock = np.asarray(mx.fast.rms_norm(x + y, w, 1e-6).astype(mx.float32), dtype=np.float64)
+    np.testing.assert_allclose(got, stock, rtol=4 * eps_t, atol=4 * eps_t * np.abs(stock).max())
+
+
+@needs_sim
+def test_residual_rms_norm_row_alone_equals_row_in_batch_and_race_check(monkeypatch):
+    """One threadgroup per row: a row's outputs do not depend on the other rows; the simulator's race
+    check on the simdgroups' partial sums shared through threadgroup memory."""
+    monkeypatch.setenv("LILY_MSL_RACE", "1")
+    rng = np.random.default_rng(4)
+    x = mx.array(rng.standard_normal((5, 520)).astype(np.float32)).astype(mx.bfloat16)
+    y = mx.array(rng.standard_normal((5, 520)).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.array(rng.standard_normal(520).astype(np.float32)).astype(mx.bfloat16)
+    h, n = mk.residual_rms_norm(x, y, w, 1e-5, backend=KERNEL_BACKEND)
+    h2, n2 = mk.residual_rms_norm(x[2:3], y[2:3], w, 1e-5, backend=KERNEL_BACKEND)
+    assert mx.array_equal(h[2:3], h2).item() and mx.array_equal(n[2:3], n2).item()
+
+
+def test_residual_norm_refuses_what_it_does_not_compute():
+    import mlx.nn as nn
+
+    x = mx.zeros((1, 1, 64), mx.bfloat16)
+    assert mk.residual_norm_reason(nn.RMSNorm(64), x, x) is not None  # fp32 weight, bf16 activations
+    norm = nn.RMSNorm(64)
+    norm.weight = norm.weight.astype(mx.bfloat16)
+    assert mk.residual_norm_reason(norm, x, x) is None
+    assert "nn.RMSNorm only" in mk.residual_norm_reason(nn.LayerNorm(64), x, x)
+    assert mk.residual_norm_reason(norm, x, x.astype(mx.float32)) is not None

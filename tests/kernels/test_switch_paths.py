@@ -430,18 +430,22 @@ NO_KERNEL_SWITCHES = ("fixed_block_attention", "chunked_prefill", "compiled_deco
 # fused_qk_prep: on, attention_qk_prep before each attention kernel; off, stock's ops
 # (expected_model_launches; tests/kernels/test_attention_qk_prep.py).
 QK_PREP_SWITCHES = ("fused_qk_prep",)
+# fused_add_norm: on, moe_residual_rms_norm between each layer's mixer and its MoE block; off, MLX's ops.
+ADD_NORM_SWITCHES = ("fused_add_norm",)
 assert set(NO_KERNEL_SWITCHES) | set(MOE_SWITCHES) | set(MOE_BLOCK_SWITCHES) | set(DELTANET_SWITCHES) | set(
-    ATTENTION_SWITCHES) | set(QK_PREP_SWITCHES) == set(switches.SWITCHES), "a new switch needs its expected launches here"
+    ATTENTION_SWITCHES) | set(QK_PREP_SWITCHES) | set(ADD_NORM_SWITCHES) == set(switches.SWITCHES), \
+    "a new switch needs its expected launches here"
 
 
 def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Sequence[str], top_k: int) -> List[str]:
     """Launches of one forward call of ``tokens`` tokens (batch 1) through the patched model with a
     fresh prompt cache: per layer, its mixer's kernels then its MoE block's."""
     names = []
+    add_norm = ["moe_residual_rms_norm"] if state["fused_add_norm"] else []  # after the mixer, before the block
     for kind in layer_types:
         if kind == "linear_attention":
             names += expected_deltanet_launches(state, tokens)
-            names += expected_block_launches(state, tokens * top_k)
+            names += add_norm + expected_block_launches(state, tokens * top_k)
             continue
         if state["fused_qk_prep"]:  # q/k norms, RoPE and the gate split in one kernel
             names.append("attention_qk_prep")
@@ -449,7 +453,7 @@ def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Se
             names.append("attention_decode")
         else:  # a prefill chunk over a plain KVCache, mask "causal": the prefill kernel (no switch)
             names.append("attention_prefill")
-        names += expected_block_launches(state, tokens * top_k)
+        names += add_norm + expected_block_launches(state, tokens * top_k)
     return names
 
 

@@ -16,6 +16,8 @@ Ops, each with a plain-MLX reference and, where written, kernels:
   ``adaptive_tile``, ``fused_combine``). Where they apply they run for every call size, decode
   included, so that a token's result is the same alone and in any batch (batch invariance).
   Decode calls run the GEMMs' one-row GEMV forms (switch ``row_gemv``), with the same bits.
+- ``moe_residual_norm``: the decoder layer's residual add after its mixer and the post-attention RMSNorm
+  in one kernel (switch ``fused_add_norm``); reference: MLX's add and ``rms_norm``.
 - ``moe_expert_up`` / ``moe_expert_down``: the decode GEMV path of stock (references; they run
   where the grouped kernels do not).
 """
@@ -44,6 +46,12 @@ register_op(Op(
     "shared expert as one more expert, then the routing-weighted sum over each token's experts.",
     switches=("fused_dequant", "adaptive_tile", "fused_combine", "fused_expert_down", "row_gemv", "fused_residual"),
     kernel_backends=KERNEL_BACKENDS,
+))
+register_op(Op(
+    "moe_residual_norm", "moe",
+    "The decoder layer's residual add after its mixer and the post-attention RMSNorm before the MoE block, "
+    "in one kernel (both outputs).",
+    switches=("fused_add_norm",), kernel_backends=KERNEL_BACKENDS,
 ))
 register_op(Op("moe_expert_up", "moe", "Decode expert GEMV (stock's): gate and up projections with SwiGLU."))
 register_op(Op(

@@ -25,6 +25,7 @@ from functools import lru_cache
 from typing import Dict, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from ...core import compiled, switches
@@ -34,6 +35,7 @@ from ...core.log import log_once
 from .reference import combine_reference, is_quantized_switch_linear
 
 ROUTER = "moe/router.metal"
+RESIDUAL_NORM = "moe/residual_norm.metal"
 ROUTING = "moe/routing.metal"
 GEMM = "moe/gemm.metal"
 
@@ -48,8 +50,11 @@ _DOWN_SIGNATURE = (
 _GATE_UP_PARAMS = ("top_k", "D", "I", "E", "A", "N")
 _DOWN_PARAMS = ("I", "D", "E", "Is")
 
-# Dispatch table: one KernelSpec per kernel of kernels/moe/router.metal, routing.metal and gemm.metal.
+# Dispatch table: one KernelSpec per kernel of kernels/moe/router.metal, routing.metal, gemm.metal and
+# residual_norm.metal.
 KERNELS: Dict[str, KernelSpec] = {
+    "residual_norm": KernelSpec("moe_residual_rms_norm", RESIDUAL_NORM, ("x", "y", "weight", "eps", "params"),
+                                ("h", "n"), params=("D",)),
     "router": KernelSpec("moe_router_softmax_topk_q", ROUTER,
                          ("x", "w_router", "scales_router", "biases_router", "w_gate", "scales_gate", "biases_gate",
                           "params"), ("inds", "scores", "gate", "blocks"),
@@ -405,6 +410,37 @@ def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: 
         output_shapes=[(n, d)], output_dtypes=[y.dtype], init_value=init_value,
     )
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The decoder layer's residual add + post-attention RMSNorm (fused_add_norm)
+
+NORM_THREADS = 256  # kernels/moe/residual_norm.metal: MOE_NORM_THREADS
+
+
+def residual_norm_reason(norm, x: mx.array, y: mx.array) -> Optional[str]:
+    """None when the residual-norm kernel computes ``x + y`` and ``norm`` of it; else why not."""
+    if type(norm) is not nn.RMSNorm:
+        return f"post-attention norm {type(norm).__name__} (nn.RMSNorm only)"
+    if x.dtype not in (mx.bfloat16, mx.float16, mx.float32) or y.dtype != x.dtype or x.shape != y.shape:
+        return f"residual {x.dtype} {x.shape} and mixer output {y.dtype} {y.shape}"
+    if norm.weight.dtype != x.dtype or norm.weight.shape != (x.shape[-1],):
+        return f"norm weight {norm.weight.dtype} {norm.weight.shape} for activations {x.dtype}"
+    return None
+
+
+def residual_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float, backend: Optional[str] = None,
+                      init_value=None):
+    """(h, n): h = x + y (the bits of MLX's add), n = rms_norm(h) * weight with stock's rounding points;
+    x, y [..., D], one launch."""
+    d = x.shape[-1]
+    rows = x.size // d
+    h, n = get_kernel(KERNELS["residual_norm"], backend or op_backend("moe_residual_norm"))(
+        inputs=[x.reshape(rows, d), y.reshape(rows, d), weight, float32_scalar(eps), KERNELS["residual_norm"].pack(D=d)],
+        template=[("T", x.dtype)], grid=(NORM_THREADS, rows, 1), threadgroup=(NORM_THREADS, 1, 1),
+        output_shapes=[(rows, d), (rows, d)], output_dtypes=[x.dtype, x.dtype], init_value=init_value,
+    )
+    return h.reshape(x.shape), n.reshape(x.shape)
 
 
 # ----------------------------------------------------------------------------------------------

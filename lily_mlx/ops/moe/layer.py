@@ -14,6 +14,7 @@ from mlx.nn.layers.distributed import sum_gradients
 
 from ...core import compiled, lookahead, switches
 from ...core.dispatch import op_backend
+from ...core.log import log_once
 from .reference import (
     combine_reference,
     expert_down_reference,
@@ -78,6 +79,22 @@ def sparse_moe_forward(self, x: mx.array, residual=None) -> mx.array:
     return y
 
 
+def residual_norm(self, x: mx.array, mixed: mx.array):
+    """(h, post_attention_layernorm(h)) with h = x + mixed: one kernel (switch ``fused_add_norm``, op
+    ``moe_residual_norm``) where it applies, else MLX's add and the norm module (stock's ops)."""
+    norm = self.post_attention_layernorm
+    backend = op_backend("moe_residual_norm")
+    if switches.is_enabled("fused_add_norm") and backend != "reference":
+        from .kernels import residual_norm_reason, residual_rms_norm
+
+        reason = residual_norm_reason(norm, x, mixed)
+        if reason is None:
+            return residual_rms_norm(x, mixed, norm.weight, norm.eps, backend)
+        log_once(f"moe_residual_norm:{reason}", f"moe_residual_norm: {reason}, using MLX's add and rms_norm")
+    h = x + mixed
+    return h, norm(h)
+
+
 def _traced_layer(self, x: mx.array, mask, cache):
     """A decoder layer's decode step with its shape-stable parts traced as wholes (switch
     ``compiled_layers``, with ``compiled_decode``, Metal or CUDA): a DeltaNet layer in one trace (input
@@ -88,8 +105,8 @@ def _traced_layer(self, x: mx.array, mask, cache):
         return None
     if self.mlp.sharding_group is not None or getattr(self.input_layernorm, "weight", x).dtype != x.dtype:
         return None  # (the mixer's input must have x's dtype: its fused projections are chosen from x)
-    moe_backends = (op_backend("moe_grouped_gemm"), op_backend("moe_router"))
-    if not compiled.enabled(*moe_backends):
+    moe_backends = (op_backend("moe_grouped_gemm"), op_backend("moe_router"), op_backend("moe_residual_norm"))
+    if not compiled.enabled(*moe_backends[:2], *[b for b in moe_backends[2:] if b != "reference"]):
         return None
     mixer = self.linear_attn if self.is_linear else self.self_attn
     trace = compiled.LAYER_TRACES.get(type(mixer).__call__)
@@ -97,8 +114,8 @@ def _traced_layer(self, x: mx.array, mask, cache):
         return None
 
     def post(x, mixed):
-        h = x + mixed
-        return sparse_moe_forward(self.mlp, self.post_attention_layernorm(h), residual=h)
+        h, normed = residual_norm(self, x, mixed)
+        return sparse_moe_forward(self.mlp, normed, residual=h)
 
     return trace(mixer, x, mask, cache, owner=self, key=(moe_backends, switches.key()), pre=self.input_layernorm,
                  post=post)
@@ -116,7 +133,7 @@ def decoder_layer_forward(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if out is not None:
             return out
     mixer = self.linear_attn if self.is_linear else self.self_attn
-    h = x + mixer(self.input_layernorm(x), mask, cache)
+    h, normed = residual_norm(self, x, mixer(self.input_layernorm(x), mask, cache))
     if type(self.mlp).__call__ is sparse_moe_forward:
-        return sparse_moe_forward(self.mlp, self.post_attention_layernorm(h), residual=h)
-    return h + self.mlp(self.post_attention_layernorm(h))
+        return sparse_moe_forward(self.mlp, normed, residual=h)
+    return h + self.mlp(normed)
