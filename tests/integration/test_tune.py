@@ -150,7 +150,7 @@ def test_a_profile_pins_one_op_and_turns_a_switch_off_until_tune_is_off(tune_dir
     assert not switches.is_enabled("register_scan") and "register_scan" in report.switches_off
     with record_launches() as launches:
         _logits(model, tokenizer)
-    assert not [n for n in launches.names() if n.startswith("moe_")]
+    assert not [n for n in launches.names() if n.startswith("moe_") and n != "moe_residual_rms_norm"]  # (its own op)
     assert "deltanet_scan_blockwise" in launches.names()  # register_scan off: the blockwise scan
 
     monkeypatch.setenv("LILY_TUNE", "off")
