@@ -113,3 +113,35 @@ def test_decode_traces_give_the_bits_of_steps_built_op_by_op(monkeypatch, off):
     for r, (got, want) in enumerate(zip(traced_rows, built_rows)):
         for step, (a, b) in enumerate(zip(got, want)):
             assert mx.array_equal(a, b).item(), f"row {r}, step {step}"
+
+
+def test_layer_traces_with_a_quantized_kv_cache(monkeypatch):
+    """MLX-LM's generate_step with --kv-bits (the attention layers' cache turns into a QuantizedKVCache
+    mid-generation): tokens and log-probabilities with the layer traces are those of the steps built op by
+    op, and the tokens are stock's (reference backend, traces widened to it as above)."""
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+
+    from lily_mlx import patch as lily_patch
+    from lily_mlx.models import embedded
+
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    monkeypatch.setattr(compiled, "COMPILE_BACKENDS", compiled.COMPILE_BACKENDS | {"reference"})
+    model, tokenizer = mlx_lm.load(str(embedded.EMBEDDED_DIR))
+    prompt = mx.array(tokenizer.encode("Return the value of the parameter named in the request"))
+
+    def run():
+        steps = generate_step(prompt, model, kv_bits=4, kv_group_size=64, quantized_kv_start=4)
+        return [(int(token), logprobs) for (token, logprobs), _ in zip(steps, range(12))]
+
+    stock = run()
+    lily_patch.patch(model)
+    try:
+        with switches.overrides(disable=["compiled_decode"]):
+            built = run()
+        traced = run()
+        assert any(m.__dict__.get("_lily_compiled") for _, m in model.named_modules())
+    finally:
+        lily_patch.unpatch(model)
+    assert [t for t, _ in traced] == [t for t, _ in built] == [t for t, _ in stock]
+    assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(traced, built))
