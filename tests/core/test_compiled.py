@@ -145,3 +145,26 @@ def test_layer_traces_with_a_quantized_kv_cache(monkeypatch):
         lily_patch.unpatch(model)
     assert [t for t, _ in traced] == [t for t, _ in built] == [t for t, _ in stock]
     assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(traced, built))
+
+
+def test_sharded_layers_keep_their_collectives_out_of_traces(monkeypatch):
+    """After MLX-LM's shard() (a one-rank group here) the attention projections and MoE blocks hold
+    all_sum: no layer or attention trace is made (the DeltaNet mixers' own traces stop before their
+    all_sum, as before), and decode runs."""
+    import mlx_lm
+
+    from lily_mlx import patch as lily_patch
+    from lily_mlx.models import embedded
+    from tests.kernels.test_compiled_decode import _greedy_logits
+
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    monkeypatch.setattr(compiled, "COMPILE_BACKENDS", compiled.COMPILE_BACKENDS | {"reference"})
+    model, tokenizer = mlx_lm.load(str(embedded.EMBEDDED_DIR))
+    model.shard(mx.distributed.init())
+    lily_patch.patch(model)
+    try:
+        _greedy_logits(model, tokenizer.encode("Return the value"))
+        owners = {type(m).__name__ for _, m in model.named_modules() if m.__dict__.get("_lily_compiled")}
+    finally:
+        lily_patch.unpatch(model)
+    assert owners <= {"LilyGatedDeltaNet"}, owners

@@ -180,9 +180,11 @@ def _gated_output(self, output: mx.array, gate: mx.array) -> mx.array:
 def _traces_on(self, x: mx.array, cache: Any) -> bool:
     """Whether this call's shape-stable pieces run from traces (switch ``compiled_attention``): a decode
     step (one token per row) with a KV cache, on Metal or CUDA (ops on their reference there are plain
-    MLX ops, traceable; the simulator computes eagerly)."""
+    MLX ops, traceable; the simulator computes eagerly), the layer not sharded."""
     if x.shape[1] != 1 or cache is None or not is_enabled("compiled_attention"):
         return False
+    if hasattr(self.q_proj, "group") or hasattr(self.o_proj, "group"):
+        return False  # sharded (MLX-LM's shard()): its all_sum stays out of traces, as in the other pieces
     kernel_backends = [b for b in (op_backend("attention_qk_prep"),) if b != "reference"]
     return compiled.enabled(active_backend(), *kernel_backends)
 
