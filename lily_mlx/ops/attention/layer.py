@@ -40,15 +40,17 @@ KERNELS: dict = {
 }
 
 
-def _kernel_for(op: str, unsupported: Optional[str] = None) -> Optional[Callable]:
+def _kernel_for(op: str, unsupported: Optional[Callable[[], Optional[str]]] = None) -> Optional[Callable]:
     """The kernel that runs op ``op`` (its name) on the active backend, or None for the reference.
 
-    ``unsupported`` names why these shapes/inputs are outside the kernel (logged once)."""
+    ``unsupported()`` names why these shapes/inputs are outside the kernel (logged once); it is asked
+    only where the op has a kernel here (the decode step's hot path)."""
     backend = active_backend()
     if backend == "reference":
         return None
-    if op_backend(op, backend) == "reference" or (op, backend) not in KERNELS:
+    if op_backend(op) == "reference" or (op, backend) not in KERNELS:
         return None  # said once, at patch time (lily_mlx.patch_report)
+    unsupported = unsupported() if unsupported is not None else None
     if unsupported:
         log_once(f"{op}:{backend}:{unsupported}", f"{op}: {unsupported}, using the reference")
         return None
@@ -73,7 +75,7 @@ def qk_prep(q_proj_out, k_proj_out, v_proj_out, *, n_heads, n_kv_heads, q_norm, 
     """q/k preparation; see ``qk_prep_reference`` for shapes. Kernel (switch ``fused_qk_prep``; off: the
     reference's separate ops): ``attention_qk_prep``, the values only transposed, as stock."""
     if is_enabled("fused_qk_prep"):
-        kernel = _kernel_for("attention_qk_prep", kernels.qk_prep_supports(
+        kernel = _kernel_for("attention_qk_prep", lambda: kernels.qk_prep_supports(
             q_proj_out, k_proj_out, n_heads, n_kv_heads, q_norm, k_norm, rope, offset))
         if kernel is not None:
             queries, keys, gate = kernel(q_proj_out, k_proj_out, n_heads=n_heads, n_kv_heads=n_kv_heads,
@@ -92,7 +94,7 @@ def prefill_attention(queries, keys, values, *, scale, mask=None, cache=None):
     """Chunk of L queries over cache + chunk; shapes as ``attention_reference``. The kernel takes a
     plain ``KVCache`` (or no cache) with mask "causal" or None (shape rules: ``kernels.prefill_supports``);
     bool or additive mask arrays (batched caches), quantized and rotating caches run stock's attention."""
-    kernel = _kernel_for("attention_prefill", kernels.prefill_supports(queries, keys, values, mask, cache))
+    kernel = _kernel_for("attention_prefill", lambda: kernels.prefill_supports(queries, keys, values, mask, cache))
     if kernel is not None:
         return kernel(queries, keys, values, scale=scale, mask=mask, cache=cache)
     return attention_reference(queries, keys, values, scale=scale, mask=mask, cache=cache)
@@ -102,7 +104,7 @@ def decode_attention(queries, keys, values, *, scale, mask=None, cache=None):
     """One query row (L == 1) over the KV cache. Kernel variants: ``coalesced_kv``, ``gqa_packing``.
     The kernel takes a plain ``KVCache`` without a mask, or a ``BatchKVCache`` with its own one-row mask
     (the server's batches: each row from its left padding on; shape rules: ``kernels.supports``)."""
-    kernel = _kernel_for("attention_decode", kernels.supports(queries, keys, values, mask, cache, batch=True))
+    kernel = _kernel_for("attention_decode", lambda: kernels.supports(queries, keys, values, mask, cache, batch=True))
     if kernel is not None:
         return kernel(queries, keys, values, scale=scale, mask=mask, cache=cache,
                       coalesced=is_enabled("coalesced_kv"), gqa_packed=is_enabled("gqa_packing"))
@@ -112,7 +114,7 @@ def decode_attention(queries, keys, values, *, scale, mask=None, cache=None):
 def long_context_attention(queries, keys, values, *, scale, mask=None, cache=None):
     """Decode at long context: the fixed-block split kernels (same shape rules as the decode kernel).
     Reference: stock's attention."""
-    kernel = _kernel_for("attention_decode_long", kernels.supports(queries, keys, values, mask, cache))
+    kernel = _kernel_for("attention_decode_long", lambda: kernels.supports(queries, keys, values, mask, cache))
     if kernel is not None:
         return kernel(queries, keys, values, scale=scale, mask=mask, cache=cache,
                       coalesced=is_enabled("coalesced_kv"), gqa_packed=is_enabled("gqa_packing"))
