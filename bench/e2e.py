@@ -19,6 +19,7 @@ the engine's own run needs.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -46,6 +47,9 @@ def parse_lengths(text: str) -> List[int]:
 
 
 ABLATION_PREFIX = "lily-off:"
+# lily with trial kernels on (``lily-trial:attention_qk_prep+attention_decode``): what LILY_TRIAL_OPS does,
+# per engine, so that a trial kernel is A/B-timed against lily in one process.
+TRIAL_PREFIX = "lily-trial:"
 # The fair baseline: stock MLX-LM running its own Gated DeltaNet Metal kernels (through the bridge on
 # CUDA, the simulator on sim), as it does on a Mac. Plain "stock" on CUDA runs a per-token op loop.
 STOCK_KERNELS = "stock-kernels"
@@ -71,19 +75,36 @@ def switches_off(engine: str) -> Tuple[str, ...]:
     return tuple(switches.parse_list(engine[len(ABLATION_PREFIX):].replace("+", ",")))
 
 
+def trial_ops(engine: str) -> Tuple[str, ...]:
+    """Trial kernels an engine turns on: ``lily-trial:a+b`` -> ("a", "b"); any other engine -> ()."""
+    engine = base_engine(engine)
+    if not engine.startswith(TRIAL_PREFIX):
+        return ()
+    return tuple(n.strip() for n in engine[len(TRIAL_PREFIX):].split("+") if n.strip())
+
+
 def is_lily(engine: str) -> bool:
     engine = base_engine(engine)
-    return engine == "lily" or engine.startswith(ABLATION_PREFIX)
+    return engine == "lily" or engine.startswith(ABLATION_PREFIX) or engine.startswith(TRIAL_PREFIX)
 
 
 def validate_engine(engine: str) -> None:
-    """Raise ValueError unless ``engine`` is stock, lily or lily-off:<switches>, optionally with
-    the @eval-per-layer modifier (unknown switch names are reported by ``switches_off``)."""
+    """Raise ValueError unless ``engine`` is stock, lily, lily-off:<switches> or lily-trial:<ops>,
+    optionally with the @eval-per-layer modifier (unknown switch names are reported by ``switches_off``)."""
     base = base_engine(engine)
-    if base not in ("stock", STOCK_KERNELS, "lily") and not base.startswith(ABLATION_PREFIX):
-        raise ValueError(f"unknown engine {engine!r}: use stock, {STOCK_KERNELS}, lily or "
-                         f"{ABLATION_PREFIX}<switch>[+<switch>], each optionally followed by {EVAL_PER_LAYER}")
+    if base not in ("stock", STOCK_KERNELS, "lily") and not base.startswith((ABLATION_PREFIX, TRIAL_PREFIX)):
+        raise ValueError(f"unknown engine {engine!r}: use stock, {STOCK_KERNELS}, lily, "
+                         f"{ABLATION_PREFIX}<switch>[+<switch>] or {TRIAL_PREFIX}<op>[+<op>], each optionally "
+                         f"followed by {EVAL_PER_LAYER}")
     switches_off(engine)
+    ops = trial_ops(engine)
+    if base.startswith(TRIAL_PREFIX):
+        from lily_mlx.ops import load_all
+
+        trials = sorted(name for name, op in load_all().items() if op.trial_backends)
+        unknown = [n for n in ops if n not in trials]
+        if not ops or unknown:
+            raise ValueError(f"engine {engine!r}: not a trial kernel {unknown or ops}; trial kernels: {', '.join(trials)}")
 
 
 class _EvalAfterPrefillLayer:
@@ -120,6 +141,7 @@ class Engines:
         from lily_dev.deltanet_stock_kernels import set_stock_kernels
 
         set_eval_per_layer(self.model, False)  # lily's patch swaps classes too: never stack on ours
+        self._set_trial_ops(trial_ops(engine))
         patched = lily_mlx.is_patched(self.model)
         set_stock_kernels(False)
         if is_lily(engine) and not patched:
@@ -129,6 +151,24 @@ class Engines:
         if base_engine(engine) == STOCK_KERNELS:
             set_stock_kernels(True)
         set_eval_per_layer(self.model, engine.endswith(EVAL_PER_LAYER))
+
+
+    _user_trials = None  # LILY_TRIAL_OPS as the user set it, while an engine overrides it
+
+    def _set_trial_ops(self, ops: Tuple[str, ...]) -> None:
+        """LILY_TRIAL_OPS for this engine (the user's own value for engines that name none); the dispatch
+        plan is resolved again on its next use."""
+        from lily_mlx.core import dispatch
+
+        if Engines._user_trials is None:
+            Engines._user_trials = os.environ.get("LILY_TRIAL_OPS", "")
+        value = ",".join(ops) if ops else Engines._user_trials
+        if os.environ.get("LILY_TRIAL_OPS", "") != value:
+            if value:
+                os.environ["LILY_TRIAL_OPS"] = value
+            else:
+                os.environ.pop("LILY_TRIAL_OPS", None)
+            dispatch.invalidate()
 
 
 def warm_long_context(model, engines: Sequence[str], lengths: Sequence[int], log=print) -> None:

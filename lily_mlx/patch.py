@@ -262,7 +262,8 @@ def _report(model, arch: str) -> PatchReport:
             elif name in pinned:
                 reasons[name] = f"tune profile: {pinned[name]}"
             elif backend in op.trial_backends:
-                reasons[name] = "trial kernel, on where `python -m lily_mlx tune` measures it faster"
+                reasons[name] = ("trial kernel, on where `python -m lily_mlx tune` measures it faster "
+                                 "(or LILY_TRIAL_OPS names it)")
             else:
                 reasons[name] = f"no {backend} kernel yet"
     off = tuple(n for n, on in switches.state().items() if not on)
@@ -270,9 +271,9 @@ def _report(model, arch: str) -> PatchReport:
 
 
 def environment_problems() -> List[str]:
-    """One line per LILY_* variable that cannot be honoured. ``LILY_REFERENCE_OPS`` names ops, which
-    exist once their families are imported: that happens here, and only when the variable is set."""
-    if os.environ.get("LILY_REFERENCE_OPS"):
+    """One line per LILY_* variable that cannot be honoured. ``LILY_REFERENCE_OPS`` and ``LILY_TRIAL_OPS``
+    name ops, which exist once their families are imported: that happens here, and only when one is set."""
+    if os.environ.get("LILY_REFERENCE_OPS") or os.environ.get("LILY_TRIAL_OPS"):
         from .ops import load_all
 
         load_all()

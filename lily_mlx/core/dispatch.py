@@ -6,7 +6,8 @@ the backends it has kernels for. The plan maps each op to the backend it runs on
 its reference and the tune profile of this machine (``core.tune_profile``) does not pin it there,
 else ``"reference"``. A *trial* kernel (``Op.trial_backends``: written for that backend, but not
 measured faster than its reference on the machines tried) runs only where this machine's tune profile
-measured it correct and faster (``python -m lily_mlx tune`` times trial kernels too). The environment and the profile are read when the plan is resolved (at
+measured it correct and faster (``python -m lily_mlx tune`` times trial kernels too), or where
+``LILY_TRIAL_OPS`` names it. The environment and the profile are read when the plan is resolved (at
 ``patch()``, or on first use after :func:`invalidate`), never on the hot path: a forward's
 ``op_backend(name)`` is one dict lookup.
 """
@@ -62,6 +63,12 @@ def reference_ops() -> FrozenSet[str]:
     return frozenset(t.strip() for t in text.split(",") if t.strip())
 
 
+def trial_ops() -> FrozenSet[str]:
+    """Trial kernels turned on by ``LILY_TRIAL_OPS=attention_qk_prep,...`` (to try one without a tune
+    run, or to A/B it: ``bench.e2e``'s ``lily-trial:<op>`` engines set it), besides the tune profile's."""
+    return frozenset(_env_names("LILY_TRIAL_OPS"))
+
+
 def _choose(op: Op, backend: str, forced: FrozenSet[str], pinned=(), trials=()) -> str:
     if op.name in forced or op.family in forced or op.name in pinned:
         return REFERENCE
@@ -73,7 +80,7 @@ def _choose(op: Op, backend: str, forced: FrozenSet[str], pinned=(), trials=()) 
 
 
 def _trials_for(profile: Optional[tune_profile.Profile]):
-    return profile.kernel_ops if profile is not None else {}
+    return set(profile.kernel_ops if profile is not None else {}) | trial_ops()
 
 
 def _env_names(var: str) -> set:
@@ -94,7 +101,7 @@ def _apply_profile_switches(profile: Optional[tune_profile.Profile]) -> None:
 
 
 def resolve() -> str:
-    """Read ``LILY_BACKEND``, ``LILY_REFERENCE_OPS`` and the tune profile now and rebuild the plan
+    """Read ``LILY_BACKEND``, ``LILY_REFERENCE_OPS``, ``LILY_TRIAL_OPS`` and the tune profile now and rebuild the plan
     (and apply the profile's switch choices); returns the backend."""
     global _backend, _profile
     backend = resolve_backend()

@@ -42,6 +42,21 @@ def _reference_ops_problem() -> List[str]:
             f"valid: {', '.join(sorted(known))}"]
 
 
+def _trial_ops_problem() -> List[str]:
+    text = os.environ.get("LILY_TRIAL_OPS", "")
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        return []
+    from .dispatch import OPS as ops  # filled by importing the op families (lily_mlx.patch does it)
+
+    trials = sorted(name for name, op in ops.items() if op.trial_backends)
+    unknown = [n for n in names if n not in trials]
+    if not unknown:
+        return []
+    return [f"LILY_TRIAL_OPS={text!r}: not a trial kernel {', '.join(map(repr, unknown))}; "
+            f"trial kernels: {', '.join(trials)}"]
+
+
 def _allow_untested_problem() -> List[str]:
     value = os.environ.get("LILY_ALLOW_UNTESTED", "")
     return [] if value in ("", "0", "1") else [f"LILY_ALLOW_UNTESTED={value!r} is not 0 or 1"]
@@ -58,4 +73,4 @@ def _tune_problem() -> List[str]:
 def problems() -> List[str]:
     """One line per lily-mlx environment variable that cannot be honoured (empty when all is well)."""
     return (switches.environment_problems() + _backend_problem() + _reference_ops_problem()
-            + _allow_untested_problem() + _tune_problem())
+            + _trial_ops_problem() + _allow_untested_problem() + _tune_problem())

@@ -245,6 +245,27 @@ def test_a_trial_kernel_runs_only_where_the_profile_turned_it_on(tune_dir, sim_m
     assert lily_mlx.patch(model)._lily_report.op_backends["attention_qk_prep"] == "reference"
 
 
+def test_lily_trial_ops_turns_a_trial_kernel_on_without_a_profile(tune_dir, sim_model, qk_prep_as_trial, monkeypatch):
+    """LILY_TRIAL_OPS names trial kernels to run (no tune run needed); LILY_REFERENCE_OPS still wins; a
+    name that is not a trial kernel is a one-line error before patching."""
+    from lily_mlx.core import environment
+
+    model, tokenizer = sim_model
+    monkeypatch.setenv("LILY_TRIAL_OPS", "attention_qk_prep")
+    assert lily_mlx.patch(model)._lily_report.op_backends["attention_qk_prep"] == "sim"
+    with record_launches() as launches:
+        _logits(model, tokenizer)
+    assert "attention_qk_prep" in launches.names()
+    monkeypatch.setenv("LILY_REFERENCE_OPS", "attention_qk_prep")
+    assert lily_mlx.patch(model)._lily_report.op_backends["attention_qk_prep"] == "reference"
+    monkeypatch.delenv("LILY_REFERENCE_OPS")
+    monkeypatch.setenv("LILY_TRIAL_OPS", "moe_router")
+    problems = environment.problems()
+    assert any("LILY_TRIAL_OPS='moe_router': not a trial kernel 'moe_router'" in p for p in problems), problems
+    with pytest.raises(environment.LilyConfigError, match="LILY_TRIAL_OPS"):
+        lily_mlx.patch(model)
+
+
 def test_tune_checks_and_times_a_trial_kernel_and_records_its_choice(tune_dir, sim_model, qk_prep_as_trial):
     """tune() with the q/k preparation kernel as a trial kernel: it is checked and timed like the others
     and the profile says trial, with a choice and its reason; patch() then applies that choice."""

@@ -22,3 +22,31 @@ def test_decode_ab_alternates_engines_and_reports_paired_ratios(monkeypatch):
     assert not lily_mlx.is_patched(model)
     table = decode_ab.table_markdown(result)
     assert "| lily-off:split_router |" in table and "median ratio to lily" in table
+
+
+def test_lily_trial_engines_set_and_restore_the_trial_kernels(monkeypatch):
+    """``lily-trial:<op>`` engines run lily with those trial kernels on (LILY_TRIAL_OPS while the engine is
+    in use, the user's own value back afterwards); a name that is not a trial kernel is refused."""
+    import os
+
+    import pytest
+
+    from bench.e2e import Engines, is_lily, trial_ops, validate_engine
+
+    monkeypatch.setenv("LILY_BACKEND", "sim")
+    monkeypatch.setenv("LILY_TUNE", "off")
+    monkeypatch.setenv("LILY_TRIAL_OPS", "attention_decode")  # the user's
+    monkeypatch.setattr(Engines, "_user_trials", None)
+    validate_engine("lily-trial:attention_qk_prep+attention_prefill")
+    assert trial_ops("lily-trial:attention_qk_prep+attention_prefill") == ("attention_qk_prep", "attention_prefill")
+    assert is_lily("lily-trial:attention_qk_prep") and trial_ops("lily") == ()
+    with pytest.raises(ValueError, match="not a trial kernel"):
+        validate_engine("lily-trial:moe_router")
+    model, _ = load_model(None, "tiny", log=None)
+    engines = Engines(model)
+    engines.use("lily-trial:attention_qk_prep")
+    assert os.environ["LILY_TRIAL_OPS"] == "attention_qk_prep" and lily_mlx.is_patched(model)
+    engines.use("lily")
+    assert os.environ["LILY_TRIAL_OPS"] == "attention_decode"
+    engines.use("stock")
+    assert not lily_mlx.is_patched(model)
