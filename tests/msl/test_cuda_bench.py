@@ -230,3 +230,11 @@ def test_decode_profile_shared_prefill_decodes_every_engine_from_one_cache(monke
     assert profile["shared_prefill"] and profile["prefill_engine"] == "lily"
     assert sum("prefilled once" in line for line in lines) == 1
     assert set(profile["engines"]) == {"stock", "lily"}
+
+
+def test_decode_checks_script_is_valid_bash_and_refuses_an_unknown_part(tmp_path):
+    script = str(REPO / "bench" / "device_decode_checks.sh")
+    subprocess.run(["bash", "-n", script], check=True)
+    done = subprocess.run(["bash", script], env={"PATH": "/usr/bin:/bin", "PART": "3", "OUT": str(tmp_path)},
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "PART must be 1 or 2" in done.stderr

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The decode checks left by the session of 2026-12-01 (docs/benchmarks.md, "Next device session"), on one
+# NVIDIA GPU, in two calls of under 10 minutes each (`PART=1`, then `PART=2`; each stops starting work
+# that would end after its budget and says what it skipped):
+#
+#   PART=1 bash bench/device_decode_checks.sh   # CUDA tests of what has not run on a GPU, decode A/B
+#   PART=2 bash bench/device_decode_checks.sh   # step GPU time by engine, decode profile + host profile
+#
+# Engines compared with lily: lily-off:fused_add_norm (written after the last GPU run) and
+# lily-trial:attention_qk_prep (the q/k preparation kernel, a trial kernel on CUDA, now inside the
+# attention layer's trace). Results under $OUT/decode_checks (Markdown tables, JSON, logs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/device_out}
+W=$OUT/decode_checks
+mkdir -p "$W"
+export LILY_TUNE=off PYTHONUNBUFFERED=1 LILY_BACKEND=${LILY_BACKEND:-cuda}
+BUDGET=${BUDGET:-540}
+ENGINES=${ENGINES:-lily,lily-off:fused_add_norm,lily-trial:attention_qk_prep}
+T0=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+say() { echo "[decode_checks $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$W/log.txt"; }
+run() {  # run NAME NEEDED_SECONDS COMMAND...: only when NEEDED_SECONDS still fit the budget
+  local name=$1 need=$2; shift 2
+  if [ "$(left)" -lt "$need" ]; then say "skipped $name (needs ~${need}s, $(left)s left)"; return; fi
+  say "start $name"
+  timeout "$(left)" "$@" > "$W/$name.txt" 2>&1
+  say "end $name (exit $?)"
+}
+case "${PART:-1}" in
+  1)
+    run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+      -o addopts= tests/kernels/test_moe_kernels.py tests/kernels/test_compiled_decode.py -k "residual or traces"
+    tail -3 "$W/tests_cuda.txt" 2>/dev/null
+    run decode_ab 200 python -m bench.decode_ab --engines "$ENGINES" --context 4096 --bursts 10 --out "$W/ab"
+    cat "$W/ab/decode_ab.md" 2>/dev/null
+    ;;
+  2)
+    run step_gpu_time 240 python -m bench.step_gpu_time --compare "$ENGINES" --out "$W/sgt"
+    head -8 "$W/sgt/step_gpu_time.md" 2>/dev/null
+    rm -f "$W"/sgt/*.csv
+    run decode_profile 200 python -m bench.run --mode decode-profile --size full --context 4096 --rounds 2 \
+      --profile-steps 16 --engines "stock-kernels,$ENGINES" --host-profile lily --out "$W/dprof"
+    head -12 "$W/dprof/decode_profile.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1 or 2" >&2; exit 2 ;;
+esac
+say "part ${PART:-1} done"
