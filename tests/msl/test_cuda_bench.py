@@ -238,3 +238,18 @@ def test_decode_checks_script_is_valid_bash_and_refuses_an_unknown_part(tmp_path
     done = subprocess.run(["bash", script], env={"PATH": "/usr/bin:/bin", "PART": "3", "OUT": str(tmp_path)},
                           capture_output=True, text=True)
     assert done.returncode == 2 and "PART must be 1 or 2" in done.stderr
+
+
+def test_decode_profile_counts_a_step_that_does_not_grow_the_kv_cache():
+    """MLX-LM's KVCache grows its buffers every 256 tokens (zeros + concatenation per cache): the decode
+    profile counts the primitives of an ordinary step, one step later where the next one would grow them."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from bench import decode_profile
+
+    cache = KVCache()
+    cache.update_and_fetch(mx.zeros((1, 2, 255, 8)), mx.zeros((1, 2, 255, 8)))
+    assert not decode_profile._grows_kv_cache([cache])  # 255 of 256 rows used
+    cache.update_and_fetch(mx.zeros((1, 2, 1, 8)), mx.zeros((1, 2, 1, 8)))
+    assert decode_profile._grows_kv_cache([cache, None])  # full: the next token allocates 256 more
