@@ -302,8 +302,8 @@ def switches_main(argv: List[str]) -> int:
         for op in ops.values()
     ]
     print("ops: backend each op would use here (kernel only where it has one for this backend and the "
-          "tune profile does not pin it to its reference; a trial kernel only where the tune profile turned "
-          "it on; otherwise its reference in plain MLX ops)")
+          "tune profile does not pin it to its reference; a trial kernel only where the tune profile or "
+          "LILY_TRIAL_OPS turned it on; otherwise its reference in plain MLX ops)")
     print(_table(["op", "family", "switches", "backend", "kernels for", "trial kernels for", "tune profile"],
                  op_rows))
     print()
