@@ -124,7 +124,8 @@ def _traced_layer(self, x: mx.array, mask, cache):
 def decoder_layer_forward(self, x: mx.array, mask=None, cache=None) -> mx.array:
     """A Qwen3.5/3.6/Next decoder layer (``DecoderLayer`` / ``Qwen3NextDecoderLayer.__call__``): stock's
     computation, except that a lily sparse-MoE block is handed the residual, so that its combine kernel
-    adds it (switch ``fused_residual``; same bits as stock's add), and that a decode step may replay
+    adds it (switch ``fused_residual``; same bits as stock's add), that the residual add after the mixer
+    and the post-attention norm may be one kernel (``residual_norm``), and that a decode step may replay
     traces of whole layers (``_traced_layer``). x: [B, T, D] -> [B, T, D]."""
     if self.training:
         return getattr(type(self), "_lily_stock_class", type(self)).__call__(self, x, mask, cache)
