@@ -168,3 +168,30 @@ def test_sharded_layers_keep_their_collectives_out_of_traces(monkeypatch):
     finally:
         lily_patch.unpatch(model)
     assert owners <= {"LilyGatedDeltaNet"}, owners
+
+
+@pytest.mark.parametrize("model_type, owners", [("qwen3_next", {"LilyQwen3NextDecoderLayer"}),
+                                                ("qwen3_5", {"LilyQwen3NextAttention", "LilyGatedDeltaNet"})])
+def test_traces_of_the_other_architectures(monkeypatch, tmp_path, model_type, owners):
+    """Qwen3-Next (MoE: whole layers traced) and dense Qwen3.5 (a dense MLP: the layers are not traced
+    whole, the attention and DeltaNet pieces are): traced decode steps have the bits of steps built op by op."""
+    import mlx_lm
+
+    from lily_mlx import patch as lily_patch
+    from tests.integration.tiny_models import build_random_model
+    from tests.kernels.test_compiled_decode import _greedy_logits
+
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    monkeypatch.setattr(compiled, "COMPILE_BACKENDS", compiled.COMPILE_BACKENDS | {"reference"})
+    model, tokenizer = mlx_lm.load(str(build_random_model(tmp_path, model_type, seed=1)))
+    lily_patch.patch(model)
+    try:
+        with switches.overrides(disable=["compiled_decode"]):
+            built, _ = _greedy_logits(model, tokenizer.encode("hello world test"))
+        traced, _ = _greedy_logits(model, tokenizer.encode("hello world test"))
+        got = {type(m).__name__ for _, m in model.named_modules() if m.__dict__.get("_lily_compiled")}
+    finally:
+        lily_patch.unpatch(model)
+    assert got == owners
+    for step, (a, b) in enumerate(zip(traced, built)):
+        assert mx.array_equal(a, b).item(), f"step {step}"
