@@ -91,20 +91,17 @@ inline float moe_router_logit(int row, int E, PW w_router, PS scales_router, PB 
   return moe_router_row_dot<BITS>(w_gate, scales_gate, biases_gate, xs, D, lane);
 }
 
-// Steps 2-4 of the router for token n, by one simdgroup (the caller's simdgroup 0; no barriers), from
-// its T-rounded logits in probs[0 .. E] (threadgroup memory; row E: the shared-expert gate's, when
-// has_gate): softmax, top-k, renormalisation, the gate, the decode schedule. Lane l owns experts
-// l, l + 32, ... (NPL = ceil(E / 32) of them, a template parameter so that its keys stay in registers):
-// the softmax's max and sum are each lane's in order, then simd_max / simd_sum; top-k is k rounds of a
-// simd_max over keys = the probability's fp32 bits with the expert id in the low 10 bits (1023 - e:
-// ties go to the lower id). Probabilities are >= 0, so their bits order like their values, and as
-// T-rounded values (bf16 or fp16) their low 13 fp32 mantissa bits are zero: a key holds its
-// probability exactly. Lane j keeps round j's key and writes that pick (k <= 32).
-template <typename T, int NPL, typename PI, typename PS, typename PG, typename PB>
-inline void moe_router_select(threadgroup float* probs, uint lane, long n, int num_tokens, int E, int top_k,
-                              int norm_topk, int has_gate, int decode_tile, int shared_chunks, PI inds, PS scores,
-                              PG gate, PB blocks) {
-  constexpr uint ID_BITS = uint(MOE_ROUTER_MAX_E - 1);
+// Steps 2-3 of the router for one token, by one simdgroup (no barriers), from its T-rounded logits in
+// probs[0 .. E) (threadgroup memory): softmax and top-k. Lane l owns experts l, l + 32, ... (NPL =
+// ceil(E / 32) of them, a template parameter so that its keys stay in registers): the softmax's max and
+// sum are each lane's in order, then simd_max / simd_sum; top-k is k rounds of a simd_max over keys = the
+// probability's fp32 bits with the expert id in the low 10 bits (1023 - e: ties go to the lower id).
+// Probabilities are >= 0, so their bits order like their values, and as T-rounded values (bf16 or fp16)
+// their low 13 fp32 mantissa bits are zero: a key holds its probability exactly. Returns pick `lane`'s
+// key (lanes >= k: 0); picked_sum: the k picks' probabilities summed in pick order (every lane alike).
+#define MOE_ROUTER_ID_BITS uint(MOE_ROUTER_MAX_E - 1)
+template <typename T, int NPL>
+inline uint moe_router_picks(const threadgroup float* probs, uint lane, int E, int top_k, thread float& picked_sum) {
   float top = -INFINITY;
   for (int i = 0; i < NPL; ++i) {
     const int e = int(lane) + 32 * i;
@@ -125,11 +122,10 @@ inline void moe_router_select(threadgroup float* probs, uint lane, long n, int n
   for (int i = 0; i < NPL; ++i) {
     const int e = int(lane) + 32 * i;
     const float p = e < E ? float(static_cast<T>(metal::exp(probs[e] - top) / total)) : 0.0f;
-    keys[i] = e < E ? (as_type<uint>(p) | (ID_BITS - uint(e))) : 0u;
+    keys[i] = e < E ? (as_type<uint>(p) | (MOE_ROUTER_ID_BITS - uint(e))) : 0u;
   }
-
-  float picked_sum = 0.0f;  // the k picks' probabilities in pick order (every lane the same sum)
-  uint mine = 0u;           // lane j: round j's key
+  picked_sum = 0.0f;
+  uint mine = 0u;  // lane j: round j's key
   for (int j = 0; j < top_k; ++j) {
     uint best = 0u;
     for (int i = 0; i < NPL; ++i) {
@@ -140,36 +136,60 @@ inline void moe_router_select(threadgroup float* probs, uint lane, long n, int n
       keys[i] = keys[i] == best ? 0u : keys[i];
     }
     mine = int(lane) == j ? best : mine;
-    picked_sum += as_type<float>(best & ~ID_BITS);
+    picked_sum += as_type<float>(best & ~MOE_ROUTER_ID_BITS);
   }
+  return mine;
+}
 
-  const long a0 = n * top_k;
-  if (int(lane) < top_k) {  // pick j = lane: its id, renormalised score and decode block
-    const long a = a0 + int(lane);
-    const int e = int(ID_BITS - (mine & ID_BITS));
-    const float p = as_type<float>(mine & ~ID_BITS);
-    const float denom = float(static_cast<T>(picked_sum));
-    inds[a] = e;
-    scores[a] = static_cast<T>(norm_topk != 0 ? p / denom : p);
-    blocks[4 * a + 0] = e;
-    blocks[4 * a + 1] = int(a);
-    blocks[4 * a + 2] = 1;
-    blocks[4 * a + 3] = decode_tile;
+// Step 4 for one pick (assignment a): its expert id, its renormalised score (the picks' sum rounded to T
+// first) and its one-row decode block (e, a, 1, decode_tile).
+template <typename T, typename PI, typename PS, typename PB>
+inline void moe_router_write_pick(uint key, float picked_sum, long a, int norm_topk, int decode_tile, PI inds,
+                                  PS scores, PB blocks) {
+  const int e = int(MOE_ROUTER_ID_BITS - (key & MOE_ROUTER_ID_BITS));
+  const float p = as_type<float>(key & ~MOE_ROUTER_ID_BITS);
+  const float denom = float(static_cast<T>(picked_sum));
+  inds[a] = e;
+  scores[a] = static_cast<T>(norm_topk != 0 ? p / denom : p);
+  blocks[4 * a + 0] = e;
+  blocks[4 * a + 1] = int(a);
+  blocks[4 * a + 2] = 1;
+  blocks[4 * a + 3] = decode_tile;
+}
+
+// The shared expert's sigmoid gate from its logit probs[E] (0 without has_gate), rounded as stock does.
+template <typename T>
+inline float moe_router_gate(const threadgroup float* probs, int E, int has_gate) {
+  return has_gate != 0 ? float(static_cast<T>(1.0f / (1.0f + metal::exp(-probs[E])))) : 0.0f;
+}
+
+// The one-row decode block of the shared expert's chunk c at slot `slot` (expert id E + c).
+template <typename PB>
+inline void moe_router_write_shared_block(long slot, int E, int c, int decode_tile, PB blocks) {
+  blocks[4 * slot + 0] = E + c;
+  blocks[4 * slot + 1] = int(slot);
+  blocks[4 * slot + 2] = 1;
+  blocks[4 * slot + 3] = decode_tile;
+}
+
+// Steps 2-4 of the router for token n, by one simdgroup (the caller's simdgroup 0; no barriers), from
+// its T-rounded logits in probs[0 .. E] (threadgroup memory; row E: the shared-expert gate's, when
+// has_gate): softmax, top-k (moe_router_picks), renormalisation, the gate, the decode schedule; lane j
+// writes pick j (k <= 32).
+template <typename T, int NPL, typename PI, typename PS, typename PG, typename PB>
+inline void moe_router_select(threadgroup float* probs, uint lane, long n, int num_tokens, int E, int top_k,
+                              int norm_topk, int has_gate, int decode_tile, int shared_chunks, PI inds, PS scores,
+                              PG gate, PB blocks) {
+  float picked_sum;
+  const uint mine = moe_router_picks<T, NPL>(probs, lane, E, top_k, picked_sum);
+  if (int(lane) < top_k) {
+    moe_router_write_pick<T>(mine, picked_sum, n * top_k + int(lane), norm_topk, decode_tile, inds, scores, blocks);
   }
   if (lane == 0) {
-    if (has_gate != 0) {
-      const float g = 1.0f / (1.0f + metal::exp(-probs[E]));
-      gate[n] = float(static_cast<T>(g));
-    } else {
-      gate[n] = 0.0f;
-    }
+    gate[n] = moe_router_gate<T>(probs, E, has_gate);
   }
   for (int c = int(lane); c < shared_chunks; c += 32) {
-    const long slot = long(num_tokens) * (top_k + c) + n;
-    blocks[4 * slot + 0] = E + c;
-    blocks[4 * slot + 1] = int(slot);
-    blocks[4 * slot + 2] = 1;
-    blocks[4 * slot + 3] = decode_tile;
+    moe_router_write_shared_block(long(num_tokens) * (top_k + c) + n, E, c, decode_tile, blocks);
   }
 }
 

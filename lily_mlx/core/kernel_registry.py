@@ -98,10 +98,27 @@ def parse_kernel_file(text: str, filename: str = "<text>") -> Tuple[str, Dict[st
     return header, bodies
 
 
+# In a header: "// @include <family>/<file>.metal" stands for that file's header (helpers one file's kernels
+# share with another's: e.g. the router's selection, used by a GEMV kernel of gemm.metal). One level: an
+# included header may not include another.
+_INCLUDE = re.compile(r"^//\s*@include\s+(\S+)\s*$", re.MULTILINE)
+
+
 @lru_cache(maxsize=None)
 def load_kernel_file(filename: str) -> Tuple[str, Dict[str, str]]:
     path = kernels_dir() / filename
-    return parse_kernel_file(path.read_text(), filename)
+    header, bodies = parse_kernel_file(path.read_text(), filename)
+    return _INCLUDE.sub(lambda m: _included_header(m.group(1), filename), header), bodies
+
+
+def _included_header(other: str, filename: str) -> str:
+    text = (kernels_dir() / other).read_text() if other != filename else ""
+    if not text:
+        raise ValueError(f"{filename}: '// @include {other}': not another kernel file")
+    header, _ = parse_kernel_file(text, other)
+    if _INCLUDE.search(header):
+        raise ValueError(f"{filename}: '// @include {other}': that header includes another (one level only)")
+    return f"// (the header of {other})\n{header}"
 
 
 def params_prologue(params: Tuple[str, ...]) -> str:
