@@ -51,6 +51,7 @@ ABLATIONS = (
     ("row_gemv", "decode", 4 * K, None),
     ("fused_expert_up", "decode", 4 * K, None),
     ("split_router", "decode", 4 * K, None),
+    ("fused_topk_gemv", "decode", 4 * K, None),
     ("fused_residual", "decode", 4 * K, None),
     ("fused_add_norm", "decode", 4 * K, None),
     ("fused_in_proj", "decode", 4 * K, None),

@@ -30,6 +30,7 @@
 // per element / per token. No split-K, no reduction across rows or tiles.
 
 // @header
+// @include moe/router.metal
 #define MOE_BN 32         // output columns per threadgroup
 #define MOE_BK 64         // K step = quantisation group size
 #define MOE_MAX_ROWS 32   // largest tile rows
@@ -365,6 +366,39 @@ inline float moe_gemv_staged(
   return acc;
 }
 
+// One block row of the gate/up GEMV (moe_gemv_gate_up_swiglu and its routed form): expert e (E + c: the
+// shared expert's chunk c), output slot `slot`, activation row `token`; h[slot, o0 .. o0 + R) =
+// silu(gate) * up from the staged chains (threads 0 .. R-1 the gate chains, R .. 2R-1 the up chains).
+// Every thread of the threadgroup calls it (it holds barriers).
+template <int R, int KC, typename T>
+inline void moe_gemv_gate_up_rows(
+    int e, int slot, long token, int E, int I, int D, int o0, uint tid, const device T* x,
+    const device uint32_t* w_gate, const device T* scales_gate, const device T* biases_gate,
+    const device uint32_t* w_up, const device T* scales_up, const device T* biases_up,
+    const device uint32_t* w_gate_s, const device T* scales_gate_s, const device T* biases_gate_s,
+    const device uint32_t* w_up_s, const device T* scales_up_s, const device T* biases_up_s,
+    threadgroup uint4* ws, threadgroup float* ss, threadgroup float* bs, threadgroup float4* xs,
+    threadgroup float* up_sums, device T* h) {
+  const bool shared = e >= E;
+  const long row0 = long(shared ? e - E : e) * I + o0;
+  const long words = row0 * (D / 8);
+  const long groups = row0 * (D / 64);
+  const float acc = moe_gemv_staged<2, R, KC, T>(
+      (shared ? w_gate_s : w_gate) + words, (shared ? w_up_s : w_up) + words, D / 8,
+      (shared ? scales_gate_s : scales_gate) + groups, (shared ? scales_up_s : scales_up) + groups,
+      (shared ? biases_gate_s : biases_gate) + groups, (shared ? biases_up_s : biases_up) + groups, D / 64,
+      x + token * D, D, tid, ws, ss, bs, xs, moe_q4_exponent_unfolded(E));
+  if (int(tid) >= R) {
+    up_sums[int(tid) - R] = acc;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (int(tid) < R) {
+    const float g = acc;
+    const float u = up_sums[tid];
+    h[long(slot) * I + o0 + int(tid)] = static_cast<T>(g / (1.0f + metal::exp(-g)) * u);
+  }
+}
+
 // @kernel moe_gemm_gate_up_swiglu
 // grid (I / 32 * 128, max_blocks, 1), threadgroup (128, 1, 1). params: [top_k, D, I, E, A, N].
 // x [N, D] tokens; sorted_rows [A]; blocks [max_blocks, 4]; w_gate, w_up: [E, I, D / 8] uint32
@@ -576,26 +610,68 @@ const int slot = blocks[4 * blk + 1];
 if (blocks[4 * blk + 2] == 0) {
   return;  // padding entry: the whole threadgroup leaves
 }
-const bool shared = e >= E;
-const long token = shared ? long(slot - A - (e - E) * N) : long(sorted_rows[slot] / top_k);
-const int o0 = int(threadgroup_position_in_grid.x) * R;
-const long row0 = long(shared ? e - E : e) * I + o0;
-const long words = row0 * (D / 8);
-const long groups = row0 * (D / 64);
-const float acc = moe_gemv_staged<2, R, KC, T>(
-    (shared ? w_gate_s : w_gate) + words, (shared ? w_up_s : w_up) + words, D / 8,
-    (shared ? scales_gate_s : scales_gate) + groups, (shared ? scales_up_s : scales_up) + groups,
-    (shared ? biases_gate_s : biases_gate) + groups, (shared ? biases_up_s : biases_up) + groups, D / 64,
-    x + token * D, D, tid, gemv_ws, gemv_ss, gemv_bs, gemv_xs, moe_q4_exponent_unfolded(E));
-if (int(tid) >= R) {
-  up_sums[int(tid) - R] = acc;
+const long token = e >= E ? long(slot - A - (e - E) * N) : long(sorted_rows[slot] / top_k);
+moe_gemv_gate_up_rows<R, KC, T>(e, slot, token, E, I, D, int(threadgroup_position_in_grid.x) * R, tid, x, w_gate,
+                                scales_gate, biases_gate, w_up, scales_up, biases_up, w_gate_s, scales_gate_s,
+                                biases_gate_s, w_up_s, scales_up_s, biases_up_s, gemv_ws, gemv_ss, gemv_bs, gemv_xs,
+                                up_sums, h);
+
+// @kernel moe_gemv_gate_up_swiglu_routed
+// moe_gemv_gate_up_swiglu for a decode call with the router's top-k inside (switch fused_topk_gemv): one
+// launch fewer per MoE layer. Each threadgroup selects its token's experts from moe_router_logits_q's
+// logits itself (simdgroup 0, moe_router_picks: ~1 us of redundant work per threadgroup, the bits of
+// moe_router_topk_from_logits), takes its block's expert, and runs the same rows as the plain form.
+// The x = 0 threadgroup of each block writes that block's share of the top-k kernel's outputs (each
+// element written once): pick j's inds / scores / block row, the gate (pick 0's), a shared chunk's block row.
+// grid (I / R * 2R, N * (k + m), 1), threadgroup (2R, 1, 1); template T, R, KC, NPL (ceil(E / 32)).
+// params: [top_k, D, I, E, A, N, norm_topk, has_gate, decode_tile, shared_chunks] (A = N * top_k, m =
+// shared_chunks). Block b < A: assignment b (token b / k, pick b % k); b >= A: shared chunk (b - A) / N of
+// token (b - A) % N. x [N, D]; logits [N, E + 1] fp32; weights as moe_gemv_gate_up_swiglu's.
+// Outputs: h [A + m N, I]; inds [N, k] int32, scores [N, k] T, gate [N] fp32, blocks [A + m N, 4] int32.
+threadgroup uint4 gemv_ws[2 * 2 * R * (KC / 32 + 1)];
+threadgroup float gemv_ss[2 * 2 * R * (KC / 64)];
+threadgroup float gemv_bs[2 * 2 * R * (KC / 64)];
+threadgroup float4 gemv_xs[2 * (KC / 4)];
+threadgroup float up_sums[R];
+threadgroup float probs[MOE_ROUTER_MAX_E + 1];
+threadgroup int block_expert;
+const uint tid = thread_index_in_threadgroup;
+const int blk = int(threadgroup_position_in_grid.y);
+const bool shared = blk >= A;
+const long token = shared ? long((blk - A) % N) : long(blk / top_k);
+const int j = shared ? (blk - A) / N : blk % top_k;  // the pick, or the shared chunk
+if (simdgroup_index_in_threadgroup == 0) {  // uniform: every lane of simdgroup 0 reaches the simd ops
+  const uint lane = thread_index_in_simdgroup;
+  for (int row = int(lane); row < E + has_gate; row += 32) {
+    probs[row] = logits[token * (E + 1) + row];
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  float picked_sum;
+  const uint mine = moe_router_picks<T, NPL>(probs, lane, E, top_k, picked_sum);
+  const uint key = simd_shuffle(mine, ushort(shared ? 0 : j));
+  if (lane == 0) {
+    const bool writer = threadgroup_position_in_grid.x == 0;
+    if (shared) {
+      block_expert = E + j;
+      if (writer) {
+        moe_router_write_shared_block(blk, E, j, decode_tile, blocks);
+      }
+    } else {
+      block_expert = int(MOE_ROUTER_ID_BITS - (key & MOE_ROUTER_ID_BITS));
+      if (writer) {
+        moe_router_write_pick<T>(key, picked_sum, blk, norm_topk, decode_tile, inds, scores, blocks);
+        if (j == 0) {
+          gate[token] = moe_router_gate<T>(probs, E, has_gate);
+        }
+      }
+    }
+  }
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
-if (int(tid) < R) {
-  const float g = acc;
-  const float u = up_sums[tid];
-  h[long(slot) * I + o0 + int(tid)] = static_cast<T>(g / (1.0f + metal::exp(-g)) * u);
-}
+moe_gemv_gate_up_rows<R, KC, T>(block_expert, blk, token, E, I, D, int(threadgroup_position_in_grid.x) * R, tid, x,
+                                w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, w_gate_s,
+                                scales_gate_s, biases_gate_s, w_up_s, scales_up_s, biases_up_s, gemv_ws, gemv_ss,
+                                gemv_bs, gemv_xs, up_sums, h);
 
 // @kernel moe_gemv_down
 // grid (D / R * R, n_blocks, 1), threadgroup (R, 1, 1); template T, R (outputs per threadgroup,

@@ -65,6 +65,11 @@ _SWITCH_LIST = [
            "Router logits spread over the GPU (one simdgroup per expert row), then softmax, top-k and the "
            "schedule in a second kernel (same bits): a token's 0.5 MB router no longer read by one threadgroup.",
            "One threadgroup per token computes all router logits and the top-k (one launch)."),
+    Switch("fused_topk_gemv", "moe", "decode", True,
+           "With split_router, a decode call's top-k selection inside the gate/up GEMV kernel: each of its "
+           "threadgroups selects its token's experts from the router's logits (same bits): 4 launches per "
+           "MoE layer instead of 5.",
+           "The top-k kernel, then the gate/up GEMV."),
     Switch("fused_residual", "moe", "both", True,
            "The decoder layer's residual add after the MoE block inside the combine kernel (same bits as "
            "MLX's add; with fused_expert_down and fused_combine).",

@@ -604,7 +604,8 @@ def test_microbench_cases_small(gemm_sim, monkeypatch):
 
 def test_small_calls_run_the_gemms_without_routing_kernels(gemm_sim, monkeypatch):
     """Up to PER_ASSIGNMENT_MAX assignments (decode) the schedule is one block per assignment, written by
-    the router kernel: only the router, the two GEMV forms of the expert GEMMs and the combine launch; a
+    the gate/up GEMV that selects the experts (fused_topk_gemv): only the router's logits, the two GEMV
+    forms of the expert GEMMs and the combine launch; a
     prefill chunk runs the routing kernels and the GEMMs. A token's whole-block output (router, routed
     and shared experts: all lily's kernels) has the same bits alone (GEMVs) and in the chunk (GEMM tiles)
     (batch invariance), and so does its routed-expert output with the routing held fixed; the block
@@ -621,8 +622,8 @@ def test_small_calls_run_the_gemms_without_routing_kernels(gemm_sim, monkeypatch
     with record_launches() as small:
         alone = sparse_moe_forward(block, chunk[:, 5:6])  # 4 assignments
         mx.eval(alone)
-    assert small.counts() == {"moe_router_logits_q": 1, "moe_router_topk_from_logits": 1,
-                              "moe_gemv_gate_up_swiglu": 1, "moe_gemv_down": 1, "moe_combine_weighted_rows": 1}
+    assert small.counts() == {"moe_router_logits_q": 1, "moe_gemv_gate_up_swiglu_routed": 1,  # fused_topk_gemv
+                              "moe_gemv_down": 1, "moe_combine_weighted_rows": 1}
     assert {"moe_gemm_gate_up_swiglu", "moe_gemm_down"} <= set(routed.counts())
     assert {"moe_route_histogram_i32", "moe_route_scan_i32", "moe_route_scatter_i32",
             "moe_route_block_map_i32"} <= set(routed.counts())
@@ -871,7 +872,7 @@ def test_decode_plan_replays_the_general_path(gemm_sim, monkeypatch):
         with record_launches() as rec:
             got = sparse_moe_forward(block, x)
             mx.eval(got)
-        assert rec.names() == ["moe_router_logits_q", "moe_router_topk_from_logits", "moe_gemv_gate_up_swiglu",
+        assert rec.names() == ["moe_router_logits_q", "moe_gemv_gate_up_swiglu_routed",  # fused_topk_gemv
                                "moe_gemv_down", "moe_combine_weighted_rows"]
         assert mx.array_equal(got, general(x)).item(), step
     plans = block.__dict__["_lily_decode_plans"]
@@ -1059,3 +1060,44 @@ def test_residual_norm_refuses_what_it_does_not_compute():
     assert mk.residual_norm_reason(norm, x, x) is None
     assert "nn.RMSNorm only" in mk.residual_norm_reason(nn.LayerNorm(64), x, x)
     assert mk.residual_norm_reason(norm, x, x.astype(mx.float32)) is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# The router's top-k inside the gate/up GEMV (fused_topk_gemv)
+
+@needs_sim
+@SETTINGS
+@given(tokens=st.sampled_from([1, 2, 5, 8]), experts_topk=st.sampled_from([(16, 4), (40, 8), (64, 8)]),
+       shared=st.sampled_from([64, 128]), norm=st.booleans(), dtype=st.sampled_from(["bfloat16", "float16"]),
+       seed=st.integers(0, 1000))
+def test_gate_up_gemv_with_the_top_k_inside_has_the_bits_of_the_two_kernels(tokens, experts_topk, shared, norm,
+                                                                            dtype, seed):
+    """moe_gemv_gate_up_swiglu_routed: h and the top-k kernel's outputs (inds, scores, gate, block map) are
+    those of moe_router_topk_from_logits followed by moe_gemv_gate_up_swiglu, bit for bit; every output
+    element written (poisoned outputs; each written by exactly one threadgroup)."""
+    experts, k = experts_topk
+    dt = getattr(mx, dtype)
+    block = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=experts, top_k=k, shared_width=shared,
+                                  seed=seed)
+    block.norm_topk_prob = norm
+    block.set_dtype(dt)
+    x2d = make_inputs(1, tokens, 128, seed=seed + 1).reshape(tokens, 128).astype(dt)
+    logits = mk.router_logits(block, x2d, True, KERNEL_BACKEND)
+    h, inds, scores, gate, blocks = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND, init_value=-777)
+    want_inds, want_scores, want_gate, want_blocks = mk.route_tokens(block, x2d, True, KERNEL_BACKEND)
+    sw = block.switch_mlp
+    want_h = mk.gemm_gate_up_swiglu(x2d, mx.arange(tokens * k, dtype=mx.int32), want_blocks, sw.gate_proj,
+                                    sw.up_proj, k, True, None, KERNEL_BACKEND, shared=block.shared_expert, gemv=True)
+    for got, want in ((inds, want_inds), (scores, want_scores), (gate, want_gate), (blocks, want_blocks), (h, want_h)):
+        assert got.shape == want.shape and mx.array_equal(got, want).item()
+
+
+@needs_sim
+def test_gate_up_gemv_with_the_top_k_inside_race_check(monkeypatch):
+    """The simulator's race check on the logits and the block's expert shared through threadgroup memory."""
+    monkeypatch.setenv("LILY_MSL_RACE", "1")
+    block = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=40, top_k=8, shared_width=128, seed=3)
+    x2d = make_inputs(1, 3, 128, seed=4).reshape(3, 128)
+    logits = mk.router_logits(block, x2d, True, KERNEL_BACKEND)
+    h, inds, scores, gate, blocks = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND)
+    assert mx.array_equal(inds, mk.route_tokens(block, x2d, True, KERNEL_BACKEND)[0]).item()

@@ -162,10 +162,21 @@ def expected_blocks(counts: Sequence[int], state: Dict[str, bool], flat_inds: np
 
 ROUTER = ["moe_router_softmax_topk_q"]  # split_router off
 SPLIT_ROUTER = ["moe_router_logits_q", "moe_router_topk_from_logits"]  # split_router on
-MOE_BLOCK_SWITCHES = ("fused_expert_up", "fused_expert_down", "row_gemv", "split_router")
+MOE_BLOCK_SWITCHES = ("fused_expert_up", "fused_expert_down", "row_gemv", "split_router", "fused_topk_gemv")
+GEMV_GATE_UP_ROUTED = "moe_gemv_gate_up_swiglu_routed"
+
+
+def topk_in_gemv(state: Dict[str, bool], assignments: int) -> bool:
+    """fused_topk_gemv's path: a decode call of the fused router and shared expert on the one-row GEMVs,
+    the router split (logits, then the GEMV selects)."""
+    return (state["fused_topk_gemv"] and state["split_router"] and state["fused_expert_up"]
+            and state["fused_expert_down"] and state["fused_combine"] and state["row_gemv"]
+            and state["fused_dequant"] and assignments <= PER_ASSIGNMENT_MAX)
 
 
 def expected_block_launches(state: Dict[str, bool], assignments: int) -> List[str]:
+    if topk_in_gemv(state, assignments):  # the top-k inside the gate/up GEMV: 4 launches
+        return ["moe_router_logits_q", GEMV_GATE_UP_ROUTED, GEMV_DOWN, COMBINE]
     router = (SPLIT_ROUTER if state["split_router"] else ROUTER) if state["fused_expert_up"] else []
     return router + expected_moe_launches(state, assignments)
 
@@ -191,8 +202,13 @@ def test_moe_block_switch_paths(sim, state, tokens, chunks):
         mx.eval(out)
     a = tokens * TOP_K
     assert rec.names() == expected_block_launches(full, a), rec.names()
-    gate_up = {launch.name: launch for launch in rec}[gemm_names(full, a)[0]]
-    blocks = np.asarray(gate_up.kwargs["inputs"][2])
+    launches = {launch.name: launch for launch in rec}
+    if topk_in_gemv(full, a):  # the GEMV writes the block map: read it where the down GEMV takes it
+        gate_up = launches[GEMV_GATE_UP_ROUTED]
+        blocks = np.asarray(launches[GEMV_DOWN].kwargs["inputs"][1])
+    else:
+        gate_up = launches[gemm_names(full, a)[0]]
+        blocks = np.asarray(gate_up.kwargs["inputs"][2])
     shared = state["fused_expert_down"] and state["fused_combine"]
     assert gate_up.kwargs["output_shapes"][0][0] == a + (chunks * tokens if shared else 0)
     shared_blocks = blocks[blocks[:, 0] >= num_experts]

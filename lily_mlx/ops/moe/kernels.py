@@ -79,6 +79,12 @@ KERNELS: Dict[str, KernelSpec] = {
     # Decode forms of the two GEMMs for one-row blocks (switch row_gemv): same inputs, same bits. The
     # staged forms run; the rowwise ones are their benchmark baseline and test oracle (gemv_layout).
     "gemv_gate_up": KernelSpec("moe_gemv_gate_up_swiglu", GEMM, *_GATE_UP_SIGNATURE, params=_GATE_UP_PARAMS),
+    # The decode gate/up GEMV with the router's top-k inside (switch fused_topk_gemv): logits in, and the
+    # top-k kernel's outputs out besides h.
+    "gemv_gate_up_routed": KernelSpec(
+        "moe_gemv_gate_up_swiglu_routed", GEMM, ("x", "logits") + _GATE_UP_SIGNATURE[0][3:],
+        ("h", "inds", "scores", "gate", "blocks"),
+        params=_GATE_UP_PARAMS + ("norm_topk", "has_gate", "decode_tile", "shared_chunks")),
     "gemv_down": KernelSpec("moe_gemv_down", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
     "gemv_gate_up_rowwise": KernelSpec("moe_gemv_gate_up_swiglu_rowwise", GEMM, *_GATE_UP_SIGNATURE,
                                        params=_GATE_UP_PARAMS),
@@ -295,10 +301,11 @@ def gemv_stage_bytes(matrices: int, rows: int, chunk: int) -> int:
 
 
 @lru_cache(maxsize=None)
-def gemv_geometry(name: str, width: int, k: int, layout=None):
+def gemv_geometry(name: str, width: int, k: int, layout=None, other_bytes: int = 0):
     """(rows R, chunk KC) of staged GEMV ``name`` ('gate_up' / 'down') for output width ``width`` and
     reduction length ``k``: R from ``layout`` (default GEMV_LAYOUT) halved until it divides the width,
-    KC the largest of 256, 128, 64 (at most the layout's) dividing k whose buffers fit 32 KB."""
+    KC the largest of 256, 128, 64 (at most the layout's) dividing k whose buffers fit 32 KB beside
+    ``other_bytes`` of the kernel's own threadgroup memory."""
     rows, chunk = layout or GEMV_LAYOUT[name]
     matrices = 2 if name == "gate_up" else 1
     while width % rows:
@@ -306,7 +313,7 @@ def gemv_geometry(name: str, width: int, k: int, layout=None):
     if (matrices * rows) % 32:  # whole simdgroups (the bridge runs nothing else with barriers)
         raise ValueError(f"staged GEMV {name}: {matrices} x {rows} threads are not whole simdgroups")
     for kc in (256, 128, 64):
-        if kc <= chunk and k % kc == 0 and gemv_stage_bytes(matrices, rows, kc) <= GEMV_THREADGROUP_BYTES:
+        if kc <= chunk and k % kc == 0 and gemv_stage_bytes(matrices, rows, kc) + other_bytes <= GEMV_THREADGROUP_BYTES:
             return rows, kc
     raise ValueError(f"no staged GEMV chunk for {name} at width {width}, K {k}, layout {layout}")
 
@@ -506,6 +513,53 @@ def _swiglu_mlp_call():
     return Qwen3NextMLP.__call__
 
 
+def router_logits(block, x2d: mx.array, with_gate: bool, backend: Optional[str] = None, init_value=None):
+    """moe_router_logits_q: x [N, D] -> logits [N, E + 1] fp32 (each rounded to T; row E the shared
+    expert's gate), one simdgroup per expert row (switch split_router)."""
+    n, d = x2d.shape
+    router, gate = block.gate, block.shared_expert_gate if with_gate else block.gate
+    e = router["scales"].shape[0]
+    threads = 32 * ROUTER_LOGIT_SIMDGROUPS
+    row_groups = -(-(e + int(with_gate)) // ROUTER_LOGIT_SIMDGROUPS)
+    (logits,) = _kernel("router_logits", backend)(
+        inputs=[x2d, router["weight"], router["scales"], router["biases"], gate["weight"], gate["scales"],
+                gate["biases"], KERNELS["router_logits"].pack(D=d, E=e, has_gate=with_gate)],
+        template=[("T", x2d.dtype), ("BITS", router.bits)],
+        grid=(threads, n, row_groups), threadgroup=(threads, 1, 1),
+        output_shapes=[(n, e + 1)], output_dtypes=[mx.float32], init_value=init_value)
+    return logits
+
+
+ROUTED_GEMV_PROBS_BYTES = 4 * (ROUTER_MAX_EXPERTS + 1) + 4  # kernels/moe/gemm.metal: the routed form's own
+
+
+def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optional[str] = None, init_value=None):
+    """The decode gate/up GEMV with the router's top-k inside (switch ``fused_topk_gemv``): x [N, D] and the
+    router's logits -> (h [N * (k + m), I], inds [N, k], scores [N, k], gate [N] fp32, blocks [N * (k + m), 4]),
+    the same bits as ``route_tokens`` followed by the one-row gate/up GEMV. The block's shared expert is fused
+    (m of its chunks, experts E .. E + m - 1); 4-bit weights (the caller checks)."""
+    n, d = x2d.shape
+    sw = block.switch_mlp
+    e, i = sw.gate_proj["scales"].shape[:2]
+    k = block.top_k
+    shared = block.shared_expert
+    m = shared_chunks(shared, i)
+    rows = n * (k + m)
+    rows_per_tg, chunk = gemv_geometry("gate_up", i, d, None, ROUTED_GEMV_PROBS_BYTES)
+    inputs = [x2d, logits]
+    inputs += _weights(sw.gate_proj, True, None, x2d.dtype, backend)
+    inputs += _weights(sw.up_proj, True, None, x2d.dtype, backend)
+    inputs += _shared_weights(shared.gate_proj, sw.gate_proj) + _shared_weights(shared.up_proj, sw.up_proj)
+    inputs.append(KERNELS["gemv_gate_up_routed"].pack(
+        top_k=k, D=d, I=i, E=e, A=n * k, N=n, norm_topk=bool(block.norm_topk_prob), has_gate=True,
+        decode_tile=SMALL_TILE, shared_chunks=m))
+    return _kernel("gemv_gate_up_routed", backend)(
+        inputs=inputs, template=[("T", x2d.dtype), ("R", rows_per_tg), ("KC", chunk), ("NPL", -(-e // 32))],
+        grid=(i // rows_per_tg * 2 * rows_per_tg, rows, 1), threadgroup=(2 * rows_per_tg, 1, 1),
+        output_shapes=[(rows, i), (n, k), (n, k), (n,), (rows, 4)],
+        output_dtypes=[x2d.dtype, mx.int32, x2d.dtype, mx.float32, mx.int32], init_value=init_value)
+
+
 def route_tokens(block, x2d: mx.array, with_gate: bool, backend: Optional[str] = None, init_value=None):
     """The router kernel(s): x [N, D] -> inds [N, k] int32, scores [N, k], gate [N] fp32 (the shared
     expert's sigmoid gate; zeros without ``with_gate``), blocks [N * k (+ N), 4] (the one-row decode
@@ -529,13 +583,7 @@ def route_tokens(block, x2d: mx.array, with_gate: bool, backend: Optional[str] =
             inputs=weights + [KERNELS["router"].pack(D=d, E=e, **select)],
             template=[("T", x2d.dtype), ("BITS", router.bits), ("NPL", per_lane)],
             grid=(ROUTER_THREADS, n, 1), threadgroup=(ROUTER_THREADS, 1, 1), **outputs)
-    threads = 32 * ROUTER_LOGIT_SIMDGROUPS
-    row_groups = -(-(e + int(with_gate)) // ROUTER_LOGIT_SIMDGROUPS)
-    (logits,) = _kernel("router_logits", backend)(
-        inputs=weights + [KERNELS["router_logits"].pack(D=d, E=e, has_gate=with_gate)],
-        template=[("T", x2d.dtype), ("BITS", router.bits)],
-        grid=(threads, n, row_groups), threadgroup=(threads, 1, 1),
-        output_shapes=[(n, e + 1)], output_dtypes=[mx.float32], init_value=init_value)
+    logits = router_logits(block, x2d, with_gate, backend, init_value)
     return _kernel("router_topk", backend)(  # one simdgroup per token: the selection needs no more
         inputs=[logits, KERNELS["router_topk"].pack(E=e, **select)], template=[("T", x2d.dtype), ("NPL", per_lane)],
         grid=(32, n, 1), threadgroup=(32, 1, 1), **outputs)
@@ -732,7 +780,7 @@ def sparse_moe_kernels(block, x: mx.array, residual: Optional[mx.array] = None) 
         # holds everything the launches' geometry depends on (sharding or re-quantising changes it).
         key = (x2d.shape, x.dtype, backend, router_backend, block.gate["weight"].shape,
                block.switch_mlp.gate_proj["weight"].shape, block.shared_expert.gate_proj["weight"].shape,
-               switches.is_enabled("split_router"), r2d is not None)
+               switches.is_enabled("split_router"), switches.is_enabled("fused_topk_gemv"), r2d is not None)
 
         def general(x2, r2=None):
             return _block_general(block, x2, True, True, router_backend, residual2d=r2)
@@ -779,6 +827,8 @@ def _block_general(block, x2d: mx.array, fuse_router: bool, fuse_shared: bool, r
     from .reference import router_reference, shared_expert_reference
 
     k = block.top_k
+    if fuse_router and fuse_shared and fused_combine and _topk_in_gemv(x2d.shape[0] * k):
+        return _decode_block_topk_in_gemv(block, x2d, router_backend, residual2d)
     decode_blocks = None
     if fuse_router:
         inds, scores, gate, decode_blocks = route_tokens(block, x2d, fuse_shared, router_backend)
@@ -801,6 +851,29 @@ def _block_general(block, x2d: mx.array, fuse_router: bool, fuse_shared: bool, r
     if not fuse_shared:
         out = out + shared_expert_reference(block, x2d)
     return out
+
+
+def _topk_in_gemv(assignments: int) -> bool:
+    """Whether a call of ``assignments`` (token, expert) pairs takes the decode path with the router's top-k
+    inside the gate/up GEMV (switch ``fused_topk_gemv``; with split_router, the one-row GEMVs)."""
+    return (assignments <= PER_ASSIGNMENT_MAX and switches.is_enabled("fused_topk_gemv")
+            and switches.is_enabled("split_router") and switches.is_enabled("row_gemv")
+            and switches.is_enabled("fused_dequant"))
+
+
+def _decode_block_topk_in_gemv(block, x2d: mx.array, router_backend: str,
+                               residual2d: Optional[mx.array] = None) -> mx.array:
+    """A decode call of the block in four launches: the router's logits, the gate/up GEMV that selects
+    each token's experts itself (and writes the top-k kernel's outputs), the down GEMV, the combine
+    (+ the residual). The bits of the five-launch path (route_tokens, then the GEMVs)."""
+    backend = op_backend("moe_grouped_gemm")
+    sw, shared = block.switch_mlp, block.shared_expert
+    logits = router_logits(block, x2d, True, router_backend)
+    h, inds, scores, gate, blocks = gemv_gate_up_routed(block, x2d, logits, backend)
+    y = gemm_down(h, blocks, sw.down_proj, True, None, backend, shared=shared, gemv=True)
+    chunks = shared_chunks(shared, sw.gate_proj["scales"].shape[1])
+    return combine_rows(y, _per_assignment_tail(inds.size)[0], scores, backend, gate=gate, chunks=chunks,
+                        residual=residual2d)
 
 
 def _cached_reason(block, x: mx.array, what, check, *args) -> Optional[str]:
