@@ -125,6 +125,26 @@ def test_kernel_source(kernel_dir):
         kr.kernel_source(missing)
 
 
+def test_a_header_includes_another_files_header(kernel_dir):
+    """"// @include <file>" in a header stands for that file's header (one level, never itself)."""
+    (kernel_dir / "user.metal").write_text("// @header\n// @include core_test.metal\nT thrice(T x);\n"
+                                           "// @kernel user_k\nout[0] = twice(a[0]);\n")
+    header, bodies = kr.load_kernel_file("user.metal")
+    assert "template <typename T> T twice" in header and "T thrice" in header and "@include" not in header
+    assert list(bodies) == ["user_k"]
+    (kernel_dir / "self.metal").write_text("// @header\n// @include self.metal\n// @kernel k\nx;\n")
+    with pytest.raises(ValueError, match="not another kernel file"):
+        kr.load_kernel_file("self.metal")
+    (kernel_dir / "nested.metal").write_text("// @header\n// @include user.metal\n// @kernel k\nx;\n")
+    with pytest.raises(ValueError, match="one level only"):
+        kr.load_kernel_file("nested.metal")
+
+
+def test_the_routed_gate_up_gemv_sees_the_routers_selection():
+    header, bodies = kr.load_kernel_file("moe/gemm.metal")
+    assert "inline uint moe_router_picks" in header and "moe_gemv_gate_up_swiglu_routed" in bodies
+
+
 # --- build cache ---------------------------------------------------------------------------------
 
 @pytest.fixture
