@@ -6,8 +6,8 @@
 #   PART=1 bash bench/device_decode_checks.sh   # CUDA tests of what has not run on a GPU, decode A/B
 #   PART=2 bash bench/device_decode_checks.sh   # step GPU time by engine, decode profile + host profile
 #
-# Engines compared with lily: lily-off:fused_add_norm (written after the last GPU run) and
-# lily-trial:attention_qk_prep (the q/k preparation kernel, a trial kernel on CUDA, now inside the
+# Engines compared with lily: lily-off:fused_add_norm and lily-off:fused_topk_gemv (written after the last
+# GPU run) and lily-trial:attention_qk_prep (the q/k preparation kernel, a trial kernel on CUDA, now inside the
 # attention layer's trace). Results under $OUT/decode_checks (Markdown tables, JSON, logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ W=$OUT/decode_checks
 mkdir -p "$W"
 export LILY_TUNE=off PYTHONUNBUFFERED=1 LILY_BACKEND=${LILY_BACKEND:-cuda}
 BUDGET=${BUDGET:-540}
-ENGINES=${ENGINES:-lily,lily-off:fused_add_norm,lily-trial:attention_qk_prep}
+ENGINES=${ENGINES:-lily,lily-off:fused_add_norm,lily-off:fused_topk_gemv,lily-trial:attention_qk_prep}
 T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 say() { echo "[decode_checks $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$W/log.txt"; }
@@ -30,7 +30,8 @@ run() {  # run NAME NEEDED_SECONDS COMMAND...: only when NEEDED_SECONDS still fi
 case "${PART:-1}" in
   1)
     run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
-      -o addopts= tests/kernels/test_moe_kernels.py tests/kernels/test_compiled_decode.py -k "residual or traces"
+      -o addopts= tests/kernels/test_moe_kernels.py tests/kernels/test_compiled_decode.py \
+      -k "residual or traces or top_k_inside or small_calls or decode_plan"
     tail -3 "$W/tests_cuda.txt" 2>/dev/null
     run decode_ab 200 python -m bench.decode_ab --engines "$ENGINES" --context 4096 --bursts 10 --out "$W/ab"
     cat "$W/ab/decode_ab.md" 2>/dev/null
