@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The decode checks left by the session of 2026-12-01 (docs/benchmarks.md, "Next device session"), on one
-# NVIDIA GPU, in two calls of under 10 minutes each (`PART=1`, then `PART=2`; each stops starting work
-# that would end after its budget and says what it skipped):
+# NVIDIA GPU, in three calls of under 10 minutes each (`PART=1`, `2`, `3`; each stops starting work that
+# would end after its budget and says what it skipped):
 #
 #   PART=1 bash bench/device_decode_checks.sh   # CUDA tests of what has not run on a GPU, decode A/B
-#   PART=2 bash bench/device_decode_checks.sh   # step GPU time by engine, decode profile + host profile
+#   PART=2 bash bench/device_decode_checks.sh   # step GPU time by engine (Nsight Compute)
+#   PART=3 bash bench/device_decode_checks.sh   # decode profile (primitives, build, eval) + host profile
 #
 # Engines compared with lily: lily-off:fused_add_norm and lily-off:fused_topk_gemv (written after the last
 # GPU run) and lily-trial:attention_qk_prep (the q/k preparation kernel, a trial kernel on CUDA, now inside the
@@ -37,13 +38,15 @@ case "${PART:-1}" in
     cat "$W/ab/decode_ab.md" 2>/dev/null
     ;;
   2)
-    run step_gpu_time 240 python -m bench.step_gpu_time --compare "$ENGINES" --out "$W/sgt"
-    head -8 "$W/sgt/step_gpu_time.md" 2>/dev/null
+    run step_gpu_time 300 python -m bench.step_gpu_time --compare "$ENGINES" --out "$W/sgt"
+    head -9 "$W/sgt/step_gpu_time.md" 2>/dev/null
     rm -f "$W"/sgt/*.csv
-    run decode_profile 200 python -m bench.run --mode decode-profile --size full --context 4096 --rounds 2 \
-      --profile-steps 16 --engines "stock-kernels,$ENGINES" --host-profile lily --out "$W/dprof"
+    ;;
+  3)
+    run decode_profile 300 python -m bench.run --mode decode-profile --size full --context 4096 --rounds 2 \
+      --profile-steps 12 --engines "stock-kernels,$ENGINES" --host-profile lily --out "$W/dprof"
     head -12 "$W/dprof/decode_profile.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1 or 2" >&2; exit 2 ;;
+  *) echo "PART must be 1, 2 or 3" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"

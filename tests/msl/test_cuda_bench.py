@@ -235,9 +235,9 @@ def test_decode_profile_shared_prefill_decodes_every_engine_from_one_cache(monke
 def test_decode_checks_script_is_valid_bash_and_refuses_an_unknown_part(tmp_path):
     script = str(REPO / "bench" / "device_decode_checks.sh")
     subprocess.run(["bash", "-n", script], check=True)
-    done = subprocess.run(["bash", script], env={"PATH": "/usr/bin:/bin", "PART": "3", "OUT": str(tmp_path)},
+    done = subprocess.run(["bash", script], env={"PATH": "/usr/bin:/bin", "PART": "4", "OUT": str(tmp_path)},
                           capture_output=True, text=True)
-    assert done.returncode == 2 and "PART must be 1 or 2" in done.stderr
+    assert done.returncode == 2 and "PART must be 1, 2 or 3" in done.stderr
 
 
 def test_decode_profile_counts_a_step_that_does_not_grow_the_kv_cache():
