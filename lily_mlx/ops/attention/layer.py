@@ -213,23 +213,12 @@ def _prep_key(self, args, fused: Optional[projections.FusedProjection]) -> tuple
             self.q_proj.weight.shape, self.k_proj.weight.shape, None if fused is None else (fused.names, fused.split_at))
 
 
-def _traced_prep(self, x: mx.array, fused: Optional[projections.FusedProjection], cache: Any):
-    """``_projected_and_prepared`` through its trace (switch ``compiled_attention``), or None where it
-    cannot be traced."""
-    positions, weights = _offset_and_weights(cache, fused)
-
-    def prep(x, positions, *weights):
-        return tuple(_projected_and_prepared(self, x, _bound(fused, weights), positions))
-
-    args = [x, positions] + weights
-    return compiled.call(self, ("prep",) + _prep_key(self, args, fused), prep, args)
-
-
 def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post) -> Optional[mx.array]:
-    """``post(x, attention_layer(pre(x)))`` for a decode step (``compiled.LAYER_TRACES``; switch
-    ``compiled_layers``): ``pre`` with the projections and q/k preparation, and the output gate and o_proj
-    with ``post``, replay traces owned by the decoder layer ``owner``; the KV cache update and the attention
-    over it are built in between. None (nothing done) where the pieces would not be traced."""
+    """``post(x, attention_layer(pre(x)))`` for a decode step (switch ``compiled_attention``; with
+    ``compiled_layers`` the decoder layer calls it through ``compiled.LAYER_TRACES``, otherwise
+    ``attention_forward`` with nothing around the mixer): ``pre`` with the projections and q/k preparation,
+    and the output gate and o_proj with ``post``, replay traces owned by ``owner``; the KV cache update and
+    the attention over it are built in between. None (nothing done) where the pieces would not be traced."""
     if not _traces_on(self, x, cache):
         return None
     fused = _qkv_projections(self, x)  # chosen from x: the caller hands a pre that keeps its shape and dtype
@@ -256,29 +245,32 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
     return out if out is not None else post(x, _gated_output(self, output, gate))
 
 
+def _unchanged(x: mx.array) -> mx.array:
+    return x
+
+
+def _mixer_output(x: mx.array, mixed: mx.array) -> mx.array:
+    return mixed
+
+
 def attention_forward(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
     """``Qwen3NextAttention.__call__`` with the stock module as ``self`` (attributes read now, so a
     sharded module's per-rank head counts apply). x: [B, L, hidden] -> [B, L, hidden].
 
     In a decode step (switch ``compiled_attention``, Metal / CUDA) the pieces before and after the KV
-    cache (projections + q/k preparation; output gate + o_proj) replay traces: the same primitives,
-    none of their Python. The cache update and the attention over the grown cache are built as usual."""
+    cache (projections + q/k preparation; output gate + o_proj) replay traces (``traced_decode_layer``
+    with this module as their owner and nothing around the mixer): the same primitives, none of their
+    Python. The cache update and the attention over the grown cache are built as usual."""
     if self.training:  # the kernels have no gradients: training runs stock's ops, stock's gradients
         return getattr(type(self), "_lily_stock_class", type(self)).__call__(self, x, mask=mask, cache=cache)
-    fused = _qkv_projections(self, x)
-    traced = _traces_on(self, x, cache)
-    prepared = _traced_prep(self, x, fused, cache) if traced else None
-    if prepared is None:
-        prepared = _projected_and_prepared(self, x, fused, cache.offset if cache is not None else 0)
-    queries, keys, values, gate = prepared
+    out = traced_decode_layer(self, x, mask, cache, owner=self, key="mixer", pre=_unchanged, post=_mixer_output)
+    if out is not None:
+        return out
+    queries, keys, values, gate = _projected_and_prepared(self, x, _qkv_projections(self, x),
+                                                          cache.offset if cache is not None else 0)
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
     output = attention(queries, keys, values, scale=self.scale, mask=mask, cache=cache)
-    if traced:
-        key = ("out", output.shape, output.dtype, gate.shape, gate.dtype, self.o_proj.weight.shape)
-        out = compiled.call(self, key, functools.partial(_gated_output, self), (output, gate))
-        if out is not None:
-            return out
     return _gated_output(self, output, gate)
 
 

@@ -106,7 +106,8 @@ def _traced_layer(self, x: mx.array, mask, cache):
     if self.mlp.sharding_group is not None or getattr(self.input_layernorm, "weight", x).dtype != x.dtype:
         return None  # (the mixer's input must have x's dtype: its fused projections are chosen from x)
     moe_backends = (op_backend("moe_grouped_gemm"), op_backend("moe_router"), op_backend("moe_residual_norm"))
-    if not compiled.enabled(*moe_backends[:2], *[b for b in moe_backends[2:] if b != "reference"]):
+    norm_kernel = () if moe_backends[2] == "reference" else moe_backends[2:]  # MLX's add + norm trace anywhere
+    if not compiled.enabled(*moe_backends[:2], *norm_kernel):
         return None
     mixer = self.linear_attn if self.is_linear else self.self_attn
     trace = compiled.LAYER_TRACES.get(type(mixer).__call__)
