@@ -130,7 +130,7 @@ def _pinned_for(backend: str):
 
 
 def _trial_ops_for(backend: str):
-    """Trial kernels the tune profile for ``backend`` turned on."""
+    """Trial kernels on for ``backend``: its tune profile's and LILY_TRIAL_OPS's."""
     return _trials_for(_profile if backend == _backend else tune_profile.load(backend))
 
 

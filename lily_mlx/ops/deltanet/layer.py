@@ -274,23 +274,33 @@ def _step_parts(self, mixer, inputs: mx.array, mask, cache, fused) -> Optional[D
     return DecodeStepParts(fused, args, mask is not None, lengths is not None, key)
 
 
-def _traced_decode(self, mixer, inputs: mx.array, mask, cache, fused=None) -> Optional[mx.array]:
-    """``mixer(self, inputs, mask, cache, fused)`` for a one-token step through its trace (switch
-    ``compiled_decode``, kernels on Metal or CUDA), or None where that does not apply."""
-    parts = _step_parts(self, mixer, inputs, mask, cache, fused)
+def _traced_step(self, mixer, x: mx.array, mask, cache, fused, *, owner, kind, key=(), pre=None, post=None):
+    """``post(x, mixer(pre(x)))`` for a one-token step through a trace owned by ``owner`` (``pre`` / ``post``
+    None: the mixer alone), the states in and out as arrays and the cache updated around the trace; None
+    where the step is not traced."""
+    parts = _step_parts(self, mixer, x, mask, cache, fused)
     if parts is None:
         return None
 
-    def step(inputs, *rest):
-        m, states, record = parts.bind(rest)
-        return mixer(self, inputs, m, states, record), states[0], states[1]
+    def step(x, *rest):
+        with compiled.inline():  # anything the pieces trace or record themselves is part of this trace
+            m, states, record = parts.bind(rest)
+            out = mixer(self, pre(x) if pre is not None else x, m, states, record)
+            out = post(x, out) if post is not None else out
+        return out, states[0], states[1]
 
-    traced = compiled.call(self, (inputs.shape, inputs.dtype) + parts.key, step, [inputs, *parts.args])
+    traced = compiled.call(owner, (kind, key, x.shape, x.dtype) + parts.key, step, [x, *parts.args])
     if traced is None:
         return None
     out, cache[0], cache[1] = traced
     cache.advance(1)
     return out
+
+
+def _traced_decode(self, mixer, inputs: mx.array, mask, cache, fused=None) -> Optional[mx.array]:
+    """``mixer(self, inputs, mask, cache, fused)`` for a one-token step through its trace (switch
+    ``compiled_decode``, kernels on Metal or CUDA), or None where that does not apply."""
+    return _traced_step(self, mixer, inputs, mask, cache, fused, owner=self, kind="mixer")
 
 
 def _in_projections(self, names: Tuple[str, ...], inputs: mx.array) -> Optional[projections.FusedProjection]:
@@ -356,22 +366,8 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
     if entry is None or getattr(self, "sharding_group", None) is not None:
         return None
     mixer, group = entry
-    parts = _step_parts(self, mixer, x, mask, cache, _in_projections(self, projections.GROUPS[group], x))
-    if parts is None:
-        return None
-
-    def layer_step(x, *rest):
-        with compiled.inline():  # the mixer's pieces are traced as part of the layer
-            m, states, record = parts.bind(rest)
-            out = post(x, mixer(self, pre(x), m, states, record))
-        return out, states[0], states[1]
-
-    traced = compiled.call(owner, ("layer", x.shape, x.dtype, key) + parts.key, layer_step, [x, *parts.args])
-    if traced is None:
-        return None
-    out, cache[0], cache[1] = traced
-    cache.advance(1)
-    return out
+    fused = _in_projections(self, projections.GROUPS[group], x)
+    return _traced_step(self, mixer, x, mask, cache, fused, owner=owner, kind="layer", key=key, pre=pre, post=post)
 
 
 compiled.LAYER_TRACES.update({forward: traced_decode_layer for forward in _MIXERS})
