@@ -7,9 +7,8 @@
 #   PART=2 bash bench/device_decode_checks.sh   # step GPU time by engine (Nsight Compute)
 #   PART=3 bash bench/device_decode_checks.sh   # decode profile (primitives, build, eval) + host profile
 #
-# Engines compared with lily: lily-off:fused_add_norm and lily-off:fused_topk_gemv (written after the last
-# GPU run) and lily-trial:attention_qk_prep (the q/k preparation kernel, a trial kernel on CUDA, now inside the
-# attention layer's trace). Results under $OUT/decode_checks (Markdown tables, JSON, logs).
+# Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
+# lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}
@@ -17,7 +16,7 @@ W=$OUT/decode_checks
 mkdir -p "$W"
 export LILY_TUNE=off PYTHONUNBUFFERED=1 LILY_BACKEND=${LILY_BACKEND:-cuda}
 BUDGET=${BUDGET:-540}
-ENGINES=${ENGINES:-lily,lily-off:fused_add_norm,lily-off:fused_topk_gemv,lily-trial:attention_qk_prep}
+ENGINES=${ENGINES:-lily,lily-off:fused_add_norm,lily-off:fused_topk_gemv,lily-off:fused_qk_prep}
 T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 say() { echo "[decode_checks $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$W/log.txt"; }

@@ -47,7 +47,7 @@ def parse_lengths(text: str) -> List[int]:
 
 
 ABLATION_PREFIX = "lily-off:"
-# lily with trial kernels on (``lily-trial:attention_qk_prep+attention_decode``): what LILY_TRIAL_OPS does,
+# lily with trial kernels on (``lily-trial:attention_prefill+attention_decode``): what LILY_TRIAL_OPS does,
 # per engine, so that a trial kernel is A/B-timed against lily in one process.
 TRIAL_PREFIX = "lily-trial:"
 # The fair baseline: stock MLX-LM running its own Gated DeltaNet Metal kernels (through the bridge on

@@ -208,7 +208,7 @@ def test_lily_tune_values(monkeypatch, value, ok):
 
 @pytest.fixture
 def qk_prep_as_trial(monkeypatch):
-    """The q/k preparation kernel as a trial kernel of the simulator (as it is of Metal and CUDA)."""
+    """The q/k preparation kernel as a trial kernel of the simulator (the tests' example of a trial kernel)."""
     import dataclasses
 
     from lily_mlx.core import dispatch
@@ -312,9 +312,9 @@ def test_every_trial_kernel_has_a_launcher_on_its_trial_backends():
     from lily_mlx.ops.attention import layer as attention_layer
 
     ops = [op for op in load_all().values() if op.trial_backends]
-    assert {op.name for op in ops} >= {"attention_qk_prep", "attention_prefill", "attention_decode"}
+    assert {op.name for op in ops} >= {"attention_prefill", "attention_decode"}
     for op in ops:
         assert op.family == "attention", op.name  # the only family with trial kernels so far
         for backend in op.trial_backends | op.kernel_backends:
             assert (op.name, backend) in attention_layer.KERNELS, (op.name, backend)
-    assert dispatch.OPS["attention_qk_prep"].trial_backends == {"metal", "cuda"}
+    assert dispatch.OPS["attention_prefill"].trial_backends == {"metal", "cuda"}

@@ -1060,6 +1060,10 @@ def test_residual_norm_refuses_what_it_does_not_compute():
     assert mk.residual_norm_reason(norm, x, x) is None
     assert "nn.RMSNorm only" in mk.residual_norm_reason(nn.LayerNorm(64), x, x)
     assert mk.residual_norm_reason(norm, x, x.astype(mx.float32)) is not None
+    wide = nn.RMSNorm(mk.NORM_MAX_HIDDEN + 4)
+    wide.weight = wide.weight.astype(mx.bfloat16)
+    row = mx.zeros((1, mk.NORM_MAX_HIDDEN + 4), mx.bfloat16)
+    assert "registers" in mk.residual_norm_reason(wide, row, row)
 
 
 # ----------------------------------------------------------------------------------------------

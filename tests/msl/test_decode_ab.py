@@ -37,15 +37,16 @@ def test_lily_trial_engines_set_and_restore_the_trial_kernels(monkeypatch):
     monkeypatch.setenv("LILY_TUNE", "off")
     monkeypatch.setenv("LILY_TRIAL_OPS", "attention_decode")  # the user's
     monkeypatch.setattr(Engines, "_user_trials", None)
-    validate_engine("lily-trial:attention_qk_prep+attention_prefill")
-    assert trial_ops("lily-trial:attention_qk_prep+attention_prefill") == ("attention_qk_prep", "attention_prefill")
-    assert is_lily("lily-trial:attention_qk_prep") and trial_ops("lily") == ()
+    validate_engine("lily-trial:attention_decode_long+attention_prefill")
+    assert trial_ops("lily-trial:attention_decode_long+attention_prefill") == ("attention_decode_long",
+                                                                               "attention_prefill")
+    assert is_lily("lily-trial:attention_prefill") and trial_ops("lily") == ()
     with pytest.raises(ValueError, match="not a trial kernel"):
         validate_engine("lily-trial:moe_router")
     model, _ = load_model(None, "tiny", log=None)
     engines = Engines(model)
-    engines.use("lily-trial:attention_qk_prep")
-    assert os.environ["LILY_TRIAL_OPS"] == "attention_qk_prep" and lily_mlx.is_patched(model)
+    engines.use("lily-trial:attention_prefill")
+    assert os.environ["LILY_TRIAL_OPS"] == "attention_prefill" and lily_mlx.is_patched(model)
     engines.use("lily")
     assert os.environ["LILY_TRIAL_OPS"] == "attention_decode"
     engines.use("stock")

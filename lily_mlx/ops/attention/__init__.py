@@ -38,8 +38,7 @@ QK_PREP = register_op(Op(
     "attention_qk_prep", "attention",
     "q/k RMSNorm, partial RoPE and output-gate split of a full-attention layer",
     switches=("fused_qk_prep",),
-    kernel_backends=kernels.QK_PREP_BACKENDS,  # simulator only (kernels.py)
-    trial_backends=GPU_BACKENDS - kernels.QK_PREP_BACKENDS,  # where `python -m lily_mlx tune` measures it faster
+    kernel_backends=kernels.QK_PREP_BACKENDS,  # every backend (kernels.py)
 ))
 PREFILL = register_op(Op(
     "attention_prefill", "attention",

@@ -423,6 +423,12 @@ def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: 
 # The decoder layer's residual add + post-attention RMSNorm (fused_add_norm)
 
 NORM_THREADS = 256  # kernels/moe/residual_norm.metal: MOE_NORM_THREADS
+NORM_MAX_HIDDEN = 8192  # a thread holds 3 x D / NORM_THREADS floats in registers
+
+
+def norm_per_thread(d: int) -> int:
+    """The residual-norm kernel's PER_THREAD: the elements each of its threads owns."""
+    return -(-d // NORM_THREADS)
 
 
 def residual_norm_reason(norm, x: mx.array, y: mx.array) -> Optional[str]:
@@ -433,6 +439,8 @@ def residual_norm_reason(norm, x: mx.array, y: mx.array) -> Optional[str]:
         return f"residual {x.dtype} {x.shape} and mixer output {y.dtype} {y.shape}"
     if norm.weight.dtype != x.dtype or norm.weight.shape != (x.shape[-1],):
         return f"norm weight {norm.weight.dtype} {norm.weight.shape} for activations {x.dtype}"
+    if x.shape[-1] > NORM_MAX_HIDDEN:
+        return f"hidden size {x.shape[-1]} > {NORM_MAX_HIDDEN} (the kernel keeps a row in registers)"
     return None
 
 
@@ -444,8 +452,8 @@ def residual_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float, ba
     rows = x.size // d
     h, n = get_kernel(KERNELS["residual_norm"], backend or op_backend("moe_residual_norm"))(
         inputs=[x.reshape(rows, d), y.reshape(rows, d), weight, float32_scalar(eps), KERNELS["residual_norm"].pack(D=d)],
-        template=[("T", x.dtype)], grid=(NORM_THREADS, rows, 1), threadgroup=(NORM_THREADS, 1, 1),
-        output_shapes=[(rows, d), (rows, d)], output_dtypes=[x.dtype, x.dtype], init_value=init_value,
+        template=[("T", x.dtype), ("PER_THREAD", norm_per_thread(d))], grid=(NORM_THREADS, rows, 1),
+        threadgroup=(NORM_THREADS, 1, 1), output_shapes=[(rows, d), (rows, d)], output_dtypes=[x.dtype, x.dtype], init_value=init_value,
     )
     return h.reshape(x.shape), n.reshape(x.shape)
 
