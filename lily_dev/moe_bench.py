@@ -15,7 +15,7 @@ expert as one chunk (9 blocks per token), bf16:
   hidden by the per-call evaluation round trip (~60-100 us on MLX-CUDA). Variants: ``staged`` (what
   runs: kernels.GEMV_LAYOUT), ``rowwise`` (the GEMV before it: one thread per output reading its row
   from device memory, an int-to-float conversion per weight), ``rowwise_exp`` (rowwise with the
-  conversion-free nibble of moe_q4_value), ``r<R>_kc<KC>`` (staged at another layout: R outputs per
+  conversion-free nibble of q4_value), ``r<R>_kc<KC>`` (staged at another layout: R outputs per
   threadgroup, K chunk KC), ``onerow_gemm`` (x8 only: the GEMM kernels on the same one-row blocks,
   what row_gemv off runs);
 - ``..._x8[8tok]`` (staged, rowwise): a decode batch of 8 sequences, 72 blocks per launch.

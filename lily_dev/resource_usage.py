@@ -176,6 +176,27 @@ def router_units(shapes=((256, 8, 8, 2048), (1024, 32, 8, 4096), (16, 4, 4, 64))
     return units
 
 
+def linear_gemv_units(rows=(1, 2, 4, 8), k: int = 2048, n: int = 4096, group_size: int = 64) -> Dict[str, tuple]:
+    """{name: (CUDA translation unit, threads per threadgroup)} of the dense row GEMV
+    (``linear_gemv_q4``) for calls of ``rows`` rows of x, bf16, as ``gemv_q4`` launches them."""
+    from lily_mlx.core.kernel_registry import kernel_source
+    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
+    from lily_mlx.ops.linear import kernels as lk
+
+    spec = lk.KERNELS["gemv_q4"]
+    header, body = kernel_source(spec)
+    kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
+    wq, scales, biases = mx.quantize(mx.zeros((n, k), mx.bfloat16), group_size=group_size, bits=4, stream=mx.cpu)
+    units = {}
+    for m in rows:
+        x = mx.zeros((m, k), mx.bfloat16)
+        inputs = [x, wq, scales, biases, spec.pack(K=k, N=n, B=m)]
+        template = [("T", mx.bfloat16), ("M", min(m, lk.MAX_ROWS_PER_LAUNCH)), ("GS", group_size)]
+        unit = wrap_like_mlx(kernel, inputs, [mx.bfloat16], template=template)[1]
+        units[f"{spec.name}[M={m}, K={k}, GS={group_size}]"] = (unit, lk.SIMDGROUPS * 32)
+    return units
+
+
 def _requantize_router(block, bits: int) -> None:
     """The block's router and shared-expert gate quantised to ``bits`` (group 64), bf16 scales."""
     import mlx.nn as nn

@@ -1,7 +1,7 @@
 """Swap lily-mlx forwards into an MLX-LM Qwen3.5/3.6-family model, per instance, and back.
 
-``patch(model)`` changes the ``__class__`` of each DeltaNet, attention, sparse-MoE and decoder-layer
-module of the model to a lily subclass of the stock class whose ``__call__`` is the op forward of
+``patch(model)`` changes the ``__class__`` of each DeltaNet, attention, sparse-MoE, decoder-layer and
+quantised linear module of the model to a lily subclass of the stock class whose ``__call__`` is the op forward of
 ``lily_mlx.ops`` (see docs/design.md). Nothing else changes: submodules, caches and cache formats stay
 stock's, and so do the weights' names, shapes and values (a layer's input projections become views of
 one concatenated weight, ``lily_mlx.core.projections``: the same values in the same memory footprint), so
@@ -48,18 +48,21 @@ ALLOW_UNTESTED_ENV = "LILY_ALLOW_UNTESTED"
 # Stock class (module, name) -> (op module, forward name). The forward replaces the class's __call__.
 _QWEN3_NEXT = "mlx_lm.models.qwen3_next"
 _QWEN3_5 = "mlx_lm.models.qwen3_5"
+_QUANTIZED_LINEAR = (("mlx.nn.layers.quantized", "QuantizedLinear"), ("linear", "quantized_linear_forward"))
 _TARGETS: Dict[str, List[Tuple[Tuple[str, str], Tuple[str, str]]]] = {
     "qwen3_next": [
         ((_QWEN3_NEXT, "Qwen3NextGatedDeltaNet"), ("deltanet", "qwen3_next_deltanet_forward")),
         ((_QWEN3_NEXT, "Qwen3NextAttention"), ("attention", "attention_forward")),
         ((_QWEN3_NEXT, "Qwen3NextSparseMoeBlock"), ("moe", "sparse_moe_forward")),
         ((_QWEN3_NEXT, "Qwen3NextDecoderLayer"), ("moe", "decoder_layer_forward")),
+        _QUANTIZED_LINEAR,
     ],
     "qwen3_5": [
         ((_QWEN3_5, "GatedDeltaNet"), ("deltanet", "qwen3_5_deltanet_forward")),
         ((_QWEN3_NEXT, "Qwen3NextAttention"), ("attention", "attention_forward")),
         ((_QWEN3_NEXT, "Qwen3NextSparseMoeBlock"), ("moe", "sparse_moe_forward")),
         ((_QWEN3_5, "DecoderLayer"), ("moe", "decoder_layer_forward")),
+        _QUANTIZED_LINEAR,
     ],
 }
 _TARGETS["qwen3_5_moe"] = _TARGETS["qwen3_5"]  # same layer classes; MoE vs dense MLP per config

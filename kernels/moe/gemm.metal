@@ -31,6 +31,7 @@
 
 // @header
 // @include moe/router.metal
+// @include linear/gemv.metal
 #define MOE_BN 32         // output columns per threadgroup
 #define MOE_BK 64         // K step = quantisation group size
 #define MOE_MAX_ROWS 32   // largest tile rows
@@ -40,36 +41,13 @@
 // Weight tile loaders: fill wt[k][n] (k-major, MOE_BK x MOE_BN floats) for output columns
 // [n0, n0 + 32) and K range [k0, k0 + 64) of expert e. O, K: the weight's output and input dims.
 
-// Nibble j of a packed word as a float: exactly float((word >> (4 * j)) & 0xf), without an integer
-// to float conversion (on NVIDIA through the bridge, a conversion per weight was one of the decode
-// GEMVs' costliest instructions). The nibble is masked in place into the mantissa of 2^23
-// (0x4b000000), so m = 2^23 + q * 16^p exactly (p = j; nibbles 5..7 are first shifted down 12 bits,
-// p = j - 3, so that q * 16^p < 2^23 stays inside the mantissa), and m * 16^-p - 2^(23 - 4p) = q:
-// a power-of-two scaling and an exact difference, the same value fused or not. With j a constant
-// (unrolled loops) that is one mask and one multiply-add per weight. `exponent` must be
-// MOE_Q4_EXPONENT; the decode GEMVs pass it as a value the compiler cannot fold (kept in a register,
-// the mask and the or become one instruction on NVIDIA).
-#define MOE_Q4_EXPONENT 0x4b000000u  // the bits of 2^23
-inline float moe_q4_value(uint32_t word, int j, uint32_t exponent = MOE_Q4_EXPONENT) {
-  const int p = j < 5 ? j : j - 3;
-  const uint32_t bits = (j < 5 ? word : word >> 12) & (0xfu << (4 * p));
-  const float m = as_type<float>(bits | exponent);
-  const float scale = as_type<float>(uint32_t(127 - 4 * p) << 23);       // 16^-p
-  const float offset = as_type<float>(uint32_t(127 + 23 - 4 * p) << 23);  // 2^(23 - 4p)
-  return m * scale - offset;
-}
-
-// MOE_Q4_EXPONENT built from a runtime value (n > 0, so its sign bit is clear and this is the
-// constant): the compiler cannot fold it, keeps it in a register and merges the mask and the or.
-inline uint32_t moe_q4_exponent_unfolded(int n) {
-  return MOE_Q4_EXPONENT | (uint32_t(n) & 0x80000000u);
-}
+// The nibble helpers (q4_value, Q4_EXPONENT, q4_exponent_unfolded) are linear/gemv.metal's.
 
 // One 4-bit weight: w = scale * q + bias. The tile loader and the decode GEMVs both use this one
 // expression, so a weight has the same float value (and rounding) on either path.
 inline float moe_dequant_q4(uint32_t word, int j, float scale, float bias,
-                            uint32_t exponent = MOE_Q4_EXPONENT) {
-  return scale * moe_q4_value(word, j, exponent) + bias;
+                            uint32_t exponent = Q4_EXPONENT) {
+  return scale * q4_value(word, j, exponent) + bias;
 }
 
 // 4-bit affine, group 64: one uint32 word holds 8 consecutive K values, low nibble first.
@@ -179,7 +157,7 @@ inline void moe_store_acc(
 // thread's weight row straight from device memory: adjacent threads read words K / 2 bytes apart, so a
 // simdgroup load touches 32 cache lines. xs: the row, as floats, in threadgroup memory.
 // CVT 1: the weight as moe_dequant_q4 gives it; CVT 0: with an integer to float conversion of the
-// nibble (the form before moe_q4_value; the same value, kept as the benchmark baseline).
+// nibble (the form before q4_value; the same value, kept as the benchmark baseline).
 template <int CVT, typename S>
 inline float moe_gemv_q4_dot(const device uint32_t* w, const device S* scales, const device S* biases,
                              const threadgroup float* xs, int K) {
@@ -387,7 +365,7 @@ inline void moe_gemv_gate_up_rows(
       (shared ? w_gate_s : w_gate) + words, (shared ? w_up_s : w_up) + words, D / 8,
       (shared ? scales_gate_s : scales_gate) + groups, (shared ? scales_up_s : scales_up) + groups,
       (shared ? biases_gate_s : biases_gate) + groups, (shared ? biases_up_s : biases_up) + groups, D / 64,
-      x + token * D, D, tid, ws, ss, bs, xs, moe_q4_exponent_unfolded(E));
+      x + token * D, D, tid, ws, ss, bs, xs, q4_exponent_unfolded(E));
   if (int(tid) >= R) {
     up_sums[int(tid) - R] = acc;
   }
@@ -700,7 +678,7 @@ const device T* s = (shared ? scales_down_s : scales_down) + groups;
 const device T* b = (shared ? biases_down_s : biases_down) + groups;
 const float acc = moe_gemv_staged<1, R, KC, T>(w, w, shared ? Is / 8 : I / 8, s, s, b, b, shared ? Is / 64 : I / 64,
                                                h + long(slot) * I, I, tid, gemv_ws, gemv_ss, gemv_bs, gemv_xs,
-                                               moe_q4_exponent_unfolded(E));
+                                               q4_exponent_unfolded(E));
 y[long(slot) * D + o0 + int(tid)] = static_cast<T>(acc);
 
 // @kernel moe_gemv_gate_up_swiglu_rowwise

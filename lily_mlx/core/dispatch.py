@@ -31,7 +31,7 @@ class Op:
     """One operation of a family: what it computes, the switches it reads, where it has kernels."""
 
     name: str
-    family: str  # moe | deltanet | attention
+    family: str  # moe | deltanet | attention | linear
     description: str
     switches: Tuple[str, ...] = ()
     kernel_backends: FrozenSet[str] = field(default_factory=frozenset)  # backends with a kernel

@@ -182,6 +182,8 @@ def for_call(module, names: Tuple[str, ...], x: mx.array, *, switch: str, op: st
 def run(record: FusedProjection, x: mx.array) -> List[mx.array]:
     """``[module.<name>(x) for name in record.names]`` from one quantised matmul: x [..., K] ->
     one [..., N_i] per projection."""
-    y = mx.quantized_matmul(x, record.weight, scales=record.scales, biases=record.biases, transpose=True,
-                            group_size=record.group_size, bits=record.bits, mode=record.mode)
+    from ..ops.linear import quantized_matmul  # the row GEMV for a decode call (switch dense_gemv)
+
+    y = quantized_matmul(x, record.weight, record.scales, record.biases, record.group_size, record.bits,
+                         record.mode)
     return mx.split(y, list(record.split_at), axis=-1)

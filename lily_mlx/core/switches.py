@@ -19,7 +19,7 @@ from typing import Dict, Iterable, Iterator, List, Optional
 @dataclass(frozen=True)
 class Switch:
     name: str
-    family: str  # moe | deltanet | attention | generation
+    family: str  # moe | deltanet | attention | linear | generation
     phase: str  # prefill | decode | both
     default: bool
     description: str
@@ -53,6 +53,11 @@ _SWITCH_LIST = [
            "In a prefill chunk (>= 256 tokens) the host submits each layer as it is built and waits for "
            "the layer two back before building the next: about three layers' transients alive, not a chunk's.",
            "The host builds and encodes a whole chunk's layers before waiting for any (the GPU runs far behind)."),
+    Switch("dense_gemv", "linear", "decode", True,
+           "A decode call's dense 4-bit projections (DeltaNet in/out, attention q/k/v/o, lm_head) by lily's row "
+           "GEMV: 16-byte weight loads, four outputs per simdgroup sharing each x load, every row of the batch "
+           "computed alike.",
+           "MLX's quantised matmul (its vector kernel for a few rows, its GEMM for more)."),
     Switch("row_gemv", "moe", "decode", True,
            "One-row GEMV forms of the expert GEMMs for decode calls (one thread per output, the GEMMs' "
            "exact per-element arithmetic).",

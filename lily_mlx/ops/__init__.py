@@ -1,4 +1,4 @@
-"""Operation families (deltanet, moe, attention), one package each: ``lily_mlx.ops.<family>``
+"""Operation families (deltanet, moe, attention, linear), one package each: ``lily_mlx.ops.<family>``
 registers the family's ops in ``lily_mlx.core.dispatch`` when imported and gives its layer forwards;
 its modules are ``layer`` (forwards, dispatch), ``kernels`` (kernel launchers, shape rules) and
 ``reference`` (plain-MLX references). Each op has a reference, switches, shape rules and one
@@ -10,7 +10,7 @@ from typing import Dict
 
 from ..core.dispatch import OPS, Op, op_backend, reference_ops, register_op  # noqa: F401
 
-FAMILIES = ("moe", "deltanet", "attention")
+FAMILIES = ("moe", "deltanet", "attention", "linear")
 
 
 def load_all() -> Dict[str, Op]:

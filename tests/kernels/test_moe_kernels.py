@@ -657,7 +657,7 @@ GEMV_DOWN_LAYOUTS = st.sampled_from([None, (32, 64), (64, 128), (32, 256), (128,
 def test_decode_gemvs_same_bits_as_gemm_tiles(gemm_sim, shape, tokens, chunks, layout, down_layout, padding, seed):
     """Per-assignment blocks (plus 0-2 shared-expert chunks and padding entries of the block map): the
     staged GEMVs at any layout (rows per threadgroup, K chunk; widths and K chunks that make the layout
-    fall back too) equal both rowwise forms (the int-to-float conversion and moe_q4_value) and, from 8
+    fall back too) equal both rowwise forms (the int-to-float conversion and q4_value) and, from 8
     assignments on (the GEMMs take sorted_rows in device memory; MLX passes smaller inputs as
     constant), the GEMMs' 16-row tiles, bitwise; outputs are poisoned, so an unwritten element shows."""
     d, i, e, k = shape

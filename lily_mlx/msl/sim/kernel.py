@@ -84,6 +84,23 @@ def _to_numpy(a: mx.array) -> np.ndarray:
     return np.asarray(a)
 
 
+# GPU buffers start at least this aligned (Metal's and CUDA's allocators give more), so a kernel may read
+# an input through 16-byte vector types (uint4, float4); MLX's CPU allocator may start a small array at
+# 8 bytes past that, where the compiled kernel's aligned vector loads would fault.
+_BUFFER_ALIGN = 16
+
+
+def _aligned(arr: np.ndarray) -> np.ndarray:
+    """``arr`` (C-contiguous), or a copy of it that starts on a :data:`_BUFFER_ALIGN`-byte boundary."""
+    if arr.ctypes.data % _BUFFER_ALIGN == 0:
+        return arr
+    raw = np.empty(arr.nbytes + _BUFFER_ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % _BUFFER_ALIGN
+    out = raw[start:start + arr.nbytes].view(arr.dtype).reshape(arr.shape)
+    out[...] = arr
+    return out
+
+
 def _from_numpy(buf: np.ndarray, dtype: mx.Dtype, shape) -> mx.array:
     out = mx.array(buf)
     if dtype == mx.bfloat16:
@@ -218,7 +235,7 @@ class MetalKernel:
             if p.kind == "input":
                 x = _to_numpy(inputs[p.input_index])
                 if self.ensure_row_contiguous or x.ndim == 0:
-                    add(np.ascontiguousarray(x))
+                    add(_aligned(np.ascontiguousarray(x)))
                 else:
                     lo, span = _strided_extent(x)
                     add(x, lo, span)

@@ -334,7 +334,7 @@ def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, 
     ``gemv``: the one-row-block form (every block must have one row; 4-bit weights). ``gemv_layout``
     (benchmarks, tests): None, the staged GEMV at GEMV_LAYOUT; (R, KC) another staged layout;
     'rowwise' the rowwise form as it was before the staged one (a nibble conversion per weight),
-    'rowwise_exp' the rowwise form with moe_q4_value. All give the same bits.
+    'rowwise_exp' the rowwise form with q4_value. All give the same bits.
     ``tile_dtype`` (benchmarks, tests): the GEMM tiles' operand type, float32 (default; the same bits as
     the GEMVs) or the activation dtype (bf16/f16 fragments with fp32 accumulation: tensor cores through
     the bridge; not the same bits as the GEMVs, so not a product path yet, docs/moe.md)."""

@@ -1,0 +1,136 @@
+// Decode GEMVs of the dense quantised projections (lily_mlx/ops/linear/kernels.py dispatches them):
+//   linear_gemv_q4   y[m] = x[m] . W^T for M <= 8 rows of x, W 4-bit affine (MLX's quantised layout)
+// used by a decode step's projections (DeltaNet in/out, attention q/k/v/o, lm_head) in place of MLX's
+// quantised matmul. MLX's layout: w [N, K / 8] uint32, eight nibbles per word, low nibble first; one
+// scale and one bias per GS weights of a row (scales, biases [N, K / GS]); a weight is scale * q + bias.
+//
+// Batch invariance: a row of x gets the same arithmetic whatever M and the other rows are (each output
+// element is one fixed chain of fp32 operations over K, in the same order for every M).
+
+// @header
+#define LINEAR_GEMV_ROWS 4        // output rows per simdgroup (their weights share each x load)
+#define LINEAR_GEMV_SIMDGROUPS 2  // simdgroups per threadgroup
+#define LINEAR_GEMV_UNROLL 2      // 16-byte weight pieces per row and lane in flight before the math
+
+// Nibble j of a packed word as a float: exactly float((word >> (4 * j)) & 0xf), without an integer
+// to float conversion (on NVIDIA through the bridge, a conversion per weight was one of the decode
+// GEMVs' costliest instructions). The nibble is masked in place into the mantissa of 2^23
+// (0x4b000000), so m = 2^23 + q * 16^p exactly (p = j; nibbles 5..7 are first shifted down 12 bits,
+// p = j - 3, so that q * 16^p < 2^23 stays inside the mantissa), and m * 16^-p - 2^(23 - 4p) = q:
+// a power-of-two scaling and an exact difference, the same value fused or not. With j a constant
+// (unrolled loops) that is one mask and one multiply-add per weight. `exponent` must be
+// Q4_EXPONENT; the GEMVs pass it as a value the compiler cannot fold (kept in a register, the mask
+// and the or become one instruction on NVIDIA). Shared with kernels/moe/gemm.metal.
+#define Q4_EXPONENT 0x4b000000u  // the bits of 2^23
+inline float q4_value(uint32_t word, int j, uint32_t exponent = Q4_EXPONENT) {
+  const int p = j < 5 ? j : j - 3;
+  const uint32_t bits = (j < 5 ? word : word >> 12) & (0xfu << (4 * p));
+  const float m = as_type<float>(bits | exponent);
+  const float scale = as_type<float>(uint32_t(127 - 4 * p) << 23);       // 16^-p
+  const float offset = as_type<float>(uint32_t(127 + 23 - 4 * p) << 23);  // 2^(23 - 4p)
+  return m * scale - offset;
+}
+
+// Q4_EXPONENT built from a runtime value (n > 0, so its sign bit is clear and this is the constant):
+// the compiler cannot fold it, keeps it in a register and merges the mask and the or.
+inline uint32_t q4_exponent_unfolded(int n) {
+  return Q4_EXPONENT | (uint32_t(n) & 0x80000000u);
+}
+
+// Sum over one 16-byte piece (32 consecutive weights of one row, one quantisation group) of q * x:
+// the words in order, each word's nibbles in order, one fp32 fma chain.
+inline float linear_q4_piece_dot(uint4 w4, const thread float* xv, uint32_t exponent) {
+  float dot = 0.0f;
+  for (int c = 0; c < 4; ++c) {
+    for (int j = 0; j < 8; ++j) {
+      dot = metal::fma(q4_value(w4[c], j, exponent), xv[8 * c + j], dot);
+    }
+  }
+  return dot;
+}
+
+// @kernel linear_gemv_q4
+// grid (ceil(N / (LINEAR_GEMV_SIMDGROUPS * LINEAR_GEMV_ROWS)) * LINEAR_GEMV_SIMDGROUPS * 32, ceil(B / M), 1),
+// threadgroup (LINEAR_GEMV_SIMDGROUPS * 32, 1, 1); template T (activation dtype), M (rows of x per
+// threadgroup, 1..8), GS (group size: 32, 64 or 128). params: [K, N, B] (K a multiple of 32).
+// x [B, K] T; w [N, K / 8] uint32; scales, biases [N, K / GS] T. y [B, N] T.
+// A simdgroup computes LINEAR_GEMV_ROWS consecutive outputs for the M rows of x of its threadgroup's
+// y index. Lane l reads the 16-byte pieces l, l + 32, ... of each weight row (adjacent lanes, adjacent
+// bytes), LINEAR_GEMV_UNROLL of them per row before using any, and the 32 matching x values of each row
+// of x (L1 hits: every simdgroup reads the same x). Per piece and (row of x, output):
+//   acc = fma(bias, sum(x), fma(scale, sum(q * x), acc))
+// then the lanes' partial sums add in simd_sum's order.
+{
+  const int lane = int(thread_index_in_simdgroup);
+  const int n0 = (int(threadgroup_position_in_grid.x) * LINEAR_GEMV_SIMDGROUPS + int(simdgroup_index_in_threadgroup)) *
+                 LINEAR_GEMV_ROWS;
+  if (n0 >= N) {
+    return;  // the whole simdgroup leaves (no barrier in this kernel)
+  }
+  const int b0 = int(threadgroup_position_in_grid.y) * M;
+  const int pieces = K / 32;  // 16-byte pieces per weight row
+  const int groups = K / GS;
+  const uint32_t exponent = q4_exponent_unfolded(N);
+  const device uint4* wrow[LINEAR_GEMV_ROWS];
+  long srow[LINEAR_GEMV_ROWS];
+  for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
+    const long n = long(min(n0 + r, N - 1));  // rows past N read row N - 1 and are not written
+    wrow[r] = reinterpret_cast<const device uint4*>(w + n * (K / 8));
+    srow[r] = n * groups;
+  }
+  float acc[M][LINEAR_GEMV_ROWS];
+  for (int m = 0; m < M; ++m) {
+    for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
+      acc[m][r] = 0.0f;
+    }
+  }
+  for (int p0 = lane; p0 < pieces; p0 += 32 * LINEAR_GEMV_UNROLL) {
+    uint4 wq[LINEAR_GEMV_UNROLL][LINEAR_GEMV_ROWS];
+    float sc[LINEAR_GEMV_UNROLL][LINEAR_GEMV_ROWS];
+    float bi[LINEAR_GEMV_UNROLL][LINEAR_GEMV_ROWS];
+    for (int u = 0; u < LINEAR_GEMV_UNROLL; ++u) {
+      const int p = min(p0 + 32 * u, pieces - 1);  // a piece past the row is loaded, then skipped
+      const int g = (32 * p) / GS;
+      for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
+        wq[u][r] = wrow[r][p];
+        sc[u][r] = float(scales[srow[r] + g]);
+        bi[u][r] = float(biases[srow[r] + g]);
+      }
+    }
+    for (int u = 0; u < LINEAR_GEMV_UNROLL; ++u) {
+      const int p = p0 + 32 * u;
+      if (p >= pieces) {
+        break;
+      }
+      for (int m = 0; m < M; ++m) {
+        if (b0 + m >= B) {
+          break;
+        }
+        const device vec<T, 4>* xp = reinterpret_cast<const device vec<T, 4>*>(x + long(b0 + m) * K + 32 * p);
+        float xv[32];
+        for (int q = 0; q < 8; ++q) {
+          const vec<T, 4> v = xp[q];
+          for (int c = 0; c < 4; ++c) {
+            xv[4 * q + c] = float(v[c]);
+          }
+        }
+        float xsum = 0.0f;
+        for (int i = 0; i < 32; ++i) {
+          xsum += xv[i];
+        }
+        for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
+          const float dot = linear_q4_piece_dot(wq[u][r], xv, exponent);
+          acc[m][r] = metal::fma(bi[u][r], xsum, metal::fma(sc[u][r], dot, acc[m][r]));
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
+      const float total = simd_sum(acc[m][r]);
+      if (lane == r && n0 + r < N && b0 + m < B) {
+        y[long(b0 + m) * N + n0 + r] = static_cast<T>(total);
+      }
+    }
+  }
+}

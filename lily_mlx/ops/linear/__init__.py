@@ -1,0 +1,24 @@
+"""Linear op family: the dense quantised projections of a decode step (DeltaNet in/out projections,
+attention q/k/v/o, lm_head). Importing it registers its op in ``lily_mlx.core.dispatch`` and gives
+``quantized_linear_forward``, the forward the patch layer swaps into MLX's ``nn.QuantizedLinear``.
+
+Modules: ``layer`` (the forward, the fused-projection matmul and their dispatch), ``kernels`` (launcher
+and shape rules; ``kernels/linear/gemv.metal``), ``reference`` (MLX's quantised matmul).
+
+- ``linear_gemv``: y = x . W^T for the rows of a decode call (one token per sequence), W 4-bit affine,
+  by lily's row GEMV (switch ``dense_gemv``); reference: MLX's quantised matmul. Prefill chunks keep
+  MLX's matmul.
+"""
+
+from __future__ import annotations
+
+from ...core.dispatch import Op, register_op
+from . import kernels
+from .layer import quantized_linear_forward, quantized_matmul  # noqa: F401
+
+register_op(Op(
+    "linear_gemv", "linear",
+    "Dense 4-bit affine projection of a decode call's rows (one token per sequence): row GEMV with "
+    "vectorised weight loads, four output rows per simdgroup.",
+    switches=("dense_gemv",), kernel_backends=kernels.GEMV_BACKENDS, trial_backends=kernels.GEMV_TRIAL_BACKENDS,
+))

@@ -1,0 +1,62 @@
+"""Host side of ``kernels/linear/gemv.metal``: dispatch table, launch geometry and shape rules of the
+dense 4-bit row GEMV (op ``linear_gemv``)."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import mlx.core as mx
+
+from ...core.dispatch import op_backend
+from ...core.kernel_registry import KernelSpec, get_kernel
+
+GEMV = "linear/gemv.metal"
+
+KERNELS: Dict[str, KernelSpec] = {
+    "gemv_q4": KernelSpec("linear_gemv_q4", GEMV, ("x", "w", "scales", "biases", "params"), ("y",),
+                          params=("K", "N", "B")),
+}
+
+# Backends the row GEMV runs on by default: the simulator and CUDA (through the bridge MLX's CUDA
+# quantised GEMV reads ~0.6 TB/s of weights on the H200: docs/decode.md). On Metal MLX's own quantised
+# GEMV is tuned for Apple GPUs: a trial kernel there, on where `python -m lily_mlx tune` measures it faster.
+GEMV_BACKENDS = frozenset({"sim", "cuda"})
+GEMV_TRIAL_BACKENDS = frozenset({"metal"})
+
+ROWS = 4  # kernels/linear/gemv.metal: LINEAR_GEMV_ROWS (outputs per simdgroup)
+SIMDGROUPS = 2  # kernels/linear/gemv.metal: LINEAR_GEMV_SIMDGROUPS
+MAX_ROWS_PER_LAUNCH = 8  # rows of x a threadgroup takes (M); more rows take more threadgroups
+GROUP_SIZES = (32, 64, 128)
+DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+def gemv_reason(x: mx.array, weight: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int,
+                bits: int, mode: str) -> Optional[str]:
+    """None when the row GEMV computes x . W^T for these arrays, else why not."""
+    if mode != "affine" or bits != 4 or biases is None:
+        return f"{mode} {bits}-bit weights (4-bit affine only)"
+    if group_size not in GROUP_SIZES:
+        return f"group size {group_size} (one of {GROUP_SIZES})"
+    k = x.shape[-1]
+    if k % 32 or weight.ndim != 2 or weight.shape[1] * 8 != k or scales.shape != (weight.shape[0], k // group_size):
+        return f"input {x.shape} for weight {weight.shape} (K a multiple of 32)"
+    if x.dtype not in DTYPES or scales.dtype != x.dtype or biases.dtype != x.dtype:
+        return f"activations {x.dtype} with scales {scales.dtype} (one of bfloat16, float16, float32, alike)"
+    return None
+
+
+def gemv_q4(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+            backend: Optional[str] = None, init_value=None) -> mx.array:
+    """x [..., K] . W^T -> [..., N] in one launch; every row of x computed alike (batch invariant)."""
+    k, n = x.shape[-1], weight.shape[0]
+    rows = x.size // k
+    m = min(rows, MAX_ROWS_PER_LAUNCH)
+    per_group = ROWS * SIMDGROUPS
+    spec = KERNELS["gemv_q4"]
+    (y,) = get_kernel(spec, backend or op_backend("linear_gemv"))(
+        inputs=[x.reshape(rows, k), weight, scales, biases, spec.pack(K=k, N=n, B=rows)],
+        template=[("T", x.dtype), ("M", m), ("GS", group_size)],
+        grid=(-(-n // per_group) * SIMDGROUPS * 32, -(-rows // m), 1), threadgroup=(SIMDGROUPS * 32, 1, 1),
+        output_shapes=[(rows, n)], output_dtypes=[x.dtype], init_value=init_value,
+    )
+    return y.reshape(*x.shape[:-1], n)

@@ -1,0 +1,53 @@
+"""Forwards of the linear family: ``nn.QuantizedLinear``'s call and the fused projections' matmul
+(``lily_mlx.core.projections``), each by the row GEMV for a decode call's rows where it applies.
+
+A decode call is one token per sequence (x [..., 1, K]): the kernel then takes every row, however many
+sequences the batch holds, so a row's result never depends on the batch. Prefill chunks, training mode,
+switch ``dense_gemv`` off and shapes the kernel does not compute run MLX's quantised matmul.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from ...core import switches
+from ...core.dispatch import REFERENCE, op_backend
+from ...core.log import log_once
+from . import kernels
+from .reference import quantized_matmul_reference
+
+
+def _gemv_backend(x: mx.array, weight, scales, biases, group_size: int, bits: int, mode: str) -> Optional[str]:
+    """The backend the row GEMV runs on for this call, or None (MLX's matmul)."""
+    if x.ndim < 2 or x.shape[-2] != 1 or not switches.is_enabled("dense_gemv"):
+        return None
+    backend = op_backend("linear_gemv")
+    if backend == REFERENCE:
+        return None
+    reason = kernels.gemv_reason(x, weight, scales, biases, group_size, bits, mode)
+    if reason is not None:
+        log_once(f"linear_gemv:{reason}", f"linear_gemv: {reason}, using MLX's quantised matmul")
+        return None
+    return backend
+
+
+def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int,
+                     bits: int, mode: str = "affine") -> mx.array:
+    """x [..., K] . W^T: the row GEMV for a decode call where it applies, else MLX's quantised matmul."""
+    backend = _gemv_backend(x, weight, scales, biases, group_size, bits, mode)
+    if backend is None:
+        return quantized_matmul_reference(x, weight, scales, biases, group_size, bits, mode)
+    return kernels.gemv_q4(x, weight, scales, biases, group_size, backend)
+
+
+def quantized_linear_forward(self, x: mx.array) -> mx.array:
+    """``nn.QuantizedLinear.__call__`` with the decode GEMV (stock's call while training)."""
+    if self.training:
+        return self._lily_stock_class.__call__(self, x)
+    y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                         self.mode)
+    if "bias" in self:
+        y = y + self["bias"]
+    return y
