@@ -27,7 +27,7 @@ MAX_THREADS_PER_SM = 2048
 
 
 def ptxas_usage(unit: str) -> dict:
-    """{registers, spill_stores, spill_loads, smem} of the kernel in one translation unit (nvcc -Xptxas -v)."""
+    """{registers, spill_stores, spill_loads, smem, stack} of the kernel in one translation unit (nvcc -Xptxas -v)."""
     ok, out = compile_check.compile_nvcc(unit, extra_flags=("-Xptxas", "-v"))
     if not ok:
         raise RuntimeError(out[-2000:])
@@ -37,7 +37,8 @@ def ptxas_usage(unit: str) -> dict:
         return int(m.group(1)) if m else 0
 
     return {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
-            "spill_loads": grab(r"(\d+) bytes spill loads"), "smem": grab(r"(\d+) bytes smem")}
+            "spill_loads": grab(r"(\d+) bytes spill loads"), "smem": grab(r"(\d+) bytes smem"),
+            "stack": grab(r"(\d+) bytes stack frame")}
 
 
 def record_deltanet_units() -> Dict[str, str]:

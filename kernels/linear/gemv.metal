@@ -4,6 +4,9 @@
 // quantised matmul. MLX's layout: w [N, K / 8] uint32, eight nibbles per word, low nibble first; one
 // scale and one bias per GS weights of a row (scales, biases [N, K / GS]); a weight is scale * q + bias.
 //
+// Every loop but the one over K carries `#pragma unroll`: without it NVRTC kept the accumulators and the
+// weight pieces in local memory (a 192-320 byte stack frame).
+//
 // Batch invariance: a row of x gets the same arithmetic whatever M and the other rows are (each output
 // element is one fixed chain of fp32 operations over K, in the same order for every M).
 
@@ -41,7 +44,9 @@ inline uint32_t q4_exponent_unfolded(int n) {
 // the words in order, each word's nibbles in order, one fp32 fma chain.
 inline float linear_q4_piece_dot(uint4 w4, const thread float* xv, uint32_t exponent) {
   float dot = 0.0f;
+  #pragma unroll
   for (int c = 0; c < 4; ++c) {
+    #pragma unroll
     for (int j = 0; j < 8; ++j) {
       dot = metal::fma(q4_value(w4[c], j, exponent), xv[8 * c + j], dot);
     }
@@ -73,13 +78,16 @@ inline float linear_q4_piece_dot(uint4 w4, const thread float* xv, uint32_t expo
   const uint32_t exponent = q4_exponent_unfolded(N);
   const device uint4* wrow[LINEAR_GEMV_ROWS];
   long srow[LINEAR_GEMV_ROWS];
+  #pragma unroll
   for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
     const long n = long(min(n0 + r, N - 1));  // rows past N read row N - 1 and are not written
     wrow[r] = reinterpret_cast<const device uint4*>(w + n * (K / 8));
     srow[r] = n * groups;
   }
   float acc[M][LINEAR_GEMV_ROWS];
+  #pragma unroll
   for (int m = 0; m < M; ++m) {
+    #pragma unroll
     for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
       acc[m][r] = 0.0f;
     }
@@ -88,44 +96,50 @@ inline float linear_q4_piece_dot(uint4 w4, const thread float* xv, uint32_t expo
     uint4 wq[LINEAR_GEMV_UNROLL][LINEAR_GEMV_ROWS];
     float sc[LINEAR_GEMV_UNROLL][LINEAR_GEMV_ROWS];
     float bi[LINEAR_GEMV_UNROLL][LINEAR_GEMV_ROWS];
+    #pragma unroll
     for (int u = 0; u < LINEAR_GEMV_UNROLL; ++u) {
       const int p = min(p0 + 32 * u, pieces - 1);  // a piece past the row is loaded, then skipped
       const int g = (32 * p) / GS;
+      #pragma unroll
       for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
         wq[u][r] = wrow[r][p];
         sc[u][r] = float(scales[srow[r] + g]);
         bi[u][r] = float(biases[srow[r] + g]);
       }
     }
+    #pragma unroll
     for (int u = 0; u < LINEAR_GEMV_UNROLL; ++u) {
       const int p = p0 + 32 * u;
-      if (p >= pieces) {
-        break;
-      }
+      #pragma unroll
       for (int m = 0; m < M; ++m) {
-        if (b0 + m >= B) {
-          break;
-        }
-        const device vec<T, 4>* xp = reinterpret_cast<const device vec<T, 4>*>(x + long(b0 + m) * K + 32 * p);
-        float xv[32];
-        for (int q = 0; q < 8; ++q) {
-          const vec<T, 4> v = xp[q];
-          for (int c = 0; c < 4; ++c) {
-            xv[4 * q + c] = float(v[c]);
+        if (p < pieces && b0 + m < B) {
+          const device vec<T, 4>* xp = reinterpret_cast<const device vec<T, 4>*>(x + long(b0 + m) * K + 32 * p);
+          float xv[32];
+          #pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            const vec<T, 4> v = xp[q];
+            #pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              xv[4 * q + c] = float(v[c]);
+            }
           }
-        }
-        float xsum = 0.0f;
-        for (int i = 0; i < 32; ++i) {
-          xsum += xv[i];
-        }
-        for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
-          const float dot = linear_q4_piece_dot(wq[u][r], xv, exponent);
-          acc[m][r] = metal::fma(bi[u][r], xsum, metal::fma(sc[u][r], dot, acc[m][r]));
+          float xsum = 0.0f;
+          #pragma unroll
+          for (int i = 0; i < 32; ++i) {
+            xsum += xv[i];
+          }
+          #pragma unroll
+          for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
+            const float dot = linear_q4_piece_dot(wq[u][r], xv, exponent);
+            acc[m][r] = metal::fma(bi[u][r], xsum, metal::fma(sc[u][r], dot, acc[m][r]));
+          }
         }
       }
     }
   }
+  #pragma unroll
   for (int m = 0; m < M; ++m) {
+    #pragma unroll
     for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
       const float total = simd_sum(acc[m][r]);
       if (lane == r && n0 + r < N && b0 + m < B) {
