@@ -47,16 +47,18 @@ def gemv_reason(x: mx.array, weight: mx.array, scales: mx.array, biases: Optiona
 
 def gemv_q4(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int,
             backend: Optional[str] = None, init_value=None) -> mx.array:
-    """x [..., K] . W^T -> [..., N] in one launch; every row of x computed alike (batch invariant)."""
+    """x [..., K] . W^T -> [..., N] in one launch; every row of x computed alike (batch invariant).
+    x goes in and y comes out in their call shapes (the kernel reads rows of K): a reshape on either side
+    would be one more primitive for MLX to evaluate per call, host time a decode step is bound by."""
     k, n = x.shape[-1], weight.shape[0]
     rows = x.size // k
     m = min(rows, MAX_ROWS_PER_LAUNCH)
     per_group = ROWS * SIMDGROUPS
     spec = KERNELS["gemv_q4"]
     (y,) = get_kernel(spec, backend or op_backend("linear_gemv"))(
-        inputs=[x.reshape(rows, k), weight, scales, biases, spec.pack(K=k, N=n, B=rows)],
+        inputs=[x, weight, scales, biases, spec.pack(K=k, N=n, B=rows)],
         template=[("T", x.dtype), ("M", m), ("GS", group_size)],
         grid=(-(-n // per_group) * SIMDGROUPS * 32, -(-rows // m), 1), threadgroup=(SIMDGROUPS * 32, 1, 1),
-        output_shapes=[(rows, n)], output_dtypes=[x.dtype], init_value=init_value,
+        output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype], init_value=init_value,
     )
-    return y.reshape(*x.shape[:-1], n)
+    return y
