@@ -46,6 +46,15 @@ GROUPS: Dict[str, Tuple[str, ...]] = {
     "Qwen3NextAttention": ("q_proj", "k_proj", "v_proj"),
 }
 
+def _mlx_quantized_matmul(x, weight, scales, biases, group_size, bits, mode):
+    return mx.quantized_matmul(x, weight, scales=scales, biases=biases, transpose=True, group_size=group_size,
+                               bits=bits, mode=mode)
+
+
+# The matmul :func:`run` computes a group with: MLX's, until the linear op family registers its own
+# (``lily_mlx.ops.linear``: the row GEMV for a decode call, switch ``dense_gemv``; core imports no family).
+QUANTIZED_MATMUL = [_mlx_quantized_matmul]
+
 _ATTR = "_lily_fused_projections"  # in the module's __dict__: not a parameter, not saved
 
 
@@ -182,8 +191,6 @@ def for_call(module, names: Tuple[str, ...], x: mx.array, *, switch: str, op: st
 def run(record: FusedProjection, x: mx.array) -> List[mx.array]:
     """``[module.<name>(x) for name in record.names]`` from one quantised matmul: x [..., K] ->
     one [..., N_i] per projection."""
-    from ..ops.linear import quantized_matmul  # the row GEMV for a decode call (switch dense_gemv)
-
-    y = quantized_matmul(x, record.weight, record.scales, record.biases, record.group_size, record.bits,
-                         record.mode)
+    y = QUANTIZED_MATMUL[0](x, record.weight, record.scales, record.biases, record.group_size, record.bits,
+                            record.mode)
     return mx.split(y, list(record.split_at), axis=-1)

@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lily_mlx"
-FAMILIES = ("deltanet", "moe", "attention")
+FAMILIES = ("deltanet", "moe", "attention", "linear")
 
 
 def _module_name(path: Path) -> str:

@@ -41,7 +41,7 @@ def test_registry_complete_and_well_formed():
     assert set(REQUIRED) <= set(switches.SWITCHES)
     for name, s in switches.SWITCHES.items():
         assert s.name == name
-        assert s.family in ("moe", "deltanet", "attention", "generation")
+        assert s.family in ("moe", "deltanet", "attention", "linear", "generation")
         assert s.phase in ("prefill", "decode", "both")
         assert isinstance(s.default, bool)
         assert s.description.strip() and s.off_meaning.strip()

@@ -12,9 +12,12 @@ and shape rules; ``kernels/linear/gemv.metal``), ``reference`` (MLX's quantised 
 
 from __future__ import annotations
 
+from ...core import projections
 from ...core.dispatch import Op, register_op
 from . import kernels
 from .layer import quantized_linear_forward, quantized_matmul  # noqa: F401
+
+projections.QUANTIZED_MATMUL[0] = quantized_matmul  # a layer's fused in-projections take the GEMV too
 
 register_op(Op(
     "linear_gemv", "linear",

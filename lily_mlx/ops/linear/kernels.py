@@ -17,11 +17,13 @@ KERNELS: Dict[str, KernelSpec] = {
                           params=("K", "N", "B")),
 }
 
-# Backends the row GEMV runs on by default: the simulator and CUDA (through the bridge MLX's CUDA
-# quantised GEMV reads ~0.6 TB/s of weights on the H200: docs/decode.md). On Metal MLX's own quantised
-# GEMV is tuned for Apple GPUs: a trial kernel there, on where `python -m lily_mlx tune` measures it faster.
-GEMV_BACKENDS = frozenset({"sim", "cuda"})
-GEMV_TRIAL_BACKENDS = frozenset({"metal"})
+# Backends the row GEMV runs on by default: the simulator. On the H200 (2026-12-01, docs/decode.md) it took
+# 0.55 ms less GPU time per decode step than MLX's quantised GEMV (1.5-2.7x per projection under Nsight
+# Compute), yet pipelined decode ran 1.10x faster without it (the step is host-bound; that build also had a
+# reshape on each side of every launch, since removed, not re-timed). A trial kernel on CUDA and Metal, on
+# with LILY_TRIAL_OPS=linear_gemv (`python -m lily_mlx tune` has no case for it yet).
+GEMV_BACKENDS = frozenset({"sim"})
+GEMV_TRIAL_BACKENDS = frozenset({"cuda", "metal"})
 
 ROWS = 4  # kernels/linear/gemv.metal: LINEAR_GEMV_ROWS (outputs per simdgroup)
 SIMDGROUPS = 2  # kernels/linear/gemv.metal: LINEAR_GEMV_SIMDGROUPS
