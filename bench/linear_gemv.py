@@ -8,6 +8,15 @@ on the CPU: the largest error in units of the output's magnitude), then the medi
 over ``--reps`` timed rounds of 20 back-to-back calls each (warm-up first, fresh random inputs per
 shape, the engines alternating round by round), and the weight bytes read per second (packed weights,
 scales, biases). Prints a Markdown table and writes ``linear_gemv.md`` / ``.json`` under ``--out``.
+
+GPU time per kernel (no host time in it), on an NVIDIA GPU:
+
+    ncu --metrics gpu__time_duration.sum -k "regex:linear_gemv|qmv" --csv \
+        python -m bench.linear_gemv --rows 1,4 --reps 1 > ncu.csv
+    python -m bench.linear_gemv --from-ncu ncu.csv
+
+prints, per run of consecutive launches of one kernel and grid (in the benchmark's order: per shape and
+rows, stock then lily, the error check, the warm-up round, the timed round), their count and median.
 """
 
 from __future__ import annotations
@@ -70,12 +79,39 @@ def _round_us(fn, x) -> float:
     return (time.perf_counter() - t0) / CALLS_PER_ROUND * 1e6
 
 
+def ncu_runs(path: str) -> list:
+    """[(kernel, grid, [us, ...])] of an ``ncu --csv`` log: consecutive launches of one kernel and grid."""
+    import csv
+    import io
+
+    text = Path(path).read_text()
+    rows = csv.DictReader(io.StringIO(text[text.find('"ID"'):]))
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+    runs = []
+    for r in rows:
+        if r["Metric Name"] != "gpu__time_duration.sum":
+            continue
+        us = float(r["Metric Value"].replace(",", "")) * scale[r["Metric Unit"]]
+        key = ("lily" if "linear_gemv" in r["Kernel Name"] else "stock", r["Grid Size"])
+        if runs and runs[-1][:2] == key:
+            runs[-1][2].append(us)
+        else:
+            runs.append((*key, [us]))
+    return runs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--from-ncu", default=None, help="summarise an ncu --csv log of this benchmark and exit")
     ap.add_argument("--rows", default="1,4", help="rows of x per call (decode batch sizes)")
     ap.add_argument("--reps", type=int, default=30, help="timed rounds per engine and shape")
     ap.add_argument("--out", default=None, help="folder for linear_gemv.md / .json")
     args = ap.parse_args(argv)
+    if args.from_ncu:
+        print("| kernel | grid | launches | median us |\n|---|---|---|---|")
+        for engine, grid, times in ncu_runs(args.from_ncu):
+            print(f"| {engine} | {grid} | {len(times)} | {statistics.median(times):.1f} |")
+        return 0
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []
     for seed, (name, (n, k)) in enumerate(SHAPES.items()):
