@@ -283,8 +283,13 @@ def switches_main(argv: List[str]) -> int:
     def kernel_of(name: str) -> str:
         if switches.SWITCHES[name].family == "generation":
             return "-"
-        written = any(op.kernel_backends for op in ops.values() if name in op.switches)
-        return "written" if written else "no kernel yet (switch has no effect)"
+        mine = [op for op in ops.values() if name in op.switches]
+        if any(op.kernel_backends for op in mine):
+            return "written"
+        trials = [op.name for op in mine if op.trial_backends]
+        if trials:  # acts only where LILY_TRIAL_OPS (or a tune profile) turns the trial kernel on
+            return f"trial kernel only (LILY_TRIAL_OPS={','.join(trials)})"
+        return "no kernel yet (switch has no effect)"
 
     rows = [
         [s.name, "on" if s.default else "off", "on" if state[s.name] else "off", s.phase, s.family,

@@ -56,7 +56,7 @@ _SWITCH_LIST = [
     Switch("dense_gemv", "linear", "decode", True,
            "A decode call's dense 4-bit projections (DeltaNet in/out, attention q/k/v/o, lm_head) by lily's row "
            "GEMV: 16-byte weight loads, four outputs per simdgroup sharing each x load, every row of the batch "
-           "computed alike (a trial kernel on CUDA and Metal: LILY_TRIAL_OPS=linear_gemv).",
+           "computed alike (a trial kernel on every backend: LILY_TRIAL_OPS=linear_gemv).",
            "MLX's quantised matmul (its vector kernel for a few rows, its GEMM for more)."),
     Switch("row_gemv", "moe", "decode", True,
            "One-row GEMV forms of the expert GEMMs for decode calls (one thread per output, the GEMMs' "

@@ -147,8 +147,8 @@ def _decode_steps(model, prompt, steps: int = 2):
 def test_model_decode_same_bits_and_fewer_matmuls(tiny, monkeypatch):
     """The patched tiny model on the simulator: logits bit for bit with the switches on and off, and
     one decode step calls MLX's quantised matmul (4 - 1) times fewer per DeltaNet layer and (3 - 1)
-    times fewer per attention layer (the real op, counted as it is called; dense_gemv off, which would
-    take the decode projections off MLX's matmul: tests/kernels/test_linear_kernels.py)."""
+    times fewer per attention layer (the real op, counted as it is called; dense_gemv off, which with its
+    trial kernel on takes the decode projections off MLX's matmul: tests/kernels/test_linear_kernels.py)."""
     monkeypatch.setenv("LILY_BACKEND", "sim")
     model = tiny
     off = ("fused_in_proj", "fused_qkv_proj")

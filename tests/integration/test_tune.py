@@ -28,9 +28,7 @@ from lily_mlx.ops import load_all
 from .conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
-# The linear family (the decode projections' GEMV) has no tune layer case yet (lily_mlx.tuning.layers):
-# tune neither checks nor times it; on GPUs it is a trial kernel turned on by LILY_TRIAL_OPS.
-SIM_KERNEL_OPS = sorted(name for name, op in load_all().items() if "sim" in op.kernel_backends and op.family != "linear")
+SIM_KERNEL_OPS = sorted(name for name, op in load_all().items() if "sim" in op.kernel_backends)
 
 
 @pytest.fixture
@@ -132,7 +130,7 @@ def test_a_profile_pinning_every_kernel_gives_stock_logits(tune_dir, sim_model):
     are stock's bit for bit (the references are stock's primitives in stock's order)."""
     model, tokenizer = sim_model
     stock = _logits(model, tokenizer)
-    path = write_profile(tune_dir, ops=[name for name, op in load_all().items() if "sim" in op.kernel_backends])
+    path = write_profile(tune_dir, ops=SIM_KERNEL_OPS)
     report = lily_mlx.patch(model)._lily_report
     assert set(report.op_backends.values()) == {"reference"}
     assert report.reference_reasons["moe_grouped_gemm"] == "tune profile: hand-written"
@@ -318,7 +316,7 @@ def test_every_trial_kernel_has_a_launcher_on_its_trial_backends():
     for op in ops:
         assert op.family in ("attention", "linear"), op.name  # the families with trial kernels so far
         if op.family == "linear":  # no launcher table: get_kernel(spec, backend) builds it for any backend
-            continue
+            continue  # (no tune case either: LILY_TRIAL_OPS turns it on)
         for backend in op.trial_backends | op.kernel_backends:
             assert (op.name, backend) in attention_layer.KERNELS, (op.name, backend)
     assert dispatch.OPS["attention_prefill"].trial_backends == {"metal", "cuda"}

@@ -189,6 +189,7 @@ def test_switches_without_kernels_say_so(tmp_path):
     without = set()  # every switch acts somewhere now (fused_qk_prep: a simulator kernel since 2026-12-01)
     for name, row in rows.items():
         assert ("no kernel yet" in row) == (name in without), row
+    assert "trial kernel only (LILY_TRIAL_OPS=linear_gemv)" in rows["dense_gemv"]
 
 
 def test_lily_log_lines_come_before_the_generated_text(installed_hook, model_path, tmp_path):
@@ -227,7 +228,7 @@ def test_patch_report_names_each_op_backend_and_why_reference(loaded_model, monk
         assert report.reference_reasons["moe_routing"] == "LILY_REFERENCE_OPS"
         assert "deltanet_scan" not in report.reference_reasons
         assert report.layers == {"Qwen3NextSparseMoeBlock": 4, "Qwen3NextAttention": 1, "GatedDeltaNet": 3,
-                                 "DecoderLayer": 4}
+                                 "DecoderLayer": 4, "QuantizedLinear": 40}  # 3 x 5 + 4 projections, 4 x 5 in the MoE blocks, lm_head
         assert "reference path:" in report.summary()
     finally:
         lily_mlx.unpatch(model)

@@ -118,13 +118,15 @@ def embedded_model():
 
 @needs_sim
 def test_patched_quantized_linear_runs_the_gemv_for_decode_calls_only(embedded_model, monkeypatch):
-    """A patched model's QuantizedLinear: a decode call (one token per sequence) launches the GEMV with
-    the result of MLX's matmul up to rounding; a prefill chunk, training mode, switch dense_gemv off and
-    LILY_REFERENCE_OPS=linear run MLX's matmul (no launch, stock's bits); unpatch restores the class."""
+    """A patched model's QuantizedLinear, its trial kernel on: a decode call (one token per sequence)
+    launches the GEMV, within one rounding of the fp64 oracle; a prefill chunk, a 2-D input, training
+    mode, switch dense_gemv off and LILY_REFERENCE_OPS=linear run MLX's matmul (no launch, stock's bits);
+    without LILY_TRIAL_OPS no launch either; unpatch restores the class."""
     import lily_mlx
     from lily_mlx.core import dispatch
 
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    monkeypatch.setenv("LILY_TRIAL_OPS", "linear_gemv")  # a trial kernel on every backend
     model, _ = embedded_model
     lily_mlx.patch(model)
     try:
@@ -150,6 +152,7 @@ def test_patched_quantized_linear_runs_the_gemv_for_decode_calls_only(embedded_m
             assert mx.array_equal(y, stock_call(proj, x)).item()
 
         no_launch(prefill)
+        no_launch(decode.reshape(3, k))  # 2-D: its rows may be one sequence's tokens, not a decode call
         with switches.overrides(disable=["dense_gemv"]):
             no_launch(decode)
         proj.train()
@@ -157,6 +160,10 @@ def test_patched_quantized_linear_runs_the_gemv_for_decode_calls_only(embedded_m
         proj.eval()
         monkeypatch.setenv("LILY_REFERENCE_OPS", "linear")
         dispatch.invalidate()
+        no_launch(decode)
+        monkeypatch.delenv("LILY_REFERENCE_OPS")
+        monkeypatch.delenv("LILY_TRIAL_OPS")
+        lily_mlx.patch(model)  # the plan is resolved at patch time
         no_launch(decode)
     finally:
         monkeypatch.delenv("LILY_REFERENCE_OPS", raising=False)
@@ -174,6 +181,7 @@ def test_fused_in_projections_and_single_pieces_give_the_same_bits(embedded_mode
     from lily_mlx.core import projections
 
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    monkeypatch.setenv("LILY_TRIAL_OPS", "linear_gemv")
     model, _ = embedded_model
     lily_mlx.patch(model)
     try:

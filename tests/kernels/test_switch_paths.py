@@ -440,28 +440,19 @@ MODEL_ERROR_FACTOR = 1.25
 # compiled_attention (the attention layers' pieces; tests/core/test_compiled.py traces both on the CPU). bounded_lookahead evaluates the same graph in
 # pieces (when, not what): tests/core/test_lookahead.py. fused_in_proj / fused_qkv_proj merge MLX's own
 # quantised matmuls (no lily kernel; same bits): tests/core/test_projections.py. fused_residual hands the
-# combine kernel one more input (same launches, same bits): tests/kernels/test_moe_model.py.
+# combine kernel one more input (same launches, same bits): tests/kernels/test_moe_model.py. dense_gemv's
+# kernel is a trial kernel on every backend (off unless LILY_TRIAL_OPS names it):
+# tests/kernels/test_linear_kernels.py.
 NO_KERNEL_SWITCHES = ("fixed_block_attention", "chunked_prefill", "compiled_decode", "compiled_layers", "compiled_attention",
-                      "bounded_lookahead", "fused_in_proj", "fused_qkv_proj", "fused_residual")
+                      "bounded_lookahead", "fused_in_proj", "fused_qkv_proj", "fused_residual", "dense_gemv")
 # fused_qk_prep: on, attention_qk_prep before each attention kernel; off, stock's ops
 # (expected_model_launches; tests/kernels/test_attention_qk_prep.py).
 QK_PREP_SWITCHES = ("fused_qk_prep",)
 # fused_add_norm: on, moe_residual_rms_norm between each layer's mixer and its MoE block; off, MLX's ops.
 ADD_NORM_SWITCHES = ("fused_add_norm",)
-# dense_gemv: on, linear_gemv for each quantised projection of a decode call (one per fused group of
-# in-projections, one per piece with the group's switch off), lm_head included; off, MLX's matmul.
-LINEAR_SWITCHES = ("dense_gemv",)
 assert set(NO_KERNEL_SWITCHES) | set(MOE_SWITCHES) | set(MOE_BLOCK_SWITCHES) | set(DELTANET_SWITCHES) | set(
-    ATTENTION_SWITCHES) | set(QK_PREP_SWITCHES) | set(ADD_NORM_SWITCHES) | set(LINEAR_SWITCHES) == set(
-    switches.SWITCHES), "a new switch needs its expected launches here"
-
-
-def expected_projection_launches(state: Dict[str, bool], tokens: int, pieces: int, fused_switch: str = "") -> List[str]:
-    """The row GEMV launches of a layer's projection group of ``pieces`` quantised projections: one for a
-    decode call (one token) with the group fused, else one per piece; none for a prefill chunk."""
-    if tokens != 1 or not state["dense_gemv"]:
-        return []
-    return ["linear_gemv_q4"] * (1 if fused_switch and state[fused_switch] else pieces)
+    ATTENTION_SWITCHES) | set(QK_PREP_SWITCHES) | set(ADD_NORM_SWITCHES) == set(switches.SWITCHES), \
+    "a new switch needs its expected launches here"
 
 
 def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Sequence[str], top_k: int) -> List[str]:
@@ -469,27 +460,19 @@ def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Se
     fresh prompt cache: per layer, its mixer's kernels then its MoE block's."""
     names = []
     add_norm = ["moe_residual_rms_norm"] if state["fused_add_norm"] else []  # after the mixer, before the block
-    # The shared expert outside the GEMMs (not fused_expert_down + fused_combine): stock's MLP after the
-    # block's kernels, its gate_proj, up_proj and down_proj quantised projections.
-    shared = [] if state["fused_expert_down"] and state["fused_combine"] else expected_projection_launches(state, tokens, 3)
-    block = expected_block_launches(state, tokens * top_k) + shared
     for kind in layer_types:
-        if kind == "linear_attention":  # in_proj_qkv, _z, _b, _a; the mixer; out_proj
-            names += expected_projection_launches(state, tokens, 4, "fused_in_proj")
+        if kind == "linear_attention":
             names += expected_deltanet_launches(state, tokens)
-            names += expected_projection_launches(state, tokens, 1)
-            names += add_norm + block
+            names += add_norm + expected_block_launches(state, tokens * top_k)
             continue
-        names += expected_projection_launches(state, tokens, 3, "fused_qkv_proj")  # q_proj, k_proj, v_proj
         if state["fused_qk_prep"]:  # q/k norms, RoPE and the gate split in one kernel
             names.append("attention_qk_prep")
         if tokens == 1:  # decode over a plain KVCache, no mask: the decode attention kernel
             names.append("attention_decode")
         else:  # a prefill chunk over a plain KVCache, mask "causal": the prefill kernel (no switch)
             names.append("attention_prefill")
-        names += expected_projection_launches(state, tokens, 1)  # o_proj
-        names += add_norm + block
-    return names + expected_projection_launches(state, tokens, 1)  # lm_head
+        names += add_norm + expected_block_launches(state, tokens * top_k)
+    return names
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ and shape rules; ``kernels/linear/gemv.metal``), ``reference`` (MLX's quantised 
 
 - ``linear_gemv``: y = x . W^T for the rows of a decode call (one token per sequence), W 4-bit affine,
   by lily's row GEMV (switch ``dense_gemv``); reference: MLX's quantised matmul. Prefill chunks keep
-  MLX's matmul.
+  MLX's matmul. A trial kernel on every backend (``kernels.GEMV_BACKENDS``: why).
 """
 
 from __future__ import annotations

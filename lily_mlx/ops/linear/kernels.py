@@ -17,13 +17,15 @@ KERNELS: Dict[str, KernelSpec] = {
                           params=("K", "N", "B")),
 }
 
-# Backends the row GEMV runs on by default: the simulator. On the H200 (2026-12-01, docs/decode.md) it took
-# 0.55 ms less GPU time per decode step than MLX's quantised GEMV (1.5-2.7x per projection under Nsight
-# Compute), yet pipelined decode ran 1.10x faster without it (the step is host-bound; that build also had a
-# reshape on each side of every launch, since removed, not re-timed). A trial kernel on CUDA and Metal, on
-# with LILY_TRIAL_OPS=linear_gemv (`python -m lily_mlx tune` has no case for it yet).
-GEMV_BACKENDS = frozenset({"sim"})
-GEMV_TRIAL_BACKENDS = frozenset({"cuda", "metal"})
+# A trial kernel on every backend (on with LILY_TRIAL_OPS=linear_gemv; `python -m lily_mlx tune` has no
+# case for it yet), for two reasons (docs/decode.md): it is not batch invariant under MLX-LM's batching
+# (a prompt's last one-token chunk runs the GEMV alone, but MLX's matmul when padded to a longer prompt in
+# a batch: a prefill GEMM with the GEMV's per-row arithmetic would fix that, as the MoE GEMM tiles do for
+# the expert GEMVs); and on the H200 (2026-12-01) it took 0.55 ms less GPU time per decode step than MLX's
+# quantised GEMV, yet pipelined decode ran 1.10x faster without it (host-bound; that build also had a
+# reshape on each side of every launch, since removed, not re-timed).
+GEMV_BACKENDS: frozenset = frozenset()
+GEMV_TRIAL_BACKENDS = frozenset({"sim", "cuda", "metal"})
 
 ROWS = 4  # kernels/linear/gemv.metal: LINEAR_GEMV_ROWS (outputs per simdgroup)
 SIMDGROUPS = 2  # kernels/linear/gemv.metal: LINEAR_GEMV_SIMDGROUPS

@@ -1,9 +1,11 @@
 """Forwards of the linear family: ``nn.QuantizedLinear``'s call and the fused projections' matmul
 (``lily_mlx.core.projections``), each by the row GEMV for a decode call's rows where it applies.
 
-A decode call is one token per sequence (x [..., 1, K]): the kernel then takes every row, however many
-sequences the batch holds, so a row's result never depends on the batch. Prefill chunks, training mode,
-switch ``dense_gemv`` off and shapes the kernel does not compute run MLX's quantised matmul.
+A decode call is one token per sequence (x [B, 1, K]; a 2-D x [N, K] is not one: its rows may be one
+sequence's tokens): the kernel then takes every row, however many sequences the batch holds. Prefill
+chunks, training mode, switch ``dense_gemv`` off and shapes the kernel does not compute run MLX's quantised
+matmul. Not batch invariant as it stands: a prompt's one-token chunk alone takes the GEMV and the same chunk
+padded into a batch takes MLX's matmul (hence a trial kernel: ``kernels.GEMV_BACKENDS``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from .reference import quantized_matmul_reference
 
 def _gemv_backend(x: mx.array, weight, scales, biases, group_size: int, bits: int, mode: str) -> Optional[str]:
     """The backend the row GEMV runs on for this call, or None (MLX's matmul)."""
-    if x.ndim < 2 or x.shape[-2] != 1 or not switches.is_enabled("dense_gemv"):
+    if x.ndim < 3 or x.shape[-2] != 1 or not switches.is_enabled("dense_gemv"):  # [..., 1, K]: one token a sequence
         return None
     backend = op_backend("linear_gemv")
     if backend == REFERENCE:
