@@ -137,7 +137,7 @@ def test_mlx_gets_the_header_as_an_include_of_a_content_addressed_file(tmp_path,
 
     calls = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: calls.append(kw) or object(), raising=False)
-    k._cuda_kernel([mx.zeros((32,))], None)
+    k._cuda_kernel([mx.zeros((32,))], None, [mx.float32])
     assert calls[0]["header"] == line and calls[0]["name"] == k.kernel_name(text, calls[0]["source"])
 
     monkeypatch.chdir(tmp_path)
@@ -163,6 +163,40 @@ def test_a_kernel_with_its_header_included_compiles(tmp_path, monkeypatch):
     assert len(included) < len(unit) // 3
     ok, out = compile_cuda(included)
     assert ok, out[-3000:]
+
+
+@needs_nvcc
+def test_body_in_header_mode_compiles_and_hands_mlx_a_one_line_body(tmp_path, monkeypatch):
+    """LILY_CUDA_BODY_IN_HEADER=1: the translated body moves into the header file as a device function, so
+    the source MLX hashes at every launch holds a one-line call; the translation units of lily's dense
+    GEMV, residual norm and SIMD-group / simdgroup_matrix feature kernels compile that way, and the call
+    names every parameter of MLX's signature."""
+    from lily_mlx.core.kernel_registry import kernel_source
+    from lily_mlx.msl.cuda.kernel import BODY_IN_HEADER_ENV, HEADER_DIR_ENV
+    from lily_mlx.ops.linear import kernels as lk
+    from lily_mlx.ops.moe import kernels as mk
+
+    monkeypatch.setenv(HEADER_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(BODY_IN_HEADER_ENV, "1")
+    wq, scales, biases = mx.quantize(mx.zeros((64, 256), mx.bfloat16), group_size=64, bits=4, stream=mx.cpu)
+    x = mx.zeros((2, 1, 256), mx.bfloat16)
+    cases = {
+        "gemv": (lk.KERNELS["gemv_q4"], [x, wq, scales, biases, lk.KERNELS["gemv_q4"].pack(K=256, N=64, B=2)],
+                 [mx.bfloat16], [("T", mx.bfloat16), ("M", 2), ("GS", 64)]),
+        "residual_norm": (mk.KERNELS["residual_norm"], [x, x, x[0, 0], mx.zeros((1,)),
+                                                        mk.KERNELS["residual_norm"].pack(D=256)],
+                          [mx.bfloat16, mx.bfloat16], [("T", mx.bfloat16), ("PER_THREAD", 1)]),
+    }
+    units = {}
+    for name, (spec, inputs, out_dtypes, template) in cases.items():
+        header, body = kernel_source(spec)
+        k = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
+        h, one_line = k.cuda_sources(inputs + [mx.zeros((3,), mx.int32)], out_dtypes, template)
+        assert one_line.count("\n") == 0 and len(one_line) < 300 and one_line.strip().startswith("lily_body_")
+        assert one_line.strip()[:-1].split("(", 1)[0] in h  # the device function sits in the header
+        units[name] = wrap_like_mlx(k, inputs, out_dtypes, template)[1]
+    units.update(_feature_units())
+    _compile_all(units)
 
 
 @pytest.mark.parametrize("grid, tg, ok", [

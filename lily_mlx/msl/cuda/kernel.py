@@ -147,6 +147,39 @@ def launch_header(text: str) -> str:
     return f'#include "{path}"\n'
 
 
+# The kernel body in the header file too (opt-in, LILY_CUDA_BODY_IN_HEADER=1, read when a variant is first
+# built): the source MLX hashes at every evaluated launch is then its prologue, the signature and a
+# one-line call of a device function holding the translated body (1.7-6.4 KB otherwise: docs/decode.md).
+# Not yet timed on a GPU: ``bench.launch_cost`` with and without it decides the default.
+BODY_IN_HEADER_ENV = "LILY_CUDA_BODY_IN_HEADER"
+
+
+def body_in_header() -> bool:
+    return os.environ.get(BODY_IN_HEADER_ENV, "0") == "1"
+
+
+def _cuda_params(input_names: Sequence[str], inputs: Sequence[mx.array], output_names: Sequence[str],
+                 output_dtypes: Sequence[mx.Dtype], source: str, kernel: bool) -> List[Tuple[str, str]]:
+    """(declaration, name) of each parameter MLX's generated signature gives a kernel whose body is
+    ``source`` (inputs as ``const T*``, then the shape / strides / ndim that ``source`` names, outputs as
+    ``T*``); ``kernel`` False: as a device function's parameters (no ``__grid_constant__``)."""
+    grid_constant = "const __grid_constant__ " if kernel else "const "
+    by_ref = "" if kernel else "&"
+    params = []
+    for n, a in zip(input_names, inputs):
+        params.append((f"const {_CUDA_TYPES[a.dtype]}* {n}", n))
+        if a.ndim > 0:
+            if f"{n}_shape" in source:
+                params.append((f"{grid_constant}Shape{by_ref} {n}_shape", f"{n}_shape"))
+            if f"{n}_strides" in source:
+                params.append((f"{grid_constant}Strides{by_ref} {n}_strides", f"{n}_strides"))
+            if f"{n}_ndim" in source:
+                params.append((f"{grid_constant}int {n}_ndim", f"{n}_ndim"))
+    for n, d in zip(output_names, output_dtypes):
+        params.append((f"{_CUDA_TYPES[d]}* {n}", n))
+    return params
+
+
 def _mma_enabled() -> bool:
     return os.environ.get("LILY_CUDA_MMA", "1") != "0"
 
@@ -233,6 +266,7 @@ class CudaMetalKernel:
         self.uses_barriers = bool(_BARRIER_USE.search(code))
         self.prelude_sections = prelude_sections(code, atomic_outputs)
         self._kernels: Dict[Tuple, object] = {}
+        self._body_in_header = body_in_header()
         # (grid, threadgroup) -> (checked grid, threadgroup, the grid as an int32 input), once per geometry.
         self._launches: Dict[Tuple, Tuple] = {}
 
@@ -264,6 +298,22 @@ class CudaMetalKernel:
         lines += _attribute_lines(self.metal_source)
         lines.append("  // ---- Metal kernel body ----")
         return "\n".join(lines) + "\n" + self.body
+
+    def cuda_sources(self, inputs, output_dtypes, template) -> Tuple[str, str]:
+        """(header, body) for MLX: the translated body as is, or (``LILY_CUDA_BODY_IN_HEADER=1``) inside a
+        device function of the header, which the body calls. ``inputs`` include the true-grid input."""
+        header, body = self.cuda_header(), self.cuda_body(self.specs(inputs[:-1]), template)
+        if not body_in_header():
+            return header, body
+        names = self.cuda_input_names() + self.cuda_output_names()
+        params = _cuda_params(self.cuda_input_names(), inputs, self.cuda_output_names(), output_dtypes, body, False)
+        fname = f"lily_body_{hashlib.sha1(body.encode()).hexdigest()[:16]}"
+        function = (f"__device__ __forceinline__ void {fname}(\n    " + ",\n    ".join(d for d, _ in params)
+                    + ") {\n" + body + "\n}\n")
+        head, close, tail = header.rpartition("\n}  // namespace mlx::core::cu\n")  # after the Metal header
+        header = head + "\n" + function + close.lstrip("\n") + tail
+        assert close and all(n in (p for _, p in params) for n in names)
+        return header, f"  {fname}({', '.join(p for _, p in params)});"
 
     def kernel_name(self, header: str, body: str) -> str:
         digest = hashlib.sha1((header + "\0" + body).encode()).hexdigest()[:16]
@@ -316,16 +366,19 @@ class CudaMetalKernel:
 
     # -- call ----------------------------------------------------------------------------------
 
-    def _cuda_kernel(self, inputs, template):
-        # The key is what changes the generated source: which inputs are 0-d, and the template.
-        # (LILY_CUDA_MMA is read when a variant is first built, not per call.)
+    def _cuda_kernel(self, inputs, template, output_dtypes):
+        # The key is what changes the generated source: which inputs are 0-d, and the template; with the
+        # body in the header, the dtypes too (its device function's parameters). (LILY_CUDA_MMA and
+        # LILY_CUDA_BODY_IN_HEADER are read when a variant is first built, not per call.)
         if isinstance(template, dict):
             template = list(template.items())
         key = (tuple([a.ndim == 0 for a in inputs]), tuple(map(tuple, template)) if template else ())
+        if self._body_in_header:
+            key += (tuple(a.dtype for a in inputs), tuple(output_dtypes))
         k = self._kernels.get(key)
         if k is None:
-            specs = self.specs(inputs)
-            header, body = self.cuda_header(), self.cuda_body(specs, template)
+            with_grid = list(inputs) + [mx.zeros((3,), mx.int32)]
+            header, body = self.cuda_sources(with_grid, output_dtypes, template)
             k = mx.fast.cuda_kernel(
                 name=self.kernel_name(header, body),  # the full header's hash, not the include line's
                 input_names=self.cuda_input_names(),
@@ -358,7 +411,7 @@ class CudaMetalKernel:
             grid_input = mx.array(list(checked_grid), dtype=mx.int32)
             launch = self._launches[launch_key] = (checked_grid, tg, grid_input)
         grid, tg, grid_input = launch
-        kernel = self._cuda_kernel(inputs, template)
+        kernel = self._cuda_kernel(inputs, template, output_dtypes)
         inputs.append(grid_input)
         if init_value is None and stream is None:
             return kernel(inputs=inputs, grid=grid, threadgroup=tg, output_shapes=output_shapes,
@@ -390,18 +443,7 @@ def mlx_cuda_translation_unit(kernel_name: str, header: str, source: str, input_
     text += header
     text += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
     text += f"__global__ void {kernel_name}(\n"
-    params = []
-    for n, a in zip(input_names, inputs):
-        params.append(f"    const {_CUDA_TYPES[a.dtype]}* {n}")
-        if a.ndim > 0:
-            if f"{n}_shape" in source:
-                params.append(f"    const __grid_constant__ Shape {n}_shape")
-            if f"{n}_strides" in source:
-                params.append(f"    const __grid_constant__ Strides {n}_strides")
-            if f"{n}_ndim" in source:
-                params.append(f"    const __grid_constant__ int {n}_ndim")
-    for n, d in zip(output_names, output_dtypes):
-        params.append(f"    {_CUDA_TYPES[d]}* {n}")
+    params = [f"    {decl}" for decl, _ in _cuda_params(input_names, inputs, output_names, output_dtypes, source, True)]
     text += ",\n".join(params) + ") {\n"
     text += source + "\n}\n\n} // namespace mlx::core::cu\n"
     return text
@@ -411,8 +453,7 @@ def wrap_like_mlx(kernel: CudaMetalKernel, inputs, output_dtypes, template=None)
     """(kernel name, full CUDA translation unit) as ``mx.fast.cuda_kernel`` would build it for this
     call. Used to compile-check translations with ``nvcc`` where there is no GPU."""
     inputs = [signature.as_input_array(x) for x in inputs]
-    specs = kernel.specs(inputs)
-    header, body = kernel.cuda_header(), kernel.cuda_body(specs, template)
+    header, body = kernel.cuda_sources(inputs + [mx.zeros((3,), mx.int32)], output_dtypes, template)
     kname = "custom_kernel_" + kernel.kernel_name(header, body)
     text = mlx_cuda_translation_unit(kname, header, body, kernel.cuda_input_names(),
                                      inputs + [mx.zeros((3,), mx.int32)], kernel.cuda_output_names(),
