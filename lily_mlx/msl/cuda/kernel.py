@@ -147,8 +147,8 @@ def launch_header(text: str) -> str:
     return f'#include "{path}"\n'
 
 
-# The kernel body in the header file too (opt-in, LILY_CUDA_BODY_IN_HEADER=1, read when a variant is first
-# built): the source MLX hashes at every evaluated launch is then its prologue, the signature and a
+# The kernel body in the header file too (opt-in, LILY_CUDA_BODY_IN_HEADER=1, read when a kernel object is
+# made): the source MLX hashes at every evaluated launch is then its prologue, the signature and a
 # one-line call of a device function holding the translated body (1.7-6.4 KB otherwise: docs/decode.md).
 # Not yet timed on a GPU: ``bench.launch_cost`` with and without it decides the default.
 BODY_IN_HEADER_ENV = "LILY_CUDA_BODY_IN_HEADER"
@@ -368,8 +368,8 @@ class CudaMetalKernel:
 
     def _cuda_kernel(self, inputs, template, output_dtypes):
         # The key is what changes the generated source: which inputs are 0-d, and the template; with the
-        # body in the header, the dtypes too (its device function's parameters). (LILY_CUDA_MMA and
-        # LILY_CUDA_BODY_IN_HEADER are read when a variant is first built, not per call.)
+        # body in the header, the dtypes too (its device function's parameters). (LILY_CUDA_MMA is read
+        # when a variant is first built, LILY_CUDA_BODY_IN_HEADER when the kernel object is; never per call.)
         if isinstance(template, dict):
             template = list(template.items())
         key = (tuple([a.ndim == 0 for a in inputs]), tuple(map(tuple, template)) if template else ())
