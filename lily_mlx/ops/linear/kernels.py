@@ -21,7 +21,7 @@ KERNELS: Dict[str, KernelSpec] = {
 # case for it yet), for two reasons (docs/decode.md): it is not batch invariant under MLX-LM's batching
 # (a prompt's last one-token chunk runs the GEMV alone, but MLX's matmul when padded to a longer prompt in
 # a batch: a prefill GEMM with the GEMV's per-row arithmetic would fix that, as the MoE GEMM tiles do for
-# the expert GEMVs); and on the H200 (2026-12-01) it took 0.55 ms less GPU time per decode step than MLX's
+# the expert GEMVs); and on the H200 (2026-12-01) a decode step took 0.38 ms less GPU time with it than with MLX's
 # quantised GEMV, yet pipelined decode ran 1.10x faster without it (host-bound; that build also had a
 # reshape on each side of every launch, since removed, not re-timed).
 GEMV_BACKENDS: frozenset = frozenset()
