@@ -121,11 +121,12 @@ def table_markdown(rows: List[Dict], ceil: Dict[str, float]) -> str:
 
 
 def op_cases(families=("moe", "deltanet", "attention"), min_seconds: float = 0.2, max_iters: int = 50,
-             ceil: Dict[str, float] = None, log=print) -> List[Dict]:
+             ceil: Dict[str, float] = None, log=print, match: str = None) -> List[Dict]:
     """Each family's microbenchmarks (``lily_dev.<family>_bench.microbench_cases()`` ->
     ``[(name, run_once, bytes_moved, flops)]``, each at Qwen3.6 shapes, lily and stock paths), timed
-    here against the ceilings."""
+    here against the ceilings. ``match``: a regular expression; only cases whose name it finds run."""
     import importlib
+    import re
 
     rows = []
     for family in families:
@@ -136,6 +137,8 @@ def op_cases(families=("moe", "deltanet", "attention"), min_seconds: float = 0.2
             log(f"[kernels] {family}: microbench cases failed: {e}")
             continue
         for name, run_once, nbytes, flops in cases:
+            if match is not None and not re.search(match, name):
+                continue
             try:
                 run_once()
                 run_once()

@@ -85,6 +85,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel-prefill-tokens", type=int, default=2048)
     p.add_argument("--op-cases", default="auto", choices=("auto", "on", "off"),
                    help="kernels mode: also time the op modules' own microbench cases (auto: on a GPU)")
+    p.add_argument("--op-match", default=None, metavar="REGEX",
+                   help="kernels mode: only the op cases whose name this regular expression finds")
     p.add_argument("--context", type=int, default=4096, help="decode-profile: context length before decoding")
     p.add_argument("--profile-steps", type=int, default=16, help="decode-profile: timed decode steps per round")
     p.add_argument("--shared-prefill", action="store_true",
@@ -273,7 +275,7 @@ def main(argv=None) -> int:
         results["kernels"] = {"ceilings": ceil, "rows": rows, "prefill_tokens": args.kernel_prefill_tokens}
         text = kernels.table_markdown(rows, ceil) + "\n"
         if args.op_cases == "on" or (args.op_cases == "auto" and mx.default_device() == mx.gpu):
-            results["kernels"]["op_cases"] = cases = kernels.op_cases(ceil=ceil, log=log)
+            results["kernels"]["op_cases"] = cases = kernels.op_cases(ceil=ceil, log=log, match=args.op_match)
             text += "\nOp microbenchmarks (lily_dev.<family>_bench.microbench_cases):\n\n" + kernels.op_cases_markdown(cases) + "\n"
         if out_dir:
             (out_dir / "kernels.md").write_text(text)
