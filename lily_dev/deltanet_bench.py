@@ -81,12 +81,17 @@ def microbench_cases(backend: Optional[str] = None, B: int = 1, dtype=mx.bfloat1
                 name = f"deltanet_scan_{'register' if register else 'blockwise'}_T{T}"
                 cases.append((name, run, _scan_bytes(B, T, Hk, Hv, Dk, Dv, isz, blocks), flops))
 
-            def run_staged(x=x, g=g, beta=beta):
-                mx.eval(dk.scan(x["q"], x["k"], x["v"], g, beta, x["state"], staged=True, backend=backend))
+            for partials in (dk.ROW_SUM_PARTIALS, 1):
+                def run_staged(x=x, g=g, beta=beta, partials=partials):
+                    mx.eval(dk.scan(x["q"], x["k"], x["v"], g, beta, x["state"], staged=True, backend=backend,
+                                    partials=partials))
 
-            # deltanet_scan_staged (issue 14): the register scan's bits, inputs staged through
-            # threadgroup memory a chunk at a time; to be timed against deltanet_scan_register_T{T}.
-            cases.append((f"deltanet_scan_staged_T{T}", run_staged, _scan_bytes(B, T, Hk, Hv, Dk, Dv, isz), flops))
+                # deltanet_scan_staged (issue 14): the register scan's bits, inputs staged through
+                # threadgroup memory a chunk at a time; to be timed against deltanet_scan_register_T{T}.
+                # _p1: one sequential chain per row dot product (the layout before ROW_SUM_PARTIALS).
+                tag = "" if partials == dk.ROW_SUM_PARTIALS else f"_p{partials}"
+                cases.append((f"deltanet_scan_staged{tag}_T{T}", run_staged, _scan_bytes(B, T, Hk, Hv, Dk, Dv, isz),
+                              flops))
         cases += _stock_scan_cases(x, g, beta, T, _scan_bytes(B, T, Hk, Hv, Dk, Dv, isz), flops,
                                    backend if kernels else None)
 
@@ -100,6 +105,11 @@ def microbench_cases(backend: Optional[str] = None, B: int = 1, dtype=mx.bfloat1
                 mx.eval(dk.decode(*args, fused=fused, backend=backend))
 
             cases.append((f"deltanet_decode_{'fused' if fused else 'unfused'}", run, decode_bytes, decode_flops))
+
+        def run_fused_p1():
+            mx.eval(dk.decode(*args, fused=True, backend=backend, partials=1))
+
+        cases.append(("deltanet_decode_fused_p1", run_fused_p1, decode_bytes, decode_flops))
 
     def run_reference_decode():
         mx.eval(ref.decode_step(*args))

@@ -116,27 +116,47 @@ inline void deltanet_conv_state_row(
   }
 }
 
+// This lane's part of a state row's dot product with x (columns col0 + i LANES): element i goes into
+// partial sum i % PARTIALS (each partial in i order), then the partials are added pairwise (p + w into
+// p, w = PARTIALS / 2, ..., 1). PARTIALS = 1 is one sequential chain of DELTANET_EPL FMAs; 8 gives
+// chains of 4 plus 3 adds: the scan runs about one simdgroup per SIMD scheduler, so every step waits
+// on this chain's latency (docs/deltanet.md). DECAY: state[i] *= g first (the kv sum); else
+// state[i] += k[i] delta first (the read-out), in the same pass.
+template <int LANES, int PARTIALS, bool DECAY, typename QK>
+inline float deltanet_lane_dot(thread float (&state)[DELTANET_EPL], QK x, QK k_t, float scale) {
+  static_assert(DELTANET_EPL % PARTIALS == 0, "PARTIALS divides the elements per lane");
+  float part[PARTIALS];
+  for (int p = 0; p < PARTIALS; ++p) {
+    part[p] = 0.0f;
+  }
+  for (int i = 0; i < DELTANET_EPL; ++i) {
+    if (DECAY) {
+      state[i] *= scale;
+    } else {
+      state[i] += static_cast<float>(k_t[i * LANES]) * scale;
+    }
+    part[i % PARTIALS] += state[i] * static_cast<float>(x[i * LANES]);
+  }
+  for (int w = PARTIALS / 2; w > 0; w /= 2) {
+    for (int p = 0; p < w; ++p) {
+      part[p] += part[p + w];
+    }
+  }
+  return part[0];
+}
+
 // One token's delta-rule update of state row dv, held in registers (this lane's DELTANET_EPL elements,
 // columns col0 + i LANES), and the row's read-out y[dv] = S[dv, :] q (returned to every lane of the
 // row group). q_t, k_t point at column col0 of the token's q and k (device or threadgroup memory);
-// v is v[dv]. All 32 lanes call it (row sums by shuffles).
-template <int LANES, typename QK>
+// v is v[dv]. All 32 lanes call it (row sums by shuffles). Every scan and decode kernel steps through
+// this function with the same PARTIALS, so a token gets the same bits in a prompt chunk and in a
+// decode step (batch invariance).
+template <int LANES, int PARTIALS, typename QK>
 inline float deltanet_decode_row(thread float (&state)[DELTANET_EPL], QK q_t, QK k_t, float v, float g_t,
                                  float beta_t) {
-  float part = 0.0f;
-  for (int i = 0; i < DELTANET_EPL; ++i) {
-    state[i] *= g_t;
-    part += state[i] * static_cast<float>(k_t[i * LANES]);
-  }
-  const float kv = deltanet_row_sum<LANES>(part);
+  const float kv = deltanet_row_sum<LANES>(deltanet_lane_dot<LANES, PARTIALS, true>(state, k_t, k_t, g_t));
   const float delta = (v - kv) * beta_t;
-
-  part = 0.0f;
-  for (int i = 0; i < DELTANET_EPL; ++i) {
-    state[i] += static_cast<float>(k_t[i * LANES]) * delta;
-    part += state[i] * static_cast<float>(q_t[i * LANES]);
-  }
-  return deltanet_row_sum<LANES>(part);
+  return deltanet_row_sum<LANES>(deltanet_lane_dot<LANES, PARTIALS, false>(state, q_t, k_t, delta));
 }
 
 // 1 / rms of a decode head's Dv fp32 read-outs, for the gated RMSNorm. Every simdgroup sums the squares
@@ -215,23 +235,9 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
     }
     const device InT* k_t = k + (bt * Hk + hk) * Dk + col0;
     const device InT* q_t = q + (bt * Hk + hk) * Dk + col0;
-    const float g_t = g[bt * Hv + hv];
-    const float beta_t = static_cast<float>(beta[bt * Hv + hv]);
-
-    float part = 0.0f;
-    for (int i = 0; i < DELTANET_EPL; ++i) {
-      state[i] *= g_t;
-      part += state[i] * static_cast<float>(k_t[i * LANES]);
-    }
-    const float kv = deltanet_row_sum<LANES>(part);
-    const float delta = (static_cast<float>(v[(bt * Hv + hv) * Dv + dv]) - kv) * beta_t;
-
-    part = 0.0f;
-    for (int i = 0; i < DELTANET_EPL; ++i) {
-      state[i] += static_cast<float>(k_t[i * LANES]) * delta;
-      part += state[i] * static_cast<float>(q_t[i * LANES]);
-    }
-    const float out = deltanet_row_sum<LANES>(part);
+    const float out = deltanet_decode_row<LANES, PARTIALS>(
+        state, q_t, k_t, static_cast<float>(v[(bt * Hv + hv) * Dv + dv]), g[bt * Hv + hv],
+        static_cast<float>(beta[bt * Hv + hv]));
     if (col0 == 0) {
       y[y_at] = static_cast<OutT>(out);
     }
@@ -360,7 +366,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
         }
         threadgroup float* q_t = q_s + s * Dk + col0;
         threadgroup float* k_t = k_s + s * Dk + col0;
-        const float out = deltanet_decode_row<LANES>(state, q_t, k_t, v_s[s * TG_ROWS + local_row], gbl_s[s],
+        const float out = deltanet_decode_row<LANES, PARTIALS>(state, q_t, k_t, v_s[s * TG_ROWS + local_row], gbl_s[s],
                                                      gbl_s[CHUNK + s]);
         if (col0 == 0) {
           y[y_at] = static_cast<OutT>(out);
@@ -418,23 +424,9 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
       }
       const device InT* k_t = k + (bt * Hk + hk) * Dk + col0;
       const device InT* q_t = q + (bt * Hk + hk) * Dk + col0;
-      const float g_t = g[bt * Hv + hv];
-      const float beta_t = static_cast<float>(beta[bt * Hv + hv]);
-
-      float part = 0.0f;
-      for (int i = 0; i < DELTANET_EPL; ++i) {
-        state[i] *= g_t;
-        part += state[i] * static_cast<float>(k_t[i * LANES]);
-      }
-      const float kv = deltanet_row_sum<LANES>(part);
-      const float delta = (static_cast<float>(v[(bt * Hv + hv) * Dv + dv]) - kv) * beta_t;
-
-      part = 0.0f;
-      for (int i = 0; i < DELTANET_EPL; ++i) {
-        state[i] += static_cast<float>(k_t[i * LANES]) * delta;
-        part += state[i] * static_cast<float>(q_t[i * LANES]);
-      }
-      const float out = deltanet_row_sum<LANES>(part);
+      const float out = deltanet_decode_row<LANES, PARTIALS>(
+          state, q_t, k_t, static_cast<float>(v[(bt * Hv + hv) * Dv + dv]), g[bt * Hv + hv],
+          static_cast<float>(beta[bt * Hv + hv]));
       if (col0 == 0) {
         y[y_at] = static_cast<OutT>(out);
       }
@@ -513,7 +505,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
     const float beta_t = deltanet_beta(static_cast<float>(b[n]));
     const device InT* k_t = k + (static_cast<size_t>(b_idx) * Hk + hk) * Dk + col0;
     const device InT* q_t = q + (static_cast<size_t>(b_idx) * Hk + hk) * Dk + col0;
-    y_dv = deltanet_decode_row<LANES>(state, q_t, k_t, static_cast<float>(v[static_cast<size_t>(n) * Dv + dv]),
+    y_dv = deltanet_decode_row<LANES, PARTIALS>(state, q_t, k_t, static_cast<float>(v[static_cast<size_t>(n) * Dv + dv]),
                                       g_t, beta_t);
   }
 
@@ -643,7 +635,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
     const float beta_t = deltanet_beta(static_cast<float>(b[n]));
     const threadgroup float* q_t = qkv_head + col0;
     const threadgroup float* k_t = qkv_head + Dk + col0;
-    y_dv = deltanet_decode_row<LANES>(state, q_t, k_t, qkv_head[2 * Dk + dv], g_t, beta_t);
+    y_dv = deltanet_decode_row<LANES, PARTIALS>(state, q_t, k_t, qkv_head[2 * Dk + dv], g_t, beta_t);
   }
 
   for (int i = 0; i < DELTANET_EPL; ++i) {

@@ -91,8 +91,9 @@ def _check_scan(y, state, y_ref, state_ref, mask, tol):
     B=st.integers(1, 3), T=st.sampled_from([1, 2, 7, 64, 257]), Hk=st.sampled_from([1, 2]),
     rep=st.sampled_from([1, 2]), dims=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(list(DTYPES)),
     with_state=st.booleans(), with_mask=st.booleans(), register=st.booleans(), seed=st.integers(0, 2**16),
+    partials=st.sampled_from([dk.ROW_SUM_PARTIALS, 1, 2, 4]),
 )
-def test_scan_kernels_match_reference(B, T, Hk, rep, dims, dtype, with_state, with_mask, register, seed):
+def test_scan_kernels_match_reference(B, T, Hk, rep, dims, dtype, with_state, with_mask, register, seed, partials):
     rng = np.random.default_rng(seed)
     Dk, Dv = dims
     if T == 257:
@@ -101,7 +102,8 @@ def test_scan_kernels_match_reference(B, T, Hk, rep, dims, dtype, with_state, wi
         rng, B, T, Hk, Hk * rep, Dk, Dv, DTYPES[dtype], with_state, with_mask)
     g, beta = ref.gates(*_f32(a, b, A_log, dt_bias))
     y_ref, s_ref = ref.scan_ops(*_f32(q, k, v), g, beta, state, mask)
-    y, s = dk.scan(q, k, v, g, beta, state, mask, register=register, backend=KERNEL_BACKEND, init_value=NAN, block=5)
+    y, s = dk.scan(q, k, v, g, beta, state, mask, register=register, backend=KERNEL_BACKEND, init_value=NAN, block=5,
+                   partials=partials)
     assert y.dtype == q.dtype and s.dtype == mx.float32
     _check_scan(y, s, y_ref, s_ref, mask, TOL[dtype])
 
@@ -112,9 +114,9 @@ def test_scan_kernels_match_reference(B, T, Hk, rep, dims, dtype, with_state, wi
     B=st.integers(1, 2), T=st.sampled_from([1, 7, 16, 17, 40]), Hk=st.sampled_from([1, 2]),
     rep=st.sampled_from([1, 2]), dims=st.sampled_from(HEAD_DIMS + [(128, 32), (256, 32)]),
     dtype=st.sampled_from(list(DTYPES)), with_state=st.booleans(), with_mask=st.booleans(),
-    seed=st.integers(0, 2**16),
+    seed=st.integers(0, 2**16), partials=st.sampled_from([dk.ROW_SUM_PARTIALS, 1]),
 )
-def test_staged_scan_is_bitwise_the_register_scan(B, T, Hk, rep, dims, dtype, with_state, with_mask, seed):
+def test_staged_scan_is_bitwise_the_register_scan(B, T, Hk, rep, dims, dtype, with_state, with_mask, seed, partials):
     """deltanet_scan_staged (inputs staged through threadgroup memory, chunks of 16 / 8 tokens) gives
     deltanet_scan_register's bits (so the decode kernels' too: batch invariance), across chunk tails."""
     rng = np.random.default_rng(seed)
@@ -122,8 +124,9 @@ def test_staged_scan_is_bitwise_the_register_scan(B, T, Hk, rep, dims, dtype, wi
     q, k, v, a, b, A_log, dt_bias, state, mask = _problem(
         rng, B, T, Hk, Hk * rep, Dk, Dv, DTYPES[dtype], with_state, with_mask)
     g, beta = ref.gates(*_f32(a, b, A_log, dt_bias))
-    y0, s0 = dk.scan(q, k, v, g, beta, state, mask, backend=KERNEL_BACKEND, init_value=NAN)
-    y1, s1 = dk.scan(q, k, v, g, beta, state, mask, staged=True, backend=KERNEL_BACKEND, init_value=NAN)
+    y0, s0 = dk.scan(q, k, v, g, beta, state, mask, backend=KERNEL_BACKEND, init_value=NAN, partials=partials)
+    y1, s1 = dk.scan(q, k, v, g, beta, state, mask, staged=True, backend=KERNEL_BACKEND, init_value=NAN,
+                     partials=partials)
     assert not bool(mx.any(mx.isnan(y1)).item()) and not bool(mx.any(mx.isnan(s1)).item()), "unwritten output"
     assert same(y1, y0) and same(s1, s0)
 

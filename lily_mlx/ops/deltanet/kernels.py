@@ -62,6 +62,11 @@ KERNELS = {
 BLOCKWISE_SCAN_BLOCK = 16
 
 STATE_ELEMENTS_PER_LANE = 32  # DELTANET_EPL in the kernel file
+# Independent partial sums per lane in a state row's dot products (deltanet_lane_dot): 8 shortens each
+# step's dependency chain from 32 FMAs to 4 plus 3 adds (the scan is latency-bound: about one
+# simdgroup per SIMD scheduler at Qwen3.6's 32 heads). 1 = one sequential chain (the layout before
+# 2026-12-01, kept for benchmarks). Every scan and decode kernel takes the same value (batch invariance).
+ROW_SUM_PARTIALS = 8
 SUPPORTED_DK = (32, 64, 128, 256)
 ACTIVATION_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -160,7 +165,8 @@ def gates(a, b, A_log, dt_bias, *, backend: str, init_value=None) -> Tuple[mx.ar
 
 
 def scan(q, k, v, g, beta, state, mask=None, *, register: bool = True, backend: str, init_value=None,
-         block: Optional[int] = None, return_block_states: bool = False, out_dtype=None, staged: bool = False):
+         block: Optional[int] = None, return_block_states: bool = False, out_dtype=None, staged: bool = False,
+         partials: int = ROW_SUM_PARTIALS):
     """Delta-rule scan (reference: ``scan_ops``). y is 0 at masked positions.
 
     q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g: [B, T, Hv] fp32; beta: [B, T, Hv]; state fp32 or None.
@@ -168,7 +174,8 @@ def scan(q, k, v, g, beta, state, mask=None, *, register: bool = True, backend: 
     ``staged`` (with ``register``): ``deltanet_scan_staged``, the register scan with its inputs staged
     through threadgroup memory a chunk of tokens at a time (same bits; the layer's default, switch
     ``staged_scan``, see docs/deltanet.md).
-    ``out_dtype``: y's dtype (default q's).
+    ``out_dtype``: y's dtype (default q's). ``partials``: the row dot products' partial sums
+    (``ROW_SUM_PARTIALS``; other values are for benchmarks and tests).
     """
     _refuse_unsupported(q, v, g, state)
     B, T, Hk, Dk = q.shape
@@ -179,7 +186,7 @@ def scan(q, k, v, g, beta, state, mask=None, *, register: bool = True, backend: 
     inputs = [q, k, v, g.astype(mx.float32), beta, state if has_state else _ONE_FLOAT,
               mask if has_mask else _ONE_BOOL]
     out_dtype = out_dtype or q.dtype
-    template = [("InT", q.dtype), ("OutT", out_dtype), ("Dk", Dk), ("Dv", Dv)]
+    template = [("InT", q.dtype), ("OutT", out_dtype), ("Dk", Dk), ("Dv", Dv), ("PARTIALS", partials)]
     geometry = dict(grid=(32, simdgroups, B * Hv), threadgroup=(32, _scan_threadgroup_y(simdgroups), 1))
     state_shape = (B, Hv, Dv, Dk)
     if register:
@@ -231,7 +238,7 @@ def gated_norm(x, z, weight, eps: float, *, backend: str, init_value=None, out_d
 
 
 def decode(q, k, v, a, b, A_log, dt_bias, state, z, weight, eps: float, mask=None, *, fused: bool = True,
-           backend: str, init_value=None) -> Tuple[mx.array, mx.array]:
+           backend: str, init_value=None, partials: int = ROW_SUM_PARTIALS) -> Tuple[mx.array, mx.array]:
     """One decode token + gated RMSNorm (reference: ``decode_step``): (normed out [B, 1, Hv, Dv], state).
 
     q, k: [B, 1, Hk, Dk]; v, z: [B, 1, Hv, Dv]; a, b: [B, 1, Hv]; state [B, Hv, Dv, Dk] fp32 or None.
@@ -241,7 +248,7 @@ def decode(q, k, v, a, b, A_log, dt_bias, state, z, weight, eps: float, mask=Non
     if not fused:
         g, beta = gates(a, b, A_log, dt_bias, backend=backend, init_value=init_value)
         y, state = scan(q, k, v, g, beta, state, mask, register=True, backend=backend, init_value=init_value,
-                        out_dtype=mx.float32)
+                        out_dtype=mx.float32, partials=partials)
         out = gated_norm(y, z, weight, eps, backend=backend, init_value=init_value, out_dtype=q.dtype)
         return out, state
     _refuse_unsupported(q, v, None, state)
@@ -255,7 +262,7 @@ def decode(q, k, v, a, b, A_log, dt_bias, state, z, weight, eps: float, mask=Non
                 mask if has_mask else _ONE_BOOL, z, weight, float32_scalar(eps),
                 KERNELS["deltanet_decode_fused"].pack(
                     B=B, Hk=Hk, Hv=Hv, has_state=has_state, has_mask=has_mask)],
-        template=[("InT", q.dtype), ("Dk", Dk), ("Dv", Dv)],
+        template=[("InT", q.dtype), ("Dk", Dk), ("Dv", Dv), ("PARTIALS", partials)],
         grid=(32, simdgroups, B * Hv),
         threadgroup=(32, simdgroups, 1),
         output_shapes=[(B, 1, Hv, Dv), (B, Hv, Dv, Dk)],
@@ -346,7 +353,7 @@ def decode_conv_unsupported_reason(conv1d, qkv: mx.array, Hk: int, Dk: int, Hv: 
 
 def decode_conv(qkv, conv_state, conv_weight, mask, a, b, A_log, dt_bias, state, z, weight, eps: float,
                 Hk: int, Dk: int, Hv: int, Dv: int, *, lengths=None, qk_eps: float = 1e-6, backend: str,
-                init_value=None) -> Tuple[mx.array, mx.array, mx.array]:
+                init_value=None, partials: int = ROW_SUM_PARTIALS) -> Tuple[mx.array, mx.array, mx.array]:
     """One decode token from the in_proj output in one kernel: (normed out [B, 1, Hv, Dv], new conv
     state [B, K-1, C], new recurrent state [B, Hv, Dv, Dk] fp32), bit-identical to ``conv_qk_norm``
     followed by ``decode(fused=True)``.
@@ -375,7 +382,7 @@ def decode_conv(qkv, conv_state, conv_weight, mask, a, b, A_log, dt_bias, state,
                 float32_scalar(qk_eps), float32_scalar(eps),
                 spec.pack(B=B, Hk=Hk, Hv=Hv, C=C, has_conv_state=has_conv_state, has_state=has_state,
                           has_mask=has_mask, has_lengths=has_lengths)],
-        template=[("InT", qkv.dtype), ("Dk", Dk), ("Dv", Dv), ("K", K)],
+        template=[("InT", qkv.dtype), ("Dk", Dk), ("Dv", Dv), ("K", K), ("PARTIALS", partials)],
         grid=(32, simdgroups, B * Hv),
         threadgroup=(32, simdgroups, 1),
         output_shapes=[(B, 1, Hv, Dv), (B, Hv, Dv, Dk), (B, K - 1, C)],
