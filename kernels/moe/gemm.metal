@@ -33,12 +33,18 @@
 // @include moe/router.metal
 // @include linear/gemv.metal
 #define MOE_BN 32         // output columns per threadgroup
+// Row strides of the staged tiles in threadgroup memory, padded so that the 8 rows of a fragment load
+// (and the loaders' stores) fall on different banks: wt [MOE_BK][MOE_WT_LD] (the dequantising loader's
+// stores: 8-way conflicts at stride 32, none at 33), xt [rows][MOE_XT_LD] (fragment loads: 8-way at
+// stride 64, 2-way at 68). Padding columns are never read.
+#define MOE_WT_LD (MOE_BN + 1)
+#define MOE_XT_LD (MOE_BK + 4)
 #define MOE_BK 64         // K step = quantisation group size
 #define MOE_MAX_ROWS 32   // largest tile rows
 #define MOE_THREADS 128   // 4 simdgroups
 #define MOE_COMBINE_LOADS 8  // routed rows whose loads moe_combine_weighted_rows issues together
 
-// Weight tile loaders: fill wt[k][n] (k-major, MOE_BK x MOE_BN floats) for output columns
+// Weight tile loaders: fill wt[k][n] (k-major, MOE_BK rows of MOE_WT_LD, MOE_BN used) for output columns
 // [n0, n0 + 32) and K range [k0, k0 + 64) of expert e. O, K: the weight's output and input dims.
 
 // The nibble helpers (q4_value, Q4_EXPONENT, q4_exponent_unfolded) are linear/gemv.metal's.
@@ -66,7 +72,7 @@ inline void moe_load_weight_tile(
     float scale = float(scales[row * groups_per_row + k0 / 64]);
     float bias = float(biases[row * groups_per_row + k0 / 64]);
     for (int j = 0; j < 8; ++j) {
-      wt[(wi * 8 + j) * MOE_BN + n] = MT(moe_dequant_q4(word, j, scale, bias));
+      wt[(wi * 8 + j) * MOE_WT_LD + n] = MT(moe_dequant_q4(word, j, scale, bias));
     }
   }
 }
@@ -79,11 +85,11 @@ inline void moe_load_weight_tile(
   for (int i = int(tid); i < MOE_BN * MOE_BK; i += MOE_THREADS) {
     int n = i / MOE_BK;
     int kk = i % MOE_BK;
-    wt[kk * MOE_BN + n] = MT(float(w[(long(e) * O + (n0 + n)) * K + k0 + kk]));
+    wt[kk * MOE_WT_LD + n] = MT(float(w[(long(e) * O + (n0 + n)) * K + k0 + kk]));
   }
 }
 
-// Activation tile xt[r][k] (rows x 64 floats) of a block; rows past `rows` are zero.
+// Activation tile xt[r][k] (rows of MOE_XT_LD, 64 used) of a block; rows past `rows` are zero.
 // GATHER: row r is token sorted_rows[first + r] / top_k of x, or token token_base + r when
 // token_base >= 0 (shared-expert rows, in token order); else row first + r of x.
 // (Pointer types are template parameters: a call of few assignments hands sorted_rows over in the
@@ -101,7 +107,7 @@ inline void moe_load_rows_tile(
                  : token_base >= 0 ? long(token_base + r) : long(sorted_rows[first + r] / top_k);
       v = float(x[src * K + k0 + kk]);
     }
-    xt[r * MOE_BK + kk] = MT(v);
+    xt[r * MOE_XT_LD + kk] = MT(v);
   }
 }
 
@@ -113,13 +119,13 @@ inline void moe_mma_step(
     const threadgroup MT* wt, int row0, int col0) {
   for (int kk = 0; kk < MOE_BK; kk += 8) {
     simdgroup_matrix<MT, 8, 8> a0, a1, b0, b1;
-    simdgroup_load(a0, xt + row0 * MOE_BK + kk, MOE_BK);
-    simdgroup_load(a1, xt + (row0 + 8) * MOE_BK + kk, MOE_BK);
-    simdgroup_load(b0, wt + kk * MOE_BN + col0, MOE_BN);
+    simdgroup_load(a0, xt + row0 * MOE_XT_LD + kk, MOE_XT_LD);
+    simdgroup_load(a1, xt + (row0 + 8) * MOE_XT_LD + kk, MOE_XT_LD);
+    simdgroup_load(b0, wt + kk * MOE_WT_LD + col0, MOE_WT_LD);
     simdgroup_multiply_accumulate(acc[0][0], a0, b0, acc[0][0]);
     simdgroup_multiply_accumulate(acc[1][0], a1, b0, acc[1][0]);
     if (NJ == 2) {
-      simdgroup_load(b1, wt + kk * MOE_BN + col0 + 8, MOE_BN);
+      simdgroup_load(b1, wt + kk * MOE_WT_LD + col0 + 8, MOE_WT_LD);
       simdgroup_multiply_accumulate(acc[0][1], a0, b1, acc[0][1]);
       simdgroup_multiply_accumulate(acc[1][1], a1, b1, acc[1][1]);
     }
@@ -384,10 +390,10 @@ inline void moe_gemv_gate_up_rows(
 // [m * I, D / 8] uint32 (+ scales/biases), read by blocks of experts E + c. h [A (+ m * N), I]: rows
 // in slot order. MT: the tile operands' type (float, or T for tensor-core fragments).
 // xs holds the activation tile (as MT) during the K loop, then the fp32 results of the epilogue.
-threadgroup float xs[MOE_MAX_ROWS * MOE_BK];
+threadgroup float xs[MOE_MAX_ROWS * MOE_XT_LD];
 threadgroup MT* xt = reinterpret_cast<threadgroup MT*>(xs);
-threadgroup MT wg[MOE_BK * MOE_BN];
-threadgroup MT wu[MOE_BK * MOE_BN];
+threadgroup MT wg[MOE_BK * MOE_WT_LD];
+threadgroup MT wu[MOE_BK * MOE_WT_LD];
 const uint tid = thread_index_in_threadgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const int n0 = int(threadgroup_position_in_grid.x) * MOE_BN;
@@ -450,9 +456,9 @@ for (int i = int(tid); i < tile_rows * MOE_BN; i += MOE_THREADS) {
 // h [A (+ N), I] rows in slot order; w_down [E, D, I / 8] uint32 (+ scales/biases [E, D, I / 64]) or
 // dequantised [E, D, I]; w_down_s the shared expert's [D, Is / 8] (Is = m * I; blocks of expert E + c
 // read its columns c * I ..). y [A (+ m * N), D] rows in slot order. MT: as in moe_gemm_gate_up_swiglu.
-threadgroup float xs[MOE_MAX_ROWS * MOE_BK];
+threadgroup float xs[MOE_MAX_ROWS * MOE_XT_LD];
 threadgroup MT* xt = reinterpret_cast<threadgroup MT*>(xs);
-threadgroup MT wt[MOE_BK * MOE_BN];
+threadgroup MT wt[MOE_BK * MOE_WT_LD];
 const uint tid = thread_index_in_threadgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const int n0 = int(threadgroup_position_in_grid.x) * MOE_BN;
