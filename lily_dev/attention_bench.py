@@ -64,6 +64,11 @@ FIXED_BLOCK_VARIANTS = {
     "auto_small": {"block_rows": lambda S: ak.fixed_block_rows(S, target_blocks=4 * ak.FIXED_BLOCK_TARGET_BLOCKS)},
     "auto_r2": {"rows": 2},
     "auto_sg8": {"simdgroups": 8},
+    "auto_small_sg8": {"block_rows": lambda S: ak.fixed_block_rows(S, target_blocks=4 * ak.FIXED_BLOCK_TARGET_BLOCKS),
+                       "simdgroups": 8},
+    "auto_small_r2": {"block_rows": lambda S: ak.fixed_block_rows(S, target_blocks=4 * ak.FIXED_BLOCK_TARGET_BLOCKS),
+                      "rows": 2},
+    "auto_per_head": {"gqa_packed": False},  # gqa_packing off: one threadgroup per query head
 }
 
 Case = Tuple[str, Callable[[], None], int, int]
