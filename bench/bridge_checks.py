@@ -211,7 +211,70 @@ def check_simdgroup_matrix(factory: Callable, dtype=mx.bfloat16, seed: int = 0):
         "c_rel": float(np.max(np.abs(got["c"] - ref)) / np.max(np.abs(ref))),
         "layout": float(np.max(np.abs(got["layout"] - apple_layout()))),
     }
-    return errs, got
+    return errs, got, _layout_info(k)
+
+
+# The same products in a kernel that never calls thread_elements(): nothing in it can observe the lane
+# layout, so the CUDA bridge gives its matrices mma.sync's fragment layout (unless
+# LILY_CUDA_SGM_LAYOUT=apple); the check above keeps Apple's. Operands straight from device memory (origin, elements_per_row, a
+# transposed load of B), an fp32 accumulator loaded from memory, a product of mixed operand types
+# (T x float: the bridge's fp32 loop) stored transposed, and a simdgroup_multiply.
+
+LAYOUT_FREE_SOURCE = """
+    // grid: (32 * N / 8, M / 8, 1); threadgroup: (64, 1, 1): one simdgroup per 8 x 8 output tile.
+    // a [M, K] (T), bt [N, K] (T, B transposed), btf: bt as float, c0 [M, N] (float).
+    int tile_n = thread_position_in_grid.x / 32;
+    int tile_m = threadgroup_position_in_grid.y;
+    ulong2 tile_origin = ulong2(tile_n * 8, tile_m * 8);
+    simdgroup_matrix<float, 8, 8> acc;
+    simdgroup_load(acc, c0, N, tile_origin);
+    simdgroup_matrix<float, 8, 8> mixed = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    simdgroup_matrix<T, 8, 8> a_frag;
+    simdgroup_matrix<T, 8, 8> b_frag;
+    simdgroup_matrix<float, 8, 8> b_float;
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        simdgroup_load(a_frag, a, K, ulong2(k0, tile_m * 8));
+        // (k, n) of B is bt[n][k]: the transposed load's origin is in bt's coordinates (column k0, row n0).
+        simdgroup_load(b_frag, bt, K, ulong2(k0, tile_n * 8), true);
+        simdgroup_load(b_float, btf, K, ulong2(k0, tile_n * 8), true);
+        simdgroup_multiply_accumulate(acc, a_frag, b_frag, acc);
+        simdgroup_multiply_accumulate(mixed, a_frag, b_float, mixed);
+    }
+    simdgroup_matrix<float, 8, 8> last;
+    simdgroup_multiply(last, a_frag, b_frag);  // the last K step alone
+    simdgroup_store(acc, c, N, tile_origin);
+    simdgroup_store(mixed, ct, M, ulong2(tile_m * 8, tile_n * 8), true);  // ct [N, M] = (A @ B)^T
+    simdgroup_store(last, c_last, N, tile_origin);
+"""
+
+
+def check_simdgroup_matrix_layout_free(factory: Callable, dtype=mx.bfloat16, seed: int = 1):
+    """C = C0 + A @ B, (A @ B)^T through the fp32 loop (T x float), and the last K step's product."""
+    M, N, K = 16, 48, 32
+    rng = np.random.default_rng(seed)
+    a = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(dtype)
+    bt = mx.array(rng.standard_normal((N, K)).astype(np.float32)).astype(dtype)
+    c0 = rng.standard_normal((M, N)).astype(np.float32)
+    k = factory(name="bridge_check_simdgroup_layout_free", input_names=["a", "bt", "btf", "c0"],
+                output_names=["c", "ct", "c_last"], source=LAYOUT_FREE_SOURCE)
+    c, ct, c_last = k(inputs=[a, bt, bt.astype(mx.float32), mx.array(c0)],
+                      template=[("T", dtype), ("M", M), ("N", N), ("K", K)],
+                      grid=(32 * N // 8, M // 8, 1), threadgroup=(64, 1, 1),
+                      output_shapes=[(M, N), (N, M), (M, N)], output_dtypes=[mx.float32] * 3,
+                      init_value=float("nan"))
+    a32, b32 = np.array(a.astype(mx.float32)), np.array(bt.astype(mx.float32)).T
+    ab = a32 @ b32
+    ref = {"c": c0 + ab, "ct": ab.T, "c_last": a32[:, K - 8:] @ b32[K - 8:]}
+    got = {"c": np.array(c), "ct": np.array(ct), "c_last": np.array(c_last)}
+    errs = {f"{name}_rel": float(np.max(np.abs(got[name] - ref[name])) / np.max(np.abs(ref[name])))
+            for name in ref}
+    return errs, got, _layout_info(k)
+
+
+def _layout_info(kernel) -> Dict[str, str]:
+    """The bridge's lane layout for ``kernel`` (CUDA kernels only: 'mma' or 'apple'), for the results."""
+    layout = getattr(kernel, "sgm_layout", None)
+    return {"sgm_layout": layout()} if callable(layout) else {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,11 +325,16 @@ def run_all(factory: Callable, log=print) -> Tuple[Dict[str, dict], Dict[str, np
         ("simdgroup_matrix_bf16", lambda f: check_simdgroup_matrix(f, mx.bfloat16), TOLERANCES["simdgroup_matrix"]),
         ("simdgroup_matrix_f16", lambda f: check_simdgroup_matrix(f, mx.float16), TOLERANCES["simdgroup_matrix"]),
         ("simdgroup_matrix_f32", lambda f: check_simdgroup_matrix(f, mx.float32), 1e-5),
+        ("simdgroup_matrix_layout_free_bf16", lambda f: check_simdgroup_matrix_layout_free(f, mx.bfloat16),
+         TOLERANCES["simdgroup_matrix"]),
+        ("simdgroup_matrix_layout_free_f16", lambda f: check_simdgroup_matrix_layout_free(f, mx.float16),
+         TOLERANCES["simdgroup_matrix"]),
+        ("simdgroup_matrix_layout_free_f32", lambda f: check_simdgroup_matrix_layout_free(f, mx.float32), 1e-5),
     ):
         try:
-            errs, outs = fn(factory)
+            errs, outs, *info = fn(factory)  # info: the bridge's simdgroup_matrix layout, where known
             ok = all(np.isfinite(e) and e <= tol for e in errs.values())
-            results[label] = {"errors": errs, "tolerance": tol, "ok": bool(ok)}
+            results[label] = {"errors": errs, "tolerance": tol, "ok": bool(ok), **(info[0] if info else {})}
             arrays.update({f"{label}.{k}": v for k, v in outs.items()})
         except Exception as e:  # a failing check is reported, the others still run
             results[label] = {"error": f"{type(e).__name__}: {e}", "ok": False}

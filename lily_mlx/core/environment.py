@@ -70,7 +70,17 @@ def _tune_problem() -> List[str]:
             "(off: ignore tune profiles)"]
 
 
+def _cuda_sgm_layout_problem() -> List[str]:
+    from ..msl.cuda.kernel import sgm_layout_setting  # the bridge reads it when it builds a kernel's header
+
+    try:
+        sgm_layout_setting()
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
 def problems() -> List[str]:
     """One line per lily-mlx environment variable that cannot be honoured (empty when all is well)."""
     return (switches.environment_problems() + _backend_problem() + _reference_ops_problem()
-            + _trial_ops_problem() + _allow_untested_problem() + _tune_problem())
+            + _trial_ops_problem() + _allow_untested_problem() + _tune_problem() + _cuda_sgm_layout_problem())

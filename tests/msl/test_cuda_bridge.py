@@ -10,6 +10,7 @@ import glob
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -117,6 +118,106 @@ def test_kernel_name_changes_with_template_and_mma_switch(monkeypatch):
     assert len(names) == 3
 
 
+# simdgroup_matrix lane layout: mma.sync's fragments unless thread_elements() can observe the layout
+SGM_PRODUCT = """
+    simdgroup_matrix<T, 8, 8> a, b;
+    simdgroup_matrix<float, 8, 8> c = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    simdgroup_load(a, x, 8);
+    simdgroup_load(b, x, 8, ulong2(0, 0), true);
+    simdgroup_multiply_accumulate(c, a, b, c);
+    simdgroup_store(c, y, 8);
+"""
+
+
+def test_simdgroup_matrix_layout_follows_thread_elements_and_the_environment(monkeypatch):
+    """A kernel whose code never calls thread_elements() cannot observe its lanes' elements: its header
+    selects mma.sync's fragment layout. One that calls it (or LILY_CUDA_SGM_LAYOUT=apple) keeps Apple's;
+    a mention in a comment is not a call. The kernel name follows the layout (MLX caches by name)."""
+    from lily_mlx.msl.cuda.kernel import SGM_LAYOUT_ENV
+
+    monkeypatch.delenv(SGM_LAYOUT_ENV, raising=False)
+    macro = "#define LILY_SGM_MMA_LAYOUT 1"
+    free = metal_kernel("k", ["x"], ["y"], "// thread_elements() is not called here\n" + SGM_PRODUCT)
+    observed = metal_kernel("k", ["x"], ["y"], SGM_PRODUCT + "y[1] = c.thread_elements()[0];")
+    in_header = metal_kernel("k", ["x"], ["y"], SGM_PRODUCT, header="inline float first(simdgroup_matrix<float, 8, 8> m) "
+                             "{ return m.thread_elements()[0]; }")
+    plain = metal_kernel("k", ["x"], ["y"], "y[0] = simd_sum(x[0]);")
+    assert free.sgm_layout() == "mma" and macro in free.cuda_header()
+    assert observed.sgm_layout() == in_header.sgm_layout() == "apple"
+    assert macro not in observed.cuda_header() and macro not in in_header.cuda_header()
+    assert plain.sgm_layout() is None and macro not in plain.cuda_header()  # no simdgroup matrices: no macro
+    # Prefill attention reads its fragments through thread_elements() (row reductions over lanes ^ 1, ^ 8).
+    header, bodies = load_kernel_file("attention/prefill.metal")
+    assert metal_kernel("p", ["x"], ["y"], bodies["attention_prefill"], header=header).sgm_layout() == "apple"
+    header, bodies = load_kernel_file("moe/gemm.metal")
+    assert metal_kernel("g", ["x"], ["y"], bodies["moe_gemm_down"], header=header).sgm_layout() == "mma"
+
+    specs, template = free.specs([mx.zeros((64,))]), [("T", mx.bfloat16)]
+    body = free.cuda_body(specs, template)
+    names = {free.kernel_name(free.cuda_header(), body)}
+    for value in ("apple", " Apple ", "auto", ""):
+        monkeypatch.setenv(SGM_LAYOUT_ENV, value)
+        assert free.sgm_layout() == ("apple" if "pple" in value else "mma")
+        names.add(free.kernel_name(free.cuda_header(), body))
+    assert len(names) == 2
+    monkeypatch.setenv(SGM_LAYOUT_ENV, "apple")
+    assert macro not in free.cuda_header() and observed.sgm_layout() == "apple"
+    assert plain.cuda_header() == metal_kernel("k", ["x"], ["y"], "y[0] = simd_sum(x[0]);").cuda_header()
+
+
+@pytest.mark.parametrize("value", ["mma", "0", "applee"])
+def test_an_invalid_simdgroup_matrix_layout_setting_is_an_error(monkeypatch, value):
+    from lily_mlx.msl.cuda.kernel import SGM_LAYOUT_ENV
+
+    monkeypatch.setenv(SGM_LAYOUT_ENV, value)
+    k = metal_kernel("k", ["x"], ["y"], SGM_PRODUCT)
+    with pytest.raises(ValueError, match=f"LILY_CUDA_SGM_LAYOUT={value!r} is not one of auto, apple"):
+        k.cuda_header()
+
+
+def _ptx(text: str) -> str:
+    """PTX of one translation unit, from NVRTC (for counting instructions)."""
+    import ctypes
+    import tempfile
+
+    from lily_dev.compile_check import _standin_dir, cuda_include_dirs, nvrtc_library
+
+    lib = ctypes.CDLL(nvrtc_library())
+    with tempfile.TemporaryDirectory() as tmp:
+        opts = ["--std=c++17", "-arch=compute_90a", f"-I{_standin_dir(Path(tmp))}"]
+        opts += [f"-I{d}" for d in cuda_include_dirs()]
+        prog, size = ctypes.c_void_p(), ctypes.c_size_t()
+        assert lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), b"k.cu", 0, None, None) == 0
+        try:
+            rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts]))
+            assert rc == 0, "NVRTC failed"
+            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetPTX(prog, buf)
+            return buf.value.decode()
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.mark.skipif(compiler_available() != "nvrtc", reason="needs NVRTC (pip install nvidia-cuda-nvrtc)")
+@pytest.mark.parametrize("dtype, layout, mma, shuffles", [
+    (mx.bfloat16, "auto", "1", 2),     # tensor cores, mma layout: B's fragment only
+    (mx.bfloat16, "apple", "1", 7),    # tensor cores, Apple's layout: A 1, C 2, B 2, D back 2
+    (mx.float32, "auto", "1", 24),     # fp32 loop, mma layout: A's 4 pairs (2 words each), B's 8 pairs
+    (mx.float32, "apple", "1", 32),    # fp32 loop, Apple's layout: per k both of A's elements, B's pair
+    (mx.bfloat16, "auto", "0", 12),    # fp32 loop on 16-bit operands: a pair is one word
+    (mx.bfloat16, "apple", "0", 24),
+])
+def test_shuffles_per_simdgroup_matrix_product(monkeypatch, dtype, layout, mma, shuffles):
+    """What the layouts are about: warp shuffles per 8 x 8 x 8 product (PTX ``shfl.sync``; one product)."""
+    monkeypatch.setenv("LILY_CUDA_SGM_LAYOUT", layout)
+    monkeypatch.setenv("LILY_CUDA_MMA", mma)
+    k = metal_kernel("k", ["x"], ["y"], SGM_PRODUCT)
+    text = _ptx(wrap_like_mlx(k, [mx.zeros((64,), dtype)], [mx.float32], [("T", dtype)])[1])
+    assert text.count("shfl.sync") == shuffles
+    assert text.count("mma.sync") == (1 if mma == "1" and dtype != mx.float32 else 0)
+
+
 def test_mlx_gets_the_header_as_an_include_of_a_content_addressed_file(tmp_path, monkeypatch):
     """MLX hashes a custom kernel's whole source, header included, at every launch it evaluates (+6.8 us
     per launch for a 36 KB header on the H200): the header MLX gets is one ``#include`` line of a file
@@ -195,7 +296,7 @@ def test_body_in_header_mode_compiles_and_hands_mlx_a_one_line_body(tmp_path, mo
         assert one_line.count("\n") == 0 and len(one_line) < 300 and one_line.strip().startswith("lily_body_")
         assert one_line.strip()[:-1].split("(", 1)[0] in h  # the device function sits in the header
         units[name] = wrap_like_mlx(k, inputs, out_dtypes, template)[1]
-    units.update(_feature_units())
+    units.update(_feature_units(all_layouts=False))
     _compile_all(units)
 
 
@@ -226,7 +327,7 @@ def test_atomic_outputs_need_metal_atomic_types():
 # ---------------------------------------------------------------------------------------------
 # nvcc compiles of everything the bridge ships (MLX's wrapper reproduced; a stand-in device header)
 
-def _feature_units():
+def _feature_units(all_layouts: bool = True):
     units = {
         "simd": wrap_like_mlx(metal_kernel("simd", ["x_in"], bc.SIMD_OUTPUTS, bc.SIMD_SOURCE),
                               [mx.zeros((256,))], [mx.float32] * len(bc.SIMD_OUTPUTS))[1],
@@ -239,6 +340,15 @@ def _feature_units():
         units[f"simdgroup_matrix_{dt}"] = wrap_like_mlx(
             k, [mx.zeros((32, 64), dt), mx.zeros((64, 48), dt)], [mx.float32, mx.float32],
             [("T", dt), ("M", 32), ("N", 48), ("K", 64)])[1]
+    # The layout-free check in both layouts, and its 16-bit products through the fp32 loop (no tensor cores).
+    cases = [(dt, {"LILY_CUDA_SGM_LAYOUT": layout}) for dt in (mx.bfloat16, mx.float16, mx.float32)
+             for layout in ("auto", "apple")] + [(mx.bfloat16, {"LILY_CUDA_MMA": "0"})]
+    for dt, env in cases if all_layouts else cases[:1]:
+        k = metal_kernel("mm_free", ["a", "bt", "btf", "c0"], ["c", "ct", "c_last"], bc.LAYOUT_FREE_SOURCE)
+        with mock.patch.dict(os.environ, env):
+            units[f"simdgroup_matrix_layout_free_{dt}_{env}"] = wrap_like_mlx(
+                k, [mx.zeros((16, 32), dt), mx.zeros((48, 32), dt), mx.zeros((48, 32)), mx.zeros((16, 48))],
+                [mx.float32] * 3, [("T", dt), ("M", 16), ("N", 48), ("K", 32)])[1]
     return units
 
 

@@ -184,6 +184,26 @@ def _mma_enabled() -> bool:
     return os.environ.get("LILY_CUDA_MMA", "1") != "0"
 
 
+# Lane layout of simdgroup_matrix (prelude.cuh). Only thread_elements() lets a Metal kernel observe which
+# lane holds which element, so a kernel whose code never calls it gets mma.sync's fragment layout (fewer
+# shuffles per product); ``apple`` keeps Apple's layout everywhere. Read with LILY_CUDA_MMA, when a
+# kernel variant's header is built.
+SGM_LAYOUT_ENV = "LILY_CUDA_SGM_LAYOUT"
+SGM_LAYOUT_CHOICES = ("auto", "apple")
+_THREAD_ELEMENTS = re.compile(r"\bthread_elements\b")
+
+
+def sgm_layout_setting() -> str:
+    """``LILY_CUDA_SGM_LAYOUT`` (``auto`` when unset); ValueError on any value other than the choices."""
+    value = os.environ.get(SGM_LAYOUT_ENV, "")
+    choice = value.strip().lower() or "auto"
+    if choice not in SGM_LAYOUT_CHOICES:
+        raise ValueError(f"{SGM_LAYOUT_ENV}={value!r} is not one of {', '.join(SGM_LAYOUT_CHOICES)} (auto: "
+                         "mma.sync's lane layout for kernels that never call thread_elements(); apple: "
+                         "Apple's layout for every kernel)")
+    return choice
+
+
 def _suffix(name: str) -> str:
     return f"{name}_lily_"
 
@@ -265,6 +285,7 @@ class CudaMetalKernel:
         self.uses_simd = bool(_SIMD_USE.search(code))
         self.uses_barriers = bool(_BARRIER_USE.search(code))
         self.prelude_sections = prelude_sections(code, atomic_outputs)
+        self.uses_thread_elements = bool(_THREAD_ELEMENTS.search(code))
         self._kernels: Dict[Tuple, object] = {}
         self._body_in_header = body_in_header()
         # (grid, threadgroup) -> (checked grid, threadgroup, the grid as an int32 input), once per geometry.
@@ -272,10 +293,21 @@ class CudaMetalKernel:
 
     # -- source generation (also used by the CI compile check) ------------------------------------
 
+    def sgm_layout(self) -> Optional[str]:
+        """The lane layout of this kernel's simdgroup matrices: ``mma`` (mma.sync's fragments) when its
+        code never calls thread_elements() (so cannot tell) and LILY_CUDA_SGM_LAYOUT allows, else
+        ``apple``; None for a kernel without simdgroup matrices."""
+        if "simdgroup_matrix" not in self.prelude_sections:
+            return None
+        if self.uses_thread_elements or sgm_layout_setting() == "apple":
+            return "apple"
+        return "mma"
+
     def cuda_header(self) -> str:
         mma = "" if _mma_enabled() else "#define LILY_NO_MMA 1\n"
-        return (mma + trimmed_prelude(self.prelude_sections) + "\nnamespace mlx::core::cu {\n" + self.header
-                + "\n}  // namespace mlx::core::cu\n")
+        layout = "#define LILY_SGM_MMA_LAYOUT 1\n" if self.sgm_layout() == "mma" else ""
+        return (mma + layout + trimmed_prelude(self.prelude_sections) + "\nnamespace mlx::core::cu {\n"
+                + self.header + "\n}  // namespace mlx::core::cu\n")
 
     def cuda_body(self, specs: Sequence[signature.InputSpec], template) -> str:
         lines = ["  // lily-mlx Metal->CUDA bridge prologue"]
@@ -368,8 +400,9 @@ class CudaMetalKernel:
 
     def _cuda_kernel(self, inputs, template, output_dtypes):
         # The key is what changes the generated source: which inputs are 0-d, and the template; with the
-        # body in the header, the dtypes too (its device function's parameters). (LILY_CUDA_MMA is read
-        # when a variant is first built, LILY_CUDA_BODY_IN_HEADER when the kernel object is; never per call.)
+        # body in the header, the dtypes too (its device function's parameters). (LILY_CUDA_MMA and
+        # LILY_CUDA_SGM_LAYOUT are read when a variant is first built, LILY_CUDA_BODY_IN_HEADER when the
+        # kernel object is; never per call.)
         if isinstance(template, dict):
             template = list(template.items())
         key = (tuple([a.ndim == 0 for a in inputs]), tuple(map(tuple, template)) if template else ())

@@ -15,10 +15,13 @@
 // - bfloat16_t/half: arithmetic in fp32, rounded back (RNE) when both operands are 16-bit;
 //   a 16-bit value with a float gives a float, with an integer keeps the 16-bit type.
 // - simd_sum & co: the xor butterfly 1, 2, 4, 8, 16 (what Apple GPUs run), full 32-lane warps.
-// - simdgroup_matrix<T, 8, 8>: each lane holds the same two elements as on Apple GPUs
-//   (row (q & 4) + (lane / 2) % 4, columns (q & 2) * 2 + (lane % 2) * 2 + {0, 1}, q = lane / 4), so
-//   thread_elements() means the same thing. bf16/half products with fp32 accumulators use tensor
-//   cores (mma.sync m16n8k8); other type combinations a warp-cooperative fp32 loop.
+// - simdgroup_matrix<T, 8, 8>: in a kernel that calls thread_elements(), each lane holds the same two
+//   elements as on Apple GPUs (row (q & 4) + (lane / 2) % 4, columns (q & 2) * 2 + (lane % 2) * 2 +
+//   {0, 1}, q = lane / 4), so thread_elements() means the same thing. Other kernels cannot observe the
+//   layout and get mma.sync's (LILY_SGM_MMA_LAYOUT, defined by kernel.py: row lane / 4, columns
+//   2 (lane % 4) + {0, 1}), which saves lane shuffles: per 8x8x8 product 2 instead of 7 on the tensor
+//   cores, 24 instead of 32 in the fp32 loop (float operands). bf16/half products with fp32 accumulators
+//   use tensor cores (mma.sync m16n8k8); other type combinations a warp-cooperative fp32 loop.
 // - atomics: relaxed order (the only order Metal offers), on int, uint and float.
 
 #include <cuda_bf16.h>
@@ -520,8 +523,20 @@ __device__ __forceinline__ atomic<T>* as_atomic(T* p) { return reinterpret_cast<
 
 // @section simdgroup_matrix
 // ---------------------------------------------------------------------------------------------
-// simdgroup_matrix<T, 8, 8>: two elements per lane in Apple's layout.
+// simdgroup_matrix<T, 8, 8>: two elements per lane, row sgm_row(lane), columns sgm_col(lane) + {0, 1}.
+// Two lane layouts (kernel.py picks one per kernel):
+// - Apple's (default): what thread_elements() exposes on Apple GPUs, which some kernels rely on.
+// - LILY_SGM_MMA_LAYOUT: mma.sync m16n8k8's fragment layout, lane l holds row l / 4, columns
+//   2 (l % 4) + {0, 1}. Only thread_elements() can observe a layout, so kernels that never call it get
+//   this one: A and C/D are then mma's fragments as they are (2 shuffles per tensor-core product
+//   instead of 7), and the fp32 loop finds A's row within the lane's quad (fewer shuffles too).
 
+#ifdef LILY_SGM_MMA_LAYOUT
+__device__ __forceinline__ uint sgm_row(uint lane) { return lane >> 2; }
+__device__ __forceinline__ uint sgm_col(uint lane) { return (lane & 3u) * 2u; }
+// The lane that holds element (row, col) (and its neighbour col ^ 1).
+__device__ __forceinline__ uint sgm_lane(uint row, uint col) { return 4u * row + (col >> 1); }
+#else
 __device__ __forceinline__ uint sgm_row(uint lane) { uint q = lane >> 2; return (q & 4u) + ((lane >> 1) & 3u); }
 __device__ __forceinline__ uint sgm_col(uint lane) { uint q = lane >> 2; return (q & 2u) * 2u + (lane & 1u) * 2u; }
 // The lane that holds element (row, col) (and its neighbour col ^ 1).
@@ -529,6 +544,7 @@ __device__ __forceinline__ uint sgm_lane(uint row, uint col) {
   uint q = (row & 4u) | ((col & 4u) >> 1) | ((row >> 1) & 1u);
   return 4u * q + (((row & 1u) << 1) | ((col >> 1) & 1u));
 }
+#endif
 
 template <class T, int R, int C> struct simdgroup_matrix {
   static_assert(R == 8 && C == 8, "the bridge supports 8x8 simdgroup matrices only");
@@ -566,14 +582,32 @@ __device__ __forceinline__ void simdgroup_store(const simdgroup_matrix<T, 8, 8>&
   }
 }
 
-// D = A * B + C, fp32 arithmetic, one lane's two elements: row r, columns c, c + 1.
+// D = A * B + C, fp32 arithmetic, one lane's two elements: row r, columns col, col + 1. Per element:
+// d = C, then d = fma(A(r, k), B(k, col), d) for k = 0..7 in this order, in both layouts (lily's GEMV
+// forms of its GEMM tiles reproduce these bits).
 template <class TA, class TB, class TC>
 __device__ __forceinline__ void sgm_mac_fp32(float& d0, float& d1, const simdgroup_matrix<TA, 8, 8>& a,
                                              const simdgroup_matrix<TB, 8, 8>& b,
                                              const simdgroup_matrix<TC, 8, 8>& c) {
-  uint lane = lane_id(), r = sgm_row(lane), col = sgm_col(lane);
+  uint lane = lane_id();
   d0 = float(c.e[0]);
   d1 = float(c.e[1]);
+#ifdef LILY_SGM_MMA_LAYOUT
+  // Row r = lane / 4 of A is held by the lane's own quad: pair j (A(r, 2j), A(r, 2j + 1)) in lane 4r + j.
+  // One shuffle per pair (the lane's own pair too: a per-lane select would cost more than it saves).
+  uint quad = lane & ~3u, t = lane & 3u;
+  vec<TA, 2> ar[4];
+#pragma unroll
+  for (uint j = 0; j < 4; ++j) ar[j] = simd_shuffle(a.e, quad + j);
+#pragma unroll
+  for (uint k = 0; k < 8; ++k) {
+    float ak = float(ar[k >> 1][k & 1u]);
+    vec<TB, 2> bk = simd_shuffle(b.e, 4u * k + t);  // B(k, col..col+1), col = 2t: lane 4k + t
+    d0 = fmaf(ak, float(bk.x), d0);
+    d1 = fmaf(ak, float(bk.y), d1);
+  }
+#else
+  uint r = sgm_row(lane), col = sgm_col(lane);
 #pragma unroll
   for (uint k = 0; k < 8; ++k) {
     // A(r, k) lives in element k & 1 of lane sgm_lane(r, k); B(k, col..col+1) in lane sgm_lane(k, col).
@@ -584,11 +618,13 @@ __device__ __forceinline__ void sgm_mac_fp32(float& d0, float& d1, const simdgro
     d0 = fmaf(ak, float(bk.x), d0);
     d1 = fmaf(ak, float(bk.y), d1);
   }
+#endif
 }
 
 #ifndef LILY_NO_MMA
 // Tensor cores: mma.sync m16n8k8 with A rows 8..15 zero. Its fragments hold (g, 2t..2t+1) of A
-// and C/D and (2t..2t+1, g) of B, g = lane / 4, t = lane % 4: one permutation of Apple's pairs.
+// and C/D and (2t..2t+1, g) of B, g = lane / 4, t = lane % 4: in Apple's layout a permutation of the
+// lanes' pairs; in the mma layout A's and C/D's are the lanes' own pairs.
 template <class L> struct mma_kind;
 template <> struct mma_kind<bfloat16_t> { static constexpr int bf16 = 1; };
 template <> struct mma_kind<float16_t> { static constexpr int bf16 = 0; };
@@ -599,21 +635,12 @@ __device__ __forceinline__ uint pack_pair(L lo, L hi) {
   return uint(l) | (uint(h) << 16);
 }
 
-template <class L, class TC>
-__device__ __forceinline__ void sgm_mac_mma(float& d0, float& d1, const simdgroup_matrix<L, 8, 8>& a,
-                                            const simdgroup_matrix<L, 8, 8>& b,
-                                            const simdgroup_matrix<TC, 8, 8>& c) {
-  uint lane = lane_id(), g = lane >> 2, t = lane & 3u;
-  // A and C pairs: the lane holding row g, columns 2t, 2t + 1.
-  uint src_ac = sgm_lane(g, 2u * t);
-  uint a_reg = simd_shuffle(pack_pair(a.e[0], a.e[1]), src_ac);
-  float c0 = simd_shuffle(float(c.e[0]), src_ac);
-  float c1 = simd_shuffle(float(c.e[1]), src_ac);
-  // B pair: (2t, g) and (2t + 1, g), from two lanes; element g & 1 of each.
-  vec<L, 2> b_lo = simd_shuffle(b.e, sgm_lane(2u * t, g));
-  vec<L, 2> b_hi = simd_shuffle(b.e, sgm_lane(2u * t + 1u, g));
-  uint b_reg = (g & 1u) ? pack_pair(b_lo.y, b_hi.y) : pack_pair(b_lo.x, b_hi.x);
-  float o0, o1, o2, o3;
+template <class L>
+__device__ __forceinline__ void mma_m16n8k8(float& o0, float& o1, uint a_reg, uint b_reg, float c0, float c1) {
+  // A rows 8..15 and C/D rows 8..15 (a1, c2, c3 / o2, o3) are padding. asm volatile, as CUTLASS writes
+  // mma.sync: the compiler must not sink a warp-synchronous instruction into divergent code; ptxas,
+  // which schedules the machine code, still interleaves independent products.
+  float o2, o3;
   uint zero = 0u;
   float z = 0.0f;
   if (mma_kind<L>::bf16) {
@@ -627,10 +654,38 @@ __device__ __forceinline__ void sgm_mac_mma(float& d0, float& d1, const simdgrou
         : "=f"(o0), "=f"(o1), "=f"(o2), "=f"(o3)
         : "r"(a_reg), "r"(zero), "r"(b_reg), "f"(c0), "f"(c1), "f"(z), "f"(z));
   }
+}
+
+template <class L, class TC>
+__device__ __forceinline__ void sgm_mac_mma(float& d0, float& d1, const simdgroup_matrix<L, 8, 8>& a,
+                                            const simdgroup_matrix<L, 8, 8>& b,
+                                            const simdgroup_matrix<TC, 8, 8>& c) {
+  uint lane = lane_id(), g = lane >> 2, t = lane & 3u;
+#ifdef LILY_SGM_MMA_LAYOUT
+  // A (g, 2t..2t+1), C and D (g, 2t..2t+1) are this lane's own pairs. B's fragment (2t, g), (2t + 1, g)
+  // is element g & 1 of the pairs of lanes 8t + g / 2 and 8t + 4 + g / 2: 2 shuffles, one byte permute.
+  uint b_pair = pack_pair(b.e[0], b.e[1]);
+  uint b_lo = simd_shuffle(b_pair, sgm_lane(2u * t, g));
+  uint b_hi = simd_shuffle(b_pair, sgm_lane(2u * t + 1u, g));
+  uint b_reg = __byte_perm(b_lo, b_hi, (g & 1u) ? 0x7632u : 0x5410u);  // both high or both low halves
+  mma_m16n8k8<L>(d0, d1, pack_pair(a.e[0], a.e[1]), b_reg, float(c.e[0]), float(c.e[1]));
+#else
+  // A and C pairs: the lane holding row g, columns 2t, 2t + 1.
+  uint src_ac = sgm_lane(g, 2u * t);
+  uint a_reg = simd_shuffle(pack_pair(a.e[0], a.e[1]), src_ac);
+  float c0 = simd_shuffle(float(c.e[0]), src_ac);
+  float c1 = simd_shuffle(float(c.e[1]), src_ac);
+  // B pair: (2t, g) and (2t + 1, g), from two lanes; element g & 1 of each.
+  vec<L, 2> b_lo = simd_shuffle(b.e, sgm_lane(2u * t, g));
+  vec<L, 2> b_hi = simd_shuffle(b.e, sgm_lane(2u * t + 1u, g));
+  uint b_reg = (g & 1u) ? pack_pair(b_lo.y, b_hi.y) : pack_pair(b_lo.x, b_hi.x);
+  float o0, o1;
+  mma_m16n8k8<L>(o0, o1, a_reg, b_reg, c0, c1);
   // Back to Apple's layout: this lane wants (r, col..col+1), held by mma lane 4r + col / 2.
   uint lane_back = 4u * sgm_row(lane) + sgm_col(lane) / 2u;
   d0 = simd_shuffle(o0, lane_back);
   d1 = simd_shuffle(o1, lane_back);
+#endif
 }
 #endif
 
