@@ -9,8 +9,9 @@
 //
 // Thread layout shared by the scan and decode kernels ("row groups"): every lane holds
 // EPL = 32 state elements in registers. LANES = Dk / 32 consecutive lanes own one state row dv
-// (lane j of the group holds columns j, j + LANES, j + 2 LANES, ...: adjacent lanes read adjacent
-// q/k/state elements), so one simdgroup owns ROWS = 32 / LANES rows. Row dot products are reduced
+// in chunks of 4 consecutive columns: lane j of the group holds chunks j, j + LANES, j + 2 LANES, ...
+// (deltanet_col: adjacent lanes read adjacent 16 bytes of q/k/state; a chunk of q or k staged in
+// threadgroup memory is one 16-byte load), so one simdgroup owns ROWS = 32 / LANES rows. Row dot products are reduced
 // inside the group with simd_shuffle_xor (no threadgroup memory); every lane of the simdgroup runs
 // every shuffle. Grid: (32, Dv / ROWS, B * Hv); threadgroup.y divides Dv / ROWS.
 //
@@ -116,26 +117,53 @@ inline void deltanet_conv_state_row(
   }
 }
 
-// This lane's part of a state row's dot product with x (columns col0 + i LANES): element i goes into
-// partial sum i % PARTIALS (each partial in i order), then the partials are added pairwise (p + w into
-// p, w = PARTIALS / 2, ..., 1). PARTIALS = 1 is one sequential chain of DELTANET_EPL FMAs; 8 gives
-// chains of 4 plus 3 adds: the scan runs about one simdgroup per SIMD scheduler, so every step waits
-// on this chain's latency (docs/deltanet.md). DECAY: state[i] *= g first (the kv sum); else
-// state[i] += k[i] delta first (the read-out), in the same pass.
-template <int LANES, int PARTIALS, bool DECAY, typename QK>
-inline float deltanet_lane_dot(thread float (&state)[DELTANET_EPL], QK x, QK k_t, float scale) {
+// Column of lane j's state element i (j: the lane's index in its row group): element i is column
+// i % 4 of the lane's chunk i / 4, and chunk c of lane j is chunk c LANES + j of the row.
+template <int LANES>
+inline int deltanet_col(int j, int i) {
+  return ((i / 4) * LANES + j) * 4 + i % 4;
+}
+
+// Four consecutive elements x[col .. col + 3] as floats: element by element from any pointer, or
+// (VEC4) one 16-byte load from fp32 threadgroup memory (16-byte aligned, col a multiple of 4).
+template <bool VEC4> struct DeltanetLoad4 {
+  template <typename P>
+  static inline float4 load(P x, int col) {
+    return float4(static_cast<float>(x[col]), static_cast<float>(x[col + 1]), static_cast<float>(x[col + 2]),
+                  static_cast<float>(x[col + 3]));
+  }
+};
+template <> struct DeltanetLoad4<true> {
+  static inline float4 load(const threadgroup float* x, int col) {
+    return *reinterpret_cast<const threadgroup float4*>(x + col);
+  }
+};
+
+// This lane's part of a state row's dot product with x (row start x, lane j of the row group):
+// element i goes into partial sum i % PARTIALS (each partial in i order), then the partials are
+// added pairwise (p + w into p, w = PARTIALS / 2, ..., 1). PARTIALS = 1 is one sequential chain of
+// DELTANET_EPL FMAs; 4 gives chains of 8 plus 2 adds. DECAY: state[i] *= scale first (the kv sum);
+// else state[i] += k[i] scale first (the read-out), in the same pass.
+template <int LANES, int PARTIALS, bool VEC4, bool DECAY, typename QK>
+inline float deltanet_lane_dot(thread float (&state)[DELTANET_EPL], QK x, QK k_row, int j, float scale) {
   static_assert(DELTANET_EPL % PARTIALS == 0, "PARTIALS divides the elements per lane");
   float part[PARTIALS];
   for (int p = 0; p < PARTIALS; ++p) {
     part[p] = 0.0f;
   }
-  for (int i = 0; i < DELTANET_EPL; ++i) {
-    if (DECAY) {
-      state[i] *= scale;
-    } else {
-      state[i] += static_cast<float>(k_t[i * LANES]) * scale;
+  for (int c = 0; c < DELTANET_EPL / 4; ++c) {
+    const int col = deltanet_col<LANES>(j, 4 * c);
+    const float4 xc = DeltanetLoad4<VEC4>::load(x, col);
+    const float4 kc = DECAY ? xc : DeltanetLoad4<VEC4>::load(k_row, col);
+    for (int e = 0; e < 4; ++e) {
+      const int i = 4 * c + e;
+      if (DECAY) {
+        state[i] *= scale;
+      } else {
+        state[i] += kc[e] * scale;
+      }
+      part[i % PARTIALS] += state[i] * xc[e];
     }
-    part[i % PARTIALS] += state[i] * static_cast<float>(x[i * LANES]);
   }
   for (int w = PARTIALS / 2; w > 0; w /= 2) {
     for (int p = 0; p < w; ++p) {
@@ -146,17 +174,17 @@ inline float deltanet_lane_dot(thread float (&state)[DELTANET_EPL], QK x, QK k_t
 }
 
 // One token's delta-rule update of state row dv, held in registers (this lane's DELTANET_EPL elements,
-// columns col0 + i LANES), and the row's read-out y[dv] = S[dv, :] q (returned to every lane of the
-// row group). q_t, k_t point at column col0 of the token's q and k (device or threadgroup memory);
-// v is v[dv]. All 32 lanes call it (row sums by shuffles). Every scan and decode kernel steps through
-// this function with the same PARTIALS, so a token gets the same bits in a prompt chunk and in a
-// decode step (batch invariance).
-template <int LANES, int PARTIALS, typename QK>
-inline float deltanet_decode_row(thread float (&state)[DELTANET_EPL], QK q_t, QK k_t, float v, float g_t,
-                                 float beta_t) {
-  const float kv = deltanet_row_sum<LANES>(deltanet_lane_dot<LANES, PARTIALS, true>(state, k_t, k_t, g_t));
+// columns deltanet_col(j, i)), and the row's read-out y[dv] = S[dv, :] q (returned to every lane of the
+// row group). q_row, k_row: the token's q and k rows (device or threadgroup memory; VEC4: fp32
+// threadgroup memory, 16-byte aligned); j = lane % LANES; v is v[dv]. All 32 lanes call it (row sums
+// by shuffles). Every scan and decode kernel steps through this function with the same PARTIALS, so
+// a token gets the same bits in a prompt chunk and in a decode step (batch invariance).
+template <int LANES, int PARTIALS, bool VEC4, typename QK>
+inline float deltanet_decode_row(thread float (&state)[DELTANET_EPL], QK q_row, QK k_row, int j, float v,
+                                 float g_t, float beta_t) {
+  const float kv = deltanet_row_sum<LANES>(deltanet_lane_dot<LANES, PARTIALS, VEC4, true>(state, k_row, k_row, j, g_t));
   const float delta = (v - kv) * beta_t;
-  return deltanet_row_sum<LANES>(deltanet_lane_dot<LANES, PARTIALS, false>(state, q_t, k_t, delta));
+  return deltanet_row_sum<LANES>(deltanet_lane_dot<LANES, PARTIALS, VEC4, false>(state, q_row, k_row, j, delta));
 }
 
 // 1 / rms of a decode head's Dv fp32 read-outs, for the gated RMSNorm. Every simdgroup sums the squares
@@ -220,7 +248,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
   const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
   float state[DELTANET_EPL];
   for (int i = 0; i < DELTANET_EPL; ++i) {
-    state[i] = has_state ? state_in[row + col0 + i * LANES] : 0.0f;
+    state[i] = has_state ? state_in[row + deltanet_col<LANES>(col0, i)] : 0.0f;
   }
 
   for (int t = 0; t < T; ++t) {
@@ -233,10 +261,10 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
       }
       continue;
     }
-    const device InT* k_t = k + (bt * Hk + hk) * Dk + col0;
-    const device InT* q_t = q + (bt * Hk + hk) * Dk + col0;
-    const float out = deltanet_decode_row<LANES, PARTIALS>(
-        state, q_t, k_t, static_cast<float>(v[(bt * Hv + hv) * Dv + dv]), g[bt * Hv + hv],
+    const device InT* k_t = k + (bt * Hk + hk) * Dk;
+    const device InT* q_t = q + (bt * Hk + hk) * Dk;
+    const float out = deltanet_decode_row<LANES, PARTIALS, false>(
+        state, q_t, k_t, col0, static_cast<float>(v[(bt * Hv + hv) * Dv + dv]), g[bt * Hv + hv],
         static_cast<float>(beta[bt * Hv + hv]));
     if (col0 == 0) {
       y[y_at] = static_cast<OutT>(out);
@@ -244,7 +272,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
   }
 
   for (int i = 0; i < DELTANET_EPL; ++i) {
-    state_out[row + col0 + i * LANES] = state[i];
+    state_out[row + deltanet_col<LANES>(col0, i)] = state[i];
   }
 }
 
@@ -270,8 +298,10 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
   constexpr int TG_ROWS = ROWS * TGY;
   constexpr int QK_PER = (CHUNK * Dk + NTHREADS - 1) / NTHREADS;
   constexpr int V_PER = (CHUNK * TG_ROWS + NTHREADS - 1) / NTHREADS;
-  threadgroup float q_s[CHUNK * Dk];
-  threadgroup float k_s[CHUNK * Dk];
+  threadgroup float4 q_s4[CHUNK * Dk / 4];  // float4: 16-byte aligned, read a chunk at a time
+  threadgroup float4 k_s4[CHUNK * Dk / 4];
+  threadgroup float* q_s = reinterpret_cast<threadgroup float*>(q_s4);
+  threadgroup float* k_s = reinterpret_cast<threadgroup float*>(k_s4);
   threadgroup float v_s[CHUNK * TG_ROWS];
   threadgroup float gbl_s[3 * CHUNK];  // g, beta, live (1 or 0) of each staged token
 
@@ -289,7 +319,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
   const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
   float state[DELTANET_EPL];
   for (int i = 0; i < DELTANET_EPL; ++i) {
-    state[i] = has_state ? state_in[row + col0 + i * LANES] : 0.0f;
+    state[i] = has_state ? state_in[row + deltanet_col<LANES>(col0, i)] : 0.0f;
   }
 
   float q_pf[QK_PER];
@@ -364,9 +394,9 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
           }
           continue;
         }
-        threadgroup float* q_t = q_s + s * Dk + col0;
-        threadgroup float* k_t = k_s + s * Dk + col0;
-        const float out = deltanet_decode_row<LANES, PARTIALS>(state, q_t, k_t, v_s[s * TG_ROWS + local_row], gbl_s[s],
+        const threadgroup float* q_t = q_s + s * Dk;
+        const threadgroup float* k_t = k_s + s * Dk;
+        const float out = deltanet_decode_row<LANES, PARTIALS, true>(state, q_t, k_t, col0, v_s[s * TG_ROWS + local_row], gbl_s[s],
                                                      gbl_s[CHUNK + s]);
         if (col0 == 0) {
           y[y_at] = static_cast<OutT>(out);
@@ -376,7 +406,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
   }
 
   for (int i = 0; i < DELTANET_EPL; ++i) {
-    state_out[row + col0 + i * LANES] = state[i];
+    state_out[row + deltanet_col<LANES>(col0, i)] = state[i];
   }
 }
 
@@ -405,7 +435,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
   for (int blk = 0; blk < n_blocks; ++blk) {
     // Block start: the state comes from memory (the previous block's slot, or the input).
     for (int i = 0; i < DELTANET_EPL; ++i) {
-      const int c = col0 + i * LANES;
+      const int c = deltanet_col<LANES>(col0, i);
       if (blk == 0) {
         state[i] = has_state ? state_in[row + c] : 0.0f;
       } else {
@@ -422,10 +452,10 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
         }
         continue;
       }
-      const device InT* k_t = k + (bt * Hk + hk) * Dk + col0;
-      const device InT* q_t = q + (bt * Hk + hk) * Dk + col0;
-      const float out = deltanet_decode_row<LANES, PARTIALS>(
-          state, q_t, k_t, static_cast<float>(v[(bt * Hv + hv) * Dv + dv]), g[bt * Hv + hv],
+      const device InT* k_t = k + (bt * Hk + hk) * Dk;
+      const device InT* q_t = q + (bt * Hk + hk) * Dk;
+      const float out = deltanet_decode_row<LANES, PARTIALS, false>(
+          state, q_t, k_t, col0, static_cast<float>(v[(bt * Hv + hv) * Dv + dv]), g[bt * Hv + hv],
           static_cast<float>(beta[bt * Hv + hv]));
       if (col0 == 0) {
         y[y_at] = static_cast<OutT>(out);
@@ -433,12 +463,12 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
     }
     // Block end: materialise the state.
     for (int i = 0; i < DELTANET_EPL; ++i) {
-      block_states[blocks_row + blk * state_size + col0 + i * LANES] = state[i];
+      block_states[blocks_row + blk * state_size + deltanet_col<LANES>(col0, i)] = state[i];
     }
   }
 
   for (int i = 0; i < DELTANET_EPL; ++i) {
-    state_out[row + col0 + i * LANES] = state[i];
+    state_out[row + deltanet_col<LANES>(col0, i)] = state[i];
   }
 }
 
@@ -495,7 +525,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
   const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
   float state[DELTANET_EPL];
   for (int i = 0; i < DELTANET_EPL; ++i) {
-    state[i] = has_state ? state_in[row + col0 + i * LANES] : 0.0f;
+    state[i] = has_state ? state_in[row + deltanet_col<LANES>(col0, i)] : 0.0f;
   }
 
   float y_dv = 0.0f;  // the read-out stays fp32 into the norm (stock rounds it to InT first)
@@ -503,14 +533,14 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
     const float g_t = deltanet_decay(static_cast<float>(a[n]), static_cast<float>(A_log[hv]),
                                      static_cast<float>(dt_bias[hv]));
     const float beta_t = deltanet_beta(static_cast<float>(b[n]));
-    const device InT* k_t = k + (static_cast<size_t>(b_idx) * Hk + hk) * Dk + col0;
-    const device InT* q_t = q + (static_cast<size_t>(b_idx) * Hk + hk) * Dk + col0;
-    y_dv = deltanet_decode_row<LANES, PARTIALS>(state, q_t, k_t, static_cast<float>(v[static_cast<size_t>(n) * Dv + dv]),
+    const device InT* k_t = k + (static_cast<size_t>(b_idx) * Hk + hk) * Dk;
+    const device InT* q_t = q + (static_cast<size_t>(b_idx) * Hk + hk) * Dk;
+    y_dv = deltanet_decode_row<LANES, PARTIALS, false>(state, q_t, k_t, col0, static_cast<float>(v[static_cast<size_t>(n) * Dv + dv]),
                                       g_t, beta_t);
   }
 
   for (int i = 0; i < DELTANET_EPL; ++i) {
-    state_out[row + col0 + i * LANES] = state[i];
+    state_out[row + deltanet_col<LANES>(col0, i)] = state[i];
   }
 
   const float inv_rms = deltanet_head_inv_rms<Dv>(y_head, y_dv, dv, col0 == 0, lane, eps[0]);
@@ -592,7 +622,9 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
   constexpr int ROWS = 32 / LANES;
   constexpr int PER_LANE = Dk / 32;
   constexpr int SIMDGROUPS = Dv / ROWS;
-  threadgroup float qkv_head[3 * Dk];  // q (head hk), k (head hk), v (head hv), InT values held in fp32
+  // q (head hk), k (head hk), v (head hv), InT values held in fp32; float4: 16-byte aligned chunks.
+  threadgroup float4 qkv_head4[3 * Dk / 4];
+  threadgroup float* qkv_head = reinterpret_cast<threadgroup float*>(qkv_head4);
   threadgroup float y_head[Dv];        // the head's fp32 read-outs, for the norm
   const int n = static_cast<int>(thread_position_in_grid.z);
   const int b_idx = n / Hv;
@@ -609,7 +641,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
   const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
   float state[DELTANET_EPL];
   for (int i = 0; i < DELTANET_EPL; ++i) {
-    state[i] = has_state ? state_in[row + col0 + i * LANES] : 0.0f;
+    state[i] = has_state ? state_in[row + deltanet_col<LANES>(col0, i)] : 0.0f;
   }
 
   // The conv rows (uniform per simdgroup: each simd_sum inside is reached by all 32 lanes).
@@ -633,13 +665,13 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
     const float g_t = deltanet_decay(static_cast<float>(a[n]), static_cast<float>(A_log[hv]),
                                      static_cast<float>(dt_bias[hv]));
     const float beta_t = deltanet_beta(static_cast<float>(b[n]));
-    const threadgroup float* q_t = qkv_head + col0;
-    const threadgroup float* k_t = qkv_head + Dk + col0;
-    y_dv = deltanet_decode_row<LANES, PARTIALS>(state, q_t, k_t, qkv_head[2 * Dk + dv], g_t, beta_t);
+    const threadgroup float* q_t = qkv_head;
+    const threadgroup float* k_t = qkv_head + Dk;
+    y_dv = deltanet_decode_row<LANES, PARTIALS, true>(state, q_t, k_t, col0, qkv_head[2 * Dk + dv], g_t, beta_t);
   }
 
   for (int i = 0; i < DELTANET_EPL; ++i) {
-    state_out[row + col0 + i * LANES] = state[i];
+    state_out[row + deltanet_col<LANES>(col0, i)] = state[i];
   }
 
   const float inv_rms = deltanet_head_inv_rms<Dv>(y_head, y_dv, dv, col0 == 0, lane, norm_eps[0]);

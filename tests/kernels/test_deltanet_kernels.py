@@ -91,7 +91,7 @@ def _check_scan(y, state, y_ref, state_ref, mask, tol):
     B=st.integers(1, 3), T=st.sampled_from([1, 2, 7, 64, 257]), Hk=st.sampled_from([1, 2]),
     rep=st.sampled_from([1, 2]), dims=st.sampled_from(HEAD_DIMS), dtype=st.sampled_from(list(DTYPES)),
     with_state=st.booleans(), with_mask=st.booleans(), register=st.booleans(), seed=st.integers(0, 2**16),
-    partials=st.sampled_from([dk.ROW_SUM_PARTIALS, 1, 2, 4]),
+    partials=st.sampled_from([dk.ROW_SUM_PARTIALS, 1, 2, 8]),
 )
 def test_scan_kernels_match_reference(B, T, Hk, rep, dims, dtype, with_state, with_mask, register, seed, partials):
     rng = np.random.default_rng(seed)

@@ -62,11 +62,12 @@ KERNELS = {
 BLOCKWISE_SCAN_BLOCK = 16
 
 STATE_ELEMENTS_PER_LANE = 32  # DELTANET_EPL in the kernel file
-# Independent partial sums per lane in a state row's dot products (deltanet_lane_dot): 8 shortens each
-# step's dependency chain from 32 FMAs to 4 plus 3 adds (the scan is latency-bound: about one
-# simdgroup per SIMD scheduler at Qwen3.6's 32 heads). 1 = one sequential chain (the layout before
-# 2026-12-01, kept for benchmarks). Every scan and decode kernel takes the same value (batch invariance).
-ROW_SUM_PARTIALS = 8
+# Independent partial sums per lane in a state row's dot products (deltanet_lane_dot; a lane's 32
+# elements are 8 chunks of 4 consecutive columns): 4 gives each step chains of 8 FMAs plus 2 adds instead
+# of one chain of 32 (the scan runs about one simdgroup per SIMD scheduler at Qwen3.6's 32 heads, so
+# each step waits on its chains). 1 = one sequential chain (kept for benchmarks). Every scan and decode
+# kernel takes the same value (batch invariance).
+ROW_SUM_PARTIALS = 4
 SUPPORTED_DK = (32, 64, 128, 256)
 ACTIVATION_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
