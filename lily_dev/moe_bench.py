@@ -17,7 +17,8 @@ expert as one chunk (9 blocks per token), bf16:
   from device memory, an int-to-float conversion per weight), ``rowwise_exp`` (rowwise with the
   conversion-free nibble of q4_value), ``r<R>_kc<KC>`` (staged at another layout: R outputs per
   threadgroup, K chunk KC), ``onerow_gemm`` (x8 only: the GEMM kernels on the same one-row blocks,
-  what row_gemv off runs);
+  what row_gemv off runs), ``onerow_gemm_bf16tiles`` (x8, 1 and 8 tokens: those GEMM kernels with bf16 tile
+  operands, what decode would run if bf16 tiles became the product path);
 - ``..._x8[8tok]`` (staged, rowwise): a decode batch of 8 sequences, 72 blocks per launch.
 
 Every launch of these cases reads other experts than the previous ones (the launches cycle through a
@@ -241,14 +242,15 @@ def decode_gemv_cases(sw, backend: str) -> List[Tuple[str, Callable[[], None], i
         down_flops = 2 * rows * EXPERT_WIDTH * HIDDEN
         t = f"[{tokens}tok]"
 
-        def up(layout, gemv=True):
+        def up(layout, gemv=True, tile=None):
             return lambda x, h, sr, blocks, shared: mk.gemm_gate_up_swiglu(
                 x, sr, blocks, sw.gate_proj, sw.up_proj, TOP_K, True, None, backend, shared=shared, gemv=gemv,
-                gemv_layout=layout)
+                gemv_layout=layout, tile_dtype=tile)
 
-        def down(layout, gemv=True):
+        def down(layout, gemv=True, tile=None):
             return lambda x, h, sr, blocks, shared: mk.gemm_down(
-                h, blocks, sw.down_proj, True, None, backend, shared=shared, gemv=gemv, gemv_layout=layout)
+                h, blocks, sw.down_proj, True, None, backend, shared=shared, gemv=gemv, gemv_layout=layout,
+                tile_dtype=tile)
 
         kinds = (("gemv_gate_up_swiglu", up, up_bytes, up_flops, GEMV_VARIANTS["gate_up"]),
                  ("gemv_down", down, down_bytes, down_flops, GEMV_VARIANTS["down"]))
@@ -264,4 +266,9 @@ def decode_gemv_cases(sw, backend: str) -> List[Tuple[str, Callable[[], None], i
             if tokens == 1:
                 cases.append((f"{name}_onerow_gemm_x{REPEATS}{t}", _cycling(make(None, gemv=False), calls, REPEATS),
                               REPEATS * nbytes, REPEATS * flops))
+            # Decode through bf16 tiles (one live row per tile): what bf16 tiles as the product path would run
+            # for every decode row (docs/moe.md, "Tile operands in bf16/f16"), against the GEMVs above.
+            cases.append((f"{name}_onerow_gemm_bf16tiles_x{REPEATS}{t}",
+                          _cycling(make(None, gemv=False, tile=mx.bfloat16), calls, REPEATS),
+                          REPEATS * nbytes, REPEATS * flops))
     return cases

@@ -18,6 +18,7 @@ from typing import Dict
 from unittest import mock
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from . import compile_check
@@ -141,8 +142,9 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
 
 
 def router_units(shapes=((256, 8, 8, 2048), (1024, 32, 8, 4096), (16, 4, 4, 64))) -> Dict[str, tuple]:
-    """{name: (CUDA translation unit, threads per threadgroup)} of the router kernels (one kernel and the
-    split pair) for (experts, top-k, bits, hidden) shapes, bf16, as ``route_tokens`` launches them."""
+    """{name: (CUDA translation unit, threads per threadgroup)} of the router kernels (one kernel, the
+    split pair and the residual norm with the logits) for (experts, top-k, bits, hidden) shapes, bf16, as
+    ``route_tokens`` and ``residual_norm_router_logits`` launch them."""
     from lily_mlx.core import switches
     from lily_mlx.core.kernel_registry import kernel_source
     from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
@@ -168,6 +170,9 @@ def router_units(shapes=((256, 8, 8, 2048), (1024, 32, 8, 4096), (16, 4, 4, 64))
             for split in (True, False):
                 with switches.overrides(**({} if split else {"disable": ["split_router"]})):
                     mk.route_tokens(block, x, True, "cuda")
+            norm = nn.RMSNorm(hidden)
+            norm.weight = norm.weight.astype(mx.bfloat16)
+            mk.residual_norm_router_logits(block, norm, x, x, "cuda")
         for name, (inputs, template, threadgroup, output_dtypes) in calls.items():
             spec = mk.KERNELS[name]
             header, body = kernel_source(spec)

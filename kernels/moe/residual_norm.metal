@@ -8,51 +8,124 @@
 //
 // Batch invariance: one threadgroup per row; a row's arithmetic never depends on the other rows.
 
+// With switch fused_norm_router, moe_residual_norm_router_logits_q also computes the router's logits of n
+// (moe_router_logits_q's work): the same h, n and logits, bit for bit, one launch fewer per layer.
+//
 // @header
+// @include moe/router.metal
 #define MOE_NORM_THREADS 256  // threads per row (the host's NORM_THREADS)
 
-// @kernel moe_residual_rms_norm
-// grid (MOE_NORM_THREADS, N, 1), threadgroup (MOE_NORM_THREADS, 1, 1); template T (activation dtype),
-// PER_THREAD = ceil(D / MOE_NORM_THREADS) (the host's norm_per_thread).
-// params: [D]. x, y [N, D] T; weight [D] T; eps [1] float32. h, n [N, D] T.
-// Thread t owns elements t, t + MOE_NORM_THREADS, ... (adjacent lanes, adjacent elements). Every load is
-// issued before the first store: h and n alias no input, but the compiler cannot assume that, and a store
-// between two loads makes the second wait for the first (Nsight Compute: 12 us a launch when
-// the loads and stores were interleaved, for 8 KB of traffic).
-{
-  threadgroup float partial[MOE_NORM_THREADS / 32];
-  const uint tid = thread_index_in_threadgroup;
-  const long row = long(threadgroup_position_in_grid.y) * D;
-  float xs[PER_THREAD];
+// h and n of one row, by the threadgroup's MOE_NORM_THREADS threads: thread t gets elements t,
+// t + MOE_NORM_THREADS, ... (PER_THREAD of them) of h (hs) and n (ns), each as the float of its T value.
+// Every load is issued before any arithmetic, and the caller stores after: the stores of one row never
+// wait for its loads (Nsight Compute: 12 us a launch when loads and stores were interleaved, for 8 KB
+// of traffic). partial: MOE_NORM_THREADS / 32 floats of threadgroup memory (one barrier inside).
+template <typename T, int PER_THREAD, typename PX, typename PY, typename PW>
+inline void moe_residual_norm_row(PX x, PY y, PW weight, int D, float eps, uint tid, uint sg, uint lane,
+                                  threadgroup float* partial, thread float* hs, thread float* ns) {
   float ys[PER_THREAD];
   float ws[PER_THREAD];
+#pragma unroll
   for (int j = 0; j < PER_THREAD; ++j) {
     const int i = int(tid) + j * MOE_NORM_THREADS;
-    xs[j] = i < D ? float(x[row + i]) : 0.0f;
-    ys[j] = i < D ? float(y[row + i]) : 0.0f;
+    hs[j] = i < D ? float(x[i]) : 0.0f;
+    ys[j] = i < D ? float(y[i]) : 0.0f;
     ws[j] = i < D ? float(weight[i]) : 0.0f;
   }
   float squares = 0.0f;
+#pragma unroll
   for (int j = 0; j < PER_THREAD; ++j) {
-    xs[j] = float(static_cast<T>(xs[j] + ys[j]));  // h, rounded to T as MLX's add rounds it
-    squares = metal::fma(xs[j], xs[j], squares);     // elements past D hold 0 and add nothing
+    hs[j] = float(static_cast<T>(hs[j] + ys[j]));  // h, rounded to T as MLX's add rounds it
+    squares = metal::fma(hs[j], hs[j], squares);     // elements past D hold 0 and add nothing
   }
   squares = simd_sum(squares);
-  if (thread_index_in_simdgroup == 0) {
-    partial[simdgroup_index_in_threadgroup] = squares;
+  if (lane == 0) {
+    partial[sg] = squares;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   float total = 0.0f;
   for (int s = 0; s < MOE_NORM_THREADS / 32; ++s) {
     total += partial[s];
   }
-  const float inv_rms = metal::precise::rsqrt(total / float(D) + eps[0]);
+  const float inv_rms = metal::precise::rsqrt(total / float(D) + eps);
+#pragma unroll
+  for (int j = 0; j < PER_THREAD; ++j) {
+    const float normalised = float(static_cast<T>(hs[j] * inv_rms));
+    ns[j] = float(static_cast<T>(ws[j] * normalised));
+  }
+}
+
+// @kernel moe_residual_rms_norm
+// grid (MOE_NORM_THREADS, N, 1), threadgroup (MOE_NORM_THREADS, 1, 1); template T (activation dtype),
+// PER_THREAD = ceil(D / MOE_NORM_THREADS) (the host's norm_per_thread).
+// params: [D]. x, y [N, D] T; weight [D] T; eps [1] float32. h, n [N, D] T.
+// Thread t owns elements t, t + MOE_NORM_THREADS, ... (adjacent lanes, adjacent elements).
+{
+  threadgroup float partial[MOE_NORM_THREADS / 32];
+  const uint tid = thread_index_in_threadgroup;
+  const long row = long(threadgroup_position_in_grid.y) * D;
+  float hs[PER_THREAD];
+  float ns[PER_THREAD];
+  moe_residual_norm_row<T, PER_THREAD>(x + row, y + row, weight, D, eps[0], tid, simdgroup_index_in_threadgroup,
+                                       thread_index_in_simdgroup, partial, hs, ns);
+#pragma unroll
   for (int j = 0; j < PER_THREAD; ++j) {
     const int i = int(tid) + j * MOE_NORM_THREADS;
     if (i < D) {
-      const T normalised = static_cast<T>(xs[j] * inv_rms);
-      h[row + i] = static_cast<T>(xs[j]);
-      n[row + i] = static_cast<T>(ws[j] * float(normalised));
+      h[row + i] = static_cast<T>(hs[j]);
+      n[row + i] = static_cast<T>(ns[j]);
+    }
+  }
+}
+
+// @kernel moe_residual_norm_router_logits_q
+// moe_residual_rms_norm and moe_router_logits_q in one launch (switch fused_norm_router): each of a
+// token's threadgroups computes the token's h and n (moe_residual_norm_row: the same bits in each), keeps n
+// in threadgroup memory as the router's staged row and computes MOE_ROUTER_LOGIT_SIMDGROUPS logits from it
+// (moe_router_logit, as moe_router_logits_q); the token's first threadgroup also writes h and n. The row
+// is re-read by every threadgroup of its token (~33 x 12 KB at Qwen3.6's shapes, from L2): cheaper than
+// a launch.
+// grid (MOE_NORM_THREADS, N, ceil((E + has_gate) / MOE_ROUTER_LOGIT_SIMDGROUPS)), threadgroup
+// (MOE_NORM_THREADS, 1, 1); template T, BITS, PER_THREAD. params: [D, E, has_gate]. x, y [N, D] T;
+// weight [D] T; eps [1] float32; the router's and shared-expert gate's weights as moe_router_logits_q's.
+// h, n [N, D] T; logits [N, E + 1] float32 (each rounded to T; row E unwritten when has_gate == 0).
+{
+  static_assert(MOE_NORM_THREADS == 32 * MOE_ROUTER_LOGIT_SIMDGROUPS, "one simdgroup per logit row");
+  threadgroup float partial[MOE_NORM_THREADS / 32];
+  threadgroup float4 xs[MOE_ROUTER_MAX_D / 4];
+  const uint tid = thread_index_in_threadgroup;
+  const uint lane = thread_index_in_simdgroup;
+  const long n_row = long(threadgroup_position_in_grid.y);
+  const long row = n_row * D;
+  float hs[PER_THREAD];
+  float ns[PER_THREAD];
+  moe_residual_norm_row<T, PER_THREAD>(x + row, y + row, weight, D, eps[0], tid, simdgroup_index_in_threadgroup,
+                                       lane, partial, hs, ns);
+#pragma unroll
+  for (int j = 0; j < PER_THREAD; ++j) {
+    const int i = int(tid) + j * MOE_NORM_THREADS;
+    if (i < D) {
+      xs[i / 4][i % 4] = ns[j];  // the router's staged row: the float of n's T value, as its staging reads it
+    }
+  }
+  if (threadgroup_position_in_grid.z == 0) {
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+      const int i = int(tid) + j * MOE_NORM_THREADS;
+      if (i < D) {
+        h[row + i] = static_cast<T>(hs[j]);
+        n[row + i] = static_cast<T>(ns[j]);
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const int logit_row = int(threadgroup_position_in_grid.z) * MOE_ROUTER_LOGIT_SIMDGROUPS +
+                        int(simdgroup_index_in_threadgroup);
+  if (logit_row < E + has_gate) {  // uniform over the simdgroup: every lane reaches the simd_sum
+    const float logit = moe_router_logit<BITS>(logit_row, E, w_router, scales_router, biases_router, w_gate,
+                                               scales_gate, biases_gate, xs, D, lane);
+    if (lane == 0) {
+      logits[n_row * (E + 1) + logit_row] = float(static_cast<T>(logit));
     }
   }
 }

@@ -83,6 +83,11 @@ _SWITCH_LIST = [
            "The decoder layer's residual add after its mixer and the post-attention RMSNorm in one kernel "
            "(the add's bits; the norm's sum of squares in the kernel's own order).",
            "MLX's add, then MLX's rms_norm (two primitives per layer)."),
+    Switch("fused_norm_router", "moe", "decode", True,
+           "With fused_add_norm and fused_topk_gemv, a decode call's residual add, post-attention RMSNorm and "
+           "router logits in one kernel (each logit threadgroup recomputes its token's norm; same bits): 4 "
+           "launches after each mixer instead of 5.",
+           "The residual-norm kernel, then the router-logits kernel."),
     Switch("fused_expert_down", "moe", "both", True,
            "Shared expert inside the grouped expert GEMMs (one more expert); the combine kernel adds it, "
            "gated, with the routing-weighted expert rows.",

@@ -996,7 +996,7 @@ def test_router_kernels_fit_their_threadgroups_on_the_h200():
     if compile_check.nvcc_path() is None:
         pytest.skip("nvcc (CUDA toolkit) not installed")
     units = resource_usage.router_units()
-    assert len(units) == 9
+    assert len(units) == 12
     for name, (unit, threads) in units.items():
         u = resource_usage.ptxas_usage(unit)
         assert 0 < u["registers"] * threads <= resource_usage.REGISTERS_PER_SM, (name, threads, u)
@@ -1064,6 +1064,113 @@ def test_residual_norm_refuses_what_it_does_not_compute():
     wide.weight = wide.weight.astype(mx.bfloat16)
     row = mx.zeros((1, mk.NORM_MAX_HIDDEN + 4), mx.bfloat16)
     assert "registers" in mk.residual_norm_reason(wide, row, row)
+
+
+# ----------------------------------------------------------------------------------------------
+# The residual norm and the router's logits in one kernel (fused_norm_router)
+
+def _norm_for(width: int, dt, rng):
+    import mlx.nn as nn
+
+    norm = nn.RMSNorm(width, eps=1e-6)
+    norm.weight = mx.array((1 + 0.2 * rng.standard_normal(width)).astype(np.float32)).astype(dt)
+    return norm
+
+
+@needs_sim
+@SETTINGS
+@given(tokens=st.sampled_from([1, 2, 5, 8]), hidden=st.sampled_from([128, 320]),
+       experts=st.sampled_from([16, 40, 63]), bits=st.sampled_from([4, 8]),
+       dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 1000))
+def test_residual_norm_with_router_logits_has_the_bits_of_the_two_kernels(tokens, hidden, experts, bits, dtype,
+                                                                          seed):
+    """moe_residual_norm_router_logits_q: h, n and the logits (the shared-expert gate's in column E) are those of
+    moe_residual_rms_norm followed by moe_router_logits_q on n, bit for bit, whatever the hidden size's tail
+    (320: 2 of 256 threads' elements past D) and the expert count's (63 + 1 rows: a last threadgroup with one
+    simdgroup of work); every output element written (poisoned outputs)."""
+    dt = getattr(mx, dtype)
+    rng = np.random.default_rng(seed)
+    block = make_sparse_moe_block(hidden=hidden, expert_width=64, num_experts=experts, top_k=4, shared_width=64,
+                                  bits=4, seed=seed)
+    if bits == 4:  # the router and gate in 4 bits too (the kernel takes 4 or 8)
+        import mlx.nn as nn
+
+        block.gate = nn.QuantizedLinear.from_linear(nn.Linear(hidden, experts, bias=False), 64, 4)
+        block.shared_expert_gate = nn.QuantizedLinear.from_linear(nn.Linear(hidden, 1, bias=False), 64, 4)
+    block.set_dtype(dt)
+    norm = _norm_for(hidden, dt, rng)
+    x = mx.array((3 * rng.standard_normal((1, tokens, hidden))).astype(np.float32)).astype(dt)
+    y = mx.array(rng.standard_normal((1, tokens, hidden)).astype(np.float32)).astype(dt)
+    assert mk.norm_router_reason(block, norm, x, y, KERNEL_BACKEND) is None
+    h, n, logits = mk.residual_norm_router_logits(block, norm, x, y, KERNEL_BACKEND, init_value=float("nan"))
+    want_h, want_n = mk.residual_rms_norm(x, y, norm.weight, norm.eps, KERNEL_BACKEND)
+    want_logits = mk.router_logits(block, want_n.reshape(tokens, hidden), True, KERNEL_BACKEND)
+    assert h.shape == n.shape == (tokens, hidden) and logits.shape == (tokens, experts + 1)
+    assert mx.array_equal(h, want_h.reshape(tokens, hidden)).item()
+    assert mx.array_equal(n, want_n.reshape(tokens, hidden)).item()
+    assert mx.array_equal(logits, want_logits).item()  # NaN poison left anywhere would fail here
+
+
+@needs_sim
+def test_residual_norm_with_router_logits_row_alone_equals_row_in_batch_and_race_check(monkeypatch):
+    """A token's outputs do not depend on the other tokens; the simulator's race check on the partial sums
+    and the staged row shared through threadgroup memory."""
+    monkeypatch.setenv("LILY_MSL_RACE", "1")
+    rng = np.random.default_rng(7)
+    block = make_sparse_moe_block(hidden=256, expert_width=64, num_experts=24, top_k=4, shared_width=64, seed=7)
+    norm = _norm_for(256, mx.bfloat16, rng)
+    x = mx.array(rng.standard_normal((4, 256)).astype(np.float32)).astype(mx.bfloat16)
+    y = mx.array(rng.standard_normal((4, 256)).astype(np.float32)).astype(mx.bfloat16)
+    batch = mk.residual_norm_router_logits(block, norm, x, y, KERNEL_BACKEND)
+    alone = mk.residual_norm_router_logits(block, norm, x[1:2], y[1:2], KERNEL_BACKEND)
+    for got, want in zip(alone, batch):
+        assert mx.array_equal(got, want[1:2]).item()
+
+
+def test_norm_router_reason_refuses_what_the_kernel_does_not_compute():
+    import mlx.nn as nn
+
+    rng = np.random.default_rng(0)
+    block = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=16, top_k=4, shared_width=64, seed=0)
+    norm = _norm_for(128, mx.bfloat16, rng)
+    x = mx.zeros((1, 1, 128), mx.bfloat16)
+    assert mk.norm_router_reason(block, nn.LayerNorm(128), x, x, "sim") is not None
+    assert mk.norm_router_reason(block, norm, x, x.astype(mx.float16), "sim") is not None
+    unquantised = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=16, top_k=4, shared_width=64,
+                                        quantized=False, seed=0)
+    assert mk.norm_router_reason(unquantised, norm, x, x, "sim") is not None
+
+
+@needs_sim
+def test_decoder_layer_after_its_mixer_has_the_same_bits_with_and_without_fused_norm_router(monkeypatch):
+    """layer.post_mixer of a decode call (four launches with the switch, five without) returns the same bits,
+    alone and for a batch of rows; prefill-sized calls (the routed GEMMs) launch no fused kernel."""
+    from types import SimpleNamespace
+
+    from lily_mlx.ops.moe.layer import post_mixer, sparse_moe_forward
+    from lily_mlx.patch import _lily_class
+
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    rng = np.random.default_rng(11)
+    block = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=16, top_k=4, shared_width=64, seed=11)
+    block.__class__ = _lily_class(type(block), sparse_moe_forward)  # as lily_mlx.patch swaps it
+    layer = SimpleNamespace(mlp=block, post_attention_layernorm=_norm_for(128, mx.bfloat16, rng))
+    for shape in ((1, 1, 128), (3, 1, 128), (1, 20, 128)):
+        x = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+        mixed = mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+        outs, names = [], []
+        for on in (True, False):
+            with switches.overrides(disable=() if on else ("fused_norm_router",)), record_launches() as rec:
+                out = post_mixer(layer, x, mixed)
+                mx.eval(out)
+            outs.append(out)
+            names.append(rec.names())
+        assert outs[0].shape == shape and mx.array_equal(outs[0], outs[1]).item()
+        decode = shape[0] * shape[1] * 4 <= mk.PER_ASSIGNMENT_MAX
+        assert ("moe_residual_norm_router_logits_q" in names[0]) == decode, names[0]
+        assert "moe_residual_norm_router_logits_q" not in names[1]
+        if decode:
+            assert len(names[0]) == len(names[1]) - 1, names
 
 
 # ----------------------------------------------------------------------------------------------

@@ -449,7 +449,11 @@ NO_KERNEL_SWITCHES = ("fixed_block_attention", "chunked_prefill", "compiled_deco
 # (expected_model_launches; tests/kernels/test_attention_qk_prep.py).
 QK_PREP_SWITCHES = ("fused_qk_prep",)
 # fused_add_norm: on, moe_residual_rms_norm between each layer's mixer and its MoE block; off, MLX's ops.
-ADD_NORM_SWITCHES = ("fused_add_norm",)
+# fused_norm_router: on, with the block's decode path (top-k in the GEMV, residual in the combine), that kernel
+# and the router's logits kernel as one (moe_residual_norm_router_logits_q).
+ADD_NORM_SWITCHES = ("fused_add_norm", "fused_norm_router")
+NORM_ROUTER_NEEDS = ("fused_norm_router", "fused_add_norm", "fused_residual", "fused_expert_up", "fused_expert_down",
+                     "fused_combine")
 assert set(NO_KERNEL_SWITCHES) | set(MOE_SWITCHES) | set(MOE_BLOCK_SWITCHES) | set(DELTANET_SWITCHES) | set(
     ATTENTION_SWITCHES) | set(QK_PREP_SWITCHES) | set(ADD_NORM_SWITCHES) == set(switches.SWITCHES), \
     "a new switch needs its expected launches here"
@@ -460,10 +464,14 @@ def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Se
     fresh prompt cache: per layer, its mixer's kernels then its MoE block's."""
     names = []
     add_norm = ["moe_residual_rms_norm"] if state["fused_add_norm"] else []  # after the mixer, before the block
+    after_mixer = add_norm + expected_block_launches(state, tokens * top_k)
+    if all(state[name] for name in NORM_ROUTER_NEEDS) and topk_in_gemv(state, tokens * top_k):
+        assert after_mixer[:2] == ["moe_residual_rms_norm", "moe_router_logits_q"], after_mixer
+        after_mixer = ["moe_residual_norm_router_logits_q"] + after_mixer[2:]
     for kind in layer_types:
         if kind == "linear_attention":
             names += expected_deltanet_launches(state, tokens)
-            names += add_norm + expected_block_launches(state, tokens * top_k)
+            names += after_mixer
             continue
         if state["fused_qk_prep"]:  # q/k norms, RoPE and the gate split in one kernel
             names.append("attention_qk_prep")
@@ -471,7 +479,7 @@ def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Se
             names.append("attention_decode")
         else:  # a prefill chunk over a plain KVCache, mask "causal": the prefill kernel (no switch)
             names.append("attention_prefill")
-        names += add_norm + expected_block_launches(state, tokens * top_k)
+        names += after_mixer
     return names
 
 

@@ -55,6 +55,11 @@ _DOWN_PARAMS = ("I", "D", "E", "Is")
 KERNELS: Dict[str, KernelSpec] = {
     "residual_norm": KernelSpec("moe_residual_rms_norm", RESIDUAL_NORM, ("x", "y", "weight", "eps", "params"),
                                 ("h", "n"), params=("D",)),
+    # The residual norm and the router's logits in one launch (switch fused_norm_router; decode calls).
+    "residual_norm_router_logits": KernelSpec(
+        "moe_residual_norm_router_logits_q", RESIDUAL_NORM,
+        ("x", "y", "weight", "eps", "w_router", "scales_router", "biases_router", "w_gate", "scales_gate",
+         "biases_gate", "params"), ("h", "n", "logits"), params=("D", "E", "has_gate")),
     "router": KernelSpec("moe_router_softmax_topk_q", ROUTER,
                          ("x", "w_router", "scales_router", "biases_router", "w_gate", "scales_gate", "biases_gate",
                           "params"), ("inds", "scores", "gate", "blocks"),
@@ -863,6 +868,44 @@ def _block_general(block, x2d: mx.array, fuse_router: bool, fuse_shared: bool, r
     return out
 
 
+def norm_router_reason(block, norm, x: mx.array, y: mx.array, backend: str) -> Optional[str]:
+    """None when ``residual_norm_router_logits`` and the decode GEMVs compute this call's residual add,
+    post-attention norm and MoE block on ``backend`` (``norm``: the decoder layer's post-attention RMSNorm;
+    x, y [..., D] the residual and the mixer's output), the bits of the unfused kernels; else why not. The
+    switch states are the caller's (``layer.post_mixer``)."""
+    reason = residual_norm_reason(norm, x, y)
+    if reason is not None:
+        return reason
+    if moe_unavailable_reason(block.switch_mlp, x, backend) is not None:
+        return "the MoE kernels do not apply"
+    for what, check, args in (("shared", shared_expert_reason, ()), (("router", True), router_reason, (True,))):
+        reason = _cached_reason(block, x, what, check, *args)
+        if reason is not None:
+            return reason
+    if x.shape[-1] % 4 != 0:
+        return f"hidden size {x.shape[-1]} is not a multiple of 4 (fused_combine)"
+    return None
+
+
+def residual_norm_router_logits(block, norm, x: mx.array, y: mx.array, backend: Optional[str] = None,
+                                init_value=None):
+    """(h [N, D], n [N, D], logits [N, E + 1] fp32): ``residual_rms_norm(x, y, ...)`` and
+    ``router_logits(block, n, True)`` in one launch (switch ``fused_norm_router``), the same bits; x, y
+    [..., D] (N rows); the shared expert's gate logit in column E."""
+    d = x.shape[-1]
+    n = x.size // d
+    router, gate = block.gate, block.shared_expert_gate
+    e = router["scales"].shape[0]
+    spec = KERNELS["residual_norm_router_logits"]
+    return _kernel("residual_norm_router_logits", backend or op_backend("moe_router"))(
+        inputs=[x, y, norm.weight, float32_scalar(norm.eps), router["weight"], router["scales"], router["biases"],
+                gate["weight"], gate["scales"], gate["biases"], spec.pack(D=d, E=e, has_gate=True)],
+        template=[("T", x.dtype), ("BITS", router.bits), ("PER_THREAD", norm_per_thread(d))],
+        grid=(NORM_THREADS, n, -(-(e + 1) // ROUTER_LOGIT_SIMDGROUPS)), threadgroup=(NORM_THREADS, 1, 1),
+        output_shapes=[(n, d), (n, d), (n, e + 1)], output_dtypes=[x.dtype, x.dtype, mx.float32],
+        init_value=init_value)
+
+
 def _topk_in_gemv(assignments: int) -> bool:
     """Whether a call of ``assignments`` (token, expert) pairs takes the decode path with the router's top-k
     inside the gate/up GEMV (switch ``fused_topk_gemv``; with split_router, the one-row GEMVs)."""
@@ -872,18 +915,31 @@ def _topk_in_gemv(assignments: int) -> bool:
 
 
 def _decode_block_topk_in_gemv(block, x2d: mx.array, router_backend: str,
-                               residual2d: Optional[mx.array] = None) -> mx.array:
-    """A decode call of the block in four launches: the router's logits, the gate/up GEMV that selects
-    each token's experts itself (and writes the top-k kernel's outputs), the down GEMV, the combine
-    (+ the residual). The bits of the five-launch path (route_tokens, then the GEMVs)."""
+                               residual2d: Optional[mx.array] = None, logits: Optional[mx.array] = None) -> mx.array:
+    """A decode call of the block in four launches: the router's logits (unless given: ``logits`` from
+    ``residual_norm_router_logits``), the gate/up GEMV that selects each token's experts itself (and writes
+    the top-k kernel's outputs), the down GEMV, the combine (+ the residual). The bits of the five-launch
+    path (route_tokens, then the GEMVs)."""
     backend = op_backend("moe_grouped_gemm")
     sw, shared = block.switch_mlp, block.shared_expert
-    logits = router_logits(block, x2d, True, router_backend)
+    if logits is None:
+        logits = router_logits(block, x2d, True, router_backend)
     h, inds, scores, gate, blocks = gemv_gate_up_routed(block, x2d, logits, backend)
     y = gemm_down(h, blocks, sw.down_proj, True, None, backend, shared=shared, gemv=True)
     chunks = shared_chunks(shared, sw.gate_proj["scales"].shape[1])
     return combine_rows(y, _per_assignment_tail(inds.size)[0], scores, backend, gate=gate, chunks=chunks,
                         residual=residual2d)
+
+
+def decode_block_from_norm(layer, x: mx.array, mixed: mx.array, backend: str) -> mx.array:
+    """A decoder layer's work after its mixer for a decode call, in four launches (switch
+    ``fused_norm_router``): h = x + mixed, the post-attention norm and the router's logits in one
+    (``residual_norm_router_logits``), then the gate/up GEMV (top-k inside), the down GEMV and the combine
+    with the residual h. x, mixed [..., D] -> h + mlp(norm(h)) [..., D]; the caller checks
+    ``norm_router_reason`` and the switches (``layer.post_mixer``)."""
+    h, normed, logits = residual_norm_router_logits(layer.mlp, layer.post_attention_layernorm, x, mixed, backend)
+    out = _decode_block_topk_in_gemv(layer.mlp, normed, backend, residual2d=h, logits=logits)
+    return out.reshape(x.shape)
 
 
 def _cached_reason(block, x: mx.array, what, check, *args) -> Optional[str]:

@@ -95,6 +95,49 @@ def residual_norm(self, x: mx.array, mixed: mx.array):
     return h, norm(h)
 
 
+# Switches the four-launch decode path after the mixer (``decode_block_from_norm``) needs besides its own: it
+# computes what residual_norm + the decode path of sparse_moe_kernels compute with them on, bit for bit.
+_NORM_ROUTER_NEEDS = ("fused_add_norm", "fused_residual", "fused_expert_up", "fused_expert_down", "fused_combine")
+
+
+def _norm_router_backend(self, x: mx.array, mixed: mx.array):
+    """The backend of the four-launch path after the mixer (switch ``fused_norm_router``) for this call, or
+    None where it does not apply: a call of the decode path's size (``_topk_in_gemv``) on one kernel backend."""
+    from .kernels import _topk_in_gemv, norm_router_reason
+
+    block = self.mlp
+    if (block.sharding_group is not None or not switches.is_enabled("fused_norm_router")
+            or not all(switches.is_enabled(name) for name in _NORM_ROUTER_NEEDS)
+            or not _topk_in_gemv(x.size // x.shape[-1] * block.top_k)):
+        return None
+    backends = {op_backend("moe_router"), op_backend("moe_residual_norm"), op_backend("moe_grouped_gemm")}
+    if len(backends) != 1 or "reference" in backends:
+        return None
+    backend = backends.pop()
+    reason = norm_router_reason(block, self.post_attention_layernorm, x, mixed, backend)
+    if reason is not None:
+        log_once(f"fused_norm_router:{reason}", f"fused_norm_router: {reason}; norm and router in two launches")
+        return None
+    return backend
+
+
+def post_mixer(self, x: mx.array, mixed: mx.array) -> mx.array:
+    """A decoder layer's work after its mixer: h = x + mixed, then h + mlp(post_attention_layernorm(h)).
+    A decode call on the kernels takes four launches (``kernels.decode_block_from_norm``, switch
+    ``fused_norm_router``), else ``residual_norm`` and the MoE block (stock's ops for a stock MLP)."""
+    moe = type(self.mlp).__call__ is sparse_moe_forward
+    if moe:
+        backend = _norm_router_backend(self, x, mixed)
+        if backend is not None:
+            from .kernels import decode_block_from_norm
+
+            return decode_block_from_norm(self, x, mixed, backend)
+    h, normed = residual_norm(self, x, mixed)
+    if moe:
+        return sparse_moe_forward(self.mlp, normed, residual=h)
+    return h + self.mlp(normed)
+
+
 def _traced_layer(self, x: mx.array, mask, cache):
     """A decoder layer's decode step with its shape-stable parts traced as wholes (switch
     ``compiled_layers``, with ``compiled_decode``, Metal or CUDA): a DeltaNet layer in one trace (input
@@ -114,12 +157,8 @@ def _traced_layer(self, x: mx.array, mask, cache):
     if trace is None:
         return None
 
-    def post(x, mixed):
-        h, normed = residual_norm(self, x, mixed)
-        return sparse_moe_forward(self.mlp, normed, residual=h)
-
     return trace(mixer, x, mask, cache, owner=self, key=(moe_backends, switches.key()), pre=self.input_layernorm,
-                 post=post)
+                 post=lambda x, mixed: post_mixer(self, x, mixed))
 
 
 def decoder_layer_forward(self, x: mx.array, mask=None, cache=None) -> mx.array:
@@ -135,7 +174,4 @@ def decoder_layer_forward(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if out is not None:
             return out
     mixer = self.linear_attn if self.is_linear else self.self_attn
-    h, normed = residual_norm(self, x, mixer(self.input_layernorm(x), mask, cache))
-    if type(self.mlp).__call__ is sparse_moe_forward:
-        return sparse_moe_forward(self.mlp, normed, residual=h)
-    return h + self.mlp(normed)
+    return post_mixer(self, x, mixer(self.input_layernorm(x), mask, cache))
