@@ -80,7 +80,18 @@ def _cuda_sgm_layout_problem() -> List[str]:
     return []
 
 
+def _cuda_body_in_header_problem() -> List[str]:
+    from ..msl.cuda.kernel import body_in_header  # the bridge reads it when it makes a kernel object
+
+    try:
+        body_in_header()
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
 def problems() -> List[str]:
     """One line per lily-mlx environment variable that cannot be honoured (empty when all is well)."""
     return (switches.environment_problems() + _backend_problem() + _reference_ops_problem()
-            + _trial_ops_problem() + _allow_untested_problem() + _tune_problem() + _cuda_sgm_layout_problem())
+            + _trial_ops_problem() + _allow_untested_problem() + _tune_problem() + _cuda_sgm_layout_problem()
+            + _cuda_body_in_header_problem())

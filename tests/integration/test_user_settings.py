@@ -25,7 +25,8 @@ PROMPT = "Return the number of"
 BAD_SWITCH_ENV = [("LILY_DISABLE", "foo"), ("LILY_ENABLE", "bar"), ("LILY_DISABLE", "GPU_Routing")]
 BAD_ENV = BAD_SWITCH_ENV + [("LILY_BACKEND", "bogus"), ("LILY_BACKEND", "metal"),
                             ("LILY_REFERENCE_OPS", "moee"), ("LILY_ALLOW_UNTESTED", "yes"),
-                            ("LILY_TUNE", "maybe"), ("LILY_CUDA_SGM_LAYOUT", "on")]
+                            ("LILY_TUNE", "maybe"), ("LILY_CUDA_SGM_LAYOUT", "on"),
+                            ("LILY_CUDA_BODY_IN_HEADER", "yes")]
 MISSING_MODEL = "/nonexistent/lily-test-model"  # loading it would fail differently
 
 

@@ -266,9 +266,32 @@ def test_a_kernel_with_its_header_included_compiles(tmp_path, monkeypatch):
     assert ok, out[-3000:]
 
 
+def test_body_in_header_is_the_default_and_0_turns_it_off(monkeypatch):
+    """LILY_CUDA_BODY_IN_HEADER: unset or 1, the body goes into the header file; 0, MLX gets the body as is;
+    anything else is refused with the choices named."""
+    from lily_mlx.core import environment
+    from lily_mlx.msl.cuda.kernel import BODY_IN_HEADER_ENV, body_in_header
+
+    k = metal_kernel("copy_body_mode", ["a"], ["b"], "b[thread_position_in_grid.x] = a[thread_position_in_grid.x];")
+    inputs = [mx.zeros((64,)), mx.zeros((3,), mx.int32)]
+    for value, moved in ((None, True), ("1", True), ("0", False), (" 0 ", False)):
+        if value is None:
+            monkeypatch.delenv(BODY_IN_HEADER_ENV, raising=False)
+        else:
+            monkeypatch.setenv(BODY_IN_HEADER_ENV, value)
+        assert body_in_header() is moved
+        _, body = k.cuda_sources(inputs, [mx.float32], None)
+        assert body.strip().startswith("lily_body_") is moved, (value, body)
+        assert environment.problems() == []
+    monkeypatch.setenv(BODY_IN_HEADER_ENV, "yes")
+    with pytest.raises(ValueError, match="not 0 or 1"):
+        body_in_header()
+    assert any(BODY_IN_HEADER_ENV in line for line in environment.problems())
+
+
 @needs_nvcc
 def test_body_in_header_mode_compiles_and_hands_mlx_a_one_line_body(tmp_path, monkeypatch):
-    """LILY_CUDA_BODY_IN_HEADER=1: the translated body moves into the header file as a device function, so
+    """LILY_CUDA_BODY_IN_HEADER=1 (the default): the translated body moves into the header file as a device function, so
     the source MLX hashes at every launch holds a one-line call; the translation units of lily's dense
     GEMV, residual norm and SIMD-group / simdgroup_matrix feature kernels compile that way, and the call
     names every parameter of MLX's signature."""
