@@ -222,9 +222,10 @@ def test_mlx_gets_the_header_as_an_include_of_a_content_addressed_file(tmp_path,
     """MLX hashes a custom kernel's whole source, header included, at every launch it evaluates (+6.8 us
     per launch for a 36 KB header on the H200): the header MLX gets is one ``#include`` line of a file
     holding the full header, written once per content; the kernel name still hashes the full text."""
-    from lily_mlx.msl.cuda.kernel import HEADER_DIR_ENV, launch_header
+    from lily_mlx.msl.cuda.kernel import BODY_IN_HEADER_ENV, HEADER_DIR_ENV, launch_header
 
     monkeypatch.setenv(HEADER_DIR_ENV, str(tmp_path / "headers"))
+    monkeypatch.setenv(BODY_IN_HEADER_ENV, "0")  # the header alone (the body's move: its own test below)
     k = metal_kernel("k", ["x"], ["y"], "y[0] = simd_sum(x[0]);")
     text = k.cuda_header()
     line = launch_header(text)
@@ -255,9 +256,10 @@ def test_mlx_gets_the_header_as_an_include_of_a_content_addressed_file(tmp_path,
 
 @needs_nvcc
 def test_a_kernel_with_its_header_included_compiles(tmp_path, monkeypatch):
-    from lily_mlx.msl.cuda.kernel import HEADER_DIR_ENV, launch_header
+    from lily_mlx.msl.cuda.kernel import BODY_IN_HEADER_ENV, HEADER_DIR_ENV, launch_header
 
     monkeypatch.setenv(HEADER_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(BODY_IN_HEADER_ENV, "0")
     k = metal_kernel("k", ["x"], ["y"], "y[thread_position_in_grid.x] = simd_sum(x[thread_position_in_grid.x]);")
     _, unit = wrap_like_mlx(k, [mx.zeros((64,))], [mx.float32])
     included = unit.replace(k.cuda_header(), launch_header(k.cuda_header()))
