@@ -54,12 +54,13 @@ inline float deltanet_beta(float b) {
 // 1-element stand-in, a small mask) in the constant address space, larger ones in device.
 template <typename QKV, typename CS, typename M>
 inline float deltanet_conv_input(
-    QKV qkv, CS conv_state, M mask, int b, int i, int c, int T, int C, int K, bool has_state, bool has_mask) {
+    QKV qkv, CS conv_state, M mask, int b, int i, int c, int T, int C, int K, bool has_state, bool has_mask,
+    int ld) {
   if (i < K - 1) {
     return has_state ? static_cast<float>(conv_state[(static_cast<size_t>(b) * (K - 1) + i) * C + c]) : 0.0f;
   }
   const size_t bt = static_cast<size_t>(b) * T + (i - (K - 1));
-  return (!has_mask || mask[bt]) ? static_cast<float>(qkv[bt * C + c]) : 0.0f;
+  return (!has_mask || mask[bt]) ? static_cast<float>(qkv[bt * ld + c]) : 0.0f;  // ld: qkv's row stride
 }
 
 // Conv row r (the Dk channels r * Dk + lane + 32 i, i < Dk / 32) of token t of batch row b_idx, as
@@ -73,7 +74,7 @@ inline float deltanet_conv_input(
 template <int Dk, int K, typename QKV, typename CS, typename W, typename M>
 inline void deltanet_conv_row(
     thread float* vals, QKV qkv, CS conv_state, W weight, M mask, int b_idx, int t, int r, int lane,
-    int T, int C, int Hk, bool has_state, bool has_mask, float eps) {
+    int T, int C, int Hk, bool has_state, bool has_mask, float eps, int ld) {
   constexpr int PER_LANE = Dk / 32;
   float ss = 0.0f;
   for (int i = 0; i < PER_LANE; ++i) {
@@ -81,7 +82,7 @@ inline void deltanet_conv_row(
     // Window of token t: conv-input rows t .. t + K - 1 (the token itself last).
     float acc = 0.0f;
     for (int j = 0; j < K; ++j) {
-      const float x = deltanet_conv_input(qkv, conv_state, mask, b_idx, t + j, c, T, C, K, has_state, has_mask);
+      const float x = deltanet_conv_input(qkv, conv_state, mask, b_idx, t + j, c, T, C, K, has_state, has_mask, ld);
       acc += x * static_cast<float>(weight[c * K + j]);
     }
     vals[i] = acc / (1.0f + exp(-acc));
@@ -104,14 +105,14 @@ inline void deltanet_conv_row(
 template <typename InT, int Dk, int K, typename O, typename QKV, typename CS, typename M, typename L>
 inline void deltanet_conv_state_row(
     O conv_state_out, QKV qkv, CS conv_state, M mask, L lengths, int b_idx, int r, int lane, int T, int C,
-    bool has_state, bool has_mask, bool has_lengths) {
+    bool has_state, bool has_mask, bool has_lengths, int ld) {
   constexpr int PER_LANE = Dk / 32;
   const int end = has_lengths ? min(max(static_cast<int>(lengths[b_idx]), 0), T) : T;
   const size_t state_row0 = static_cast<size_t>(b_idx) * (K - 1) * C;
   for (int i = 0; i < PER_LANE; ++i) {
     const int c = r * Dk + lane + 32 * i;
     for (int j = 0; j < K - 1; ++j) {
-      const float x = deltanet_conv_input(qkv, conv_state, mask, b_idx, end + j, c, T, C, K, has_state, has_mask);
+      const float x = deltanet_conv_input(qkv, conv_state, mask, b_idx, end + j, c, T, C, K, has_state, has_mask, ld);
       conv_state_out[state_row0 + static_cast<size_t>(j) * C + c] = static_cast<InT>(x);
     }
   }
@@ -577,7 +578,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
 
   float vals[PER_LANE];
   deltanet_conv_row<Dk, K>(vals, qkv, conv_state, weight, mask, b_idx, t, r, lane, T, C, Hk, has_state, has_mask,
-                           eps[0]);
+                           eps[0], C);
 
   const size_t tok = static_cast<size_t>(bt);
   if (r < 2 * Hk) {
@@ -595,7 +596,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
   // The new conv state (one simdgroup per row of channels writes it).
   if (t == 0) {
     deltanet_conv_state_row<InT, Dk, K>(conv_state_out, qkv, conv_state, mask, lengths, b_idx, r, lane, T, C,
-                                        has_state, has_mask, has_lengths);
+                                        has_state, has_mask, has_lengths, C);
   }
 }
 
@@ -611,10 +612,13 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
 // threadgroup memory; a barrier; the step reads q, k, v from there.
 // Conv state: the value channels of head hv are written by its threadgroup, the q and k channels of
 // head hk by the one of its Hv / Hk threadgroups with hv % (Hv / Hk) == 0 (needs C = 2 Hk Dk + Hv Dv).
-// qkv: [B, 1, C] InT; conv_state: [B, K-1, C] InT (if has_conv_state); conv_weight: [C, K, 1];
-// mask: [B, 1] bool (if has_mask); lengths: [B] int32 (if has_lengths); a, b: [B, Hv]; A_log,
-// dt_bias: [Hv]; state_in: [B, Hv, Dv, Dk] fp32 (if has_state); z: [B, Hv, Dv] InT; weight: [Dv];
-// qk_eps: [1] fp32 (the l2norm eps); norm_eps: [1] fp32.
+// qkv: [B, 1, C] InT, row stride qkv_ld; conv_state: [B, K-1, C] InT (if has_conv_state); conv_weight:
+// [C, K, 1]; mask: [B, 1] bool (if has_mask); lengths: [B] int32 (if has_lengths); a, b: batch row b_idx's
+// Hv values at b_idx * ab_ld + a_off (b_off); A_log, dt_bias: [Hv]; state_in: [B, Hv, Dv, Dk] fp32 (if
+// has_state); z: batch row b_idx's Hv * Dv values at b_idx * z_ld + z_off, InT; weight: [Dv]; qk_eps: [1] fp32
+// (the l2norm eps); norm_eps: [1] fp32. Strides and offsets let qkv, z, b and a be one array, the fused
+// in-projection's output [B, 1, C + Hv Dv + 2 Hv] (switch fused_in_proj: no split primitive before the
+// launch), or four arrays (strides C, Hv Dv, Hv; offsets 0).
 // out: [B, Hv, Dv] InT; state_out: [B, Hv, Dv, Dk] fp32; conv_state_out: [B, K-1, C] InT.
 // params: named in the launcher's KernelSpec (a generated prologue declares them).
 {
@@ -649,22 +653,23 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
     const int r = j == 0 ? hk : (j == 1 ? Hk + hk : 2 * Hk + hv);
     float vals[PER_LANE];
     deltanet_conv_row<Dk, K>(vals, qkv, conv_state, conv_weight, mask, b_idx, 0, r, lane, 1, C, Hk,
-                             has_conv_state, has_mask, qk_eps[0]);
+                             has_conv_state, has_mask, qk_eps[0], qkv_ld);
     for (int i = 0; i < PER_LANE; ++i) {
       qkv_head[j * Dk + lane + 32 * i] = static_cast<float>(static_cast<InT>(vals[i]));
     }
     if (j == 2 || hv % rep == 0) {
       deltanet_conv_state_row<InT, Dk, K>(conv_state_out, qkv, conv_state, mask, lengths, b_idx, r, lane, 1, C,
-                                          has_conv_state, has_mask, has_lengths);
+                                          has_conv_state, has_mask, has_lengths, qkv_ld);
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   float y_dv = 0.0f;  // the read-out stays fp32 into the norm
   if (live) {
-    const float g_t = deltanet_decay(static_cast<float>(a[n]), static_cast<float>(A_log[hv]),
+    const size_t ab_row = static_cast<size_t>(b_idx) * ab_ld + hv;
+    const float g_t = deltanet_decay(static_cast<float>(a[ab_row + a_off]), static_cast<float>(A_log[hv]),
                                      static_cast<float>(dt_bias[hv]));
-    const float beta_t = deltanet_beta(static_cast<float>(b[n]));
+    const float beta_t = deltanet_beta(static_cast<float>(b[ab_row + b_off]));
     const threadgroup float* q_t = qkv_head;
     const threadgroup float* k_t = qkv_head + Dk;
     y_dv = deltanet_decode_row<LANES, PARTIALS, true>(state, q_t, k_t, col0, qkv_head[2 * Dk + dv], g_t, beta_t);
@@ -676,7 +681,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
 
   const float inv_rms = deltanet_head_inv_rms<Dv>(y_head, y_dv, dv, col0 == 0, lane, norm_eps[0]);
   if (col0 == 0) {
-    const float zc = static_cast<float>(z[static_cast<size_t>(n) * Dv + dv]);
+    const float zc = static_cast<float>(z[static_cast<size_t>(b_idx) * z_ld + z_off + hv * Dv + dv]);
     out[static_cast<size_t>(n) * Dv + dv] = static_cast<InT>(deltanet_gated_out(y_dv, inv_rms,
                                                                                  static_cast<float>(weight[dv]), zc));
   }

@@ -188,9 +188,19 @@ def for_call(module, names: Tuple[str, ...], x: mx.array, *, switch: str, op: st
     return fused_for(module, names, x)
 
 
+def matmul(record: FusedProjection, x: mx.array) -> mx.array:
+    """The group's outputs side by side from one quantised matmul: x [..., K] -> [..., sum N_i] (piece i at
+    ``record.split_at``; a consumer may read them in place instead of splitting)."""
+    return QUANTIZED_MATMUL[0](x, record.weight, record.scales, record.biases, record.group_size, record.bits,
+                               record.mode)
+
+
+def split(record: FusedProjection, y: mx.array) -> List[mx.array]:
+    """``matmul``'s output as one [..., N_i] per projection."""
+    return mx.split(y, list(record.split_at), axis=-1)
+
+
 def run(record: FusedProjection, x: mx.array) -> List[mx.array]:
     """``[module.<name>(x) for name in record.names]`` from one quantised matmul: x [..., K] ->
     one [..., N_i] per projection."""
-    y = QUANTIZED_MATMUL[0](x, record.weight, record.scales, record.biases, record.group_size, record.bits,
-                            record.mode)
-    return mx.split(y, list(record.split_at), axis=-1)
+    return split(record, matmul(record, x))

@@ -348,6 +348,18 @@ def test_decode_conv_fused_kernel_is_bitwise_the_two_kernels(B, Hk, rep, D, conv
             assert _bitwise(g, w), (name, poison, float(mx.max(mx.abs(g.astype(mx.float32) - w.astype(mx.float32)))))
     C = x["qkv"].shape[-1]
     assert got[0].shape == (B, 1, Hv, D) and got[1].shape == (B, conv - 1, C) and got[2].shape == (B, Hv, D, D)
+    # The fused in-projection's output read in place (qkv | z | b | a in one row): the same bits.
+    y = mx.concatenate([x["qkv"], x["z"].reshape(B, 1, Hv * D), x["b"], x["a"]], axis=-1)
+    joint = (C, C + Hv * D, C + Hv * D + Hv)
+    in_place = dk.decode_conv(y, x["conv_state"], x["conv_weight"], x["mask"], None, None, x["A_log"], x["dt_bias"],
+                              x["state"], None, x["weight"], 1e-6, Hk, D, Hv, D, lengths=x["lengths"],
+                              backend=KERNEL_BACKEND, init_value=NAN, joint=joint)
+    for name, g, w in zip(("out", "conv state", "recurrent state"), in_place, got):
+        assert _bitwise(g, w), f"{name} from the fused in-projection's row"
+    with pytest.raises(ValueError, match="offsets"):
+        dk.decode_conv(y, x["conv_state"], x["conv_weight"], x["mask"], None, None, x["A_log"], x["dt_bias"],
+                       x["state"], None, x["weight"], 1e-6, Hk, D, Hv, D, backend=KERNEL_BACKEND,
+                       joint=(C, C + Hv * D + 1, C + Hv * D + Hv))
 
 
 @needs_sim
@@ -414,6 +426,35 @@ def test_fused_conv_step_forward_is_bitwise_the_two_kernels(kind, B, S, padding,
     for turn, (o1, o0) in enumerate(zip(outs1, outs0)):
         assert _bitwise(o1, o0), f"turn {turn}"
     assert _bitwise(cache1[0], cache0[0]) and _bitwise(cache1[1], cache0[1])
+
+
+@needs_sim
+def test_decode_step_reads_the_fused_in_projection_in_place(monkeypatch):
+    """With fused_in_proj, a decode step's DeltaNet kernel reads q|k|v, z, b and a from the one matmul's output
+    (no split of it); the step's output and states are the bits of the same step with the projections apart."""
+    from lily_mlx.core import projections
+
+    import mlx.nn as nn
+
+    module = make_module("qwen3_5", 2, 4, 64, 64, hidden=64, dtype=mx.bfloat16, seed=5)
+    nn.quantize(module, group_size=64, bits=4, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    splits, matmuls = [], []
+    real_split, real_matmul = projections.split, projections.matmul
+    monkeypatch.setattr(projections, "split", lambda record, y: splits.append(y.shape) or real_split(record, y))
+    monkeypatch.setattr(projections, "matmul", lambda record, x: matmuls.append(x.shape) or real_matmul(record, x))
+    runs = {}
+    for fused in (True, False):
+        state = dict(disable=["compiled_decode"] + ([] if fused else ["fused_in_proj"]))
+        with switches.overrides(**state), _lily_backend(KERNEL_BACKEND), record_launches() as rec:
+            cache = make_cache(2)
+            outs = [deltanet.qwen3_5_deltanet_forward(module, random_inputs(2, 1, 64, mx.bfloat16, 5 + i), cache=cache)
+                    for i in range(3)]
+            mx.eval(outs, cache[0], cache[1])
+        assert rec.names() == ["deltanet_decode_conv_fused"] * 3, rec.names()
+        runs[fused] = outs + [cache[0], cache[1]]
+    assert matmuls == [(2, 1, 64)] * 3 and splits == []  # one matmul per step, its output never split
+    for got, want in zip(runs[True], runs[False]):
+        assert _bitwise(got, want)
 
 
 @needs_sim

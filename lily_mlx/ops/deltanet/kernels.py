@@ -53,7 +53,8 @@ KERNELS = {
             ("qkv", "conv_state", "conv_weight", "mask", "lengths", "a", "b", "A_log", "dt_bias", "state_in", "z",
              "weight", "qk_eps", "norm_eps", "params"),
             ("out", "state_out", "conv_state_out"),
-            params=("B", "Hk", "Hv", "C", "has_conv_state", "has_state", "has_mask", "has_lengths"),
+            params=("B", "Hk", "Hv", "C", "has_conv_state", "has_state", "has_mask", "has_lengths", "qkv_ld", "z_ld",
+                    "z_off", "ab_ld", "a_off", "b_off"),
         ),
     )
 }
@@ -273,9 +274,10 @@ def decode(q, k, v, a, b, A_log, dt_bias, state, z, weight, eps: float, mask=Non
     return out, state_out
 
 
-def conv_unsupported_reason(conv1d, qkv: mx.array, Hk: int, Dk: int) -> Optional[str]:
-    """Why the fused decode conv + q/k-norm kernel cannot run; None when it can."""
-    C = qkv.shape[-1]
+def conv_unsupported_reason(conv1d, qkv: mx.array, Hk: int, Dk: int, channels: Optional[int] = None) -> Optional[str]:
+    """Why the fused decode conv + q/k-norm kernel cannot run; None when it can. ``channels``: qkv's conv
+    channels when they are the first of a longer row (the fused in-projection's output)."""
+    C = qkv.shape[-1] if channels is None else channels
     weight = conv1d.weight
     if "bias" in conv1d:
         return "conv1d with a bias"
@@ -332,19 +334,20 @@ def conv_qk_norm_decode(qkv, conv_state, weight, mask, Hk: int, Dk: int, Hv: int
 
 def decode_conv_unsupported_reason(conv1d, qkv: mx.array, Hk: int, Dk: int, Hv: int, Dv: int,
                                    conv_state: Optional[mx.array] = None,
-                                   state: Optional[mx.array] = None) -> Optional[str]:
+                                   state: Optional[mx.array] = None, channels: Optional[int] = None) -> Optional[str]:
     """Why ``deltanet_decode_conv_fused`` cannot run this decode call (qkv [B, 1, C]); None when it can.
     Shapes and dtypes only (it runs per call). Where it cannot, the conv kernel and the decode
     kernel(s) run in turn, each under its own rules (``conv_unsupported_reason``, ``supports``)."""
     if qkv.ndim != 3 or qkv.shape[1] != 1:
         return f"qkv of shape {tuple(qkv.shape)} is not one decode token"
-    reason = conv_unsupported_reason(conv1d, qkv, Hk, Dk) or _head_shape_reason(Hk, Dk, Hv, Dv)
+    reason = conv_unsupported_reason(conv1d, qkv, Hk, Dk, channels) or _head_shape_reason(Hk, Dk, Hv, Dv)
     if reason is not None:
         return reason
     if Dv != Dk:
         return f"Dv={Dv} != Dk={Dk} (the fused kernel computes one conv row per value head)"
-    if qkv.shape[-1] != 2 * Hk * Dk + Hv * Dv:
-        return f"conv_dim={qkv.shape[-1]} != 2 Hk Dk + Hv Dv = {2 * Hk * Dk + Hv * Dv}"
+    C = qkv.shape[-1] if channels is None else channels
+    if C != 2 * Hk * Dk + Hv * Dv:
+        return f"conv_dim={C} != 2 Hk Dk + Hv Dv = {2 * Hk * Dk + Hv * Dv}"
     if conv_state is not None and conv_state.dtype != qkv.dtype:
         return f"conv state in {conv_state.dtype}, activations in {qkv.dtype}"
     if state is not None and state.dtype != mx.float32:
@@ -354,7 +357,8 @@ def decode_conv_unsupported_reason(conv1d, qkv: mx.array, Hk: int, Dk: int, Hv: 
 
 def decode_conv(qkv, conv_state, conv_weight, mask, a, b, A_log, dt_bias, state, z, weight, eps: float,
                 Hk: int, Dk: int, Hv: int, Dv: int, *, lengths=None, qk_eps: float = 1e-6, backend: str,
-                init_value=None, partials: int = ROW_SUM_PARTIALS) -> Tuple[mx.array, mx.array, mx.array]:
+                init_value=None, partials: int = ROW_SUM_PARTIALS,
+                joint: Optional[Tuple[int, int, int]] = None) -> Tuple[mx.array, mx.array, mx.array]:
     """One decode token from the in_proj output in one kernel: (normed out [B, 1, Hv, Dv], new conv
     state [B, K-1, C], new recurrent state [B, Hv, Dv, Dk] fp32), bit-identical to ``conv_qk_norm``
     followed by ``decode(fused=True)``.
@@ -362,9 +366,19 @@ def decode_conv(qkv, conv_state, conv_weight, mask, a, b, A_log, dt_bias, state,
     qkv: [B, 1, C] (C = 2 Hk Dk + Hv Dv, Dv == Dk); conv_state: [B, K-1, C] or None (zeros);
     conv_weight: [C, K, 1]; mask: [B, 1] bool or None; a, b: [B, 1, Hv]; state fp32 or None (zeros);
     z: [B, 1, Hv, Dv]; weight, eps: the gated norm's; lengths: [B] or None; qk_eps: the q/k l2norm eps.
+    ``joint`` = (z_off, b_off, a_off): qkv is the fused in-projection's output [B, 1, P] holding q|k|v, z, b
+    and a at those offsets (C = z_off; z, a, b not given): the kernel reads the pieces in place.
     """
     reason = _head_shape_reason(Hk, Dk, Hv, Dv) or _dtype_reason(qkv.dtype, qkv.dtype)
-    B, T, C = qkv.shape
+    B, T, P = qkv.shape
+    if joint is None:
+        C, strides, offsets = P, (P, Hv * Dv, Hv), (0, 0, 0)
+    else:
+        z_off, b_off, a_off = joint
+        C, strides, offsets = z_off, (P, P, P), joint
+        if reason is None and not (b_off == z_off + Hv * Dv and a_off == b_off + Hv and P == a_off + Hv):
+            reason = f"fused in-projection offsets {joint} in a row of {P} do not hold z [{Hv * Dv}], b and a [{Hv}]"
+        z = a = b = qkv
     K = conv_weight.shape[1]
     if reason is None and (T != 1 or Dv != Dk or C != 2 * Hk * Dk + Hv * Dv):
         reason = f"qkv {tuple(qkv.shape)} with Hk={Hk}, Dk={Dk}, Hv={Hv}, Dv={Dv}: not one token, or Dv != Dk"
@@ -382,7 +396,8 @@ def decode_conv(qkv, conv_state, conv_weight, mask, a, b, A_log, dt_bias, state,
                 a, b, A_log, dt_bias, state if has_state else _ONE_FLOAT, z, weight,
                 float32_scalar(qk_eps), float32_scalar(eps),
                 spec.pack(B=B, Hk=Hk, Hv=Hv, C=C, has_conv_state=has_conv_state, has_state=has_state,
-                          has_mask=has_mask, has_lengths=has_lengths)],
+                          has_mask=has_mask, has_lengths=has_lengths, qkv_ld=strides[0], z_ld=strides[1],
+                          z_off=offsets[0], ab_ld=strides[2], a_off=offsets[2], b_off=offsets[1])],
         template=[("InT", qkv.dtype), ("Dk", Dk), ("Dv", Dv), ("K", K), ("PARTIALS", partials)],
         grid=(32, simdgroups, B * Hv),
         threadgroup=(32, simdgroups, 1),

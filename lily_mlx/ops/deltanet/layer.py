@@ -129,11 +129,12 @@ def _conv_qk_kernel(self, qkv, mask, cache):
     )
 
 
-def _decode_conv_kernel(self, qkv, z, b, a, mask, cache):
+def _decode_conv_kernel(self, qkv, z, b, a, mask, cache, joint=None):
     """One decode token (S = 1) through ``deltanet_decode_conv_fused`` (switch ``fused_conv_step``, with
     ``fused_recurrent_norm``): (out, new conv state, new recurrent state), or None where the conv
     kernel and the decode kernel(s) run in turn instead. The fused kernel gives the bits of those two
-    kernels, so this choice never changes a result (batch invariance holds either way).
+    kernels, so this choice never changes a result (batch invariance holds either way). ``joint``: qkv is
+    the fused in-projection's output and z, b, a are None (``kernels.decode_conv``'s ``joint``).
 
     Decided from switches, backends and shapes only (it runs per call): both ops on the same kernel
     backend, the shapes the fused kernel takes (``decode_conv_unsupported_reason``)."""
@@ -147,12 +148,14 @@ def _decode_conv_kernel(self, qkv, z, b, a, mask, cache):
     conv_state = cache[0] if cache is not None else None
     state = cache[1] if cache else None
     Hk, Dk, Hv, Dv = self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim
-    reason = dk.decode_conv_unsupported_reason(self.conv1d, qkv, Hk, Dk, Hv, Dv, conv_state, state)
+    reason = dk.decode_conv_unsupported_reason(self.conv1d, qkv, Hk, Dk, Hv, Dv, conv_state, state,
+                                               channels=None if joint is None else joint[0])
     if reason is None and (reason := dk.backend_unavailable_reason(backend)) is None:
         norm = self.norm
         return dk.decode_conv(
             qkv, conv_state, self.conv1d.weight, mask, a, b, self.A_log, self.dt_bias, state, z, norm.weight,
             norm.eps, Hk, Dk, Hv, Dv, lengths=cache.lengths if cache is not None else None, backend=backend,
+            joint=joint,
         )
     # The two-kernel path takes it from here (and logs its own fallbacks, if any).
     log_once(f"deltanet_decode_conv:{backend}:{reason}",
@@ -160,16 +163,25 @@ def _decode_conv_kernel(self, qkv, z, b, a, mask, cache):
     return None
 
 
+def _decode_conv_step(self, qkv, z, b, a, mask, cache, joint=None) -> Optional[mx.array]:
+    """A one-token step through ``_decode_conv_kernel`` with the cache updated: normalised out [B, 1, Hv, Dv],
+    or None (nothing done) where that kernel does not apply."""
+    fused = _decode_conv_kernel(self, qkv, z, b, a, mask, cache, joint)
+    if fused is None:
+        return None
+    out, conv_state, state = fused
+    if cache is not None:
+        cache[0] = conv_state
+        cache[1] = state
+        cache.advance(1)
+    return out
+
+
 def _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, dtype):
     """Shared by both module types from the q|k|v projections on: normalised out [B, S, Hv, Dv]."""
     if S == 1:
-        fused = _decode_conv_kernel(self, qkv, z, b, a, mask, cache)
-        if fused is not None:
-            out, conv_state, state = fused
-            if cache is not None:
-                cache[0] = conv_state
-                cache[1] = state
-                cache.advance(S)
+        out = _decode_conv_step(self, qkv, z, b, a, mask, cache)
+        if out is not None:
             return out
 
     fused = _conv_qk_kernel(self, qkv, mask, cache)
@@ -312,7 +324,12 @@ def _in_projections(self, names: Tuple[str, ...], inputs: mx.array) -> Optional[
 def _qwen3_5_mixer(self, inputs: mx.array, mask, cache, fused=None) -> mx.array:
     B, S, _ = inputs.shape
     if fused is not None:
-        qkv, z, b, a = projections.run(fused, inputs)
+        y = projections.matmul(fused, inputs)  # [B, S, qkv | z | b | a]
+        if S == 1:  # the decode kernel reads the pieces in place: no split primitive
+            out = _decode_conv_step(self, y, None, None, None, mask, cache, joint=fused.split_at)
+            if out is not None:
+                return self.out_proj(out.reshape(B, S, -1))
+        qkv, z, b, a = projections.split(fused, y)
     else:
         qkv, z, b, a = (self.in_proj_qkv(inputs), self.in_proj_z(inputs), self.in_proj_b(inputs),
                         self.in_proj_a(inputs))
