@@ -12,7 +12,9 @@
 // the query heads, rows H..H+Hkv-1 the key heads. Lane l owns elements l + 32 i (D / 32 of them). The
 // normalised row goes through threadgroup memory so each lane can read its RoPE partner.
 //
-// Inputs: q_proj [B, L, H, 2D] (per head: D query values, then D gate values), k_proj [B, L, Hkv, D],
+// Inputs: q_proj [B, L, H, 2D] (per head: D query values, then D gate values; token rows q_ld apart),
+// k_proj [B, L, Hkv, D] (token rows k_ld apart, from k_off: q_proj and k_proj may be one array, the fused
+// q/k/v projection's output, read in place; or two arrays with q_ld = 2 H D, k_ld = Hkv D, k_off = 0),
 // q_weight / k_weight [D], positions [B] int32 (the cache offset of each row: the token at l has
 // position positions[b] + l), eps, log2_base, rope_scale ([1] fp32 each), params.
 // Outputs: q_out [B, H, L, D], k_out [B, Hkv, L, D], gate [B, L, H * D].
@@ -28,8 +30,8 @@ const int b = token / L;
 const int l = token - b * L;
 const bool is_query = head_row < H;
 const int head = is_query ? head_row : head_row - H;
-const device T* x = is_query ? q_proj + (long(token) * H + head) * (2 * D)
-                             : k_proj + (long(token) * Hkv + head) * D;
+const device T* x = is_query ? q_proj + long(token) * q_ld + long(head) * (2 * D)
+                             : k_proj + long(token) * k_ld + k_off + long(head) * D;
 const device T* w = is_query ? q_weight : k_weight;
 constexpr int PER_LANE = D / 32;
 

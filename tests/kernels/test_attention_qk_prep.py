@@ -93,6 +93,10 @@ def test_qk_prep_kernel_matches_stock(B, L, heads, D, dims_kind, dtype, per_row,
     _check(queries, want_q, dtype, max_position)
     _check(keys, want_k, dtype, max_position)
     assert mx.array_equal(gate, want_gate).item()  # a copy
+    # The fused q/k/v projection's output read in place (k_proj None): the same bits.
+    in_place = _run(mx.concatenate([q_proj, k_proj, v_proj], axis=-1), None, offset, **kw)
+    for got, want in zip(in_place, (queries, keys, gate)):
+        assert got.shape == want.shape and mx.array_equal(got, want).item()
 
 
 @needs_sim
@@ -203,3 +207,32 @@ def test_qk_prep_bench_cases():
     for _, run, nbytes, flops in cases:
         run()
         assert nbytes > 0 and flops > 0
+
+
+@needs_sim
+def test_attention_layer_reads_the_fused_qkv_projection_in_place(monkeypatch):
+    """With fused_qkv_proj, a decode step's q/k preparation kernel reads q and k (and the values their view)
+    from the one matmul's output, never split; the layer's outputs are the bits of the projections apart."""
+    from mlx_lm.models.cache import KVCache
+
+    from lily_mlx.core import projections, switches
+    from lily_mlx.ops import attention as att
+    from tests.ops.test_attention_layer import HIDDEN, make_attention, run_chunks
+
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    module = make_attention(4, 2, 64, partial=0.25, dtype=mx.bfloat16, quantize=True, seed=3, group_size=32)
+    mx.random.seed(4)
+    xs = [mx.random.normal((1, t, HIDDEN)).astype(mx.bfloat16) for t in (5, 1, 1)]
+    counts = {"matmul": 0, "split": 0}
+    for name in counts:
+        real = getattr(projections, name)
+        monkeypatch.setattr(projections, name, lambda *a, _real=real, _name=name: counts.__setitem__(
+            _name, counts[_name] + 1) or _real(*a))
+    runs = {}
+    for fused in (True, False):
+        with switches.overrides(disable=["compiled_decode"] + ([] if fused else ["fused_qkv_proj"])):
+            runs[fused] = run_chunks(att.attention_forward, module, xs, KVCache())
+        if fused:
+            assert counts == {"matmul": 3, "split": 0}, counts  # the 5-token chunk (<= 7 rows) and two steps
+    for a, b in zip(runs[True], runs[False]):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()

@@ -38,7 +38,7 @@ KERNELS = {
                    params=("Hkv", "L", "S", "S_cap", "NQ")),
         KernelSpec("attention_qk_prep", _QK_PREP_FILE,
                    ("q_proj", "k_proj", "q_weight", "k_weight", "positions", "eps", "log2_base", "rope_scale",
-                    "params"), ("q_out", "k_out", "gate"), params=("H", "Hkv", "L")),
+                    "params"), ("q_out", "k_out", "gate"), params=("H", "Hkv", "L", "q_ld", "k_ld", "k_off")),
     )
 }
 
@@ -453,12 +453,17 @@ def qk_prep_supports(q_proj_out: mx.array, k_proj_out: mx.array, n_heads: int, n
     return None
 
 
-def qk_prep(q_proj_out: mx.array, k_proj_out: mx.array, *, n_heads: int, n_kv_heads: int, q_norm, k_norm,
+def qk_prep(q_proj_out: mx.array, k_proj_out: Optional[mx.array], *, n_heads: int, n_kv_heads: int, q_norm, k_norm,
             rope, offset: Any = 0, backend: str, init_value=None) -> Tuple[mx.array, mx.array, mx.array]:
     """Queries [B, H, L, D] and keys [B, Hkv, L, D] (normalised, rotated) and the output gate
-    [B, L, H * D], as ``reference.qk_prep_reference`` computes them, in one launch."""
-    B, L, _ = q_proj_out.shape
-    D = q_proj_out.shape[-1] // (2 * n_heads)
+    [B, L, H * D], as ``reference.qk_prep_reference`` computes them, in one launch. ``k_proj_out`` None:
+    q_proj_out is the fused q/k/v projection's output [B, L, 2 H D + 2 Hkv D] (q | k | v), read in place."""
+    B, L, width = q_proj_out.shape
+    D = width // (2 * n_heads) if k_proj_out is not None else width // (2 * n_heads + 2 * n_kv_heads)
+    if k_proj_out is None:
+        q_ld, k_ld, k_off, k_proj_out = width, width, 2 * n_heads * D, q_proj_out
+    else:
+        q_ld, k_ld, k_off = width, k_proj_out.shape[-1], 0
     if isinstance(offset, mx.array):
         positions = mx.broadcast_to(offset.astype(mx.int32), (B,))
     else:
@@ -468,7 +473,7 @@ def qk_prep(q_proj_out: mx.array, k_proj_out: mx.array, *, n_heads: int, n_kv_he
     q_out, k_out, gate = get_kernel(spec, backend)(
         inputs=[q_proj_out, k_proj_out, q_norm.weight, k_norm.weight, positions, float32_scalar(q_norm.eps),
                 float32_scalar(math.log2(rope.base)), float32_scalar(rope.scale),
-                spec.pack(H=n_heads, Hkv=n_kv_heads, L=L)],
+                spec.pack(H=n_heads, Hkv=n_kv_heads, L=L, q_ld=q_ld, k_ld=k_ld, k_off=k_off)],
         template=[("T", dtype), ("D", D), ("DIMS", rope.dims)],
         grid=(32, n_heads + n_kv_heads, B * L), threadgroup=(32, 1, 1),
         output_shapes=[(B, n_heads, L, D), (B, n_kv_heads, L, D), (B, L, n_heads * D)],

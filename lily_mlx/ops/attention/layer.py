@@ -70,6 +70,26 @@ def _kv_shape(keys: Any) -> Tuple[int, ...]:
 
 # --- q/k preparation ------------------------------------------------------------------------------
 
+def _qk_prep_in_place(y, fused: projections.FusedProjection, *, n_heads, n_kv_heads, q_norm, k_norm, rope, offset):
+    """``qk_prep`` from the fused q/k/v projection's output y [B, L, 2 H D + 2 Hkv D] read in place by the kernel
+    (no split primitive), or None where the kernel does not take it (the caller splits y)."""
+    if not is_enabled("fused_qk_prep"):
+        return None
+    B, L, width = y.shape
+    D = width // (2 * n_heads + 2 * n_kv_heads)
+    if fused.split_at != (2 * n_heads * D, (2 * n_heads + n_kv_heads) * D):
+        return None
+    q_end, k_end = fused.split_at
+    kernel = _kernel_for("attention_qk_prep", lambda: kernels.qk_prep_supports(
+        y[..., :q_end], y[..., q_end:k_end], n_heads, n_kv_heads, q_norm, k_norm, rope, offset))  # (views: shapes)
+    if kernel is None:
+        return None
+    queries, keys, gate = kernel(y, None, n_heads=n_heads, n_kv_heads=n_kv_heads, q_norm=q_norm, k_norm=k_norm,
+                                 rope=rope, offset=offset)
+    values = y[..., k_end:].reshape(B, L, n_kv_heads, D).transpose(0, 2, 1, 3)
+    return queries, keys, values, gate
+
+
 def qk_prep(q_proj_out, k_proj_out, v_proj_out, *, n_heads, n_kv_heads, q_norm, k_norm, rope,
             offset=0):
     """q/k preparation; see ``qk_prep_reference`` for shapes. Kernel (switch ``fused_qk_prep``; off: the
@@ -162,14 +182,18 @@ def _qkv_projections(self, x: mx.array) -> Optional[projections.FusedProjection]
 def _projected_and_prepared(self, x: mx.array, fused: Optional[projections.FusedProjection], offset):
     """x [B, L, hidden] -> queries [B, H, L, D], keys / values [B, Hkv, L, D], gate [B, L, H * D]: the
     q/k/v projections (one matmul with ``fused``) and the q/k preparation at ``offset``."""
+    heads = dict(n_heads=self.num_attention_heads, n_kv_heads=self.num_key_value_heads, q_norm=self.q_norm,
+                 k_norm=self.k_norm, rope=self.rope, offset=offset)
     if fused is not None:
-        q_proj_out, k_proj_out, v_proj_out = projections.run(fused, x)
+        y = projections.matmul(fused, x)  # [B, L, q | k | v]
+        prepared = _qk_prep_in_place(y, fused, **heads)
+        if prepared is not None:
+            return prepared
+        q_proj_out, k_proj_out, v_proj_out = projections.split(fused, y)
     else:
         q_proj_out = self.q_proj(x)  # [B, L, H * 2D]
         k_proj_out, v_proj_out = self.k_proj(x), self.v_proj(x)  # [B, L, Hkv * D]
-    return qk_prep(q_proj_out, k_proj_out, v_proj_out, n_heads=self.num_attention_heads,
-                   n_kv_heads=self.num_key_value_heads, q_norm=self.q_norm, k_norm=self.k_norm, rope=self.rope,
-                   offset=offset)
+    return qk_prep(q_proj_out, k_proj_out, v_proj_out, **heads)
 
 
 def _gated_output(self, output: mx.array, gate: mx.array) -> mx.array:
