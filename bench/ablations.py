@@ -55,6 +55,7 @@ ABLATIONS = (
     ("fused_residual", "decode", 4 * K, None),
     ("fused_add_norm", "decode", 4 * K, None),
     ("fused_norm_router", "decode", 4 * K, None),
+    ("fused_next_norm", "decode", 4 * K, None),
     ("fused_in_proj", "decode", 4 * K, None),
     ("fused_qkv_proj", "decode", 4 * K, None),
     ("fused_expert_down", "decode", 4 * K, None),

@@ -301,6 +301,12 @@ def patch_report(model) -> Optional[PatchReport]:
     return getattr(model, "_lily_report", None)
 
 
+def _layer_lists(model) -> List[list]:
+    """The decoder-layer lists of ``model`` (a text model's ``layers``, in call order)."""
+    return [m.layers for m in model.modules() if isinstance(getattr(m, "layers", None), list)
+            and "embed_tokens" in m]
+
+
 def patch(model, strict: bool = True):
     """Make ``model`` (an MLX-LM Qwen3.5/3.6/Next model) run lily-mlx ops. Returns ``model``.
 
@@ -330,6 +336,10 @@ def patch(model, strict: bool = True):
         from .core import projections
 
         projections.prepare_model(model)  # once: each layer's projections as one weight (views, no copy)
+    from .ops.moe.layer import link_successors
+
+    for layers in _layer_lists(model):
+        link_successors(layers)  # a layer may compute the next one's input norm (switch fused_next_norm)
     if swapped == 0 and not is_patched(model):
         msg = f"lily-mlx found no patchable layers in this {_describe(model)} model"
         if strict:
@@ -341,6 +351,10 @@ def patch(model, strict: bool = True):
 
 def unpatch(model):
     """Restore stock MLX-LM classes on ``model`` (same weights, same caches). Returns ``model``."""
+    from .ops.moe.layer import unlink_successors
+
+    for layers in _layer_lists(model):
+        unlink_successors(layers)
     for module in model.modules():
         stock_cls = _stock_class(module)
         if stock_cls is not None:

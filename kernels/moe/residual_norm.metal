@@ -15,6 +15,34 @@
 // @include moe/router.metal
 #define MOE_NORM_THREADS 256  // threads per row (the host's NORM_THREADS)
 
+// n of a row whose h this threadgroup holds in registers (hs, ws: thread t's elements t, t + MOE_NORM_THREADS,
+// ... of h and of the norm's weight, as floats of their T values, 0 past D): the sum of squares in this file's
+// order (each thread's elements in order, simd_sum, the simdgroups' sums in order), stock's rounding points.
+template <typename T, int PER_THREAD>
+inline void moe_rms_norm_held_row(const thread float* hs, const thread float* ws, int D, float eps, uint sg,
+                                  uint lane, threadgroup float* partial, thread float* ns) {
+  float squares = 0.0f;
+#pragma unroll
+  for (int j = 0; j < PER_THREAD; ++j) {
+    squares = metal::fma(hs[j], hs[j], squares);  // elements past D hold 0 and add nothing
+  }
+  squares = simd_sum(squares);
+  if (lane == 0) {
+    partial[sg] = squares;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float total = 0.0f;
+  for (int s = 0; s < MOE_NORM_THREADS / 32; ++s) {
+    total += partial[s];
+  }
+  const float inv_rms = metal::precise::rsqrt(total / float(D) + eps);
+#pragma unroll
+  for (int j = 0; j < PER_THREAD; ++j) {
+    const float normalised = float(static_cast<T>(hs[j] * inv_rms));
+    ns[j] = float(static_cast<T>(ws[j] * normalised));
+  }
+}
+
 // h and n of one row, by the threadgroup's MOE_NORM_THREADS threads: thread t gets elements t,
 // t + MOE_NORM_THREADS, ... (PER_THREAD of them) of h (hs) and n (ns), each as the float of its T value.
 // Every load is issued before any arithmetic, and the caller stores after: the stores of one row never
@@ -32,27 +60,11 @@ inline void moe_residual_norm_row(PX x, PY y, PW weight, int D, float eps, uint 
     ys[j] = i < D ? float(y[i]) : 0.0f;
     ws[j] = i < D ? float(weight[i]) : 0.0f;
   }
-  float squares = 0.0f;
 #pragma unroll
   for (int j = 0; j < PER_THREAD; ++j) {
     hs[j] = float(static_cast<T>(hs[j] + ys[j]));  // h, rounded to T as MLX's add rounds it
-    squares = metal::fma(hs[j], hs[j], squares);     // elements past D hold 0 and add nothing
   }
-  squares = simd_sum(squares);
-  if (lane == 0) {
-    partial[sg] = squares;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  float total = 0.0f;
-  for (int s = 0; s < MOE_NORM_THREADS / 32; ++s) {
-    total += partial[s];
-  }
-  const float inv_rms = metal::precise::rsqrt(total / float(D) + eps);
-#pragma unroll
-  for (int j = 0; j < PER_THREAD; ++j) {
-    const float normalised = float(static_cast<T>(hs[j] * inv_rms));
-    ns[j] = float(static_cast<T>(ws[j] * normalised));
-  }
+  moe_rms_norm_held_row<T, PER_THREAD>(hs, ws, D, eps, sg, lane, partial, ns);
 }
 
 // @kernel moe_residual_rms_norm
@@ -126,6 +138,73 @@ inline void moe_residual_norm_row(PX x, PY y, PW weight, int D, float eps, uint 
                                                scales_gate, biases_gate, xs, D, lane);
     if (lane == 0) {
       logits[n_row * (E + 1) + logit_row] = float(static_cast<T>(logit));
+    }
+  }
+}
+
+// @kernel moe_combine_residual_norm
+// moe_combine_weighted_rows with its residual add and the next decoder layer's input RMSNorm of the result in
+// one launch (switch fused_next_norm; decode calls): out has the combine's bits (each element's k weighted rows
+// added in j order in fp32, then the gated shared chunks, rounded once, then T(residual + that)); n = the next
+// layer's norm of out with moe_residual_norm_row's arithmetic (this file's sum order, stock's rounding points).
+// One threadgroup per token (the norm needs the whole row); thread t owns elements t, t + MOE_NORM_THREADS, ...
+// grid (MOE_NORM_THREADS, N, 1), threadgroup (MOE_NORM_THREADS, 1, 1); template T, PER_THREAD.
+// params: [k, D, A, shared_chunks]. y [A + m N, D] T the down GEMV's rows in slot order; slot_of_row [A] int32;
+// scores [N, k]; gate [N] fp32 (read when m > 0); residual [N, D] T; weight [D] T; eps [1] fp32. out, n [N, D] T.
+{
+  threadgroup float partial[MOE_NORM_THREADS / 32];
+  const uint tid = thread_index_in_threadgroup;
+  const long tok = long(threadgroup_position_in_grid.y);
+  const long num_tokens = long(threads_per_grid.y);
+  float acc[PER_THREAD];
+  float rs[PER_THREAD];
+  float ws[PER_THREAD];
+#pragma unroll
+  for (int j = 0; j < PER_THREAD; ++j) {
+    const int i = int(tid) + j * MOE_NORM_THREADS;
+    acc[j] = 0.0f;
+    rs[j] = i < D ? float(residual[tok * D + i]) : 0.0f;
+    ws[j] = i < D ? float(weight[i]) : 0.0f;
+  }
+  for (int u = 0; u < k; ++u) {
+    const float w = float(scores[tok * k + u]);
+    const long src = long(slot_of_row[tok * k + u]) * D;
+    float v[PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {  // the row's loads issued before its adds
+      const int i = int(tid) + j * MOE_NORM_THREADS;
+      v[j] = i < D ? float(y[src + i]) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+      acc[j] += w * v[j];
+    }
+  }
+  for (int chunk = 0; chunk < shared_chunks; ++chunk) {
+    const float g = gate[tok];
+    const long src = (long(A) + chunk * num_tokens + tok) * D;
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+      const int i = int(tid) + j * MOE_NORM_THREADS;
+      acc[j] += g * (i < D ? float(y[src + i]) : 0.0f);
+    }
+  }
+  float hs[PER_THREAD];
+  float ns[PER_THREAD];
+#pragma unroll
+  for (int j = 0; j < PER_THREAD; ++j) {
+    const int i = int(tid) + j * MOE_NORM_THREADS;
+    // the combine's rounding (T of the sum), then MLX's add of two T arrays; 0 past D (adds nothing to the norm)
+    hs[j] = i < D ? float(static_cast<T>(rs[j] + float(static_cast<T>(acc[j])))) : 0.0f;
+  }
+  moe_rms_norm_held_row<T, PER_THREAD>(hs, ws, D, eps[0], simdgroup_index_in_threadgroup, thread_index_in_simdgroup,
+                                       partial, ns);
+#pragma unroll
+  for (int j = 0; j < PER_THREAD; ++j) {
+    const int i = int(tid) + j * MOE_NORM_THREADS;
+    if (i < D) {
+      out[tok * D + i] = static_cast<T>(hs[j]);
+      n[tok * D + i] = static_cast<T>(ns[j]);
     }
   }
 }

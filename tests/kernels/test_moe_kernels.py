@@ -1174,6 +1174,111 @@ def test_decoder_layer_after_its_mixer_has_the_same_bits_with_and_without_fused_
 
 
 # ----------------------------------------------------------------------------------------------
+# The combine with the next decoder layer's input norm (fused_next_norm)
+
+def _combine_case(tokens: int, k: int, width: int, chunks: int, dt, rng):
+    a = tokens * k
+    y = mx.array(rng.standard_normal((a + chunks * tokens, width)).astype(np.float32)).astype(dt)
+    slot_of_row = mx.array(rng.permutation(a).astype(np.int32))
+    scores = mx.array(rng.uniform(0, 1, (tokens, k)).astype(np.float32)).astype(dt)
+    gate = mx.array(rng.uniform(0, 1, (tokens,)).astype(np.float32)) if chunks else None
+    residual = mx.array((3 * rng.standard_normal((tokens, width))).astype(np.float32)).astype(dt)
+    weight = mx.array((1 + 0.2 * rng.standard_normal(width)).astype(np.float32)).astype(dt)
+    return y, slot_of_row, scores, gate, residual, weight
+
+
+@needs_sim
+@SETTINGS
+@given(tokens=st.sampled_from([1, 3, 8]), k=st.sampled_from([1, 4, 8]), width=st.sampled_from([128, 520, 2048]),
+       chunks=st.sampled_from([0, 1, 2]), dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
+       seed=st.integers(0, 1000))
+def test_combine_with_the_next_norm_has_the_bits_of_the_combine_then_the_residual_norm(tokens, k, width, chunks,
+                                                                                      dtype, seed):
+    """moe_combine_residual_norm: out is combine_rows(..., residual) and n is residual_rms_norm(residual, the
+    combine without it) (checked against a float64 oracle above), bit for bit; every output element written
+    (poisoned outputs)."""
+    rng = np.random.default_rng(seed)
+    y, slot_of_row, scores, gate, residual, weight = _combine_case(tokens, k, width, chunks, getattr(mx, dtype), rng)
+    shared = dict(gate=gate, chunks=max(chunks, 1))
+    out, n = mk.combine_rows_norm(y, slot_of_row, scores, residual, weight, 1e-6, KERNEL_BACKEND,
+                                  init_value=float("nan"), **shared)
+    want_out = mk.combine_rows(y, slot_of_row, scores, KERNEL_BACKEND, residual=residual, **shared)
+    mixed = mk.combine_rows(y, slot_of_row, scores, KERNEL_BACKEND, **shared)
+    _, want_n = mk.residual_rms_norm(residual, mixed, weight, 1e-6, KERNEL_BACKEND)
+    for got, want in ((out, want_out), (n, want_n)):
+        assert got.shape == want.shape and got.dtype == want.dtype and mx.array_equal(got, want).item()
+
+
+@needs_sim
+def test_combine_with_the_next_norm_row_alone_equals_row_in_batch_and_race_check(monkeypatch):
+    """One threadgroup per token: a token's out and n do not depend on the other tokens of the call; the
+    simulator's race check on the partial sums shared through threadgroup memory."""
+    monkeypatch.setenv("LILY_MSL_RACE", "1")
+    rng = np.random.default_rng(8)
+    y, slot_of_row, scores, gate, residual, weight = _combine_case(4, 8, 520, 1, mx.bfloat16, rng)
+    out, n = mk.combine_rows_norm(y, slot_of_row, scores, residual, weight, 1e-5, KERNEL_BACKEND, gate=gate)
+    # token 2 alone: its 8 rows and its shared row as a call of one token
+    rows = mx.concatenate([y[slot_of_row[16:24]], y[32 + 2:32 + 3]])
+    alone = mk.combine_rows_norm(rows, mx.arange(8, dtype=mx.int32), scores[2:3], residual[2:3], weight, 1e-5,
+                                 KERNEL_BACKEND, gate=gate[2:3])
+    assert mx.array_equal(out[2:3], alone[0]).item() and mx.array_equal(n[2:3], alone[1]).item()
+
+
+@needs_sim
+def test_decode_step_hands_the_next_layers_input_norm_over(monkeypatch):
+    """The embedded model (4 layers) with fused_next_norm: a decode step's combine computes the next layer's input
+    norm for layers 0-2 (three fused launches, one plain combine for the last layer) and layers 1-3 do not run
+    their own input norm; the logits are within a few bf16 roundings of the switch off (another sum order of one
+    norm per layer) and pick the same tokens. A layer called with another array than the one handed over
+    computes its own norm; unpatch removes the links."""
+    import mlx.nn as nn
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import lily_mlx
+    from lily_mlx.models.embedded import embedded_model_path
+    from lily_mlx.ops.moe import layer as moe_layer
+
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    model, tokenizer = load(str(embedded_model_path()))
+    lily_mlx.patch(model)
+    layers = model.language_model.model.layers
+    norms = {id(layer.input_layernorm): i for i, layer in enumerate(layers)}
+    called = []
+    real_call = nn.RMSNorm.__call__
+    monkeypatch.setattr(nn.RMSNorm, "__call__", lambda self, x: called.append(norms.get(id(self))) or real_call(self, x))
+    prompt = mx.array(tokenizer.encode("Raised in response to WSGI-spec-related warnings"))[None]
+    runs = {}
+    for on in (True, False):
+        with switches.overrides(disable=() if on else ("fused_next_norm",)):
+            cache = make_prompt_cache(model)
+            y = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)
+            logits = []
+            for _ in range(3):
+                del called[:]
+                with record_launches() as rec:
+                    out = model(y[None], cache=cache)
+                    mx.eval(out)
+                logits.append(out)
+                y = mx.argmax(out[:, -1], axis=-1)
+            runs[on] = logits, rec.counts(), [i for i in called if i is not None]
+    (on_logits, on_counts, on_norms), (off_logits, off_counts, off_norms) = runs[True], runs[False]
+    assert on_counts.get("moe_combine_residual_norm") == 3 and on_counts.get("moe_combine_weighted_rows") == 1
+    assert "moe_combine_residual_norm" not in off_counts and off_counts["moe_combine_weighted_rows"] == 4
+    assert on_norms == [0] and off_norms == [0, 1, 2, 3]
+    for a, b in zip(on_logits, off_logits):
+        assert mx.argmax(a[0, -1]).item() == mx.argmax(b[0, -1]).item()
+        assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), atol=0.25, rtol=0).item()
+
+    x = mx.array(np.random.default_rng(0).standard_normal((1, 1, layers[1].input_layernorm.weight.size)),
+                 dtype=mx.bfloat16)
+    layers[1].__dict__[moe_layer._HANDED] = (x, mx.zeros_like(x))  # handed over for x, not for a copy of it
+    assert moe_layer._handed_norm(layers[1], x + 0) is None and moe_layer._HANDED not in layers[1].__dict__
+    lily_mlx.unpatch(model)
+    assert not any(moe_layer._SUCCESSOR in layer.__dict__ for layer in layers)
+
+
+# ----------------------------------------------------------------------------------------------
 # The router's top-k inside the gate/up GEMV (fused_topk_gemv)
 
 @needs_sim

@@ -451,7 +451,9 @@ QK_PREP_SWITCHES = ("fused_qk_prep",)
 # fused_add_norm: on, moe_residual_rms_norm between each layer's mixer and its MoE block; off, MLX's ops.
 # fused_norm_router: on, with the block's decode path (top-k in the GEMV, residual in the combine), that kernel
 # and the router's logits kernel as one (moe_residual_norm_router_logits_q).
-ADD_NORM_SWITCHES = ("fused_add_norm", "fused_norm_router")
+# fused_next_norm: on, with that decode path, a one-token call's combine (moe_combine_residual_norm) also computes the
+# next layer's input norm (every layer but the last; tests/kernels/test_moe_kernels.py checks the hand-over).
+ADD_NORM_SWITCHES = ("fused_add_norm", "fused_norm_router", "fused_next_norm")
 NORM_ROUTER_NEEDS = ("fused_norm_router", "fused_add_norm", "fused_residual", "fused_expert_up", "fused_expert_down",
                      "fused_combine")
 assert set(NO_KERNEL_SWITCHES) | set(MOE_SWITCHES) | set(MOE_BLOCK_SWITCHES) | set(DELTANET_SWITCHES) | set(
@@ -465,10 +467,16 @@ def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Se
     names = []
     add_norm = ["moe_residual_rms_norm"] if state["fused_add_norm"] else []  # after the mixer, before the block
     after_mixer = add_norm + expected_block_launches(state, tokens * top_k)
+    last_after_mixer = after_mixer
     if all(state[name] for name in NORM_ROUTER_NEEDS) and topk_in_gemv(state, tokens * top_k):
         assert after_mixer[:2] == ["moe_residual_rms_norm", "moe_router_logits_q"], after_mixer
-        after_mixer = ["moe_residual_norm_router_logits_q"] + after_mixer[2:]
-    for kind in layer_types:
+        after_mixer = last_after_mixer = ["moe_residual_norm_router_logits_q"] + after_mixer[2:]
+        if state["fused_next_norm"] and tokens == 1:
+            assert after_mixer[-1] == "moe_combine_weighted_rows", after_mixer
+            after_mixer = after_mixer[:-1] + ["moe_combine_residual_norm"]
+    for i, kind in enumerate(layer_types):
+        if i == len(layer_types) - 1:
+            after_mixer = last_after_mixer  # no next layer to hand a norm to
         if kind == "linear_attention":
             names += expected_deltanet_launches(state, tokens)
             names += after_mixer

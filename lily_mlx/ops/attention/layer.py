@@ -237,8 +237,8 @@ def _prep_key(self, args, fused: Optional[projections.FusedProjection]) -> tuple
             self.q_proj.weight.shape, self.k_proj.weight.shape, None if fused is None else (fused.names, fused.split_at))
 
 
-def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post) -> Optional[mx.array]:
-    """``post(x, attention_layer(pre(x)))`` for a decode step (switch ``compiled_attention``; with
+def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post, pre_args=(), post_args=()):
+    """``post(x, attention_layer(pre(x, *pre_args)), *post_args)`` for a decode step (switch ``compiled_attention``; with
     ``compiled_layers`` the decoder layer calls it through ``compiled.LAYER_TRACES``, otherwise
     ``attention_forward`` with nothing around the mixer): ``pre`` with the projections and q/k preparation,
     and the output gate and o_proj with ``post``, replay traces owned by ``owner``; the KV cache update and
@@ -248,25 +248,28 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
     fused = _qkv_projections(self, x)  # chosen from x: the caller hands a pre that keeps its shape and dtype
     positions, weights = _offset_and_weights(cache, fused)
 
-    def prep(x, positions, *weights):
-        with compiled.inline():
-            return tuple(_projected_and_prepared(self, pre(x), _bound(fused, weights), positions))
+    n_pre = len(pre_args)
 
-    args = [x, positions] + weights
-    prepared = compiled.call(owner, ("prep", key) + _prep_key(self, args, fused), prep, args)
+    def prep(x, positions, *rest):
+        with compiled.inline():
+            return tuple(_projected_and_prepared(self, pre(x, *rest[:n_pre]), _bound(fused, rest[n_pre:]), positions))
+
+    args = [x, positions, *pre_args] + weights
+    prepared = compiled.call(owner, ("prep", key, n_pre) + _prep_key(self, args, fused), prep, args)
     if prepared is None:
         return None
     queries, keys, values, gate = prepared
     keys, values = cache.update_and_fetch(keys, values)
     output = attention(queries, keys, values, scale=self.scale, mask=mask, cache=cache)
 
-    def finish(output, gate, x):
+    def finish(output, gate, x, *extra):
         with compiled.inline():
-            return post(x, _gated_output(self, output, gate))
+            return post(x, _gated_output(self, output, gate), *extra)
 
-    out_key = ("out", key, output.shape, output.dtype, gate.shape, gate.dtype, x.shape, x.dtype, self.o_proj.weight.shape)
-    out = compiled.call(owner, out_key, finish, (output, gate, x))
-    return out if out is not None else post(x, _gated_output(self, output, gate))
+    out_key = ("out", key, output.shape, output.dtype, gate.shape, gate.dtype, x.shape, x.dtype, self.o_proj.weight.shape,
+               len(post_args))
+    out = compiled.call(owner, out_key, finish, (output, gate, x, *post_args))
+    return out if out is not None else post(x, _gated_output(self, output, gate), *post_args)
 
 
 def _unchanged(x: mx.array) -> mx.array:

@@ -286,27 +286,32 @@ def _step_parts(self, mixer, inputs: mx.array, mask, cache, fused) -> Optional[D
     return DecodeStepParts(fused, args, mask is not None, lengths is not None, key)
 
 
-def _traced_step(self, mixer, x: mx.array, mask, cache, fused, *, owner, kind, key=(), pre=None, post=None):
-    """``post(x, mixer(pre(x)))`` for a one-token step through a trace owned by ``owner`` (``pre`` / ``post``
-    None: the mixer alone), the states in and out as arrays and the cache updated around the trace; None
-    where the step is not traced."""
+def _traced_step(self, mixer, x: mx.array, mask, cache, fused, *, owner, kind, key=(), pre=None, post=None,
+                 pre_args=(), post_args=()):
+    """``post(x, mixer(pre(x, *pre_args)), *post_args)`` for a one-token step through a trace owned by ``owner``
+    (``pre`` / ``post`` None: the mixer alone; the args are trace inputs), the states in and out as arrays and
+    the cache updated around the trace; None where the step is not traced. ``post`` may return a tuple of
+    arrays (returned as a tuple)."""
     parts = _step_parts(self, mixer, x, mask, cache, fused)
     if parts is None:
         return None
+    n_pre, n_post = len(pre_args), len(post_args)
 
     def step(x, *rest):
         with compiled.inline():  # anything the pieces trace or record themselves is part of this trace
+            extra_pre, extra_post, rest = rest[:n_pre], rest[n_pre:n_pre + n_post], rest[n_pre + n_post:]
             m, states, record = parts.bind(rest)
-            out = mixer(self, pre(x) if pre is not None else x, m, states, record)
-            out = post(x, out) if post is not None else out
-        return out, states[0], states[1]
+            out = mixer(self, pre(x, *extra_pre) if pre is not None else x, m, states, record)
+            out = post(x, out, *extra_post) if post is not None else out
+        return (*(out if isinstance(out, tuple) else (out,)), states[0], states[1])
 
-    traced = compiled.call(owner, (kind, key, x.shape, x.dtype) + parts.key, step, [x, *parts.args])
+    traced = compiled.call(owner, (kind, key, x.shape, x.dtype, n_pre, n_post) + parts.key, step,
+                           [x, *pre_args, *post_args, *parts.args])
     if traced is None:
         return None
-    out, cache[0], cache[1] = traced
+    *outs, cache[0], cache[1] = traced
     cache.advance(1)
-    return out
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _traced_decode(self, mixer, inputs: mx.array, mask, cache, fused=None) -> Optional[mx.array]:
@@ -375,16 +380,17 @@ _MIXERS = {
 }
 
 
-def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post) -> Optional[mx.array]:
-    """``post(x, mixer(pre(x)))`` for a one-token step through one trace owned by the decoder layer
-    ``owner`` (``compiled.LAYER_TRACES``): the states enter and leave as arrays and the cache is updated
-    around the trace. None where this mixer's own step would not be traced (or it is sharded)."""
+def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post, pre_args=(), post_args=()):
+    """``post(x, mixer(pre(x, *pre_args)), *post_args)`` for a one-token step through one trace owned by the
+    decoder layer ``owner`` (``compiled.LAYER_TRACES``): the states enter and leave as arrays and the cache is
+    updated around the trace. None where this mixer's own step would not be traced (or it is sharded)."""
     entry = _MIXERS.get(type(self).__call__)
     if entry is None or getattr(self, "sharding_group", None) is not None:
         return None
     mixer, group = entry
     fused = _in_projections(self, projections.GROUPS[group], x)
-    return _traced_step(self, mixer, x, mask, cache, fused, owner=owner, kind="layer", key=key, pre=pre, post=post)
+    return _traced_step(self, mixer, x, mask, cache, fused, owner=owner, kind="layer", key=key, pre=pre, post=post,
+                        pre_args=pre_args, post_args=post_args)
 
 
 compiled.LAYER_TRACES.update({forward: traced_decode_layer for forward in _MIXERS})

@@ -32,7 +32,7 @@ KERNEL_BACKENDS = frozenset({"metal", "sim", "cuda"})
 register_op(Op(
     "moe_router", "moe",
     "Router: quantised router GEMV, softmax (precise), top-k, renormalise; with the shared expert's gate.",
-    switches=("fused_expert_up", "split_router", "fused_topk_gemv", "fused_norm_router"), kernel_backends=KERNEL_BACKENDS,
+    switches=("fused_expert_up", "split_router", "fused_topk_gemv", "fused_norm_router", "fused_next_norm"), kernel_backends=KERNEL_BACKENDS,
 ))
 register_op(Op(
     "moe_routing", "moe",

@@ -60,6 +60,10 @@ KERNELS: Dict[str, KernelSpec] = {
         "moe_residual_norm_router_logits_q", RESIDUAL_NORM,
         ("x", "y", "weight", "eps", "w_router", "scales_router", "biases_router", "w_gate", "scales_gate",
          "biases_gate", "params"), ("h", "n", "logits"), params=("D", "E", "has_gate")),
+    # The combine with its residual add and the next decoder layer's input norm (switch fused_next_norm; decode).
+    "combine_norm": KernelSpec("moe_combine_residual_norm", RESIDUAL_NORM,
+                               ("y", "slot_of_row", "scores", "gate", "residual", "weight", "eps", "params"),
+                               ("out", "n"), params=("k", "D", "A", "shared_chunks")),
     "router": KernelSpec("moe_router_softmax_topk_q", ROUTER,
                          ("x", "w_router", "scales_router", "biases_router", "w_gate", "scales_gate", "biases_gate",
                           "params"), ("inds", "scores", "gate", "blocks"),
@@ -422,6 +426,27 @@ def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: 
         output_shapes=[(n, d)], output_dtypes=[y.dtype], init_value=init_value,
     )
     return out
+
+
+def combine_rows_norm(y: mx.array, slot_of_row: mx.array, scores: mx.array, residual: mx.array, weight: mx.array,
+                      eps: float, backend: Optional[str] = None, init_value=None, gate: Optional[mx.array] = None,
+                      chunks: int = 1):
+    """(out, n): out = ``combine_rows(..., residual=residual)`` (its bits) and n = rms_norm(out) * weight (the
+    next decoder layer's input norm, ``residual_rms_norm``'s arithmetic) in one launch (switch
+    ``fused_next_norm``), one threadgroup per token. y, slot_of_row, scores, gate, chunks: as ``combine_rows``;
+    residual [N, D] (y's dtype); weight [D]."""
+    d = y.shape[1]
+    n, k = scores.shape
+    m = chunks if gate is not None else 0
+    spec = KERNELS["combine_norm"]
+    out, normed = _kernel("combine_norm", backend)(
+        inputs=[y, slot_of_row, scores, gate if m else float32_scalar(0.0), residual, weight, float32_scalar(eps),
+                spec.pack(k=k, D=d, A=slot_of_row.size, shared_chunks=m)],
+        template=[("T", y.dtype), ("PER_THREAD", norm_per_thread(d))],
+        grid=(NORM_THREADS, n, 1), threadgroup=(NORM_THREADS, 1, 1),
+        output_shapes=[(n, d), (n, d)], output_dtypes=[y.dtype, y.dtype], init_value=init_value,
+    )
+    return out, normed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -915,11 +940,13 @@ def _topk_in_gemv(assignments: int) -> bool:
 
 
 def _decode_block_topk_in_gemv(block, x2d: mx.array, router_backend: str,
-                               residual2d: Optional[mx.array] = None, logits: Optional[mx.array] = None) -> mx.array:
+                               residual2d: Optional[mx.array] = None, logits: Optional[mx.array] = None,
+                               next_norm=None):
     """A decode call of the block in four launches: the router's logits (unless given: ``logits`` from
     ``residual_norm_router_logits``), the gate/up GEMV that selects each token's experts itself (and writes
     the top-k kernel's outputs), the down GEMV, the combine (+ the residual). The bits of the five-launch
-    path (route_tokens, then the GEMVs)."""
+    path (route_tokens, then the GEMVs). ``next_norm`` (weight, eps), with ``residual2d``: the combine also
+    normalises its output for the next layer (``combine_rows_norm``) and (out, n) is returned."""
     backend = op_backend("moe_grouped_gemm")
     sw, shared = block.switch_mlp, block.shared_expert
     if logits is None:
@@ -927,18 +954,24 @@ def _decode_block_topk_in_gemv(block, x2d: mx.array, router_backend: str,
     h, inds, scores, gate, blocks = gemv_gate_up_routed(block, x2d, logits, backend)
     y = gemm_down(h, blocks, sw.down_proj, True, None, backend, shared=shared, gemv=True)
     chunks = shared_chunks(shared, sw.gate_proj["scales"].shape[1])
-    return combine_rows(y, _per_assignment_tail(inds.size)[0], scores, backend, gate=gate, chunks=chunks,
-                        residual=residual2d)
+    slot_of_row = _per_assignment_tail(inds.size)[0]
+    if next_norm is not None:
+        return combine_rows_norm(y, slot_of_row, scores, residual2d, next_norm[0], next_norm[1], backend, gate=gate,
+                                 chunks=chunks)
+    return combine_rows(y, slot_of_row, scores, backend, gate=gate, chunks=chunks, residual=residual2d)
 
 
-def decode_block_from_norm(layer, x: mx.array, mixed: mx.array, backend: str) -> mx.array:
+def decode_block_from_norm(layer, x: mx.array, mixed: mx.array, backend: str, next_norm=None):
     """A decoder layer's work after its mixer for a decode call, in four launches (switch
     ``fused_norm_router``): h = x + mixed, the post-attention norm and the router's logits in one
     (``residual_norm_router_logits``), then the gate/up GEMV (top-k inside), the down GEMV and the combine
     with the residual h. x, mixed [..., D] -> h + mlp(norm(h)) [..., D]; the caller checks
-    ``norm_router_reason`` and the switches (``layer.post_mixer``)."""
+    ``norm_router_reason`` and the switches (``layer.post_mixer``). ``next_norm`` (weight [D], eps): the combine
+    also computes the next layer's input norm of the output, and (out, n) is returned (switch ``fused_next_norm``)."""
     h, normed, logits = residual_norm_router_logits(layer.mlp, layer.post_attention_layernorm, x, mixed, backend)
-    out = _decode_block_topk_in_gemv(layer.mlp, normed, backend, residual2d=h, logits=logits)
+    out = _decode_block_topk_in_gemv(layer.mlp, normed, backend, residual2d=h, logits=logits, next_norm=next_norm)
+    if next_norm is not None:
+        return out[0].reshape(x.shape), out[1].reshape(x.shape)
     return out.reshape(x.shape)
 
 

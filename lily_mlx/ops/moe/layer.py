@@ -9,6 +9,8 @@ exactly stock's computation.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 from mlx.nn.layers.distributed import sum_gradients
 
@@ -121,24 +123,83 @@ def _norm_router_backend(self, x: mx.array, mixed: mx.array):
     return backend
 
 
-def post_mixer(self, x: mx.array, mixed: mx.array) -> mx.array:
+def post_mixer(self, x: mx.array, mixed: mx.array, next_weight: Optional[mx.array] = None):
     """A decoder layer's work after its mixer: h = x + mixed, then h + mlp(post_attention_layernorm(h)).
     A decode call on the kernels takes four launches (``kernels.decode_block_from_norm``, switch
-    ``fused_norm_router``), else ``residual_norm`` and the MoE block (stock's ops for a stock MLP)."""
+    ``fused_norm_router``), else ``residual_norm`` and the MoE block (stock's ops for a stock MLP).
+    ``next_weight`` (the next layer's input-norm weight, from ``_next_norm``): on the four-launch path the
+    combine also returns that norm of the output, and (out, n) is returned; elsewhere the output alone."""
     moe = type(self.mlp).__call__ is sparse_moe_forward
     if moe:
         backend = _norm_router_backend(self, x, mixed)
         if backend is not None:
             from .kernels import decode_block_from_norm
 
-            return decode_block_from_norm(self, x, mixed, backend)
+            nxt = None if next_weight is None else (next_weight, _successor(self).input_layernorm.eps)
+            return decode_block_from_norm(self, x, mixed, backend, next_norm=nxt)
     h, normed = residual_norm(self, x, mixed)
     if moe:
         return sparse_moe_forward(self.mlp, normed, residual=h)
     return h + self.mlp(normed)
 
 
-def _traced_layer(self, x: mx.array, mask, cache):
+# The next layer's input norm computed by this layer's combine kernel (switch fused_next_norm) reaches the next
+# layer by identity: this layer leaves (its output, the norm of it) on its successor (linked at patch time,
+# ``link_successors``), and the successor uses the norm only when it is called with that very array.
+_SUCCESSOR = "_lily_successor"
+_HANDED = "_lily_handed_norm"
+
+
+def link_successors(layers) -> None:
+    """Link each lily decoder layer of ``layers`` (a model's layer list, in call order) to the next one."""
+    for layer, successor in zip(layers, layers[1:]):
+        if type(layer).__call__ is decoder_layer_forward and type(successor).__call__ is decoder_layer_forward:
+            layer.__dict__[_SUCCESSOR] = successor  # in __dict__: not a child module, not in parameters()
+
+
+def unlink_successors(layers) -> None:
+    for layer in layers:
+        layer.__dict__.pop(_SUCCESSOR, None)
+        layer.__dict__.pop(_HANDED, None)
+
+
+def _successor(self):
+    return self.__dict__.get(_SUCCESSOR)
+
+
+def _next_norm(self, x: mx.array) -> Optional[mx.array]:
+    """The weight of the next layer's input RMSNorm when this decode call computes it in its combine kernel
+    (switch ``fused_next_norm``: the successor is a lily decoder layer with an ``nn.RMSNorm`` of x's dtype and
+    width), else None. Whether the call takes the four-launch path is ``post_mixer``'s to decide."""
+    successor = _successor(self)
+    if successor is None or x.shape[1] != 1 or not switches.is_enabled("fused_next_norm"):
+        return None
+    norm = successor.input_layernorm
+    fits = self.__dict__.setdefault("_lily_next_norm_fits", {})  # per activation dtype and width, once
+    key = (x.dtype, x.shape[-1], type(norm), norm.weight.dtype, norm.weight.shape)
+    if key not in fits:
+        from .kernels import residual_norm_reason
+
+        fits[key] = residual_norm_reason(norm, x, x) is None
+    return norm.weight if fits[key] else None
+
+
+def _handed_norm(self, x: mx.array) -> Optional[mx.array]:
+    """The input norm of x that the previous layer left for this one, if it left one for this very x."""
+    handed = self.__dict__.pop(_HANDED, None)
+    return handed[1] if handed is not None and handed[0] is x else None
+
+
+def _hand_over(self, out):
+    """``out`` of a layer's forward: the output, or (output, next layer's input norm of it), which is left on
+    the successor for its call with that output. Returns the output."""
+    if isinstance(out, (tuple, list)):  # (a trace returns its outputs as a list)
+        out, normed = out
+        _successor(self).__dict__[_HANDED] = (out, normed)
+    return out
+
+
+def _traced_layer(self, x: mx.array, mask, cache, normed=None, next_weight=None):
     """A decoder layer's decode step with its shape-stable parts traced as wholes (switch
     ``compiled_layers``, with ``compiled_decode``, Metal or CUDA): a DeltaNet layer in one trace (input
     norm, mixer, residual add, post-attention norm, MoE block with its residual), an attention layer in
@@ -157,21 +218,36 @@ def _traced_layer(self, x: mx.array, mask, cache):
     if trace is None:
         return None
 
-    return trace(mixer, x, mask, cache, owner=self, key=(moe_backends, switches.key()), pre=self.input_layernorm,
-                 post=lambda x, mixed: post_mixer(self, x, mixed))
+    # The handed norm and the next layer's norm weight are trace inputs (the latter is not the owner's).
+    pre_args = () if normed is None else (normed,)
+    post_args = () if next_weight is None else (next_weight,)
+    key = (moe_backends, switches.key(), normed is not None,
+           None if next_weight is None else (next_weight.shape, next_weight.dtype))
+    return trace(mixer, x, mask, cache, owner=self, key=key,
+                 pre=_use_handed if normed is not None else self.input_layernorm,
+                 post=lambda x, mixed, *w: post_mixer(self, x, mixed, *w), pre_args=pre_args, post_args=post_args)
+
+
+def _use_handed(x: mx.array, normed: mx.array) -> mx.array:
+    return normed
 
 
 def decoder_layer_forward(self, x: mx.array, mask=None, cache=None) -> mx.array:
     """A Qwen3.5/3.6/Next decoder layer (``DecoderLayer`` / ``Qwen3NextDecoderLayer.__call__``): stock's
     computation, except that a lily sparse-MoE block is handed the residual, so that its combine kernel
     adds it (switch ``fused_residual``; same bits as stock's add), that the residual add after the mixer
-    and the post-attention norm may be one kernel (``residual_norm``), and that a decode step may replay
-    traces of whole layers (``_traced_layer``). x: [B, T, D] -> [B, T, D]."""
+    and the post-attention norm may be one kernel (``residual_norm``), that a decode call's combine may
+    compute the next layer's input norm (``fused_next_norm``: left on the successor, used by it for this
+    output), and that a decode step may replay traces of whole layers (``_traced_layer``). x: [B, T, D] ->
+    [B, T, D]."""
     if self.training:
         return getattr(type(self), "_lily_stock_class", type(self)).__call__(self, x, mask, cache)
+    normed = _handed_norm(self, x)
+    next_weight = _next_norm(self, x)
     if x.shape[1] == 1:
-        out = _traced_layer(self, x, mask, cache)
+        out = _traced_layer(self, x, mask, cache, normed, next_weight)
         if out is not None:
-            return out
+            return _hand_over(self, out)
     mixer = self.linear_attn if self.is_linear else self.self_attn
-    return post_mixer(self, x, mixer(self.input_layernorm(x), mask, cache))
+    mixed = mixer(normed if normed is not None else self.input_layernorm(x), mask, cache)
+    return _hand_over(self, post_mixer(self, x, mixed, next_weight))
