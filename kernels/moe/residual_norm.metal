@@ -14,6 +14,7 @@
 // @header
 // @include moe/router.metal
 #define MOE_NORM_THREADS 256  // threads per row (the host's NORM_THREADS)
+#define MOE_COMBINE_NORM_LOADS 8  // routed rows whose loads moe_combine_residual_norm issues together
 
 // n of a row whose h this threadgroup holds in registers (hs, ws: thread t's elements t, t + MOE_NORM_THREADS,
 // ... of h and of the norm's weight, as floats of their T values, 0 past D): the sum of squares in this file's
@@ -166,18 +167,33 @@ inline void moe_residual_norm_row(PX x, PY y, PW weight, int D, float eps, uint 
     rs[j] = i < D ? float(residual[tok * D + i]) : 0.0f;
     ws[j] = i < D ? float(weight[i]) : 0.0f;
   }
-  for (int u = 0; u < k; ++u) {
-    const float w = float(scores[tok * k + u]);
-    const long src = long(slot_of_row[tok * k + u]) * D;
-    float v[PER_THREAD];
+  // The k rows MOE_COMBINE_NORM_LOADS at a time: their weights and slots, then all their values, then the adds in
+  // j order (one memory round trip per group of rows, not per row: the kernel sits on the decode step's chain).
+  for (int j0 = 0; j0 < k; j0 += MOE_COMBINE_NORM_LOADS) {
+    float w[MOE_COMBINE_NORM_LOADS];
+    long src[MOE_COMBINE_NORM_LOADS];
 #pragma unroll
-    for (int j = 0; j < PER_THREAD; ++j) {  // the row's loads issued before its adds
-      const int i = int(tid) + j * MOE_NORM_THREADS;
-      v[j] = i < D ? float(y[src + i]) : 0.0f;
+    for (int u = 0; u < MOE_COMBINE_NORM_LOADS; ++u) {
+      w[u] = j0 + u < k ? float(scores[tok * k + j0 + u]) : 0.0f;
+      src[u] = j0 + u < k ? long(slot_of_row[tok * k + j0 + u]) * D : 0;
+    }
+    float v[MOE_COMBINE_NORM_LOADS][PER_THREAD];
+#pragma unroll
+    for (int u = 0; u < MOE_COMBINE_NORM_LOADS; ++u) {
+#pragma unroll
+      for (int j = 0; j < PER_THREAD; ++j) {
+        const int i = int(tid) + j * MOE_NORM_THREADS;
+        v[u][j] = (j0 + u < k && i < D) ? float(y[src[u] + i]) : 0.0f;
+      }
     }
 #pragma unroll
-    for (int j = 0; j < PER_THREAD; ++j) {
-      acc[j] += w * v[j];
+    for (int u = 0; u < MOE_COMBINE_NORM_LOADS; ++u) {
+      if (j0 + u < k) {
+#pragma unroll
+        for (int j = 0; j < PER_THREAD; ++j) {
+          acc[j] += w[u] * v[u][j];
+        }
+      }
     }
   }
   for (int chunk = 0; chunk < shared_chunks; ++chunk) {
