@@ -88,10 +88,11 @@ _SWITCH_LIST = [
            "router logits in one kernel (each logit threadgroup recomputes its token's norm; same bits): 4 "
            "launches after each mixer instead of 5.",
            "The residual-norm kernel, then the router-logits kernel."),
-    Switch("fused_next_norm", "moe", "decode", True,
+    Switch("fused_next_norm", "moe", "decode", False,
            "With fused_norm_router, a decode call's combine kernel also computes the next decoder layer's input "
            "RMSNorm of its output (one threadgroup per token; the norm's sum of squares in the kernel's own "
-           "order), handed to the next layer: one launch fewer per layer.",
+           "order), handed to the next layer: one launch fewer per layer (off by default: decode measured "
+           "~5 % slower with it on the H200, docs/decode.md).",
            "The next layer's input RMSNorm by MLX's rms_norm."),
     Switch("fused_expert_down", "moe", "both", True,
            "Shared expert inside the grouped expert GEMMs (one more expert); the combine kernel adds it, "

@@ -1226,7 +1226,7 @@ def test_combine_with_the_next_norm_row_alone_equals_row_in_batch_and_race_check
 
 @needs_sim
 def test_decode_step_hands_the_next_layers_input_norm_over(monkeypatch):
-    """The embedded model (4 layers) with fused_next_norm: a decode step's combine computes the next layer's input
+    """The embedded model (4 layers) with fused_next_norm (off by default): a decode step's combine computes the next layer's input
     norm for layers 0-2 (three fused launches, one plain combine for the last layer) and layers 1-3 do not run
     their own input norm; the logits are within a few bf16 roundings of the switch off (another sum order of one
     norm per layer) and pick the same tokens. A layer called with another array than the one handed over
@@ -1253,7 +1253,7 @@ def test_decode_step_hands_the_next_layers_input_norm_over(monkeypatch):
         # built launch by launch (on Metal / CUDA a traced step's launches and norms replay unseen by the record;
         # tests/kernels/test_compiled_decode.py checks traced steps against built ones)
         off = ("compiled_decode",) + (() if on else ("fused_next_norm",))
-        with switches.overrides(disable=off):
+        with switches.overrides(disable=off, enable=("fused_next_norm",) if on else ()):
             cache = make_prompt_cache(model)
             y = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)
             logits = []
