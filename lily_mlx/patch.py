@@ -235,7 +235,10 @@ class PatchReport:
         """One line for ``--lily``: what was patched, where the ops run, what stays on the reference."""
         layers = ", ".join(f"{n} {name}" for name, n in self.layers.items())
         line = (f"{self.architecture} model patched ({layers}); backend {self.backend}; "
-                f"switches off: {', '.join(self.switches_off) or 'none'}")
+                f"switches off: {', '.join(n for n in self.switches_off if not n.endswith(' (on)')) or 'none'}")
+        turned_on = [n[:-len(" (on)")] for n in self.switches_off if n.endswith(" (on)")]
+        if turned_on:
+            line += f"; switches on that are off by default: {', '.join(turned_on)}"
         if self.backend != "reference" and self.reference_reasons:
             by_reason: Dict[str, List[str]] = {}
             for op, why in self.reference_reasons.items():  # a tune profile's reasons: in its report
@@ -269,7 +272,8 @@ def _report(model, arch: str) -> PatchReport:
                                  "(or LILY_TRIAL_OPS names it)")
             else:
                 reasons[name] = f"no {backend} kernel yet"
-    off = tuple(n for n, on in switches.state().items() if not on)
+    # the switches whose state differs from their default (off-by-default ones listed when turned on)
+    off = tuple(n if not on else f"{n} (on)" for n, on in switches.state().items() if on != switches.SWITCHES[n].default)
     return PatchReport(arch, backend, dict(layers), op_backends, reasons, off, tune_profile.describe(profile))
 
 

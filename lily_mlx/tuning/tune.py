@@ -296,6 +296,9 @@ def time_switches(bench: Bench, ops, pinned: Dict[str, str], bad_off: Dict[str, 
                if s not in live and sw.family != "generation"}
     untimed.update({s: "generation level (how prompts are chunked, traced or scheduled), not a kernel choice"
                     for s, sw in switches.SWITCHES.items() if sw.family == "generation"})
+    # A profile turns switches off, never on: a switch off by default stays off, untimed (LILY_ENABLE turns it on).
+    default_off = {s: "off by default (LILY_ENABLE turns it on)" for s, sw in switches.SWITCHES.items() if not sw.default}
+    live = {s: families for s, families in live.items() if s not in default_off}
     todo = [(name, family, shape) for name in live for family in sorted(live[name])
             for shape in _classes_for(switches.SWITCHES[name].phase, bench.classes)]
     base = tuple(pinned)
@@ -309,7 +312,7 @@ def time_switches(bench: Bench, ops, pinned: Dict[str, str], bad_off: Dict[str, 
                      "off_ms": 1e3 * t_off, "ratio": t_on / t_off})
         _say(f"time {n}/{len(todo)} switch {name} @ {shape.name}: on {1e3 * t_on:.3f} ms, "
              f"off {1e3 * t_off:.3f} ms (x{t_on / t_off:.2f})")
-    off = {}
+    off = dict(default_off)
     for name, rs in ratios.items():
         g = _geomean(rs)
         if g > SLOWER and name not in bad_off:
