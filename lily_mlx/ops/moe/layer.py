@@ -171,17 +171,21 @@ def _next_norm(self, x: mx.array) -> Optional[mx.array]:
     """The weight of the next layer's input RMSNorm when this decode call computes it in its combine kernel
     (switch ``fused_next_norm``: the successor is a lily decoder layer with an ``nn.RMSNorm`` of x's dtype and
     width), else None. Whether the call takes the four-launch path is ``post_mixer``'s to decide."""
-    successor = _successor(self)
+    successor = self.__dict__.get(_SUCCESSOR)
     if successor is None or x.shape[1] != 1 or not switches.is_enabled("fused_next_norm"):
         return None
-    norm = successor.input_layernorm
+    norm = successor["input_layernorm"]  # (item access: a module's children are its items; no __getattr__)
+    weight = norm.get("weight") if isinstance(norm, dict) else None
+    if weight is None:
+        return None
     fits = self.__dict__.setdefault("_lily_next_norm_fits", {})  # per activation dtype and width, once
-    key = (x.dtype, x.shape[-1], type(norm), norm.weight.dtype, norm.weight.shape)
-    if key not in fits:
+    key = (x.dtype, x.shape[-1], weight.dtype)
+    ok = fits.get(key)
+    if ok is None:
         from .kernels import residual_norm_reason
 
-        fits[key] = residual_norm_reason(norm, x, x) is None
-    return norm.weight if fits[key] else None
+        ok = fits[key] = residual_norm_reason(norm, x, x) is None
+    return weight if ok else None
 
 
 def _handed_norm(self, x: mx.array) -> Optional[mx.array]:
