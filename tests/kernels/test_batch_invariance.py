@@ -247,8 +247,9 @@ def _batched_generation(model, prompts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("off", STATES, ids=STATE_IDS)
-def test_embedded_model_rows_batch_invariant(sim, embedded_model, monkeypatch, off):
+@pytest.mark.parametrize("off,on", [(off, ()) for off in STATES] + [((), ("fused_next_norm",))],
+                         ids=STATE_IDS + ["fused_next_norm-on"])
+def test_embedded_model_rows_batch_invariant(sim, embedded_model, monkeypatch, off, on):
     """Rows 0-2 of PROMPTS (2, short and long prompts) in a B = 2 and a B = 5 batch of mixed prompts
     get the logits they get alone (B = 1), bit for bit, at every prefill position and every decode
     step; the MoE kernels run in every call."""
@@ -262,7 +263,7 @@ def test_embedded_model_rows_batch_invariant(sim, embedded_model, monkeypatch, o
         return y
 
     monkeypatch.setattr(mk, "sparse_moe_kernels", counted)
-    with switches.overrides(disable=off):
+    with switches.overrides(disable=off, enable=on):
         alone = {r: _batched_generation(model, [prompts[r]])[0] for r in CHECKED_ROWS}
         for order in BATCHES:
             got = _batched_generation(model, [prompts[r] for r in order])
