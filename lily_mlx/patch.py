@@ -230,15 +230,15 @@ class PatchReport:
     reference_reasons: Dict[str, str] = field(default_factory=dict)  # op on its reference -> why
     switches_off: Tuple[str, ...] = ()
     tune_profile: str = "tune profile: none"  # whether a tune profile is in use, and which
+    switches_on: Tuple[str, ...] = ()  # switches off by default that are on
 
     def summary(self) -> str:
         """One line for ``--lily``: what was patched, where the ops run, what stays on the reference."""
         layers = ", ".join(f"{n} {name}" for name, n in self.layers.items())
         line = (f"{self.architecture} model patched ({layers}); backend {self.backend}; "
-                f"switches off: {', '.join(n for n in self.switches_off if not n.endswith(' (on)')) or 'none'}")
-        turned_on = [n[:-len(" (on)")] for n in self.switches_off if n.endswith(" (on)")]
-        if turned_on:
-            line += f"; switches on that are off by default: {', '.join(turned_on)}"
+                f"switches off: {', '.join(self.switches_off) or 'none'}")
+        if self.switches_on:
+            line += f"; switches on that are off by default: {', '.join(self.switches_on)}"
         if self.backend != "reference" and self.reference_reasons:
             by_reason: Dict[str, List[str]] = {}
             for op, why in self.reference_reasons.items():  # a tune profile's reasons: in its report
@@ -272,9 +272,11 @@ def _report(model, arch: str) -> PatchReport:
                                  "(or LILY_TRIAL_OPS names it)")
             else:
                 reasons[name] = f"no {backend} kernel yet"
-    # the switches whose state differs from their default (off-by-default ones listed when turned on)
-    off = tuple(n if not on else f"{n} (on)" for n, on in switches.state().items() if on != switches.SWITCHES[n].default)
-    return PatchReport(arch, backend, dict(layers), op_backends, reasons, off, tune_profile.describe(profile))
+    # the switches whose state differs from their default
+    state = switches.state()
+    off = tuple(n for n, on in state.items() if not on and switches.SWITCHES[n].default)
+    on = tuple(n for n, on in state.items() if on and not switches.SWITCHES[n].default)
+    return PatchReport(arch, backend, dict(layers), op_backends, reasons, off, tune_profile.describe(profile), on)
 
 
 def environment_problems() -> List[str]:

@@ -171,7 +171,7 @@ def _next_norm(self, x: mx.array) -> Optional[mx.array]:
     """The weight of the next layer's input RMSNorm when this decode call computes it in its combine kernel
     (switch ``fused_next_norm``: the successor is a lily decoder layer with an ``nn.RMSNorm`` of x's dtype and
     width), else None. Whether the call takes the four-launch path is ``post_mixer``'s to decide."""
-    successor = self.__dict__.get(_SUCCESSOR)
+    successor = _successor(self)
     if successor is None or x.shape[1] != 1 or not switches.is_enabled("fused_next_norm"):
         return None
     norm = successor["input_layernorm"]  # (item access: a module's children are its items; no __getattr__)
