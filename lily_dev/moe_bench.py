@@ -29,6 +29,7 @@ weights, scales and biases (routed and shared) once, the activation row(s) in, t
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable, List, Tuple
 
 import mlx.core as mx
@@ -144,13 +145,17 @@ def microbench_cases() -> List[Tuple[str, Callable[[], None], int, int]]:
         cases.append((f"routing_host[{t}]",
                       _run(lambda inds=inds: list(mk.routing_schedule(inds, NUM_EXPERTS, False, True, backend).values())),
                       routing_bytes, 0))
-        for label, s in (("adaptive", sched), ("fixed16", fixed)):
-            cases.append((f"gemm_gate_up_swiglu_fused_{label}[{t}]",
-                          _run(lambda x=x, s=s: mk.gemm_gate_up_swiglu(
-                              x, s["sorted_rows"], s["blocks"], sw.gate_proj, sw.up_proj, TOP_K, True, s["counts"], backend)),
+        # The simdgroup tiles under their first names; "_regtiles": the register-tiled form (switch register_tiles).
+        for (label, s), (suffix, tiles) in itertools.product((("adaptive", sched), ("fixed16", fixed)),
+                                                              (("", "simdgroup"), ("_regtiles", "register"))):
+            cases.append((f"gemm_gate_up_swiglu_fused_{label}{suffix}[{t}]",
+                          _run(lambda x=x, s=s, tiles=tiles: mk.gemm_gate_up_swiglu(
+                              x, s["sorted_rows"], s["blocks"], sw.gate_proj, sw.up_proj, TOP_K, True, s["counts"], backend,
+                              tiles=tiles)),
                           up_bytes, up_flops))
-            cases.append((f"gemm_down_fused_{label}[{t}]",
-                          _run(lambda h=h, s=s: mk.gemm_down(h, s["blocks"], sw.down_proj, True, s["counts"], backend)),
+            cases.append((f"gemm_down_fused_{label}{suffix}[{t}]",
+                          _run(lambda h=h, s=s, tiles=tiles: mk.gemm_down(h, s["blocks"], sw.down_proj, True, s["counts"],
+                                                                          backend, tiles=tiles)),
                           down_bytes, down_flops))
         # The same tiles with bf16 operand fragments (fp32 accumulation): tensor cores through the bridge.
         # Not a product path yet (not the GEMVs' bits; docs/moe.md): timed to see what it would buy.

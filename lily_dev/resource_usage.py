@@ -102,7 +102,7 @@ def mlx_lm_gdn_units() -> Dict[str, str]:
 
 def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
     """The grouped GEMMs (gate+up+SwiGLU, down) at Qwen3.6's widths, for each activation dtype with fp32
-    tile operands and with operands of that dtype."""
+    tile operands and with operands of that dtype, and their register-tiled forms (switch register_tiles)."""
     from lily_mlx.core.kernel_registry import kernel_source
     from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
     from lily_mlx.ops.moe import kernels as mk
@@ -127,10 +127,11 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
     with mock.patch.object(mk, "_kernel", capture):
         for dtype in dtypes:
             x = mx.zeros((40, 2048), dtype)
-            for tile in (None, dtype):
+            for tile, tiles in ((None, "simdgroup"), (dtype, "simdgroup"), (None, "register")):
                 h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, 2,
-                                           True, sched["counts"], "cuda", tile_dtype=tile)
-                mk.gemm_down(h, sched["blocks"], sw.down_proj, True, sched["counts"], "cuda", tile_dtype=tile)
+                                           True, sched["counts"], "cuda", tile_dtype=tile, tiles=tiles)
+                mk.gemm_down(h, sched["blocks"], sw.down_proj, True, sched["counts"], "cuda", tile_dtype=tile,
+                             tiles=tiles)
     units = {}
     for (name, dtype, mt), (inputs, template, output_dtypes) in calls.items():
         spec = mk.KERNELS[name]

@@ -383,6 +383,148 @@ inline void moe_gemv_gate_up_rows(
   }
 }
 
+// Register-tiled GEMMs (switch register_tiles: moe_gemm_gate_up_swiglu_regtile, moe_gemm_down_regtile).
+// Same block map, same per-element arithmetic as the simdgroup tiles above, so the same bits: every
+// output element has one fp32 accumulator taking acc += x[k] * w[k] for k = 0 .. K - 1 in order, with
+// x = float(x) and w = moe_dequant_q4(...) (or the dequantised array), exactly as the decode GEMVs do.
+// What differs is who holds the accumulators: each thread keeps a TM x TN block of outputs in
+// registers (a classic register-blocked GEMM), so one K step costs a thread two or three 16-byte
+// threadgroup loads per TM * TN (* 2 for gate and up) FMAs, where a simdgroup_matrix product on a GPU
+// without fp32 matrix units (the bridge on NVIDIA) moves its operands between lanes with shuffles.
+// A threadgroup is 128 threads as 8 row groups x 16 column groups: thread (rg, cg) computes rows
+// rg * TM .. + TM (TM = tile_rows / 8: 4 or 2) and columns cg * TN .. + TN. K advances MOE_RT_BK at a
+// time (half a quantisation group, so the staged tiles fit Apple's 32 KB): the next step's weights
+// (one 16-byte word of 32 nibbles per thread and matrix) and activations go to registers before the
+// current step's FMAs and into threadgroup memory after them (weights dequantised once per tile).
+#define MOE_RT_BK 32
+#define MOE_RT_THREADS 128
+#define MOE_RT_XLD (MOE_MAX_ROWS + 4)           // xt [MOE_RT_BK][MOE_RT_XLD]: k-major, a thread's rows adjacent
+#define MOE_RT_GU_COLS 64                    // gate/up columns per threadgroup (of each matrix)
+#define MOE_RT_GU_LD (MOE_RT_GU_COLS + 4)     // row stride of the staged gate and up tiles
+#define MOE_RT_XREGS (MOE_MAX_ROWS * MOE_RT_BK / MOE_RT_THREADS)  // activation values per thread and step
+
+// One weight row's share of a K step, held in registers between the fetch and the store.
+struct MoeRtWeightRegs {
+  uint4 words;  // 32 nibbles: k0 .. k0 + 31
+  float scale;
+  float bias;
+};
+
+// 4-bit affine: row `row` of a [rows, K / 8] uint32 matrix, K range [k0, k0 + 32).
+template <typename S>
+inline void moe_rt_fetch_weight(const device uint32_t* w, const device S* scales, const device S* biases,
+                                long row, int k0, int K, thread MoeRtWeightRegs& regs) {
+  regs.words = *reinterpret_cast<const device uint4*>(w + row * (K / 8) + k0 / 8);
+  regs.scale = float(scales[row * (K / 64) + k0 / 64]);
+  regs.bias = float(biases[row * (K / 64) + k0 / 64]);
+}
+
+// Column `col` of the staged weight tile (stride ld between k rows), dequantised once.
+template <typename S>
+inline void moe_rt_store_weight(const device uint32_t*, const device S*, const device S*, long, int, int,
+                                thread const MoeRtWeightRegs& regs, threadgroup float* col, int ld) {
+  for (int wi = 0; wi < 4; ++wi) {
+    const uint32_t word = regs.words[wi];
+    for (int j = 0; j < 8; ++j) {
+      col[(wi * 8 + j) * ld] = moe_dequant_q4(word, j, regs.scale, regs.bias);
+    }
+  }
+}
+
+// Already dequantised [rows, K] weights (the fused_dequant=off ablation): nothing is held in registers,
+// the store reads the row's 32 values itself.
+template <typename W, typename S>
+inline void moe_rt_fetch_weight(const device W*, const device S*, const device S*, long, int, int,
+                                thread MoeRtWeightRegs&) {}
+
+template <typename W, typename S>
+inline void moe_rt_store_weight(const device W* w, const device S*, const device S*, long row, int k0, int K,
+                                thread const MoeRtWeightRegs&, threadgroup float* col, int ld) {
+  for (int kk = 0; kk < MOE_RT_BK; ++kk) {
+    col[kk * ld] = float(w[row * K + k0 + kk]);
+  }
+}
+
+// Activation rows of a block: value q of this thread is row r = i / MOE_RT_BK, k = k0 + i % MOE_RT_BK
+// (i = tid + q * MOE_RT_THREADS: a simdgroup reads 32 adjacent values of one row); src[q] is the row
+// of x it comes from, -1 for the zero rows past `rows`.
+template <typename PX, typename T>
+inline void moe_rt_fetch_rows(PX x, thread const int* src, int tile_rows, int k0, int K, uint tid, thread T* xr) {
+  for (int q = 0; q < MOE_RT_XREGS; ++q) {
+    const int i = int(tid) + q * MOE_RT_THREADS;
+    if (i / MOE_RT_BK < tile_rows) {
+      xr[q] = src[q] >= 0 ? x[long(src[q]) * K + k0 + i % MOE_RT_BK] : static_cast<T>(0.0f);
+    }
+  }
+}
+
+template <typename T>
+inline void moe_rt_store_rows(thread const T* xr, int tile_rows, uint tid, threadgroup float* xt) {
+  for (int q = 0; q < MOE_RT_XREGS; ++q) {
+    const int i = int(tid) + q * MOE_RT_THREADS;
+    if (i / MOE_RT_BK < tile_rows) {
+      xt[(i % MOE_RT_BK) * MOE_RT_XLD + i / MOE_RT_BK] = float(xr[q]);
+    }
+  }
+}
+
+// N consecutive floats of threadgroup memory (N = 2, 4 or 8; 8- or 16-byte aligned) into registers.
+template <int N>
+inline void moe_rt_load(const threadgroup float* p, thread float* out) {
+  if (N >= 4) {
+    for (int v = 0; v < N / 4; ++v) {
+      const float4 f = reinterpret_cast<const threadgroup float4*>(p)[v];
+      out[4 * v] = f.x;
+      out[4 * v + 1] = f.y;
+      out[4 * v + 2] = f.z;
+      out[4 * v + 3] = f.w;
+    }
+  } else {
+    const float2 f = *reinterpret_cast<const threadgroup float2*>(p);
+    out[0] = f.x;
+    out[1] = f.y;
+  }
+}
+
+// One K step of NM matrices (gate and up: 2; down: 1) sharing the activation tile:
+// acc[m][i][j] += x[row r0 + i][k] * w_m[k][col c0 + j] for k in the step, in order.
+template <int NM, int TM, int TN>
+inline void moe_rt_mac(thread float (&acc)[2][4][8], const threadgroup float* xt, const threadgroup float* w0,
+                       const threadgroup float* w1, int ld, int r0, int c0) {
+  #pragma unroll 2
+  for (int kk = 0; kk < MOE_RT_BK; ++kk) {
+    float a[TM];
+    float b[NM][TN];
+    moe_rt_load<TM>(xt + kk * MOE_RT_XLD + r0, a);
+    moe_rt_load<TN>(w0 + kk * ld + c0, b[0]);
+    if (NM == 2) {
+      moe_rt_load<TN>(w1 + kk * ld + c0, b[NM - 1]);
+    }
+    #pragma unroll
+    for (int m = 0; m < NM; ++m) {
+      #pragma unroll
+      for (int i = 0; i < TM; ++i) {
+        #pragma unroll
+        for (int j = 0; j < TN; ++j) {
+          acc[m][i][j] += a[i] * b[m][j];
+        }
+      }
+    }
+  }
+}
+
+// Where this block's activation rows come from (moe_rt_fetch_rows' src): GATHER as moe_load_rows_tile.
+template <bool GATHER, typename PR>
+inline void moe_rt_row_sources(PR sorted_rows, int first, int rows, int tile_rows, int top_k, uint tid,
+                               int token_base, thread int* src) {
+  for (int q = 0; q < MOE_RT_XREGS; ++q) {
+    const int r = (int(tid) + q * MOE_RT_THREADS) / MOE_RT_BK;
+    src[q] = r >= rows || r >= tile_rows ? -1
+             : !GATHER ? first + r
+             : token_base >= 0 ? token_base + r : int(sorted_rows[first + r]) / top_k;
+  }
+}
+
 // @kernel moe_gemm_gate_up_swiglu
 // grid (I / 32 * 128, max_blocks, 1), threadgroup (128, 1, 1). params: [top_k, D, I, E, A, N].
 // x [N, D] tokens; sorted_rows [A]; blocks [max_blocks, 4]; w_gate, w_up: [E, I, D / 8] uint32
@@ -501,6 +643,176 @@ for (int i = int(tid); i < tile_rows * MOE_BN; i += MOE_THREADS) {
   int c = i % MOE_BN;
   if (r < rows) {
     y[long(first + r) * D + n0 + c] = static_cast<T>(xs[r * MOE_BN + c]);
+  }
+}
+
+// @kernel moe_gemm_gate_up_swiglu_regtile
+// grid (I / 64 * 128, max_blocks, 1), threadgroup (128, 1, 1); inputs, params and output as
+// moe_gemm_gate_up_swiglu (I % 64 == 0), same bits. Thread (rg, cg): rows rg * TM .., gate and up
+// columns n0 + cg * 4 .. + 4 of both matrices; loader thread tid stages column tid % 64 of matrix tid / 64.
+threadgroup float4 xt4[MOE_RT_BK * MOE_RT_XLD / 4];  // float4: 16-byte aligned for the vector loads
+threadgroup float* xt = reinterpret_cast<threadgroup float*>(xt4);
+threadgroup float4 wt4[2 * MOE_RT_BK * MOE_RT_GU_LD / 4];  // gate tile, then up tile
+threadgroup float* wt = reinterpret_cast<threadgroup float*>(wt4);
+const uint tid = thread_index_in_threadgroup;
+const int n0 = int(threadgroup_position_in_grid.x) * MOE_RT_GU_COLS;
+const int blk = int(threadgroup_position_in_grid.y);
+const int e = blocks[4 * blk + 0];
+const int first = blocks[4 * blk + 1];
+const int rows = blocks[4 * blk + 2];
+const int tile_rows = blocks[4 * blk + 3];
+if (rows == 0) {
+  return;  // padding entry of the block map: the whole threadgroup leaves
+}
+const int r0 = int(tid) / 16 * (tile_rows / 8);
+const int c0 = int(tid) % 16 * 4;
+const int chunk = e - E;  // >= 0: a chunk of the shared expert
+const int mat = int(tid) / MOE_RT_GU_COLS;  // the loader's matrix (0 gate, 1 up) and column
+const long wrow = long(chunk >= 0 ? chunk : e) * I + n0 + int(tid) % MOE_RT_GU_COLS;
+threadgroup float* wcol = wt + mat * MOE_RT_BK * MOE_RT_GU_LD + int(tid) % MOE_RT_GU_COLS;
+int src[MOE_RT_XREGS];
+moe_rt_row_sources<true>(sorted_rows, first, rows, tile_rows, top_k, tid, chunk >= 0 ? first - A - chunk * N : -1,
+                         src);
+float acc[2][4][8];
+for (int m = 0; m < 2; ++m) {
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 8; ++j) {
+      acc[m][i][j] = 0.0f;
+    }
+  }
+}
+MoeRtWeightRegs wr;
+T xr[MOE_RT_XREGS];
+for (int k0 = 0; k0 < D; k0 += MOE_RT_BK) {
+  // Step k0's operands: fetched ahead during the last step (or now, for the first), staged now.
+  if (k0 == 0) {
+    if (chunk >= 0) {
+      moe_rt_fetch_weight(mat == 0 ? w_gate_s : w_up_s, mat == 0 ? scales_gate_s : scales_up_s,
+                          mat == 0 ? biases_gate_s : biases_up_s, wrow, 0, D, wr);
+    } else {
+      moe_rt_fetch_weight(mat == 0 ? w_gate : w_up, mat == 0 ? scales_gate : scales_up,
+                          mat == 0 ? biases_gate : biases_up, wrow, 0, D, wr);
+    }
+    moe_rt_fetch_rows(x, src, tile_rows, 0, D, tid, xr);
+  }
+  if (chunk >= 0) {
+    moe_rt_store_weight(mat == 0 ? w_gate_s : w_up_s, mat == 0 ? scales_gate_s : scales_up_s,
+                        mat == 0 ? biases_gate_s : biases_up_s, wrow, k0, D, wr, wcol, MOE_RT_GU_LD);
+  } else {
+    moe_rt_store_weight(mat == 0 ? w_gate : w_up, mat == 0 ? scales_gate : scales_up,
+                        mat == 0 ? biases_gate : biases_up, wrow, k0, D, wr, wcol, MOE_RT_GU_LD);
+  }
+  moe_rt_store_rows(xr, tile_rows, tid, xt);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (k0 + MOE_RT_BK < D) {  // the next step's device loads, in flight during this step's FMAs
+    if (chunk >= 0) {
+      moe_rt_fetch_weight(mat == 0 ? w_gate_s : w_up_s, mat == 0 ? scales_gate_s : scales_up_s,
+                          mat == 0 ? biases_gate_s : biases_up_s, wrow, k0 + MOE_RT_BK, D, wr);
+    } else {
+      moe_rt_fetch_weight(mat == 0 ? w_gate : w_up, mat == 0 ? scales_gate : scales_up,
+                          mat == 0 ? biases_gate : biases_up, wrow, k0 + MOE_RT_BK, D, wr);
+    }
+    moe_rt_fetch_rows(x, src, tile_rows, k0 + MOE_RT_BK, D, tid, xr);
+  }
+  if (tile_rows == 32) {
+    moe_rt_mac<2, 4, 4>(acc, xt, wt, wt + MOE_RT_BK * MOE_RT_GU_LD, MOE_RT_GU_LD, r0, c0);
+  } else {
+    moe_rt_mac<2, 2, 4>(acc, xt, wt, wt + MOE_RT_BK * MOE_RT_GU_LD, MOE_RT_GU_LD, r0, c0);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+#pragma unroll
+for (int i = 0; i < 4; ++i) {  // constant trip count: acc stays in registers
+  if (i < tile_rows / 8 && r0 + i < rows) {
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float g = acc[0][i][j];
+      const float u = acc[1][i][j];
+      h[long(first + r0 + i) * I + n0 + c0 + j] = static_cast<T>(g / (1.0f + metal::exp(-g)) * u);
+    }
+  }
+}
+
+// @kernel moe_gemm_down_regtile
+// grid (D / (16 * TN) * 128, max_blocks, 1), threadgroup (128, 1, 1); TN (4 or 8) columns per thread.
+// Inputs, params and output as moe_gemm_down, same bits. Thread (rg, cg): rows rg * TM .., columns
+// n0 + cg * TN .. + TN; loader thread tid < 16 * TN stages column tid.
+threadgroup float4 xt4[MOE_RT_BK * MOE_RT_XLD / 4];  // float4: 16-byte aligned for the vector loads
+threadgroup float* xt = reinterpret_cast<threadgroup float*>(xt4);
+threadgroup float4 wt4[MOE_RT_BK * (16 * TN + 4) / 4];
+threadgroup float* wt = reinterpret_cast<threadgroup float*>(wt4);
+const int cols = 16 * TN;
+const int ld = cols + 4;
+const uint tid = thread_index_in_threadgroup;
+const int n0 = int(threadgroup_position_in_grid.x) * cols;
+const int blk = int(threadgroup_position_in_grid.y);
+const int e = blocks[4 * blk + 0];
+const int first = blocks[4 * blk + 1];
+const int rows = blocks[4 * blk + 2];
+const int tile_rows = blocks[4 * blk + 3];
+if (rows == 0) {
+  return;  // padding entry of the block map: the whole threadgroup leaves
+}
+const int r0 = int(tid) / 16 * (tile_rows / 8);
+const int c0 = int(tid) % 16 * TN;
+const bool loads = int(tid) < cols;  // this thread stages weight column tid
+const bool shared = e >= E;          // chunk e - E of the shared expert: its K range within the shared rows
+const long wrow = shared ? long(n0 + int(tid)) : long(e) * D + n0 + int(tid);
+const int koff = shared ? (e - E) * I : 0;
+int src[MOE_RT_XREGS];
+moe_rt_row_sources<false>(blocks, first, rows, tile_rows, 1, tid, -1, src);
+float acc[2][4][8];
+for (int i = 0; i < 4; ++i) {
+  for (int j = 0; j < 8; ++j) {
+    acc[0][i][j] = 0.0f;
+  }
+}
+MoeRtWeightRegs wr;
+T xr[MOE_RT_XREGS];
+for (int k0 = 0; k0 < I; k0 += MOE_RT_BK) {
+  if (k0 == 0) {
+    if (loads) {
+      if (shared) {
+        moe_rt_fetch_weight(w_down_s, scales_down_s, biases_down_s, wrow, koff, Is, wr);
+      } else {
+        moe_rt_fetch_weight(w_down, scales_down, biases_down, wrow, 0, I, wr);
+      }
+    }
+    moe_rt_fetch_rows(h, src, tile_rows, 0, I, tid, xr);
+  }
+  if (loads) {
+    if (shared) {
+      moe_rt_store_weight(w_down_s, scales_down_s, biases_down_s, wrow, koff + k0, Is, wr, wt + tid, ld);
+    } else {
+      moe_rt_store_weight(w_down, scales_down, biases_down, wrow, k0, I, wr, wt + tid, ld);
+    }
+  }
+  moe_rt_store_rows(xr, tile_rows, tid, xt);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (k0 + MOE_RT_BK < I) {
+    if (loads) {
+      if (shared) {
+        moe_rt_fetch_weight(w_down_s, scales_down_s, biases_down_s, wrow, koff + k0 + MOE_RT_BK, Is, wr);
+      } else {
+        moe_rt_fetch_weight(w_down, scales_down, biases_down, wrow, k0 + MOE_RT_BK, I, wr);
+      }
+    }
+    moe_rt_fetch_rows(h, src, tile_rows, k0 + MOE_RT_BK, I, tid, xr);
+  }
+  if (tile_rows == 32) {
+    moe_rt_mac<1, 4, TN>(acc, xt, wt, wt, ld, r0, c0);
+  } else {
+    moe_rt_mac<1, 2, TN>(acc, xt, wt, wt, ld, r0, c0);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+#pragma unroll
+for (int i = 0; i < 4; ++i) {  // constant trip count: acc stays in registers
+  if (i < tile_rows / 8 && r0 + i < rows) {
+    #pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      y[long(first + r0 + i) * D + n0 + c0 + j] = static_cast<T>(acc[0][i][j]);
+    }
   }
 }
 

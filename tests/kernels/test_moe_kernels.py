@@ -282,6 +282,60 @@ def test_half_tiles_rows_independent_of_their_tile(gemm_sim):
     assert np.array_equal(h_by_token(every, True), h_by_token(every, False))
 
 
+@SETTINGS
+@given(kind=ROUTING_KINDS, tokens=st.sampled_from([1, 5, 40, 130]),
+       shape=st.sampled_from([(128, 64, 16, 4), (64, 128, 8, 2), (192, 192, 4, 1), (256, 128, 6, 3)]),
+       adaptive=st.booleans(), fused=st.booleans(), chunks=st.integers(0, 2), seed=st.integers(0, 1000))
+def test_register_tiles_have_the_bits_of_the_simdgroup_tiles(gemm_sim, kind, tokens, shape, adaptive, fused, chunks,
+                                                             seed):
+    """switch register_tiles: the register-tiled GEMMs (a thread's outputs in registers, fp32 FMA chains in
+    K order) give the simdgroup tiles' bits, bit for bit, for routed rows and shared-expert chunks, 16- and
+    32-row tiles, 4-bit and dequantised weights, and down at 64 or 128 columns per threadgroup (D 192 /
+    256); outputs poisoned, so an unwritten element shows."""
+    d, i, e, k = shape
+    block = make_sparse_moe_block(hidden=d, expert_width=i, num_experts=e, top_k=k, seed=seed % 5,
+                                  shared_width=max(1, chunks) * i)
+    sw, shared = block.switch_mlp, (block.shared_expert if chunks else None)
+    inds = make_routing(kind, tokens, k, e, seed)
+    x = make_inputs(1, tokens, d, seed=seed).reshape(tokens, d)
+    sched = _schedule_numpy(inds.reshape(-1), e, adaptive)
+    blocks = sched["blocks"]
+    if chunks:
+        tile = mk.LARGE_TILE if adaptive and tokens >= mk.LARGE_TILE else mk.SMALL_TILE
+        blocks = mx.concatenate([blocks, mk.shared_expert_blocks(tokens, chunks, inds.size, e, tile, False)])
+
+    def run(tiles):
+        h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], blocks, sw.gate_proj, sw.up_proj, k, fused,
+                                   sched["counts"], KERNEL_BACKEND, init_value=float("nan"), shared=shared, tiles=tiles)
+        y = mk.gemm_down(h, blocks, sw.down_proj, fused, sched["counts"], KERNEL_BACKEND, init_value=float("nan"),
+                         shared=shared, tiles=tiles)
+        return h, y
+
+    (h_want, y_want), (h, y) = run("simdgroup"), run("register")
+    assert h.shape == (inds.size + chunks * tokens, i)
+    assert not mx.isnan(h_want).any().item() and not mx.isnan(y_want).any().item()
+    assert mx.array_equal(h, h_want).item(), _rms_rel(h, h_want)
+    assert mx.array_equal(y, y_want).item(), _rms_rel(y, y_want)
+
+
+def test_register_tiles_refuse_what_they_do_not_compute(gemm_sim):
+    """Asked for explicitly, the register tiles refuse widths that are not a multiple of 64 and bf16
+    operands; by the switch, such a width takes the simdgroup tiles (same bits)."""
+    assert mk.regtile_columns("gate_up", 512) == 64 and mk.regtile_columns("down", 2048) == 128
+    assert mk.regtile_columns("down", 192) == 64 and mk.regtile_columns("gate_up", 96) is None
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mk._register_tiles("gate_up", 96, None, "register")
+    with pytest.raises(ValueError, match="fp32"):
+        mk._register_tiles("down", 128, mx.bfloat16, "register")
+    with pytest.raises(ValueError, match="tiles"):
+        mk._register_tiles("down", 128, None, "registers")
+    assert mk._register_tiles("gate_up", 96, None, None) is None
+    assert mk._register_tiles("gate_up", 128, mx.bfloat16, None) is None
+    with switches.overrides(disable=["register_tiles"]):
+        assert mk._register_tiles("gate_up", 128, None, None) is None
+    assert mk._register_tiles("gate_up", 128, None, None) == 64
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-dequant", "dense"])
 @pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed-16"])
 def test_grouped_gemms_every_tile_path(gemm_sim, adaptive, fused):
@@ -961,15 +1015,16 @@ def test_router_and_shared_expert_kernels_fall_back_where_they_do_not_apply(gemm
 
 
 def test_gemm_tile_operand_types_compile_for_cuda():
-    """The grouped GEMMs with fp32, bf16 and f16 tile operands translate and compile for the H200 (the
-    bridge multiplies bf16/f16 fragments with mma.sync, fp32 ones with scalar FMAs: docs/bridge.md)."""
+    """The grouped GEMMs with fp32, bf16 and f16 tile operands, and their register-tiled forms, translate
+    and compile for the H200 (the bridge multiplies bf16/f16 fragments with mma.sync, fp32 ones with scalar
+    FMAs: docs/bridge.md)."""
     from lily_dev import resource_usage
     from lily_dev.compile_check import compile_cuda, compiler_available
 
     if compiler_available() is None:
         pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
     units = resource_usage.moe_gemm_units(dtypes=(mx.bfloat16, mx.float16))
-    assert len(units) == 8  # (gate_up, down) x (bf16, f16) x (fp32 tiles, tiles of the dtype)
+    assert len(units) == 12  # (gate_up, down) x (bf16, f16) x (fp32 tiles, tiles of the dtype, register tiles)
     for name, unit in units.items():
         ok, log = compile_cuda(unit)
         assert ok, (name, log[-3000:])

@@ -85,6 +85,10 @@ KERNELS: Dict[str, KernelSpec] = {
                             params=("A", "E", "max_blocks", "large_min_rows")),
     "gate_up": KernelSpec("moe_gemm_gate_up_swiglu", GEMM, *_GATE_UP_SIGNATURE, params=_GATE_UP_PARAMS),
     "down": KernelSpec("moe_gemm_down", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
+    # The same GEMMs with each thread's outputs in registers (switch register_tiles): same inputs, same bits.
+    "gate_up_regtile": KernelSpec("moe_gemm_gate_up_swiglu_regtile", GEMM, *_GATE_UP_SIGNATURE,
+                                  params=_GATE_UP_PARAMS),
+    "down_regtile": KernelSpec("moe_gemm_down_regtile", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
     # Decode forms of the two GEMMs for one-row blocks (switch row_gemv): same inputs, same bits. The
     # staged forms run; the rowwise ones are their benchmark baseline and test oracle (gemv_layout).
     "gemv_gate_up": KernelSpec("moe_gemv_gate_up_swiglu", GEMM, *_GATE_UP_SIGNATURE, params=_GATE_UP_PARAMS),
@@ -108,6 +112,7 @@ KERNELS: Dict[str, KernelSpec] = {
 CHUNK = 256  # assignments per threadgroup in the histogram and scatter kernels
 GEMM_THREADS = 128  # 4 simdgroups
 GEMM_COLS = 32  # output columns per threadgroup
+TILE_KINDS = ("simdgroup", "register")  # the GEMMs' tile forms (switch register_tiles picks)
 COMBINE_THREADS = 128  # threads per threadgroup of the combine kernel, 4 columns each
 # Placeholder for the combine kernel's residual input when it adds none (one element, never read).
 _ONE_ZERO = {dtype: mx.zeros((1,), dtype=dtype) for dtype in (mx.bfloat16, mx.float16, mx.float32)}
@@ -333,10 +338,20 @@ def gemv_threads(width: int) -> int:
     return next(t for t in (256, 128, 64, 32) if width % t == 0)
 
 
+@lru_cache(maxsize=None)
+def regtile_columns(name: str, width: int) -> Optional[int]:
+    """Output columns per threadgroup of the register-tiled form of GEMM ``name`` ("gate_up" or "down")
+    at this output width (16 column groups x 4 or 8 columns per thread), or None where it does not apply."""
+    for cols in ((64,) if name == "gate_up" else (128, 64)):
+        if width % cols == 0:
+            return cols
+    return None
+
+
 def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, gate_proj, up_proj,
                         top_k: int, fused_dequant: bool = True, counts: Optional[mx.array] = None,
                         backend: Optional[str] = None, init_value=None, shared=None, gemv: bool = False,
-                        gemv_layout=None, tile_dtype=None) -> mx.array:
+                        gemv_layout=None, tile_dtype=None, tiles: Optional[str] = None) -> mx.array:
     """h [A (+ N), I] (slot order) = silu(x Wg^T) * (x Wu^T) for the rows of every block. ``shared``:
     the shared expert (an MLP of 4-bit gate/up/down projections) as m chunks, experts E .. E + m - 1,
     rows A + c * N + n.
@@ -346,7 +361,9 @@ def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, 
     'rowwise_exp' the rowwise form with q4_value. All give the same bits.
     ``tile_dtype`` (benchmarks, tests): the GEMM tiles' operand type, float32 (default; the same bits as
     the GEMVs) or the activation dtype (bf16/f16 fragments with fp32 accumulation: tensor cores through
-    the bridge; not the same bits as the GEMVs, so not a product path yet, docs/moe.md)."""
+    the bridge; not the same bits as the GEMVs, so not a product path yet, docs/moe.md).
+    ``tiles`` (benchmarks, tests): "simdgroup" or "register" (the register-tiled form, fp32 operands, same
+    bits); None: as the switch register_tiles says."""
     n, d = x2d.shape
     e, i = gate_proj["scales"].shape[:2]
     a = sorted_rows.size
@@ -358,11 +375,29 @@ def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, 
     inputs.append(KERNELS["gate_up"].pack(top_k=top_k, D=d, I=i, E=e, A=a, N=n))
     rows = a + shared_chunks(shared, i) * n
     return _launch_expert_kernel("gate_up", gemv, inputs, blocks, (rows, i), x2d.dtype, backend, init_value,
-                                 d, gemv_layout, tile_dtype)
+                                 d, gemv_layout, tile_dtype, tiles)
+
+
+def _register_tiles(name: str, width: int, tile_dtype, tiles: Optional[str]) -> Optional[int]:
+    """Columns per threadgroup when the register-tiled form runs this GEMM, else None (simdgroup tiles)."""
+    if tiles is not None and tiles not in TILE_KINDS:
+        raise ValueError(f"tiles: one of {TILE_KINDS}, not {tiles!r}")
+    wanted = tiles == "register" or (tiles is None and switches.is_enabled("register_tiles"))
+    if not wanted or (tile_dtype is not None and tile_dtype != mx.float32):
+        if tiles == "register":
+            raise ValueError("register tiles take fp32 operands only")
+        return None
+    cols = regtile_columns(name, width)
+    if cols is None:
+        if tiles == "register":
+            raise ValueError(f"register tiles: output width {width} is not a multiple of 64")
+        log_once(f"moe_regtile:{name}:{width}",
+                 f"moe_grouped_gemm: simdgroup tiles for {name} (output width {width} not a multiple of 64)")
+    return cols
 
 
 def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_shape, dtype, backend,
-                          init_value, k: int, gemv_layout=None, tile_dtype=None) -> mx.array:
+                          init_value, k: int, gemv_layout=None, tile_dtype=None, tiles=None) -> mx.array:
     """Launch expert GEMM ``name`` over ``blocks`` (reduction length ``k``), or its one-row GEMV form:
     out [rows, width]."""
     width = out_shape[1]
@@ -378,6 +413,11 @@ def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_s
         grid, threads = (width // rows * chains, blocks.shape[0], 1), (chains, 1, 1)
         template += [("R", rows), ("KC", chunk)]
         name = "gemv_" + name
+    elif (cols := _register_tiles(name, width, tile_dtype, tiles)) is not None:
+        grid, threads = (width // cols * GEMM_THREADS, blocks.shape[0], 1), (GEMM_THREADS, 1, 1)
+        if name == "down":
+            template.append(("TN", cols // 16))
+        name += "_regtile"
     else:
         grid, threads = (width // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), (GEMM_THREADS, 1, 1)
         if tile_dtype is not None and tile_dtype not in (mx.float32, dtype):
@@ -392,9 +432,10 @@ def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_s
 
 def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = True,
               counts: Optional[mx.array] = None, backend: Optional[str] = None, init_value=None,
-              shared=None, gemv: bool = False, gemv_layout=None, tile_dtype=None) -> mx.array:
+              shared=None, gemv: bool = False, gemv_layout=None, tile_dtype=None,
+              tiles: Optional[str] = None) -> mx.array:
     """y [rows, D] (slot order) = h Wd^T for the rows of every block (``shared``: the chunks' down;
-    ``gemv``: the one-row-block form; ``gemv_layout``, ``tile_dtype`` as for gemm_gate_up_swiglu)."""
+    ``gemv``: the one-row-block form; ``gemv_layout``, ``tile_dtype``, ``tiles`` as for gemm_gate_up_swiglu)."""
     rows, i = h.shape
     e, d = down_proj["scales"].shape[:2]
     inputs = [h, blocks] + _weights(down_proj, fused_dequant, counts, h.dtype, backend)
@@ -402,7 +443,7 @@ def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = Tr
     shared_width = i * max(1, shared_chunks(shared, i))
     inputs.append(KERNELS["down"].pack(I=i, D=d, E=e, Is=shared_width))
     return _launch_expert_kernel("down", gemv, inputs, blocks, (rows, d), h.dtype, backend, init_value, i,
-                                 gemv_layout, tile_dtype)
+                                 gemv_layout, tile_dtype, tiles)
 
 
 def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: Optional[str] = None,

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The register-tiled MoE GEMMs (switch register_tiles) on one NVIDIA GPU, in two calls of under 10 minutes:
+#
+#   PART=1 bash bench/device_register_tiles.sh   # CUDA tests (same bits as the simdgroup tiles and the
+#                                                # decode GEMVs), then the GEMM op cases, both tile forms
+#   PART=2 bash bench/device_register_tiles.sh   # e2e prefill: stock-kernels, lily, lily-off:register_tiles
+#
+# Results under $OUT/register_tiles (Markdown tables, JSON, logs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/device_out}
+W=$OUT/register_tiles
+mkdir -p "$W"
+export LILY_TUNE=off PYTHONUNBUFFERED=1 LILY_BACKEND=${LILY_BACKEND:-cuda}
+BUDGET=${BUDGET:-540}
+T0=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+say() { echo "[register_tiles $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$W/log.txt"; }
+run() {  # run NAME NEEDED_SECONDS COMMAND...: only when NEEDED_SECONDS still fit the budget
+  local name=$1 need=$2; shift 2
+  if [ "$(left)" -lt "$need" ]; then say "skipped $name (needs ~${need}s, $(left)s left)"; return; fi
+  say "start $name"
+  timeout "$(left)" "$@" > "$W/$name.txt" 2>&1
+  say "end $name (exit $?)"
+}
+case "${PART:-1}" in
+  1)
+    run tests_cuda 120 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+      -o addopts= tests/kernels/test_moe_kernels.py \
+      -k "register_tiles or decode_gemvs_same_bits or grouped_gemms or half_tiles"
+    grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -4
+    run op_cases 120 python -c "
+import json, sys
+from bench import kernels
+ceil = kernels.ceilings()
+rows = kernels.op_cases(families=('moe',), ceil=ceil, match=r'gemm_.*fused_(adaptive|fixed16)(_regtiles)?\[|stock_switch_glu')
+open('$W/op_cases.md', 'w').write(kernels.op_cases_markdown(rows) + '\n')
+json.dump({'ceilings': ceil, 'rows': rows}, open('$W/op_cases.json', 'w'), indent=1)
+"
+    cat "$W/op_cases.md" 2>/dev/null
+    ;;
+  2)
+    run e2e 300 python -m bench.run --mode e2e --size full --engines stock-kernels,lily,lily-off:register_tiles \
+      --lengths 512,4K --rounds 2 --prefill-only --out "$W/e2e"
+    cat "$W/e2e/e2e.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1 or 2" >&2; exit 2 ;;
+esac
+say "part ${PART:-1} done"
