@@ -4,6 +4,7 @@
 #   PART=1 bash bench/device_register_tiles.sh   # CUDA tests (same bits as the simdgroup tiles and the
 #                                                # decode GEMVs), then the GEMM op cases, both tile forms
 #   PART=2 bash bench/device_register_tiles.sh   # e2e prefill: stock-kernels, lily, lily-off:register_tiles
+#   PART=3 bash bench/device_register_tiles.sh   # prefill sweep 512 .. 32K: stock (to 4K), stock-kernels, lily
 #
 # Results under $OUT/register_tiles (Markdown tables, JSON, logs).
 set -uo pipefail
@@ -44,6 +45,12 @@ json.dump({'ceilings': ceil, 'rows': rows}, open('$W/op_cases.json', 'w'), inden
       --lengths 512,4K --rounds 2 --prefill-only --out "$W/e2e"
     cat "$W/e2e/e2e.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1 or 2" >&2; exit 2 ;;
+  3)  # issue 14's sweep: prefill at 512 .. 32K, stock (up to 4K: ~290 tok/s on CUDA), the fair baseline, lily
+    run sweep 400 python -m bench.run --mode e2e --size full --engines stock,stock-kernels,lily \
+      --lengths 512,2K,4K,16K,32K --max-prefill-length stock=4K --rounds 2 --long-from 16K --long-rounds 1 \
+      --prefill-only --out "$W/sweep"
+    cat "$W/sweep/e2e.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2 or 3" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"

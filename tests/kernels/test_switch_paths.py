@@ -13,6 +13,7 @@ template or geometry:
 | ``gpu_routing`` | ``moe_route_block_map_i32``; block map padded to ``max_blocks_bound`` | block map built on the host, exactly sized |
 | ``adaptive_tile`` | 32-row tiles for experts with >= 32 rows | 16-row tiles only |
 | ``fused_combine`` | ``moe_combine_weighted_rows`` | no combine kernel (gather + weighted sum) |
+| ``register_tiles`` | ``moe_gemm_*_regtile`` (outputs in registers) | ``moe_gemm_gate_up_swiglu`` / ``moe_gemm_down`` (simdgroup tiles) |
 | ``register_scan`` | ``deltanet_scan_staged`` / ``deltanet_scan_register`` | ``deltanet_scan_blockwise``, ceil(T / 16) state blocks |
 | ``staged_scan`` | ``deltanet_scan_staged`` (with ``register_scan``) | ``deltanet_scan_register`` |
 | ``fused_recurrent_norm`` | ``deltanet_decode_fused`` | gates, scan (T = 1), gated norm kernels |
@@ -103,13 +104,13 @@ def _np(a: mx.array) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------
-# MoE: fused_dequant, gpu_routing, adaptive_tile, fused_combine
+# MoE: fused_dequant, gpu_routing, adaptive_tile, fused_combine, register_tiles
 
 HIST, SCAN, SCATTER, BLOCK_MAP = ("moe_route_histogram_i32", "moe_route_scan_i32", "moe_route_scatter_i32",
                                   "moe_route_block_map_i32")
 DEQUANT, GATE_UP, DOWN, COMBINE = ("moe_dequant_experts_q4", "moe_gemm_gate_up_swiglu", "moe_gemm_down",
                                    "moe_combine_weighted_rows")
-MOE_SWITCHES = ("fused_dequant", "gpu_routing", "adaptive_tile", "fused_combine")
+MOE_SWITCHES = ("fused_dequant", "gpu_routing", "adaptive_tile", "fused_combine", "register_tiles")
 HIDDEN, EXPERT_WIDTH, TOP_K = 64, 64, 2
 # Rows per expert of each call (10 experts, 2 per token, every token's experts distinct).
 MOE_CALLS = {
@@ -138,7 +139,11 @@ def expected_moe_launches(state: Dict[str, bool], assignments: int) -> List[str]
 def gemm_names(state: Dict[str, bool], assignments: int):
     """The two expert kernels: the GEMV forms for one-row blocks (row_gemv), else the GEMMs."""
     per_assignment = assignments <= PER_ASSIGNMENT_MAX and state["fused_dequant"]
-    return (GEMV_GATE_UP, GEMV_DOWN) if per_assignment and state.get("row_gemv", True) else (GATE_UP, DOWN)
+    if per_assignment and state.get("row_gemv", True):
+        return GEMV_GATE_UP, GEMV_DOWN
+    # register_tiles (default on): the register-tiled GEMMs (widths here are multiples of 64)
+    regtile = "_regtile" if state.get("register_tiles", True) else ""
+    return GATE_UP + regtile, DOWN + regtile
 
 
 def expected_blocks(counts: Sequence[int], state: Dict[str, bool], flat_inds: np.ndarray) -> np.ndarray:
