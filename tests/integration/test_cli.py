@@ -212,7 +212,7 @@ def test_cli_switch_flags_reach_the_kernels(model_path, in_process, monkeypatch)
     assert rc == 0 and generated_text(out)
     names = set(rec.names())
     assert {"deltanet_scan_blockwise", "deltanet_decode_conv_fused", "moe_router_topk_from_logits", "attention_decode"} <= names, names
-    assert names & {"moe_gemm_gate_up_swiglu", "moe_gemv_gate_up_swiglu"}, names
+    assert names & {"moe_gemm_gate_up_swiglu_regtile", "moe_gemv_gate_up_swiglu"}, names
     assert not names & {"deltanet_scan_register", "deltanet_scan_staged", "moe_combine_weighted_rows"}, names
     assert {launch.template["GT"] for launch in rec if launch.name == "attention_decode"} == {1}
     assert {launch.template["COALESCED"] for launch in rec if launch.name == "attention_decode"} == {1}

@@ -95,7 +95,7 @@ def test_tensor_parallel_two_ranks_with_kernels(random_model, tmp_path):
     launched = set(json.loads(str(ranks[0]["launched"])))
     # (This checkpoint's attention head dim, 32, is outside the decode attention kernel's: stock's there.)
     # (decode: the gate/up GEMV selects the experts itself, fused_topk_gemv; prefill: the top-k kernel, GEMMs)
-    assert {"moe_router_topk_from_logits", "moe_gemv_gate_up_swiglu_routed", "moe_gemm_gate_up_swiglu",
+    assert {"moe_router_topk_from_logits", "moe_gemv_gate_up_swiglu_routed", "moe_gemm_gate_up_swiglu_regtile",
             "deltanet_scan_staged", "deltanet_decode_conv_fused"} <= launched, launched
 
     model, _ = load_model(Path(model_dir), lazy=False, strict=False)

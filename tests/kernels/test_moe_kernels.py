@@ -493,7 +493,7 @@ def _hot_expert_case(seed_block, skew, seed_x):
 
 def _tiles_run(record) -> set:
     """Tile rows of the blocks the gate_up GEMM ran (padding blocks excluded)."""
-    (gate_up,) = [launch for launch in record if launch.name == "moe_gemm_gate_up_swiglu"]
+    (gate_up,) = [launch for launch in record if launch.name.startswith("moe_gemm_gate_up_swiglu")]
     blocks = np.asarray(gate_up.kwargs["inputs"][2])
     return set(blocks[blocks[:, 2] > 0, 3].tolist())
 
@@ -678,7 +678,7 @@ def test_small_calls_run_the_gemms_without_routing_kernels(gemm_sim, monkeypatch
         mx.eval(alone)
     assert small.counts() == {"moe_router_logits_q": 1, "moe_gemv_gate_up_swiglu_routed": 1,  # fused_topk_gemv
                               "moe_gemv_down": 1, "moe_combine_weighted_rows": 1}
-    assert {"moe_gemm_gate_up_swiglu", "moe_gemm_down"} <= set(routed.counts())
+    assert {"moe_gemm_gate_up_swiglu_regtile", "moe_gemm_down_regtile"} <= set(routed.counts())  # register_tiles
     assert {"moe_route_histogram_i32", "moe_route_scan_i32", "moe_route_scatter_i32",
             "moe_route_block_map_i32"} <= set(routed.counts())
     assert mx.array_equal(alone[0, 0], in_chunk[0, 5]).item()

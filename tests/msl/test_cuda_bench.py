@@ -181,7 +181,7 @@ def test_decode_profile_engines_run_their_switch_states(monkeypatch):
     assert rows["stock"]["kernel_launches_per_step"] == 0
     assert rows["lily"]["kernel_launches"].get("moe_gemv_gate_up_swiglu_routed", 0) > 0  # fused_topk_gemv
     off = rows["lily-off:row_gemv"]["kernel_launches"]
-    assert off.get("moe_gemm_gate_up_swiglu", 0) > 0 and "moe_gemv_gate_up_swiglu" not in off
+    assert off.get("moe_gemm_gate_up_swiglu_regtile", 0) > 0 and "moe_gemv_gate_up_swiglu" not in off
     table = decode_profile.table_markdown(profile)
     assert "lily kernel launches/step" in table
     # the breakdown by kind: one row per non-view primitive, a column per engine, counts that add up
