@@ -5,6 +5,7 @@
 #                                                # decode GEMVs), then the GEMM op cases, both tile forms
 #   PART=2 bash bench/device_register_tiles.sh   # e2e prefill: stock-kernels, lily, lily-off:register_tiles
 #   PART=3 bash bench/device_register_tiles.sh   # prefill sweep 512 .. 32K: stock (to 4K), stock-kernels, lily
+#   PART=4 bash bench/device_register_tiles.sh   # GEMM variants timed, ncu's full sections of the register tiles
 #
 # Results under $OUT/register_tiles (Markdown tables, JSON, logs).
 set -uo pipefail
@@ -51,6 +52,13 @@ json.dump({'ceilings': ceil, 'rows': rows}, open('$W/op_cases.json', 'w'), inden
       --prefill-only --out "$W/sweep"
     cat "$W/sweep/e2e.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2 or 3" >&2; exit 2 ;;
+  4)  # why the register tiles reach ~35 % of the fp32 FMA rate: ncu's full sections of one launch of each at 2K
+      # tokens, and down at 64 columns a threadgroup (TN = 4) against 128 (TN = 8)
+    run gemm_variants 120 python -m bench.gemm_tiles --variants --out "$W/variants.md"
+    cat "$W/variants.md" 2>/dev/null
+    run ncu 200 ncu --set full -k regex:regtile -c 2 python -m bench.gemm_tiles --tokens 2048 --once
+    grep -E "regtile|Duration|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Stall|Warp Cycles Per Issued|Executed Ipc|L1/TEX Hit|Bank" "$W/ncu.txt" | head -80
+    ;;
+  *) echo "PART must be 1, 2, 3 or 4" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"

@@ -338,11 +338,14 @@ def gemv_threads(width: int) -> int:
     return next(t for t in (256, 128, 64, 32) if width % t == 0)
 
 
+REGTILE_DOWN_COLUMNS = (128, 64)  # down's columns per threadgroup, widest first (TN = 8 or 4 per thread)
+
+
 @lru_cache(maxsize=None)
 def regtile_columns(name: str, width: int) -> Optional[int]:
     """Output columns per threadgroup of the register-tiled form of GEMM ``name`` ("gate_up" or "down")
     at this output width (16 column groups x 4 or 8 columns per thread), or None where it does not apply."""
-    for cols in ((64,) if name == "gate_up" else (128, 64)):
+    for cols in ((64,) if name == "gate_up" else REGTILE_DOWN_COLUMNS):
         if width % cols == 0:
             return cols
     return None

@@ -1,0 +1,110 @@
+"""The MoE grouped GEMMs' tile forms side by side, at Qwen3.6's shapes (256 experts, top-8, hidden 2048,
+expert width 512, skewed routing, bf16): simdgroup tiles, register tiles, and register tiles with down at
+64 columns a threadgroup (TN = 4) instead of 128. Times each on this backend (medians of evaluated calls)
+and prints a Markdown table of microseconds and TFLOP/s; ``--once`` runs each register-tile GEMM once
+(a target for a profiler such as ``ncu -k regex:regtile``).
+
+    python -m bench.gemm_tiles --variants [--tokens 512,2048,8192] [--out variants.md]
+    ncu --set full -k regex:regtile -c 2 python -m bench.gemm_tiles --tokens 2048 --once
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import mlx.core as mx
+import numpy as np
+
+from lily_dev.moe_bench import EXPERT_WIDTH, HIDDEN, NUM_EXPERTS, TOP_K, _SwitchGLU
+from lily_dev.moe_testing import make_routing
+from lily_mlx.core.dispatch import op_backend
+from lily_mlx.ops.moe import kernels as mk
+
+
+@contextlib.contextmanager
+def down_columns(columns):
+    """Down's register tiles at these columns per threadgroup (widest first), then as before."""
+    saved = mk.REGTILE_DOWN_COLUMNS
+    mk.REGTILE_DOWN_COLUMNS = columns
+    mk.regtile_columns.cache_clear()
+    try:
+        yield
+    finally:
+        mk.REGTILE_DOWN_COLUMNS = saved
+        mk.regtile_columns.cache_clear()
+
+
+def _median_us(fn: Callable[[], mx.array], rounds: int = 15) -> float:
+    mx.eval(fn())
+    mx.eval(fn())
+    times = []
+    for _ in range(rounds):
+        tic = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times) * 1e6
+
+
+def cases(tokens: int, sw, backend: str) -> Dict[str, tuple]:
+    inds = mx.array(make_routing("skewed", tokens, TOP_K, NUM_EXPERTS, seed=tokens).astype(np.uint32))
+    x = mx.random.normal((tokens, HIDDEN), key=mx.random.key(tokens)).astype(mx.bfloat16)
+    h = mx.random.normal((tokens * TOP_K, EXPERT_WIDTH), key=mx.random.key(1)).astype(mx.bfloat16)
+    s = mk.routing_schedule(inds, NUM_EXPERTS, True, True, backend)
+    mx.eval(x, h, *s.values())
+    a = tokens * TOP_K
+    up_flops, down_flops = 4 * a * HIDDEN * EXPERT_WIDTH, 2 * a * EXPERT_WIDTH * HIDDEN
+
+    def up(tiles):
+        return lambda: mk.gemm_gate_up_swiglu(x, s["sorted_rows"], s["blocks"], sw.gate_proj, sw.up_proj, TOP_K, True,
+                                              s["counts"], backend, tiles=tiles)
+
+    def down(tiles):
+        return lambda: mk.gemm_down(h, s["blocks"], sw.down_proj, True, s["counts"], backend, tiles=tiles)
+
+    return {"gate_up simdgroup": (up("simdgroup"), up_flops, None),
+            "gate_up register": (up("register"), up_flops, None),
+            "down simdgroup": (down("simdgroup"), down_flops, None),
+            "down register, 128 columns (TN 8)": (down("register"), down_flops, (128, 64)),
+            "down register, 64 columns (TN 4)": (down("register"), down_flops, (64,))}
+
+
+def main(argv: List[str] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gemm_tiles", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="512,2048,8192")
+    ap.add_argument("--variants", action="store_true", help="time every variant and print the table")
+    ap.add_argument("--once", action="store_true", help="run each register-tile GEMM once (for a profiler)")
+    ap.add_argument("--out", default=None, help="also write the table here")
+    args = ap.parse_args(argv)
+    backend = op_backend("moe_grouped_gemm")
+    sw = _SwitchGLU()
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    if args.once:
+        for tokens in token_counts:
+            c = cases(tokens, sw, backend)
+            mx.eval(c["gate_up register"][0]())
+            mx.eval(c["down register, 128 columns (TN 8)"][0]())
+        return 0
+    lines = [f"MoE GEMM tile forms, backend {backend}, {mx.default_device()}: us (TFLOP/s), medians of 15 calls", "",
+             "| GEMM | " + " | ".join(f"{t} tok" for t in token_counts) + " |",
+             "|---|" + "---|" * len(token_counts)]
+    rows: Dict[str, List[str]] = {}
+    for tokens in token_counts:
+        for name, (fn, flops, columns) in cases(tokens, sw, backend).items():
+            with down_columns(columns) if columns else contextlib.nullcontext():
+                us = _median_us(fn)
+            rows.setdefault(name, []).append(f"{us:,.0f} ({flops / us / 1e6:.1f})")
+    lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows.items()]
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
