@@ -1,6 +1,6 @@
 """The MoE grouped GEMMs' tile forms side by side, at Qwen3.6's shapes (256 experts, top-8, hidden 2048,
 expert width 512, skewed routing, bf16): simdgroup tiles, register tiles, and register tiles with down at
-64 columns a threadgroup (TN = 4) instead of 128. Times each on this backend (medians of evaluated calls)
+64 columns a threadgroup (TN = 4, the default) and at 128 (TN = 8). Times each on this backend (medians of evaluated calls)
 and prints a Markdown table of microseconds and TFLOP/s; ``--once`` runs each register-tile GEMM once
 (a target for a profiler such as ``ncu -k regex:regtile``).
 
@@ -68,8 +68,8 @@ def cases(tokens: int, sw, backend: str) -> Dict[str, tuple]:
     return {"gate_up simdgroup": (up("simdgroup"), up_flops, None),
             "gate_up register": (up("register"), up_flops, None),
             "down simdgroup": (down("simdgroup"), down_flops, None),
-            "down register, 128 columns (TN 8)": (down("register"), down_flops, (128, 64)),
-            "down register, 64 columns (TN 4)": (down("register"), down_flops, (64,))}
+            "down register, 64 columns (TN 4)": (down("register"), down_flops, (64,)),
+            "down register, 128 columns (TN 8)": (down("register"), down_flops, (128, 64))}
 
 
 def main(argv: List[str] = None) -> int:
@@ -86,7 +86,7 @@ def main(argv: List[str] = None) -> int:
         for tokens in token_counts:
             c = cases(tokens, sw, backend)
             mx.eval(c["gate_up register"][0]())
-            mx.eval(c["down register, 128 columns (TN 8)"][0]())
+            mx.eval(c["down register, 64 columns (TN 4)"][0]())
         return 0
     lines = [f"MoE GEMM tile forms, backend {backend}, {mx.default_device()}: us (TFLOP/s), medians of 15 calls", "",
              "| GEMM | " + " | ".join(f"{t} tok" for t in token_counts) + " |",

@@ -392,7 +392,7 @@ inline void moe_gemv_gate_up_rows(
 // threadgroup loads per TM * TN (* 2 for gate and up) FMAs, where a simdgroup_matrix product on a GPU
 // without fp32 matrix units (the bridge on NVIDIA) moves its operands between lanes with shuffles.
 // A threadgroup is 128 threads as 8 row groups x 16 column groups: thread (rg, cg) computes rows
-// rg * TM .. + TM (TM = tile_rows / 8: 4 or 2) and columns cg * TN .. + TN. K advances MOE_RT_BK at a
+// rg * TM .. + TM (TM = tile_rows / 8: 4 or 2) and columns cg * TN .. + TN (moe_rt_thread_origin). K advances MOE_RT_BK at a
 // time (half a quantisation group, so the staged tiles fit Apple's 32 KB): the next step's weights
 // (one 16-byte word of 32 nibbles per thread and matrix) and activations go to registers before the
 // current step's FMAs and into threadgroup memory after them (weights dequantised once per tile).
@@ -511,6 +511,17 @@ inline void moe_rt_mac(thread float (&acc)[2][4][8], const threadgroup float* xt
       }
     }
   }
+}
+
+// Thread tid's outputs: rows r0 .. r0 + TM of the tile (TM = tile_rows / 8), columns c0 .. c0 + TN. A
+// simdgroup covers 4 row groups x 8 column groups (not 2 x 16), so that each of its 16-byte threadgroup loads
+// per K index touches 32 adjacent floats of a weight tile (one wavefront on NVIDIA GPUs) and 16 of the
+// activation tile: the shared-memory pipe, not the FMA units, bounded the first layout (Nsight Compute).
+inline void moe_rt_thread_origin(uint tid, int tile_rows, int tn, thread int& r0, thread int& c0) {
+  const int sg = int(tid) / 32;
+  const int lane = int(tid) % 32;
+  r0 = (4 * (sg % 2) + lane / 8) * (tile_rows / 8);
+  c0 = (8 * (sg / 2) + lane % 8) * tn;
 }
 
 // Where this block's activation rows come from (moe_rt_fetch_rows' src): GATHER as moe_load_rows_tile.
@@ -664,8 +675,8 @@ const int tile_rows = blocks[4 * blk + 3];
 if (rows == 0) {
   return;  // padding entry of the block map: the whole threadgroup leaves
 }
-const int r0 = int(tid) / 16 * (tile_rows / 8);
-const int c0 = int(tid) % 16 * 4;
+int r0, c0;
+moe_rt_thread_origin(tid, tile_rows, 4, r0, c0);
 const int chunk = e - E;  // >= 0: a chunk of the shared expert
 const int mat = int(tid) / MOE_RT_GU_COLS;  // the loader's matrix (0 gate, 1 up) and column
 const long wrow = long(chunk >= 0 ? chunk : e) * I + n0 + int(tid) % MOE_RT_GU_COLS;
@@ -753,8 +764,8 @@ const int tile_rows = blocks[4 * blk + 3];
 if (rows == 0) {
   return;  // padding entry of the block map: the whole threadgroup leaves
 }
-const int r0 = int(tid) / 16 * (tile_rows / 8);
-const int c0 = int(tid) % 16 * TN;
+int r0, c0;
+moe_rt_thread_origin(tid, tile_rows, TN, r0, c0);
 const bool loads = int(tid) < cols;  // this thread stages weight column tid
 const bool shared = e >= E;          // chunk e - E of the shared expert: its K range within the shared rows
 const long wrow = shared ? long(n0 + int(tid)) : long(e) * D + n0 + int(tid);

@@ -311,17 +311,26 @@ def test_register_tiles_have_the_bits_of_the_simdgroup_tiles(gemm_sim, kind, tok
                          shared=shared, tiles=tiles)
         return h, y
 
-    (h_want, y_want), (h, y) = run("simdgroup"), run("register")
-    assert h.shape == (inds.size + chunks * tokens, i)
+    h_want, y_want = run("simdgroup")
+    assert h_want.shape == (inds.size + chunks * tokens, i)
     assert not mx.isnan(h_want).any().item() and not mx.isnan(y_want).any().item()
-    assert mx.array_equal(h, h_want).item(), _rms_rel(h, h_want)
-    assert mx.array_equal(y, y_want).item(), _rms_rel(y, y_want)
+    for down_columns in ((64,), (128, 64)):  # down at TN = 4, and at TN = 8 where D allows (256)
+        saved = mk.REGTILE_DOWN_COLUMNS
+        mk.REGTILE_DOWN_COLUMNS = down_columns
+        mk.regtile_columns.cache_clear()
+        try:
+            h, y = run("register")
+        finally:
+            mk.REGTILE_DOWN_COLUMNS = saved
+            mk.regtile_columns.cache_clear()
+        assert mx.array_equal(h, h_want).item(), _rms_rel(h, h_want)
+        assert mx.array_equal(y, y_want).item(), (down_columns, _rms_rel(y, y_want))
 
 
 def test_register_tiles_refuse_what_they_do_not_compute(gemm_sim):
     """Asked for explicitly, the register tiles refuse widths that are not a multiple of 64 and bf16
     operands; by the switch, such a width takes the simdgroup tiles (same bits)."""
-    assert mk.regtile_columns("gate_up", 512) == 64 and mk.regtile_columns("down", 2048) == 128
+    assert mk.regtile_columns("gate_up", 512) == 64 and mk.regtile_columns("down", 2048) == 64
     assert mk.regtile_columns("down", 192) == 64 and mk.regtile_columns("gate_up", 96) is None
     with pytest.raises(ValueError, match="multiple of 64"):
         mk._register_tiles("gate_up", 96, None, "register")

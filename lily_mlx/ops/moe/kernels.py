@@ -338,7 +338,9 @@ def gemv_threads(width: int) -> int:
     return next(t for t in (256, 128, 64, 32) if width % t == 0)
 
 
-REGTILE_DOWN_COLUMNS = (128, 64)  # down's columns per threadgroup, widest first (TN = 8 or 4 per thread)
+# Down's columns per threadgroup, widest first (TN = 16 x columns per thread): 64 (TN = 4) measured 1.07-1.17x
+# faster than 128 (TN = 8) at 512-8K tokens on the H200 (docs/results/2026-12-02-h200-register-tiles).
+REGTILE_DOWN_COLUMNS = (64,)
 
 
 @lru_cache(maxsize=None)
