@@ -12,19 +12,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}
 W=$OUT/register_tiles
-mkdir -p "$W"
-export LILY_TUNE=off PYTHONUNBUFFERED=1 LILY_BACKEND=${LILY_BACKEND:-cuda}
-BUDGET=${BUDGET:-540}
-T0=$(date +%s)
-left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
-say() { echo "[register_tiles $(date -u +%H:%M:%S) +$(( $(date +%s) - T0 ))s] $*" | tee -a "$W/log.txt"; }
-run() {  # run NAME NEEDED_SECONDS COMMAND...: only when NEEDED_SECONDS still fit the budget
-  local name=$1 need=$2; shift 2
-  if [ "$(left)" -lt "$need" ]; then say "skipped $name (needs ~${need}s, $(left)s left)"; return; fi
-  say "start $name"
-  timeout "$(left)" "$@" > "$W/$name.txt" 2>&1
-  say "end $name (exit $?)"
-}
+TAG=register_tiles
+. bench/device_budget.sh
 case "${PART:-1}" in
   1)
     run tests_cuda 120 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \

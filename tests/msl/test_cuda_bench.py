@@ -232,12 +232,24 @@ def test_decode_profile_shared_prefill_decodes_every_engine_from_one_cache(monke
     assert set(profile["engines"]) == {"stock", "lily"}
 
 
-def test_decode_checks_script_is_valid_bash_and_refuses_an_unknown_part(tmp_path):
-    script = str(REPO / "bench" / "device_decode_checks.sh")
+@pytest.mark.parametrize("name, parts", [("device_decode_checks.sh", "1, 2 or 3"),
+                                         ("device_register_tiles.sh", "1, 2, 3 or 4")])
+def test_device_scripts_are_valid_bash_and_refuse_an_unknown_part(tmp_path, name, parts):
+    script = str(REPO / "bench" / name)
     subprocess.run(["bash", "-n", script], check=True)
-    done = subprocess.run(["bash", script], env={"PATH": "/usr/bin:/bin", "PART": "4", "OUT": str(tmp_path)},
+    done = subprocess.run(["bash", script], env={"PATH": "/usr/bin:/bin", "PART": "9", "OUT": str(tmp_path)},
                           capture_output=True, text=True)
-    assert done.returncode == 2 and "PART must be 1, 2 or 3" in done.stderr
+    assert done.returncode == 2 and f"PART must be {parts}" in done.stderr
+
+
+def test_device_scripts_start_nothing_that_does_not_fit_their_budget(tmp_path):
+    """With a 5-second budget the register-tile script's sweep (~400 s) is skipped, said in its log."""
+    done = subprocess.run(["bash", str(REPO / "bench" / "device_register_tiles.sh")],
+                          env={"PATH": "/usr/bin:/bin", "PART": "3", "BUDGET": "5", "OUT": str(tmp_path)},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "register_tiles" / "log.txt").read_text()
+    assert "skipped sweep (needs ~400s" in log and "part 3 done" in log
 
 
 def test_decode_profile_counts_a_step_that_does_not_grow_the_kv_cache():
