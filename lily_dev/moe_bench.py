@@ -6,6 +6,10 @@ evaluated before the list is returned, so a case times only its own work. ``byte
 minimum traffic of the case (every touched expert's packed weights, scales and biases read once,
 activations read once, outputs written once); ``flops`` counts 2 per multiply-add.
 
+Prefill GEMM cases, per token count: ``gemm_<gate_up_swiglu|down>_fused_<adaptive|fixed16>`` (the simdgroup tiles,
+as the cases were first named), the same with ``_regtiles`` (the register-tiled form, switch ``register_tiles``,
+which runs by default), ``..._bf16tiles`` (simdgroup tiles with bf16 operands) and ``..._unfused`` (fused_dequant off).
+
 Decode GEMV cases (``decode_gemv_cases``, appended to ``microbench_cases``): the one-row-block forms
 of the expert GEMMs (switch ``row_gemv``) at Qwen3.6 decode shape, top-8 routed experts plus the shared
 expert as one chunk (9 blocks per token), bf16:
