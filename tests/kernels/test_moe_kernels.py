@@ -327,6 +327,35 @@ def test_register_tiles_have_the_bits_of_the_simdgroup_tiles(gemm_sim, kind, tok
         assert mx.array_equal(y, y_want).item(), (down_columns, _rms_rel(y, y_want))
 
 
+@pytest.mark.skipif(KERNEL_BACKEND != "sim", reason="the race check is the simulator's")
+def test_register_tiles_race_check(gemm_sim, monkeypatch):
+    """The simulator's race check on the register tiles' staged tiles (each K step's stores after the last
+    step's reads, its reads after its stores): 16- and 32-row tiles, a shared-expert chunk, down at 64 and
+    128 columns a threadgroup; the outputs are the simdgroup tiles'."""
+    monkeypatch.setenv("LILY_MSL_RACE", "1")
+    d, i, e, k = 256, 64, 8, 2
+    block = make_sparse_moe_block(hidden=d, expert_width=i, num_experts=e, top_k=k, seed=4, shared_width=i)
+    sw = block.switch_mlp
+    inds = routing_with_counts([34, 3, 17, 0, 9, 1, 0, 8], k, seed=4)
+    tokens = inds.shape[0]
+    x = make_inputs(1, tokens, d, seed=4).reshape(tokens, d)
+    sched = _schedule_numpy(inds.reshape(-1), e, True)
+    blocks = mx.concatenate([sched["blocks"], mk.shared_expert_blocks(tokens, 1, inds.size, e, mk.LARGE_TILE, False)])
+    assert {int(t) for t in np.asarray(blocks)[:, 3]} == {16, 32}
+    for down_columns in ((64,), (128, 64)):
+        monkeypatch.setattr(mk, "REGTILE_DOWN_COLUMNS", down_columns)
+        mk.regtile_columns.cache_clear()
+        outs = {}
+        for tiles in ("register", "simdgroup"):
+            h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], blocks, sw.gate_proj, sw.up_proj, k, True,
+                                       sched["counts"], KERNEL_BACKEND, shared=block.shared_expert, tiles=tiles)
+            outs[tiles] = (h, mk.gemm_down(h, blocks, sw.down_proj, True, sched["counts"], KERNEL_BACKEND,
+                                           shared=block.shared_expert, tiles=tiles))
+        for got, want in zip(outs["register"], outs["simdgroup"]):
+            assert mx.array_equal(got, want).item()
+    mk.regtile_columns.cache_clear()
+
+
 def test_register_tiles_refuse_what_they_do_not_compute(gemm_sim):
     """Asked for explicitly, the register tiles refuse widths that are not a multiple of 64 and bf16
     operands; by the switch, such a width takes the simdgroup tiles (same bits)."""
