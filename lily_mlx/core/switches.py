@@ -37,8 +37,9 @@ _SWITCH_LIST = [
            "Pick GEMM tile rows and simdgroups per threadgroup from the actual rows per expert.",
            "Fixed 16-row tiles."),
     Switch("register_tiles", "moe", "prefill", True,
-           "Grouped GEMMs with each thread's 4 x 4 (x 2) or 4 x 8 outputs in registers: fp32 FMA chains fed by "
-           "16-byte threadgroup loads, next K step's loads in flight (same bits as the simdgroup tiles).",
+           "Grouped GEMMs with each thread's 4 x 4 block of outputs (of gate and of up) in registers: fp32 FMA "
+           "chains fed by 16-byte threadgroup loads, the next K step's loads in flight (same bits as the "
+           "simdgroup tiles).",
            "simdgroup_matrix 8 x 8 tiles, 4 simdgroups per 32 x 32 block (the write-up's kernel)."),
     Switch("fused_combine", "moe", "both", True,
            "Weight and sum each token's expert rows straight from the down GEMM's slot order (one kernel).",
