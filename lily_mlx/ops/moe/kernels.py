@@ -338,8 +338,9 @@ def gemv_threads(width: int) -> int:
     return next(t for t in (256, 128, 64, 32) if width % t == 0)
 
 
-# Down's columns per threadgroup, widest first (TN = 16 x columns per thread): 64 (TN = 4) measured 1.07-1.17x
-# faster than 128 (TN = 8) at 512-8K tokens on the H200 (docs/results/2026-12-02-h200-register-tiles).
+# Down's columns per threadgroup, widest first (16 column groups x TN columns a thread): 64 (TN = 4) was 1.06-1.17x
+# faster than 128 (TN = 8) at 2K and 8K tokens in two H200 runs, at 512 once faster, once 1.06x slower
+# (docs/results/2026-12-02-h200-register-tiles).
 REGTILE_DOWN_COLUMNS = (64,)
 
 
