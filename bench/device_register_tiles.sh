@@ -45,7 +45,7 @@ json.dump({'ceilings': ceil, 'rows': rows}, open('$W/op_cases.json', 'w'), inden
       # tokens, and down at 64 columns a threadgroup (TN = 4) against 128 (TN = 8)
     run gemm_variants 120 python -m bench.gemm_tiles --variants --out "$W/variants.md"
     cat "$W/variants.md" 2>/dev/null
-    run ncu 200 ncu --set full -k regex:regtile -c 2 python -m bench.gemm_tiles --tokens 2048 --once
+    run ncu 200 ncu --set full -k regex:regtile -c 4 python -m bench.gemm_tiles --tokens 2048 --once
     grep -E "regtile|Duration|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Stall|Warp Cycles Per Issued|Executed Ipc|L1/TEX Hit|Bank" "$W/ncu.txt" | head -80
     ;;
   *) echo "PART must be 1, 2, 3 or 4" >&2; exit 2 ;;

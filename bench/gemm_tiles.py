@@ -1,11 +1,12 @@
 """The MoE grouped GEMMs' tile forms side by side, at Qwen3.6's shapes (256 experts, top-8, hidden 2048,
-expert width 512, skewed routing, bf16): simdgroup tiles, register tiles, and register tiles with down at
-64 columns a threadgroup (TN = 4, the default) and at 128 (TN = 8). Times each on this backend (medians of evaluated calls)
+expert width 512, skewed routing, bf16): simdgroup tiles, register tiles, register tiles with down at 64
+columns a threadgroup (TN = 4, the default) and at 128 (TN = 8), and the register tiles over 256 threads on a
+block map with 64-row tiles for experts of >= 64 rows (a candidate, not a product path). Times each on this backend (medians of evaluated calls)
 and prints a Markdown table of microseconds and TFLOP/s; ``--once`` runs each register-tile GEMM once
 (a target for a profiler such as ``ncu -k regex:regtile``).
 
     python -m bench.gemm_tiles --variants [--tokens 512,2048,8192] [--out variants.md]
-    ncu --set full -k regex:regtile -c 2 python -m bench.gemm_tiles --tokens 2048 --once
+    ncu --set full -k regex:regtile -c 4 python -m bench.gemm_tiles --tokens 2048 --once
 """
 
 from __future__ import annotations
@@ -55,21 +56,25 @@ def cases(tokens: int, sw, backend: str) -> Dict[str, tuple]:
     h = mx.random.normal((tokens * TOP_K, EXPERT_WIDTH), key=mx.random.key(1)).astype(mx.bfloat16)
     s = mk.routing_schedule(inds, NUM_EXPERTS, True, True, backend)
     mx.eval(x, h, *s.values())
+    # The same routing with 64-row tiles for experts of >= 64 rows (only the 256-thread register tiles take them).
+    huge = mx.array(mk.host_block_map(np.asarray(s["counts"]), True, huge_min_rows=mk.HUGE_TILE))
     a = tokens * TOP_K
     up_flops, down_flops = 4 * a * HIDDEN * EXPERT_WIDTH, 2 * a * EXPERT_WIDTH * HIDDEN
 
-    def up(tiles):
-        return lambda: mk.gemm_gate_up_swiglu(x, s["sorted_rows"], s["blocks"], sw.gate_proj, sw.up_proj, TOP_K, True,
+    def up(tiles, blocks=s["blocks"]):
+        return lambda: mk.gemm_gate_up_swiglu(x, s["sorted_rows"], blocks, sw.gate_proj, sw.up_proj, TOP_K, True,
                                               s["counts"], backend, tiles=tiles)
 
-    def down(tiles):
-        return lambda: mk.gemm_down(h, s["blocks"], sw.down_proj, True, s["counts"], backend, tiles=tiles)
+    def down(tiles, blocks=s["blocks"]):
+        return lambda: mk.gemm_down(h, blocks, sw.down_proj, True, s["counts"], backend, tiles=tiles)
 
     return {"gate_up simdgroup": (up("simdgroup"), up_flops, None),
             "gate_up register": (up("register"), up_flops, None),
+            "gate_up register, 256 threads, 64-row tiles": (up("register256", huge), up_flops, None),
             "down simdgroup": (down("simdgroup"), down_flops, None),
             "down register, 64 columns (TN 4)": (down("register"), down_flops, (64,)),
-            "down register, 128 columns (TN 8)": (down("register"), down_flops, (128, 64))}
+            "down register, 128 columns (TN 8)": (down("register"), down_flops, (128, 64)),
+            "down register, 256 threads, 64-row tiles": (down("register256", huge), down_flops, (64,))}
 
 
 def main(argv: List[str] = None) -> int:
@@ -85,8 +90,9 @@ def main(argv: List[str] = None) -> int:
     if args.once:
         for tokens in token_counts:
             c = cases(tokens, sw, backend)
-            mx.eval(c["gate_up register"][0]())
-            mx.eval(c["down register, 64 columns (TN 4)"][0]())
+            for name in ("gate_up register", "down register, 64 columns (TN 4)",
+                         "gate_up register, 256 threads, 64-row tiles", "down register, 256 threads, 64-row tiles"):
+                mx.eval(c[name][0]())
         return 0
     lines = [f"MoE GEMM tile forms, backend {backend}, {mx.default_device()}: us (TFLOP/s), medians of 15 calls", "",
              "| GEMM | " + " | ".join(f"{t} tok" for t in token_counts) + " |",

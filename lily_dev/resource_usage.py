@@ -102,7 +102,8 @@ def mlx_lm_gdn_units() -> Dict[str, str]:
 
 def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
     """The grouped GEMMs (gate+up+SwiGLU, down) at Qwen3.6's widths, for each activation dtype with fp32
-    tile operands and with operands of that dtype, and their register-tiled forms (switch register_tiles)."""
+    tile operands and with operands of that dtype, and their register-tiled forms (switch register_tiles; 128 and
+    256 threads)."""
     from lily_mlx.core.kernel_registry import kernel_source
     from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
     from lily_mlx.ops.moe import kernels as mk
@@ -113,7 +114,8 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
 
     def capture(name, backend=None):
         def launch(*, inputs, template, output_shapes, output_dtypes, **kw):
-            calls[(name, dict(template)["T"], dict(template).get("MT"))] = (inputs, template, output_dtypes)
+            t = dict(template)
+            calls[(name, t["T"], t.get("MT"), t.get("NT"))] = (inputs, template, output_dtypes)
             return [mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]
         return launch
 
@@ -127,17 +129,17 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
     with mock.patch.object(mk, "_kernel", capture):
         for dtype in dtypes:
             x = mx.zeros((40, 2048), dtype)
-            for tile, tiles in ((None, "simdgroup"), (dtype, "simdgroup"), (None, "register")):
+            for tile, tiles in ((None, "simdgroup"), (dtype, "simdgroup"), (None, "register"), (None, "register256")):
                 h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, 2,
                                            True, sched["counts"], "cuda", tile_dtype=tile, tiles=tiles)
                 mk.gemm_down(h, sched["blocks"], sw.down_proj, True, sched["counts"], "cuda", tile_dtype=tile,
                              tiles=tiles)
     units = {}
-    for (name, dtype, mt), (inputs, template, output_dtypes) in calls.items():
+    for (name, dtype, mt, nt), (inputs, template, output_dtypes) in calls.items():
         spec = mk.KERNELS[name]
         header, body = kernel_source(spec)
         kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
-        units[f"{spec.name}[T={dtype}, MT={mt}]"] = wrap_like_mlx(
+        units[f"{spec.name}[T={dtype}, MT={mt}" + (f", NT={nt}]" if nt else "]")] = wrap_like_mlx(
             kernel, inputs, output_dtypes, template=template)[1]
     return units
 

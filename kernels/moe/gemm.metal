@@ -396,12 +396,14 @@ inline void moe_gemv_gate_up_rows(
 // time (half a quantisation group, so the staged tiles fit Apple's 32 KB): the next step's weights
 // (one 16-byte word of 32 nibbles per thread and matrix) and activations go to registers before the
 // current step's FMAs and into threadgroup memory after them (weights dequantised once per tile).
+// The threadgroup size NT is a template parameter: 128 (tiles of 16 or 32 rows) or 256 (a benchmark variant that
+// also takes 64-row tiles: NT / 16 row groups, TM = tile_rows * 16 / NT, so twice the rows share each dequantised
+// weight; docs/moe.md).
 #define MOE_RT_BK 32
-#define MOE_RT_THREADS 128
-#define MOE_RT_XLD (MOE_MAX_ROWS + 4)           // xt [MOE_RT_BK][MOE_RT_XLD]: k-major, a thread's rows adjacent
+#define MOE_RT_XLD(NT) ((NT) / 4 + 4)           // xt [MOE_RT_BK][MOE_RT_XLD]: k-major, a thread's rows adjacent
 #define MOE_RT_GU_COLS 64                    // gate/up columns per threadgroup (of each matrix)
 #define MOE_RT_GU_LD (MOE_RT_GU_COLS + 4)     // row stride of the staged gate and up tiles
-#define MOE_RT_XREGS (MOE_MAX_ROWS * MOE_RT_BK / MOE_RT_THREADS)  // activation values per thread and step
+#define MOE_RT_XREGS 8                          // activation values per thread and step: (NT / 4) * MOE_RT_BK / NT
 
 // One weight row's share of a K step, held in registers between the fetch and the store.
 struct MoeRtWeightRegs {
@@ -446,32 +448,35 @@ inline void moe_rt_store_weight(const device W* w, const device S*, const device
 }
 
 // Activation rows of a block: value q of this thread is row r = i / MOE_RT_BK, k = k0 + i % MOE_RT_BK
-// (i = tid + q * MOE_RT_THREADS: a simdgroup reads 32 adjacent values of one row); src[q] is the row
+// (i = tid + q * NT: a simdgroup reads 32 adjacent values of one row); src[q] is the row
 // of x it comes from, -1 for the zero rows past `rows`.
-template <typename PX, typename T>
+template <int NT, typename PX, typename T>
 inline void moe_rt_fetch_rows(PX x, thread const int* src, int tile_rows, int k0, int K, uint tid, thread T* xr) {
   for (int q = 0; q < MOE_RT_XREGS; ++q) {
-    const int i = int(tid) + q * MOE_RT_THREADS;
+    const int i = int(tid) + q * NT;
     if (i / MOE_RT_BK < tile_rows) {
       xr[q] = src[q] >= 0 ? x[long(src[q]) * K + k0 + i % MOE_RT_BK] : static_cast<T>(0.0f);
     }
   }
 }
 
-template <typename T>
+template <int NT, typename T>
 inline void moe_rt_store_rows(thread const T* xr, int tile_rows, uint tid, threadgroup float* xt) {
   for (int q = 0; q < MOE_RT_XREGS; ++q) {
-    const int i = int(tid) + q * MOE_RT_THREADS;
+    const int i = int(tid) + q * NT;
     if (i / MOE_RT_BK < tile_rows) {
-      xt[(i % MOE_RT_BK) * MOE_RT_XLD + i / MOE_RT_BK] = float(xr[q]);
+      xt[(i % MOE_RT_BK) * MOE_RT_XLD(NT) + i / MOE_RT_BK] = float(xr[q]);
     }
   }
 }
 
-// N consecutive floats of threadgroup memory (N = 2, 4 or 8; 8- or 16-byte aligned) into registers.
+// N consecutive floats of threadgroup memory (N = 1, 2, 4 or 8; aligned to their size up to 16 bytes) into
+// registers.
 template <int N>
 inline void moe_rt_load(const threadgroup float* p, thread float* out) {
-  if (N >= 4) {
+  if (N == 1) {
+    out[0] = p[0];
+  } else if (N >= 4) {
     for (int v = 0; v < N / 4; ++v) {
       const float4 f = reinterpret_cast<const threadgroup float4*>(p)[v];
       out[4 * v] = f.x;
@@ -488,14 +493,14 @@ inline void moe_rt_load(const threadgroup float* p, thread float* out) {
 
 // One K step of NM matrices (gate and up: 2; down: 1) sharing the activation tile:
 // acc[m][i][j] += x[row r0 + i][k] * w_m[k][col c0 + j] for k in the step, in order.
-template <int NM, int TM, int TN>
+template <int NT, int NM, int TM, int TN>
 inline void moe_rt_mac(thread float (&acc)[2][4][8], const threadgroup float* xt, const threadgroup float* w0,
                        const threadgroup float* w1, int ld, int r0, int c0) {
   #pragma unroll 2
   for (int kk = 0; kk < MOE_RT_BK; ++kk) {
     float a[TM];
     float b[NM][TN];
-    moe_rt_load<TM>(xt + kk * MOE_RT_XLD + r0, a);
+    moe_rt_load<TM>(xt + kk * MOE_RT_XLD(NT) + r0, a);
     moe_rt_load<TN>(w0 + kk * ld + c0, b[0]);
     if (NM == 2) {
       moe_rt_load<TN>(w1 + kk * ld + c0, b[NM - 1]);
@@ -513,23 +518,39 @@ inline void moe_rt_mac(thread float (&acc)[2][4][8], const threadgroup float* xt
   }
 }
 
-// Thread tid's outputs: rows r0 .. r0 + TM of the tile (TM = tile_rows / 8), columns c0 .. c0 + TN. A
+// Thread tid's outputs: rows r0 .. r0 + TM of the tile (TM = tile_rows * 16 / NT), columns c0 .. c0 + TN. A
 // simdgroup covers 4 row groups x 8 column groups (not 2 x 16), so that each of its 16-byte threadgroup loads
 // per K index touches 32 adjacent floats of a weight tile (one wavefront on NVIDIA GPUs) and 16 of the
-// activation tile: the shared-memory pipe, not the FMA units, bounded the first layout (Nsight Compute).
+// activation tile (the first layout's shared loads were its largest pipe load under Nsight Compute).
+template <int NT>
 inline void moe_rt_thread_origin(uint tid, int tile_rows, int tn, thread int& r0, thread int& c0) {
+  constexpr int ROW_BLOCKS = NT / 64;  // simdgroups along the rows (4 row groups each)
   const int sg = int(tid) / 32;
   const int lane = int(tid) % 32;
-  r0 = (4 * (sg % 2) + lane / 8) * (tile_rows / 8);
-  c0 = (8 * (sg / 2) + lane % 8) * tn;
+  r0 = (4 * (sg % ROW_BLOCKS) + lane / 8) * (tile_rows * 16 / NT);
+  c0 = (8 * (sg / ROW_BLOCKS) + lane % 8) * tn;
+}
+
+// One K step's multiply-accumulates at this block's rows per thread (uniform over the threadgroup).
+template <int NT, int NM, int TN>
+inline void moe_rt_mac_rows(int tile_rows, thread float (&acc)[2][4][8], const threadgroup float* xt,
+                            const threadgroup float* w0, const threadgroup float* w1, int ld, int r0, int c0) {
+  const int tm = tile_rows * 16 / NT;
+  if (tm == 4) {
+    moe_rt_mac<NT, NM, 4, TN>(acc, xt, w0, w1, ld, r0, c0);
+  } else if (tm == 2) {
+    moe_rt_mac<NT, NM, 2, TN>(acc, xt, w0, w1, ld, r0, c0);
+  } else {
+    moe_rt_mac<NT, NM, 1, TN>(acc, xt, w0, w1, ld, r0, c0);
+  }
 }
 
 // Where this block's activation rows come from (moe_rt_fetch_rows' src): GATHER as moe_load_rows_tile.
-template <bool GATHER, typename PR>
+template <int NT, bool GATHER, typename PR>
 inline void moe_rt_row_sources(PR sorted_rows, int first, int rows, int tile_rows, int top_k, uint tid,
                                int token_base, thread int* src) {
   for (int q = 0; q < MOE_RT_XREGS; ++q) {
-    const int r = (int(tid) + q * MOE_RT_THREADS) / MOE_RT_BK;
+    const int r = (int(tid) + q * NT) / MOE_RT_BK;
     src[q] = r >= rows || r >= tile_rows ? -1
              : !GATHER ? first + r
              : token_base >= 0 ? token_base + r : int(sorted_rows[first + r]) / top_k;
@@ -658,10 +679,10 @@ for (int i = int(tid); i < tile_rows * MOE_BN; i += MOE_THREADS) {
 }
 
 // @kernel moe_gemm_gate_up_swiglu_regtile
-// grid (I / 64 * 128, max_blocks, 1), threadgroup (128, 1, 1); inputs, params and output as
-// moe_gemm_gate_up_swiglu (I % 64 == 0), same bits. Thread (rg, cg): rows rg * TM .., gate and up
-// columns n0 + cg * 4 .. + 4 of both matrices; loader thread tid stages column tid % 64 of matrix tid / 64.
-threadgroup float4 xt4[MOE_RT_BK * MOE_RT_XLD / 4];  // float4: 16-byte aligned for the vector loads
+// grid (I / 64 * NT, max_blocks, 1), threadgroup (NT, 1, 1), NT = 128 or 256 (template); inputs, params and
+// output as moe_gemm_gate_up_swiglu (I % 64 == 0), same bits. Thread (rg, cg): rows rg * TM .., gate and up
+// columns n0 + cg * 4 .. + 4 of both matrices; loader thread tid < 128 stages column tid % 64 of matrix tid / 64.
+threadgroup float4 xt4[MOE_RT_BK * MOE_RT_XLD(NT) / 4];  // float4: 16-byte aligned for the vector loads
 threadgroup float* xt = reinterpret_cast<threadgroup float*>(xt4);
 threadgroup float4 wt4[2 * MOE_RT_BK * MOE_RT_GU_LD / 4];  // gate tile, then up tile
 threadgroup float* wt = reinterpret_cast<threadgroup float*>(wt4);
@@ -676,14 +697,15 @@ if (rows == 0) {
   return;  // padding entry of the block map: the whole threadgroup leaves
 }
 int r0, c0;
-moe_rt_thread_origin(tid, tile_rows, 4, r0, c0);
+moe_rt_thread_origin<NT>(tid, tile_rows, 4, r0, c0);
 const int chunk = e - E;  // >= 0: a chunk of the shared expert
-const int mat = int(tid) / MOE_RT_GU_COLS;  // the loader's matrix (0 gate, 1 up) and column
+const bool loads = int(tid) < 2 * MOE_RT_GU_COLS;  // this thread stages a weight column
+const int mat = (int(tid) / MOE_RT_GU_COLS) % 2;  // the loader's matrix (0 gate, 1 up) and column
 const long wrow = long(chunk >= 0 ? chunk : e) * I + n0 + int(tid) % MOE_RT_GU_COLS;
 threadgroup float* wcol = wt + mat * MOE_RT_BK * MOE_RT_GU_LD + int(tid) % MOE_RT_GU_COLS;
 int src[MOE_RT_XREGS];
-moe_rt_row_sources<true>(sorted_rows, first, rows, tile_rows, top_k, tid, chunk >= 0 ? first - A - chunk * N : -1,
-                         src);
+moe_rt_row_sources<NT, true>(sorted_rows, first, rows, tile_rows, top_k, tid,
+                             chunk >= 0 ? first - A - chunk * N : -1, src);
 float acc[2][4][8];
 for (int m = 0; m < 2; ++m) {
   for (int i = 0; i < 4; ++i) {
@@ -697,44 +719,40 @@ T xr[MOE_RT_XREGS];
 for (int k0 = 0; k0 < D; k0 += MOE_RT_BK) {
   // Step k0's operands: fetched ahead during the last step (or now, for the first), staged now.
   if (k0 == 0) {
-    if (chunk >= 0) {
+    if (loads && chunk >= 0) {
       moe_rt_fetch_weight(mat == 0 ? w_gate_s : w_up_s, mat == 0 ? scales_gate_s : scales_up_s,
                           mat == 0 ? biases_gate_s : biases_up_s, wrow, 0, D, wr);
-    } else {
+    } else if (loads) {
       moe_rt_fetch_weight(mat == 0 ? w_gate : w_up, mat == 0 ? scales_gate : scales_up,
                           mat == 0 ? biases_gate : biases_up, wrow, 0, D, wr);
     }
-    moe_rt_fetch_rows(x, src, tile_rows, 0, D, tid, xr);
+    moe_rt_fetch_rows<NT>(x, src, tile_rows, 0, D, tid, xr);
   }
-  if (chunk >= 0) {
+  if (loads && chunk >= 0) {
     moe_rt_store_weight(mat == 0 ? w_gate_s : w_up_s, mat == 0 ? scales_gate_s : scales_up_s,
                         mat == 0 ? biases_gate_s : biases_up_s, wrow, k0, D, wr, wcol, MOE_RT_GU_LD);
-  } else {
+  } else if (loads) {
     moe_rt_store_weight(mat == 0 ? w_gate : w_up, mat == 0 ? scales_gate : scales_up,
                         mat == 0 ? biases_gate : biases_up, wrow, k0, D, wr, wcol, MOE_RT_GU_LD);
   }
-  moe_rt_store_rows(xr, tile_rows, tid, xt);
+  moe_rt_store_rows<NT>(xr, tile_rows, tid, xt);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (k0 + MOE_RT_BK < D) {  // the next step's device loads, in flight during this step's FMAs
-    if (chunk >= 0) {
+    if (loads && chunk >= 0) {
       moe_rt_fetch_weight(mat == 0 ? w_gate_s : w_up_s, mat == 0 ? scales_gate_s : scales_up_s,
                           mat == 0 ? biases_gate_s : biases_up_s, wrow, k0 + MOE_RT_BK, D, wr);
-    } else {
+    } else if (loads) {
       moe_rt_fetch_weight(mat == 0 ? w_gate : w_up, mat == 0 ? scales_gate : scales_up,
                           mat == 0 ? biases_gate : biases_up, wrow, k0 + MOE_RT_BK, D, wr);
     }
-    moe_rt_fetch_rows(x, src, tile_rows, k0 + MOE_RT_BK, D, tid, xr);
+    moe_rt_fetch_rows<NT>(x, src, tile_rows, k0 + MOE_RT_BK, D, tid, xr);
   }
-  if (tile_rows == 32) {
-    moe_rt_mac<2, 4, 4>(acc, xt, wt, wt + MOE_RT_BK * MOE_RT_GU_LD, MOE_RT_GU_LD, r0, c0);
-  } else {
-    moe_rt_mac<2, 2, 4>(acc, xt, wt, wt + MOE_RT_BK * MOE_RT_GU_LD, MOE_RT_GU_LD, r0, c0);
-  }
+  moe_rt_mac_rows<NT, 2, 4>(tile_rows, acc, xt, wt, wt + MOE_RT_BK * MOE_RT_GU_LD, MOE_RT_GU_LD, r0, c0);
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 #pragma unroll
 for (int i = 0; i < 4; ++i) {  // constant trip count: acc stays in registers
-  if (i < tile_rows / 8 && r0 + i < rows) {
+  if (i < tile_rows * 16 / NT && r0 + i < rows) {
     #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float g = acc[0][i][j];
@@ -745,10 +763,10 @@ for (int i = 0; i < 4; ++i) {  // constant trip count: acc stays in registers
 }
 
 // @kernel moe_gemm_down_regtile
-// grid (D / (16 * TN) * 128, max_blocks, 1), threadgroup (128, 1, 1); TN (4 or 8) columns per thread.
-// Inputs, params and output as moe_gemm_down, same bits. Thread (rg, cg): rows rg * TM .., columns
-// n0 + cg * TN .. + TN; loader thread tid < 16 * TN stages column tid.
-threadgroup float4 xt4[MOE_RT_BK * MOE_RT_XLD / 4];  // float4: 16-byte aligned for the vector loads
+// grid (D / (16 * TN) * NT, max_blocks, 1), threadgroup (NT, 1, 1), NT = 128 or 256; TN (4 or 8) columns per
+// thread (templates). Inputs, params and output as moe_gemm_down, same bits. Thread (rg, cg): rows rg * TM ..,
+// columns n0 + cg * TN .. + TN; loader thread tid < 16 * TN stages column tid.
+threadgroup float4 xt4[MOE_RT_BK * MOE_RT_XLD(NT) / 4];  // float4: 16-byte aligned for the vector loads
 threadgroup float* xt = reinterpret_cast<threadgroup float*>(xt4);
 threadgroup float4 wt4[MOE_RT_BK * (16 * TN + 4) / 4];
 threadgroup float* wt = reinterpret_cast<threadgroup float*>(wt4);
@@ -765,13 +783,13 @@ if (rows == 0) {
   return;  // padding entry of the block map: the whole threadgroup leaves
 }
 int r0, c0;
-moe_rt_thread_origin(tid, tile_rows, TN, r0, c0);
+moe_rt_thread_origin<NT>(tid, tile_rows, TN, r0, c0);
 const bool loads = int(tid) < cols;  // this thread stages weight column tid
 const bool shared = e >= E;          // chunk e - E of the shared expert: its K range within the shared rows
 const long wrow = shared ? long(n0 + int(tid)) : long(e) * D + n0 + int(tid);
 const int koff = shared ? (e - E) * I : 0;
 int src[MOE_RT_XREGS];
-moe_rt_row_sources<false>(blocks, first, rows, tile_rows, 1, tid, -1, src);
+moe_rt_row_sources<NT, false>(blocks, first, rows, tile_rows, 1, tid, -1, src);
 float acc[2][4][8];
 for (int i = 0; i < 4; ++i) {
   for (int j = 0; j < 8; ++j) {
@@ -789,7 +807,7 @@ for (int k0 = 0; k0 < I; k0 += MOE_RT_BK) {
         moe_rt_fetch_weight(w_down, scales_down, biases_down, wrow, 0, I, wr);
       }
     }
-    moe_rt_fetch_rows(h, src, tile_rows, 0, I, tid, xr);
+    moe_rt_fetch_rows<NT>(h, src, tile_rows, 0, I, tid, xr);
   }
   if (loads) {
     if (shared) {
@@ -798,7 +816,7 @@ for (int k0 = 0; k0 < I; k0 += MOE_RT_BK) {
       moe_rt_store_weight(w_down, scales_down, biases_down, wrow, k0, I, wr, wt + tid, ld);
     }
   }
-  moe_rt_store_rows(xr, tile_rows, tid, xt);
+  moe_rt_store_rows<NT>(xr, tile_rows, tid, xt);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (k0 + MOE_RT_BK < I) {
     if (loads) {
@@ -808,18 +826,14 @@ for (int k0 = 0; k0 < I; k0 += MOE_RT_BK) {
         moe_rt_fetch_weight(w_down, scales_down, biases_down, wrow, k0 + MOE_RT_BK, I, wr);
       }
     }
-    moe_rt_fetch_rows(h, src, tile_rows, k0 + MOE_RT_BK, I, tid, xr);
+    moe_rt_fetch_rows<NT>(h, src, tile_rows, k0 + MOE_RT_BK, I, tid, xr);
   }
-  if (tile_rows == 32) {
-    moe_rt_mac<1, 4, TN>(acc, xt, wt, wt, ld, r0, c0);
-  } else {
-    moe_rt_mac<1, 2, TN>(acc, xt, wt, wt, ld, r0, c0);
-  }
+  moe_rt_mac_rows<NT, 1, TN>(tile_rows, acc, xt, wt, wt, ld, r0, c0);
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 #pragma unroll
 for (int i = 0; i < 4; ++i) {  // constant trip count: acc stays in registers
-  if (i < tile_rows / 8 && r0 + i < rows) {
+  if (i < tile_rows * 16 / NT && r0 + i < rows) {
     #pragma unroll
     for (int j = 0; j < TN; ++j) {
       y[long(first + r0 + i) * D + n0 + c0 + j] = static_cast<T>(acc[0][i][j]);

@@ -291,7 +291,8 @@ def test_register_tiles_have_the_bits_of_the_simdgroup_tiles(gemm_sim, kind, tok
     """switch register_tiles: the register-tiled GEMMs (a thread's outputs in registers, fp32 FMA chains in
     K order) give the simdgroup tiles' bits, bit for bit, for routed rows and shared-expert chunks, 16- and
     32-row tiles, 4-bit and dequantised weights, and down at 64 or 128 columns per threadgroup (D 192 /
-    256); outputs poisoned, so an unwritten element shows."""
+    256); the 256-thread form on a block map with 64-row tiles too; outputs poisoned, so an unwritten element
+    shows."""
     d, i, e, k = shape
     block = make_sparse_moe_block(hidden=d, expert_width=i, num_experts=e, top_k=k, seed=seed % 5,
                                   shared_width=max(1, chunks) * i)
@@ -304,7 +305,13 @@ def test_register_tiles_have_the_bits_of_the_simdgroup_tiles(gemm_sim, kind, tok
         tile = mk.LARGE_TILE if adaptive and tokens >= mk.LARGE_TILE else mk.SMALL_TILE
         blocks = mx.concatenate([blocks, mk.shared_expert_blocks(tokens, chunks, inds.size, e, tile, False)])
 
-    def run(tiles):
+    # The 256-thread register tiles also take 64-row tiles (experts with >= 64 rows, and the shared chunks).
+    huge = mx.array(mk.host_block_map(np.asarray(sched["counts"]), adaptive, huge_min_rows=mk.HUGE_TILE))
+    if chunks:
+        huge = mx.concatenate([huge, mk.shared_expert_blocks(tokens, chunks, inds.size, e,
+                                                             mk.HUGE_TILE if tokens >= mk.HUGE_TILE else tile, False)])
+
+    def run(tiles, blocks=blocks):
         h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], blocks, sw.gate_proj, sw.up_proj, k, fused,
                                    sched["counts"], KERNEL_BACKEND, init_value=float("nan"), shared=shared, tiles=tiles)
         y = mk.gemm_down(h, blocks, sw.down_proj, fused, sched["counts"], KERNEL_BACKEND, init_value=float("nan"),
@@ -325,18 +332,21 @@ def test_register_tiles_have_the_bits_of_the_simdgroup_tiles(gemm_sim, kind, tok
             mk.regtile_columns.cache_clear()
         assert mx.array_equal(h, h_want).item(), _rms_rel(h, h_want)
         assert mx.array_equal(y, y_want).item(), (down_columns, _rms_rel(y, y_want))
+    h, y = run("register256", huge)
+    assert mx.array_equal(h, h_want).item(), ("register256", _rms_rel(h, h_want))
+    assert mx.array_equal(y, y_want).item(), ("register256", _rms_rel(y, y_want))
 
 
 @pytest.mark.skipif(KERNEL_BACKEND != "sim", reason="the race check is the simulator's")
 def test_register_tiles_race_check(gemm_sim, monkeypatch):
     """The simulator's race check on the register tiles' staged tiles (each K step's stores after the last
     step's reads, its reads after its stores): 16- and 32-row tiles, a shared-expert chunk, down at 64 and
-    128 columns a threadgroup; the outputs are the simdgroup tiles'."""
+    128 columns a threadgroup, and the 256-thread form on 64-row tiles; the outputs are the simdgroup tiles'."""
     monkeypatch.setenv("LILY_MSL_RACE", "1")
-    d, i, e, k = 256, 64, 8, 2
+    d, i, e, k = 256, 64, 9, 2
     block = make_sparse_moe_block(hidden=d, expert_width=i, num_experts=e, top_k=k, seed=4, shared_width=i)
     sw = block.switch_mlp
-    inds = routing_with_counts([34, 3, 17, 0, 9, 1, 0, 8], k, seed=4)
+    inds = routing_with_counts([70, 3, 17, 0, 9, 1, 0, 8, 34], k, seed=4)
     tokens = inds.shape[0]
     x = make_inputs(1, tokens, d, seed=4).reshape(tokens, d)
     sched = _schedule_numpy(inds.reshape(-1), e, True)
@@ -354,6 +364,15 @@ def test_register_tiles_race_check(gemm_sim, monkeypatch):
         for got, want in zip(outs["register"], outs["simdgroup"]):
             assert mx.array_equal(got, want).item()
     mk.regtile_columns.cache_clear()
+    # The 256-thread form on 64-row tiles (the 70-row expert and the 71 shared rows: one full, one partial each).
+    huge = mx.concatenate([mx.array(mk.host_block_map(np.asarray(sched["counts"]), True, mk.HUGE_TILE)),
+                           mk.shared_expert_blocks(tokens, 1, inds.size, e, mk.HUGE_TILE, False)])
+    assert {int(t) for t in np.asarray(huge)[:, 3]} == {16, 32, 64}
+    h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], huge, sw.gate_proj, sw.up_proj, k, True, sched["counts"],
+                               KERNEL_BACKEND, shared=block.shared_expert, tiles="register256")
+    y = mk.gemm_down(h, huge, sw.down_proj, True, sched["counts"], KERNEL_BACKEND, shared=block.shared_expert,
+                     tiles="register256")
+    assert mx.array_equal(h, outs["simdgroup"][0]).item() and mx.array_equal(y, outs["simdgroup"][1]).item()
 
 
 def test_register_tiles_refuse_what_they_do_not_compute(gemm_sim):
@@ -1062,7 +1081,8 @@ def test_gemm_tile_operand_types_compile_for_cuda():
     if compiler_available() is None:
         pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
     units = resource_usage.moe_gemm_units(dtypes=(mx.bfloat16, mx.float16))
-    assert len(units) == 12  # (gate_up, down) x (bf16, f16) x (fp32 tiles, tiles of the dtype, register tiles)
+    assert len(units) == 16  # (gate_up, down) x (bf16, f16) x (fp32 tiles, tiles of the dtype, register tiles
+    #                           over 128 and 256 threads)
     for name, unit in units.items():
         ok, log = compile_cuda(unit)
         assert ok, (name, log[-3000:])

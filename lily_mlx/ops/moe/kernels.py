@@ -112,11 +112,13 @@ KERNELS: Dict[str, KernelSpec] = {
 CHUNK = 256  # assignments per threadgroup in the histogram and scatter kernels
 GEMM_THREADS = 128  # 4 simdgroups
 GEMM_COLS = 32  # output columns per threadgroup
-TILE_KINDS = ("simdgroup", "register")  # the GEMMs' tile forms (switch register_tiles picks)
+# The GEMMs' tile forms: the switch register_tiles picks between the first two; "register256" (benchmarks, tests)
+# is the register form over 256 threads, which also takes 64-row tiles (HUGE_TILE; host_block_map's huge_min_rows).
+TILE_KINDS = ("simdgroup", "register", "register256")
 COMBINE_THREADS = 128  # threads per threadgroup of the combine kernel, 4 columns each
 # Placeholder for the combine kernel's residual input when it adds none (one element, never read).
 _ONE_ZERO = {dtype: mx.zeros((1,), dtype=dtype) for dtype in (mx.bfloat16, mx.float16, mx.float32)}
-SMALL_TILE, LARGE_TILE = 16, 32
+SMALL_TILE, LARGE_TILE, HUGE_TILE = 16, 32, 64
 MAX_EXPERTS = 1024  # the scan and block-map kernels keep one thread per expert in one threadgroup
 NEVER = 1 << 30
 
@@ -204,14 +206,16 @@ def route_block_map(counts: mx.array, offsets: mx.array, num_assignments: int, a
     return blocks
 
 
-def host_block_map(counts, adaptive: bool) -> np.ndarray:
-    """The same block map built on the host from the counts, exactly sized: [n_blocks, 4]."""
+def host_block_map(counts, adaptive: bool, huge_min_rows: int = NEVER) -> np.ndarray:
+    """The same block map built on the host from the counts, exactly sized: [n_blocks, 4]. ``huge_min_rows``
+    (benchmarks, tests): experts with at least that many rows get 64-row tiles, which only the 256-thread
+    register tiles (``tiles="register256"``) take."""
     counts = np.asarray(counts, dtype=np.int64).reshape(-1)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     threshold = large_min_rows(adaptive)
     rows = []
     for e, c in enumerate(counts):
-        tile = LARGE_TILE if c >= threshold else SMALL_TILE
+        tile = HUGE_TILE if c >= huge_min_rows else LARGE_TILE if c >= threshold else SMALL_TILE
         for start in range(0, int(c), tile):
             rows.append((e, offsets[e] + start, min(tile, int(c) - start), tile))
     return np.asarray(rows, dtype=np.int32).reshape(-1, 4)
@@ -368,8 +372,9 @@ def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, 
     ``tile_dtype`` (benchmarks, tests): the GEMM tiles' operand type, float32 (default; the same bits as
     the GEMVs) or the activation dtype (bf16/f16 fragments with fp32 accumulation: tensor cores through
     the bridge; not the same bits as the GEMVs, so not a product path yet, docs/moe.md).
-    ``tiles`` (benchmarks, tests): "simdgroup" or "register" (the register-tiled form, fp32 operands, same
-    bits); None: as the switch register_tiles says."""
+    ``tiles`` (benchmarks, tests): "simdgroup", "register" (the register-tiled form, fp32 operands, same
+    bits) or "register256" (that form over 256 threads: the only one that takes 64-row tiles); None: as the
+    switch register_tiles says."""
     n, d = x2d.shape
     e, i = gate_proj["scales"].shape[:2]
     a = sorted_rows.size
@@ -388,14 +393,14 @@ def _register_tiles(name: str, width: int, tile_dtype, tiles: Optional[str]) -> 
     """Columns per threadgroup when the register-tiled form runs this GEMM, else None (simdgroup tiles)."""
     if tiles is not None and tiles not in TILE_KINDS:
         raise ValueError(f"tiles: one of {TILE_KINDS}, not {tiles!r}")
-    wanted = tiles == "register" or (tiles is None and switches.is_enabled("register_tiles"))
+    wanted = tiles in ("register", "register256") or (tiles is None and switches.is_enabled("register_tiles"))
     if not wanted or (tile_dtype is not None and tile_dtype != mx.float32):
-        if tiles == "register":
+        if tiles in ("register", "register256"):
             raise ValueError("register tiles take fp32 operands only")
         return None
     cols = regtile_columns(name, width)
     if cols is None:
-        if tiles == "register":
+        if tiles in ("register", "register256"):
             raise ValueError(f"register tiles: output width {width} is not a multiple of 64")
         log_once(f"moe_regtile:{name}:{width}",
                  f"moe_grouped_gemm: simdgroup tiles for {name} (output width {width} not a multiple of 64)")
@@ -420,7 +425,9 @@ def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_s
         template += [("R", rows), ("KC", chunk)]
         name = "gemv_" + name
     elif (cols := _register_tiles(name, width, tile_dtype, tiles)) is not None:
-        grid, threads = (width // cols * GEMM_THREADS, blocks.shape[0], 1), (GEMM_THREADS, 1, 1)
+        nt = 256 if tiles == "register256" else GEMM_THREADS
+        grid, threads = (width // cols * nt, blocks.shape[0], 1), (nt, 1, 1)
+        template.append(("NT", nt))
         if name == "down":
             template.append(("TN", cols // 16))
         name += "_regtile"
