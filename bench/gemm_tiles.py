@@ -21,22 +21,9 @@ import mlx.core as mx
 import numpy as np
 
 from lily_dev.moe_bench import EXPERT_WIDTH, HIDDEN, NUM_EXPERTS, TOP_K, _SwitchGLU
-from lily_dev.moe_testing import make_routing
+from lily_dev.moe_testing import make_routing, regtile_down_columns
 from lily_mlx.core.dispatch import op_backend
 from lily_mlx.ops.moe import kernels as mk
-
-
-@contextlib.contextmanager
-def down_columns(columns):
-    """Down's register tiles at these columns per threadgroup (widest first), then as before."""
-    saved = mk.REGTILE_DOWN_COLUMNS
-    mk.REGTILE_DOWN_COLUMNS = columns
-    mk.regtile_columns.cache_clear()
-    try:
-        yield
-    finally:
-        mk.REGTILE_DOWN_COLUMNS = saved
-        mk.regtile_columns.cache_clear()
 
 
 def _median_us(fn: Callable[[], mx.array], rounds: int = 15) -> float:
@@ -100,7 +87,7 @@ def main(argv: List[str] = None) -> int:
     rows: Dict[str, List[str]] = {}
     for tokens in token_counts:
         for name, (fn, flops, columns) in cases(tokens, sw, backend).items():
-            with down_columns(columns) if columns else contextlib.nullcontext():
+            with regtile_down_columns(columns) if columns else contextlib.nullcontext():
                 us = _median_us(fn)
             rows.setdefault(name, []).append(f"{us:,.0f} ({flops / us / 1e6:.1f})")
     lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows.items()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -127,3 +128,19 @@ def routing_with_counts(counts, top_k: int, seed: int = 0) -> np.ndarray:
     for row in out:
         rng.shuffle(row)
     return out
+
+
+@contextlib.contextmanager
+def regtile_down_columns(columns):
+    """Down's register tiles at these columns per threadgroup (widest first, e.g. (128, 64)), then as before
+    (``REGTILE_DOWN_COLUMNS``; the column rule's cache is cleared on the way in and on the way out)."""
+    from lily_mlx.ops.moe import kernels as mk
+
+    saved = mk.REGTILE_DOWN_COLUMNS
+    mk.REGTILE_DOWN_COLUMNS = columns
+    mk.regtile_columns.cache_clear()
+    try:
+        yield
+    finally:
+        mk.REGTILE_DOWN_COLUMNS = saved
+        mk.regtile_columns.cache_clear()

@@ -22,7 +22,8 @@ from lily_mlx.core.log import reset_log_once
 from lily_mlx.ops.moe import kernels as mk
 from lily_mlx.ops.moe.reference import combine_reference, dequantize_experts_reference, switch_glu_reference
 from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
-from lily_dev.moe_testing import make_inputs, make_routing, make_sparse_moe_block, routing_with_counts, simulator_problem
+from lily_dev.moe_testing import (make_inputs, make_routing, make_sparse_moe_block, regtile_down_columns,
+                                  routing_with_counts, simulator_problem)
 
 POISON_INT = -777
 SETTINGS = settings(deadline=None, max_examples=10, derandomize=True)
@@ -322,14 +323,8 @@ def test_register_tiles_have_the_bits_of_the_simdgroup_tiles(gemm_sim, kind, tok
     assert h_want.shape == (inds.size + chunks * tokens, i)
     assert not mx.isnan(h_want).any().item() and not mx.isnan(y_want).any().item()
     for down_columns in ((64,), (128, 64)):  # down at TN = 4, and at TN = 8 where D allows (256)
-        saved = mk.REGTILE_DOWN_COLUMNS
-        mk.REGTILE_DOWN_COLUMNS = down_columns
-        mk.regtile_columns.cache_clear()
-        try:
+        with regtile_down_columns(down_columns):
             h, y = run("register")
-        finally:
-            mk.REGTILE_DOWN_COLUMNS = saved
-            mk.regtile_columns.cache_clear()
         assert mx.array_equal(h, h_want).item(), _rms_rel(h, h_want)
         assert mx.array_equal(y, y_want).item(), (down_columns, _rms_rel(y, y_want))
     h, y = run("register256", huge)
@@ -353,17 +348,15 @@ def test_register_tiles_race_check(gemm_sim, monkeypatch):
     blocks = mx.concatenate([sched["blocks"], mk.shared_expert_blocks(tokens, 1, inds.size, e, mk.LARGE_TILE, False)])
     assert {int(t) for t in np.asarray(blocks)[:, 3]} == {16, 32}
     for down_columns in ((64,), (128, 64)):
-        monkeypatch.setattr(mk, "REGTILE_DOWN_COLUMNS", down_columns)
-        mk.regtile_columns.cache_clear()
         outs = {}
-        for tiles in ("register", "simdgroup"):
-            h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], blocks, sw.gate_proj, sw.up_proj, k, True,
-                                       sched["counts"], KERNEL_BACKEND, shared=block.shared_expert, tiles=tiles)
-            outs[tiles] = (h, mk.gemm_down(h, blocks, sw.down_proj, True, sched["counts"], KERNEL_BACKEND,
-                                           shared=block.shared_expert, tiles=tiles))
+        with regtile_down_columns(down_columns):
+            for tiles in ("register", "simdgroup"):
+                h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], blocks, sw.gate_proj, sw.up_proj, k, True,
+                                           sched["counts"], KERNEL_BACKEND, shared=block.shared_expert, tiles=tiles)
+                outs[tiles] = (h, mk.gemm_down(h, blocks, sw.down_proj, True, sched["counts"], KERNEL_BACKEND,
+                                               shared=block.shared_expert, tiles=tiles))
         for got, want in zip(outs["register"], outs["simdgroup"]):
             assert mx.array_equal(got, want).item()
-    mk.regtile_columns.cache_clear()
     # The 256-thread form on 64-row tiles (the 70-row expert and the 71 shared rows: one full, one partial each).
     huge = mx.concatenate([mx.array(mk.host_block_map(np.asarray(sched["counts"]), True, mk.HUGE_TILE)),
                            mk.shared_expert_blocks(tokens, 1, inds.size, e, mk.HUGE_TILE, False)])
