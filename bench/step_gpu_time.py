@@ -10,6 +10,9 @@ the GPU or on the host?
 The first command prefills ``--context`` tokens of the full-size random model, decodes a few warm-up
 steps, and decodes ``--steps`` more between cudaProfilerStart / cudaProfilerStop, so Nsight Compute
 measures those steps' kernels only (each replayed alone: their GPU durations, not the pipelined step).
+With ``--prefill-chunk L`` the profiled unit is a prompt chunk instead: after ``--context`` cached tokens,
+``--steps`` chunks of L tokens are prefilled as ``generate`` does (the cache evaluated, no logits), after one
+chunk of the same length on a throwaway cache that compiles every kernel.
 The second prints the sum per step and a table by kernel name. The third runs the first for each engine
 in turn (``ncu`` on the PATH) and prints one table of GPU ms per step and kernels per step by engine,
 then each engine's table. Compare the sum with the step's pipelined time from ``--mode decode-profile``:
@@ -81,6 +84,41 @@ def profile(engine: str, context: int, steps: int, warmup: int) -> None:
     print(f"[step-gpu-time] profiled {steps} steps (profiler API from {lib}, start rc {rc})", flush=True)
 
 
+def profile_prefill(engine: str, context: int, chunk: int, steps: int) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from bench.e2e import Engines, switches_off, validate_engine
+    from bench.model_setup import load_model
+    from lily_mlx.core import switches
+
+    validate_engine(engine)
+    model, description = load_model(None, "full")
+    print(f"[step-gpu-time] {description}; engine {engine}, chunks of {chunk} after {context} tokens", flush=True)
+    Engines(model).use(engine)
+    vocab = model.args.text_config["vocab_size"]
+    tokens = mx.random.randint(0, vocab, (1, context + chunk * steps), key=mx.random.key(0))
+
+    def prefill(cache, begin: int, end: int) -> None:
+        model(tokens[:, begin:end], cache=cache)
+        mx.eval([c.state for c in cache])
+
+    with switches.overrides(disable=switches_off(engine)):
+        prefill(make_prompt_cache(model), 0, chunk)  # compiles this chunk length's kernels
+        cache = make_prompt_cache(model)
+        for begin in range(0, context, 2048):
+            prefill(cache, begin, min(begin + 2048, context))
+        mx.clear_cache()
+        start, stop, lib = _profiler()
+        mx.synchronize()
+        rc = start()
+        for i in range(steps):
+            prefill(cache, context + i * chunk, context + (i + 1) * chunk)
+        mx.synchronize()
+        stop()
+    print(f"[step-gpu-time] profiled {steps} chunks (profiler API from {lib}, start rc {rc})", flush=True)
+
+
 def kernel_times(path: str):
     """(us by kernel name, launches by kernel name) summed over an ``ncu --csv`` log's
     ``gpu__time_duration.sum`` rows (other lines of the log are skipped)."""
@@ -100,11 +138,11 @@ def kernel_times(path: str):
     return total, count
 
 
-def summarise(path: str, steps: int) -> str:
-    """Markdown: the profiled kernels' GPU time per step, by kernel name."""
+def summarise(path: str, steps: int, unit: str = "decode step") -> str:
+    """Markdown: the profiled kernels' GPU time per step (or prompt chunk: ``unit``), by kernel name."""
     total, count = kernel_times(path)
     all_us = sum(total.values())
-    out = [f"GPU time per decode step: {all_us / steps / 1e3:.3f} ms over {sum(count.values()) // steps} kernels "
+    out = [f"GPU time per {unit}: {all_us / steps / 1e3:.3f} ms over {sum(count.values()) // steps} kernels "
            f"(each kernel replayed alone by Nsight Compute)", "",
            "| kernel | launches/step | us/step | share |", "|---|---|---|---|"]
     for name, us in total.most_common():
@@ -112,16 +150,17 @@ def summarise(path: str, steps: int) -> str:
     return "\n".join(out)
 
 
-def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu") -> str:
+def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", chunk: int = 0) -> str:
     """Profile each engine in its own process under Nsight Compute; Markdown: a comparison table, then
-    each engine's kernel table."""
+    each engine's kernel table. ``chunk`` > 0: prompt chunks of that length instead of decode steps."""
+    unit = f"prompt chunk of {chunk} tokens" if chunk else "decode step"
     os.makedirs(out_dir, exist_ok=True)
     rows, tables = [], []
     for engine in engines:
         log = os.path.join(out_dir, f"ncu_{engine.replace(':', '_').replace('+', '_')}.csv")
         cmd = [ncu, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum", "--csv", "--log-file",
                log, sys.executable, "-m", "bench.step_gpu_time", "--engine", engine, "--context", str(context),
-               "--steps", str(steps)]
+               "--steps", str(steps)] + (["--prefill-chunk", str(chunk)] if chunk else [])
         print(f"[step-gpu-time] {engine}: {' '.join(cmd[:8])} ...", flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(log):
@@ -130,9 +169,9 @@ def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu") -
             continue
         total, count = kernel_times(log)
         rows.append(f"| {engine} | {sum(total.values()) / steps / 1e3:.3f} | {sum(count.values()) / steps:g} |")
-        tables.append(f"### {engine}\n\n" + summarise(log, steps))
-    head = [f"GPU time per decode step at context {context} (Nsight Compute, kernels replayed alone, {steps} steps)",
-            "", "| engine | GPU ms per step | kernels per step |", "|---|---|---|"]
+        tables.append(f"### {engine}\n\n" + summarise(log, steps, unit))
+    head = [f"GPU time per {unit} at context {context} (Nsight Compute, kernels replayed alone, {steps} steps)",
+            "", f"| engine | GPU ms per {unit} | kernels per {unit} |", "|---|---|---|"]
     return "\n".join(head + rows) + "\n\n" + "\n\n".join(tables)
 
 
@@ -142,22 +181,29 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=2, help="profiled decode steps")
     ap.add_argument("--warmup", type=int, default=4, help="decode steps before profiling")
+    ap.add_argument("--prefill-chunk", type=int, default=0, metavar="L",
+                    help="profile --steps prompt chunks of L tokens after --context cached ones, not decode steps")
     ap.add_argument("--summarise", metavar="CSV", help="print the table from an ncu --csv log instead")
     ap.add_argument("--compare", metavar="ENGINES", help="comma-separated engines, each profiled under ncu in its "
                     "own process (ncu on the PATH); prints the comparison")
     ap.add_argument("--out", default=None, help="--compare: folder for the ncu logs and step_gpu_time.md")
     args = ap.parse_args(argv)
     if args.summarise:
-        print(summarise(args.summarise, args.steps))
+        unit = f"prompt chunk of {args.prefill_chunk} tokens" if args.prefill_chunk else "decode step"
+        print(summarise(args.summarise, args.steps, unit))
         return 0
     if args.compare:
         out_dir = args.out or tempfile.mkdtemp(prefix="step_gpu_time_")
-        text = compare([e.strip() for e in args.compare.split(",") if e.strip()], args.context, args.steps, out_dir)
+        text = compare([e.strip() for e in args.compare.split(",") if e.strip()], args.context, args.steps, out_dir,
+                       chunk=args.prefill_chunk)
         with open(os.path.join(out_dir, "step_gpu_time.md"), "w") as f:
             f.write(text + "\n")
         print(text)
         return 0
-    profile(args.engine, args.context, args.steps, args.warmup)
+    if args.prefill_chunk:
+        profile_prefill(args.engine, args.context, args.prefill_chunk, args.steps)
+    else:
+        profile(args.engine, args.context, args.steps, args.warmup)
     return 0
 
 

@@ -412,13 +412,17 @@ struct MoeRtWeightRegs {
   float bias;
 };
 
-// 4-bit affine: row `row` of a [rows, K / 8] uint32 matrix, K range [k0, k0 + 32).
+// 4-bit affine: row `row` of a [rows, K / 8] uint32 matrix, K range [k0, k0 + 32). The scale and bias are read
+// at the first half of each 64-group only and kept for the second (each is its own 2-byte read from another row's
+// cache line, a large part of the L1 traffic when read at every step).
 template <typename S>
 inline void moe_rt_fetch_weight(const device uint32_t* w, const device S* scales, const device S* biases,
                                 long row, int k0, int K, thread MoeRtWeightRegs& regs) {
   regs.words = *reinterpret_cast<const device uint4*>(w + row * (K / 8) + k0 / 8);
-  regs.scale = float(scales[row * (K / 64) + k0 / 64]);
-  regs.bias = float(biases[row * (K / 64) + k0 / 64]);
+  if (k0 % 64 == 0) {
+    regs.scale = float(scales[row * (K / 64) + k0 / 64]);
+    regs.bias = float(biases[row * (K / 64) + k0 / 64]);
+  }
 }
 
 // Column `col` of the staged weight tile (stride ld between k rows), dequantised once.
