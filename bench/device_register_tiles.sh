@@ -6,6 +6,8 @@
 #   PART=2 bash bench/device_register_tiles.sh   # e2e prefill: stock-kernels, lily, lily-off:register_tiles
 #   PART=3 bash bench/device_register_tiles.sh   # prefill sweep 512 .. 32K: stock (to 4K), stock-kernels, lily
 #   PART=4 bash bench/device_register_tiles.sh   # GEMM variants timed, ncu's full sections of the register tiles
+#   PART=5 bash bench/device_register_tiles.sh   # register tiles' CUDA tests, GEMM variants, prefill GPU time by
+#                                                # kernel (a 2048-token chunk after 2048 cached, ncu)
 #
 # Results under $OUT/register_tiles (Markdown tables, JSON, logs).
 set -uo pipefail
@@ -48,6 +50,17 @@ json.dump({'ceilings': ceil, 'rows': rows}, open('$W/op_cases.json', 'w'), inden
     run ncu 200 ncu --set full -k regex:regtile -c 4 python -m bench.gemm_tiles --tokens 2048 --once
     grep -E "regtile|Duration|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Stall|Warp Cycles Per Issued|Executed Ipc|L1/TEX Hit|Bank" "$W/ncu.txt" | head -80
     ;;
-  *) echo "PART must be 1, 2, 3 or 4" >&2; exit 2 ;;
+  5)  # where a prompt chunk's GPU time goes, kernel by kernel, lily against the fair baseline
+    run tests_cuda 100 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+      -o addopts= tests/kernels/test_moe_kernels.py -k "register_tiles_have or decode_gemvs_same_bits"
+    grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -2
+    run gemm_variants 70 python -m bench.gemm_tiles --variants --out "$W/variants.md"
+    cat "$W/variants.md" 2>/dev/null
+    run prefill_gpu_time 300 python -m bench.step_gpu_time --compare "${ENGINES:-lily,stock-kernels}" --context 2048 \
+      --prefill-chunk 2048 --steps 1 --out "$W/prefill_sgt"
+    head -40 "$W/prefill_sgt/step_gpu_time.md" 2>/dev/null
+    rm -f "$W"/prefill_sgt/*.csv
+    ;;
+  *) echo "PART must be 1, 2, 3, 4 or 5" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"
