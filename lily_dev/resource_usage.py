@@ -102,8 +102,8 @@ def mlx_lm_gdn_units() -> Dict[str, str]:
 
 def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
     """The grouped GEMMs (gate+up+SwiGLU, down) at Qwen3.6's widths, for each activation dtype with fp32
-    tile operands and with operands of that dtype, and their register-tiled forms (switch register_tiles; 128 and
-    256 threads)."""
+    tile operands and with operands of that dtype, and their register-tiled forms (switch register_tiles; 128, 64
+    and 256 threads)."""
     from lily_mlx.core.kernel_registry import kernel_source
     from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
     from lily_mlx.ops.moe import kernels as mk
@@ -129,7 +129,8 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
     with mock.patch.object(mk, "_kernel", capture):
         for dtype in dtypes:
             x = mx.zeros((40, 2048), dtype)
-            for tile, tiles in ((None, "simdgroup"), (dtype, "simdgroup"), (None, "register"), (None, "register256")):
+            for tile, tiles in ((None, "simdgroup"), (dtype, "simdgroup"), (None, "register"), (None, "register64"),
+                               (None, "register256")):
                 h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, 2,
                                            True, sched["counts"], "cuda", tile_dtype=tile, tiles=tiles)
                 mk.gemm_down(h, sched["blocks"], sw.down_proj, True, sched["counts"], "cuda", tile_dtype=tile,

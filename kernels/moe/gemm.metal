@@ -388,22 +388,24 @@ inline void moe_gemv_gate_up_rows(
 // output element has one fp32 accumulator taking acc += x[k] * w[k] for k = 0 .. K - 1 in order, with
 // x = float(x) and w = moe_dequant_q4(...) (or the dequantised array), exactly as the decode GEMVs do.
 // What differs is who holds the accumulators: each thread keeps a TM x TN block of outputs in
-// registers (a classic register-blocked GEMM), so one K step costs a thread two or three 16-byte
-// threadgroup loads per TM * TN (* 2 for gate and up) FMAs, where a simdgroup_matrix product on a GPU
-// without fp32 matrix units (the bridge on NVIDIA) moves its operands between lanes with shuffles.
-// A threadgroup is 128 threads as 8 row groups x 16 column groups: thread (rg, cg) computes rows
-// rg * TM .. + TM (TM = tile_rows / 8: 4 or 2) and columns cg * TN .. + TN (moe_rt_thread_origin). K advances MOE_RT_BK at a
-// time (half a quantisation group, so the staged tiles fit Apple's 32 KB): the next step's weights
-// (one 16-byte word of 32 nibbles per thread and matrix) and activations go to registers before the
+// registers (a classic register-blocked GEMM), so one K step costs a thread a few 16-byte threadgroup
+// loads per TM * TN (* 2 for gate and up) FMAs, where a simdgroup_matrix product on a GPU without fp32
+// matrix units (the bridge on NVIDIA) moves its operands between lanes with shuffles.
+// The threadgroup size NT is a template parameter. Its threads form NT / 16 row groups x 16 column groups:
+// thread (rg, cg) computes rows rg * TM .. + TM (TM = tile_rows * 16 / NT) and columns cg * TN .. + TN
+// (moe_rt_thread_origin). NT = 64 (the product): 32-row tiles at TM = 8, 16-row at TM = 4; NT = 128: TM = 4 / 2;
+// NT = 256 (a benchmark variant that also takes 64-row tiles): TM = 4 / 2 / 1. The FMAs per threadgroup load
+// grow with TM * TN, and the loads are what bounds these kernels on the H200 (docs/moe.md).
+// K advances MOE_RT_BK at a time (half a quantisation group, so the staged tiles fit Apple's 32 KB): the next
+// step's weights (one 16-byte word of 32 nibbles per staged column) and activations go to registers before the
 // current step's FMAs and into threadgroup memory after them (weights dequantised once per tile).
-// The threadgroup size NT is a template parameter: 128 (tiles of 16 or 32 rows) or 256 (a benchmark variant that
-// also takes 64-row tiles: NT / 16 row groups, TM = tile_rows * 16 / NT, so twice the rows share each dequantised
-// weight; docs/moe.md).
 #define MOE_RT_BK 32
-#define MOE_RT_XLD(NT) ((NT) / 4 + 4)           // xt [MOE_RT_BK][MOE_RT_XLD]: k-major, a thread's rows adjacent
+#define MOE_RT_MAX_ROWS(NT) ((NT) >= 128 ? (NT) / 4 : 32)   // the largest tile NT threads take
+#define MOE_RT_TM_MAX(NT) (MOE_RT_MAX_ROWS(NT) * 16 / (NT))  // its rows per thread: 8 at 64 threads, else 4
+#define MOE_RT_XLD(NT) (MOE_RT_MAX_ROWS(NT) + 4)             // xt [MOE_RT_BK][MOE_RT_XLD]: k-major, a thread's rows adjacent
+#define MOE_RT_XV(NT) (MOE_RT_MAX_ROWS(NT) * MOE_RT_BK / (NT))  // activation values a thread stages per step, at most
 #define MOE_RT_GU_COLS 64                    // gate/up columns per threadgroup (of each matrix)
 #define MOE_RT_GU_LD (MOE_RT_GU_COLS + 4)     // row stride of the staged gate and up tiles
-#define MOE_RT_XREGS 8                          // activation values per thread and step: (NT / 4) * MOE_RT_BK / NT
 
 // One weight row's share of a K step, held in registers between the fetch and the store.
 struct MoeRtWeightRegs {
@@ -451,27 +453,96 @@ inline void moe_rt_store_weight(const device W* w, const device S*, const device
   }
 }
 
-// Activation rows of a block: value q of this thread is row r = i / MOE_RT_BK, k = k0 + i % MOE_RT_BK
-// (i = tid + q * NT: a simdgroup reads 32 adjacent values of one row); src[q] is the row
-// of x it comes from, -1 for the zero rows past `rows`.
-template <int NT, typename PX, typename T>
-inline void moe_rt_fetch_rows(PX x, thread const int* src, int tile_rows, int k0, int K, uint tid, thread T* xr) {
-  for (int q = 0; q < MOE_RT_XREGS; ++q) {
-    const int i = int(tid) + q * NT;
-    if (i / MOE_RT_BK < tile_rows) {
-      xr[q] = src[q] >= 0 ? x[long(src[q]) * K + k0 + i % MOE_RT_BK] : static_cast<T>(0.0f);
+// Activations travel as raw 32-bit words: PER values of type T per word, value h of a word as a float (the
+// same value as float(T)).
+template <typename T> struct MoeRtWords;
+template <> struct MoeRtWords<bfloat16_t> {
+  static constant constexpr int PER = 2;
+  static inline float get(uint w, int h) { return as_type<float>(h ? (w & 0xffff0000u) : (w << 16)); }
+};
+template <> struct MoeRtWords<half> {
+  static constant constexpr int PER = 2;
+  static inline float get(uint w, int h) { return float(as_type<half>(ushort(h ? (w >> 16) : (w & 0xffffu)))); }
+};
+template <> struct MoeRtWords<float> {
+  static constant constexpr int PER = 1;
+  static inline float get(uint w, int) { return as_type<float>(w); }
+};
+
+// NW consecutive words from p (aligned to min(4 * NW, 16) bytes), in 16-byte loads where it can.
+template <int NW>
+inline void moe_rt_load_words(const device uint* p, thread uint* w) {
+  if (NW >= 4) {
+    for (int c = 0; c < NW / 4; ++c) {
+      const uint4 t = reinterpret_cast<const device uint4*>(p)[c];
+      w[4 * c] = t.x;
+      w[4 * c + 1] = t.y;
+      w[4 * c + 2] = t.z;
+      w[4 * c + 3] = t.w;
     }
+  } else if (NW == 2) {
+    const uint2 t = *reinterpret_cast<const device uint2*>(p);
+    w[0] = t.x;
+    w[1] = t.y;
+  } else {
+    w[0] = p[0];
+  }
+}
+
+// The activation tile of a K step, TR rows (the block's tile rows): thread tid stages row tid % TR, values
+// k0 + (tid / TR) * V .. + V (V = TR * MOE_RT_BK / NT, 2 to 16) in one or two vector loads, and a simdgroup's
+// stores into the k-major tile fall on 32 (or 2 x 16) adjacent rows, on distinct banks but at NT = 64 with
+// 16-row tiles (2-way). `src`: the row of x it reads (moe_rt_row_source).
+template <int NT, int TR, typename T, typename PX>
+inline void moe_rt_fetch_rows_of(PX x, int src, int k0, int K, uint tid, thread uint* xw) {
+  constexpr int V = TR * MOE_RT_BK / NT;
+  const device T* p = x + long(src) * K + k0 + (int(tid) / TR) * V;
+  moe_rt_load_words<V / MoeRtWords<T>::PER>(reinterpret_cast<const device uint*>(p), xw);
+}
+
+template <int NT, int TR, typename T>
+inline void moe_rt_store_rows_of(thread const uint* xw, uint tid, threadgroup float* xt) {
+  constexpr int V = TR * MOE_RT_BK / NT;
+  const int r = int(tid) % TR;
+  const int kb = (int(tid) / TR) * V;
+  for (int v = 0; v < V; ++v) {
+    xt[(kb + v) * MOE_RT_XLD(NT) + r] = MoeRtWords<T>::get(xw[v / MoeRtWords<T>::PER], v % MoeRtWords<T>::PER);
+  }
+}
+
+// The two above at this block's tile rows (uniform over the threadgroup): the largest tile, half, a quarter.
+template <int NT, typename T, typename PX>
+inline void moe_rt_fetch_rows(PX x, int src, int tile_rows, int k0, int K, uint tid, thread uint* xw) {
+  constexpr int MR = MOE_RT_MAX_ROWS(NT);
+  if (tile_rows == MR) {
+    moe_rt_fetch_rows_of<NT, MR, T>(x, src, k0, K, tid, xw);
+  } else if (tile_rows == MR / 2) {
+    moe_rt_fetch_rows_of<NT, MR / 2, T>(x, src, k0, K, tid, xw);
+  } else {
+    moe_rt_fetch_rows_of<NT, MR / 4, T>(x, src, k0, K, tid, xw);
   }
 }
 
 template <int NT, typename T>
-inline void moe_rt_store_rows(thread const T* xr, int tile_rows, uint tid, threadgroup float* xt) {
-  for (int q = 0; q < MOE_RT_XREGS; ++q) {
-    const int i = int(tid) + q * NT;
-    if (i / MOE_RT_BK < tile_rows) {
-      xt[(i % MOE_RT_BK) * MOE_RT_XLD(NT) + i / MOE_RT_BK] = float(xr[q]);
-    }
+inline void moe_rt_store_rows(thread const uint* xw, int tile_rows, uint tid, threadgroup float* xt) {
+  constexpr int MR = MOE_RT_MAX_ROWS(NT);
+  if (tile_rows == MR) {
+    moe_rt_store_rows_of<NT, MR, T>(xw, tid, xt);
+  } else if (tile_rows == MR / 2) {
+    moe_rt_store_rows_of<NT, MR / 2, T>(xw, tid, xt);
+  } else {
+    moe_rt_store_rows_of<NT, MR / 4, T>(xw, tid, xt);
   }
+}
+
+// The row of x this thread stages (row tid % tile_rows of the block; GATHER as moe_load_rows_tile). A padded
+// row (past `rows`) reads the block's last row instead: its outputs are never written, and no other output
+// reads it, so the fetch needs no branch.
+template <bool GATHER, typename PR>
+inline int moe_rt_row_source(PR sorted_rows, int first, int rows, int tile_rows, int top_k, uint tid,
+                             int token_base) {
+  const int r = min(int(tid) % tile_rows, rows - 1);
+  return !GATHER ? first + r : token_base >= 0 ? token_base + r : int(sorted_rows[first + r]) / top_k;
 }
 
 // N consecutive floats of threadgroup memory (N = 1, 2, 4 or 8; aligned to their size up to 16 bytes) into
@@ -498,8 +569,8 @@ inline void moe_rt_load(const threadgroup float* p, thread float* out) {
 // One K step of NM matrices (gate and up: 2; down: 1) sharing the activation tile:
 // acc[m][i][j] += x[row r0 + i][k] * w_m[k][col c0 + j] for k in the step, in order.
 template <int NT, int NM, int TM, int TN>
-inline void moe_rt_mac(thread float (&acc)[2][4][8], const threadgroup float* xt, const threadgroup float* w0,
-                       const threadgroup float* w1, int ld, int r0, int c0) {
+inline void moe_rt_mac(thread float (&acc)[2][MOE_RT_TM_MAX(NT)][8], const threadgroup float* xt,
+                       const threadgroup float* w0, const threadgroup float* w1, int ld, int r0, int c0) {
   #pragma unroll 2
   for (int kk = 0; kk < MOE_RT_BK; ++kk) {
     float a[TM];
@@ -524,7 +595,7 @@ inline void moe_rt_mac(thread float (&acc)[2][4][8], const threadgroup float* xt
 
 // Thread tid's outputs: rows r0 .. r0 + TM of the tile (TM = tile_rows * 16 / NT), columns c0 .. c0 + TN. A
 // simdgroup covers 4 row groups x 8 column groups (not 2 x 16), so that each of its 16-byte threadgroup loads
-// per K index touches 32 adjacent floats of a weight tile (one wavefront on NVIDIA GPUs) and 16 of the
+// per K index touches 32 adjacent floats of a weight tile (one wavefront on NVIDIA GPUs) and 16 (or 32) of the
 // activation tile (the first layout's shared loads were its largest pipe load under Nsight Compute).
 template <int NT>
 inline void moe_rt_thread_origin(uint tid, int tile_rows, int tn, thread int& r0, thread int& c0) {
@@ -537,27 +608,16 @@ inline void moe_rt_thread_origin(uint tid, int tile_rows, int tn, thread int& r0
 
 // One K step's multiply-accumulates at this block's rows per thread (uniform over the threadgroup).
 template <int NT, int NM, int TN>
-inline void moe_rt_mac_rows(int tile_rows, thread float (&acc)[2][4][8], const threadgroup float* xt,
+inline void moe_rt_mac_rows(int tile_rows, thread float (&acc)[2][MOE_RT_TM_MAX(NT)][8], const threadgroup float* xt,
                             const threadgroup float* w0, const threadgroup float* w1, int ld, int r0, int c0) {
+  constexpr int TMX = MOE_RT_TM_MAX(NT);
   const int tm = tile_rows * 16 / NT;
-  if (tm == 4) {
-    moe_rt_mac<NT, NM, 4, TN>(acc, xt, w0, w1, ld, r0, c0);
-  } else if (tm == 2) {
-    moe_rt_mac<NT, NM, 2, TN>(acc, xt, w0, w1, ld, r0, c0);
+  if (tm == TMX) {
+    moe_rt_mac<NT, NM, TMX, TN>(acc, xt, w0, w1, ld, r0, c0);
+  } else if (tm == TMX / 2) {
+    moe_rt_mac<NT, NM, TMX / 2, TN>(acc, xt, w0, w1, ld, r0, c0);
   } else {
-    moe_rt_mac<NT, NM, 1, TN>(acc, xt, w0, w1, ld, r0, c0);
-  }
-}
-
-// Where this block's activation rows come from (moe_rt_fetch_rows' src): GATHER as moe_load_rows_tile.
-template <int NT, bool GATHER, typename PR>
-inline void moe_rt_row_sources(PR sorted_rows, int first, int rows, int tile_rows, int top_k, uint tid,
-                               int token_base, thread int* src) {
-  for (int q = 0; q < MOE_RT_XREGS; ++q) {
-    const int r = (int(tid) + q * NT) / MOE_RT_BK;
-    src[q] = r >= rows || r >= tile_rows ? -1
-             : !GATHER ? first + r
-             : token_base >= 0 ? token_base + r : int(sorted_rows[first + r]) / top_k;
+    moe_rt_mac<NT, NM, TMX / 4, TN>(acc, xt, w0, w1, ld, r0, c0);
   }
 }
 
@@ -683,13 +743,15 @@ for (int i = int(tid); i < tile_rows * MOE_BN; i += MOE_THREADS) {
 }
 
 // @kernel moe_gemm_gate_up_swiglu_regtile
-// grid (I / 64 * NT, max_blocks, 1), threadgroup (NT, 1, 1), NT = 128 or 256 (template); inputs, params and
+// grid (I / 64 * NT, max_blocks, 1), threadgroup (NT, 1, 1), NT = 64, 128 or 256 (template); inputs, params and
 // output as moe_gemm_gate_up_swiglu (I % 64 == 0), same bits. Thread (rg, cg): rows rg * TM .., gate and up
-// columns n0 + cg * 4 .. + 4 of both matrices; loader thread tid < 128 stages column tid % 64 of matrix tid / 64.
+// columns n0 + cg * 4 .. + 4 of both matrices. The 128 staged columns (gate 0 .. 63, then up) go to threads
+// c % NT, WPASS = 128 / NT of them a thread at NT = 64, one to each of the first 128 threads otherwise.
 threadgroup float4 xt4[MOE_RT_BK * MOE_RT_XLD(NT) / 4];  // float4: 16-byte aligned for the vector loads
 threadgroup float* xt = reinterpret_cast<threadgroup float*>(xt4);
 threadgroup float4 wt4[2 * MOE_RT_BK * MOE_RT_GU_LD / 4];  // gate tile, then up tile
 threadgroup float* wt = reinterpret_cast<threadgroup float*>(wt4);
+constexpr int WPASS = NT >= 2 * MOE_RT_GU_COLS ? 1 : 2 * MOE_RT_GU_COLS / NT;
 const uint tid = thread_index_in_threadgroup;
 const int n0 = int(threadgroup_position_in_grid.x) * MOE_RT_GU_COLS;
 const int blk = int(threadgroup_position_in_grid.y);
@@ -703,59 +765,66 @@ if (rows == 0) {
 int r0, c0;
 moe_rt_thread_origin<NT>(tid, tile_rows, 4, r0, c0);
 const int chunk = e - E;  // >= 0: a chunk of the shared expert
-const bool loads = int(tid) < 2 * MOE_RT_GU_COLS;  // this thread stages a weight column
-const int mat = (int(tid) / MOE_RT_GU_COLS) % 2;  // the loader's matrix (0 gate, 1 up) and column
-const long wrow = long(chunk >= 0 ? chunk : e) * I + n0 + int(tid) % MOE_RT_GU_COLS;
-threadgroup float* wcol = wt + mat * MOE_RT_BK * MOE_RT_GU_LD + int(tid) % MOE_RT_GU_COLS;
-int src[MOE_RT_XREGS];
-moe_rt_row_sources<NT, true>(sorted_rows, first, rows, tile_rows, top_k, tid,
-                             chunk >= 0 ? first - A - chunk * N : -1, src);
-float acc[2][4][8];
+const bool loads = int(tid) < 2 * MOE_RT_GU_COLS;  // this thread stages weight columns
+const int src = moe_rt_row_source<true>(sorted_rows, first, rows, tile_rows, top_k, tid,
+                                        chunk >= 0 ? first - A - chunk * N : -1);
+float acc[2][MOE_RT_TM_MAX(NT)][8];
 for (int m = 0; m < 2; ++m) {
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < MOE_RT_TM_MAX(NT); ++i) {
     for (int j = 0; j < 8; ++j) {
       acc[m][i][j] = 0.0f;
     }
   }
 }
-MoeRtWeightRegs wr;
-T xr[MOE_RT_XREGS];
+MoeRtWeightRegs wr[WPASS];
+uint xw[MOE_RT_XV(NT)];
 for (int k0 = 0; k0 < D; k0 += MOE_RT_BK) {
   // Step k0's operands: fetched ahead during the last step (or now, for the first), staged now.
-  if (k0 == 0) {
-    if (loads && chunk >= 0) {
-      moe_rt_fetch_weight(mat == 0 ? w_gate_s : w_up_s, mat == 0 ? scales_gate_s : scales_up_s,
-                          mat == 0 ? biases_gate_s : biases_up_s, wrow, 0, D, wr);
-    } else if (loads) {
-      moe_rt_fetch_weight(mat == 0 ? w_gate : w_up, mat == 0 ? scales_gate : scales_up,
-                          mat == 0 ? biases_gate : biases_up, wrow, 0, D, wr);
+  for (int p = 0; p < WPASS; ++p) {
+    const int c = int(tid) + p * NT;  // staged column: matrix c / 64, column c % 64
+    const long wrow = long(chunk >= 0 ? chunk : e) * I + n0 + c % MOE_RT_GU_COLS;
+    threadgroup float* wcol = wt + (c / MOE_RT_GU_COLS) * MOE_RT_BK * MOE_RT_GU_LD + c % MOE_RT_GU_COLS;
+    const bool gate = c < MOE_RT_GU_COLS;
+    if (k0 == 0 && loads && chunk >= 0) {
+      moe_rt_fetch_weight(gate ? w_gate_s : w_up_s, gate ? scales_gate_s : scales_up_s,
+                          gate ? biases_gate_s : biases_up_s, wrow, 0, D, wr[p]);
+    } else if (k0 == 0 && loads) {
+      moe_rt_fetch_weight(gate ? w_gate : w_up, gate ? scales_gate : scales_up, gate ? biases_gate : biases_up,
+                          wrow, 0, D, wr[p]);
     }
-    moe_rt_fetch_rows<NT>(x, src, tile_rows, 0, D, tid, xr);
+    if (loads && chunk >= 0) {
+      moe_rt_store_weight(gate ? w_gate_s : w_up_s, gate ? scales_gate_s : scales_up_s,
+                          gate ? biases_gate_s : biases_up_s, wrow, k0, D, wr[p], wcol, MOE_RT_GU_LD);
+    } else if (loads) {
+      moe_rt_store_weight(gate ? w_gate : w_up, gate ? scales_gate : scales_up, gate ? biases_gate : biases_up,
+                          wrow, k0, D, wr[p], wcol, MOE_RT_GU_LD);
+    }
   }
-  if (loads && chunk >= 0) {
-    moe_rt_store_weight(mat == 0 ? w_gate_s : w_up_s, mat == 0 ? scales_gate_s : scales_up_s,
-                        mat == 0 ? biases_gate_s : biases_up_s, wrow, k0, D, wr, wcol, MOE_RT_GU_LD);
-  } else if (loads) {
-    moe_rt_store_weight(mat == 0 ? w_gate : w_up, mat == 0 ? scales_gate : scales_up,
-                        mat == 0 ? biases_gate : biases_up, wrow, k0, D, wr, wcol, MOE_RT_GU_LD);
+  if (k0 == 0) {
+    moe_rt_fetch_rows<NT, T>(x, src, tile_rows, 0, D, tid, xw);
   }
-  moe_rt_store_rows<NT>(xr, tile_rows, tid, xt);
+  moe_rt_store_rows<NT, T>(xw, tile_rows, tid, xt);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (k0 + MOE_RT_BK < D) {  // the next step's device loads, in flight during this step's FMAs
-    if (loads && chunk >= 0) {
-      moe_rt_fetch_weight(mat == 0 ? w_gate_s : w_up_s, mat == 0 ? scales_gate_s : scales_up_s,
-                          mat == 0 ? biases_gate_s : biases_up_s, wrow, k0 + MOE_RT_BK, D, wr);
-    } else if (loads) {
-      moe_rt_fetch_weight(mat == 0 ? w_gate : w_up, mat == 0 ? scales_gate : scales_up,
-                          mat == 0 ? biases_gate : biases_up, wrow, k0 + MOE_RT_BK, D, wr);
+    for (int p = 0; p < WPASS; ++p) {
+      const int c = int(tid) + p * NT;
+      const long wrow = long(chunk >= 0 ? chunk : e) * I + n0 + c % MOE_RT_GU_COLS;
+      const bool gate = c < MOE_RT_GU_COLS;
+      if (loads && chunk >= 0) {
+        moe_rt_fetch_weight(gate ? w_gate_s : w_up_s, gate ? scales_gate_s : scales_up_s,
+                            gate ? biases_gate_s : biases_up_s, wrow, k0 + MOE_RT_BK, D, wr[p]);
+      } else if (loads) {
+        moe_rt_fetch_weight(gate ? w_gate : w_up, gate ? scales_gate : scales_up, gate ? biases_gate : biases_up,
+                            wrow, k0 + MOE_RT_BK, D, wr[p]);
+      }
     }
-    moe_rt_fetch_rows<NT>(x, src, tile_rows, k0 + MOE_RT_BK, D, tid, xr);
+    moe_rt_fetch_rows<NT, T>(x, src, tile_rows, k0 + MOE_RT_BK, D, tid, xw);
   }
   moe_rt_mac_rows<NT, 2, 4>(tile_rows, acc, xt, wt, wt + MOE_RT_BK * MOE_RT_GU_LD, MOE_RT_GU_LD, r0, c0);
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 #pragma unroll
-for (int i = 0; i < 4; ++i) {  // constant trip count: acc stays in registers
+for (int i = 0; i < MOE_RT_TM_MAX(NT); ++i) {  // constant trip count: acc stays in registers
   if (i < tile_rows * 16 / NT && r0 + i < rows) {
     #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -767,13 +836,14 @@ for (int i = 0; i < 4; ++i) {  // constant trip count: acc stays in registers
 }
 
 // @kernel moe_gemm_down_regtile
-// grid (D / (16 * TN) * NT, max_blocks, 1), threadgroup (NT, 1, 1), NT = 128 or 256; TN (4 or 8) columns per
+// grid (D / (16 * TN) * NT, max_blocks, 1), threadgroup (NT, 1, 1), NT = 64, 128 or 256; TN (4 or 8) columns per
 // thread (templates). Inputs, params and output as moe_gemm_down, same bits. Thread (rg, cg): rows rg * TM ..,
-// columns n0 + cg * TN .. + TN; loader thread tid < 16 * TN stages column tid.
+// columns n0 + cg * TN .. + TN; the 16 * TN staged columns go to threads c % NT (WPASS a thread).
 threadgroup float4 xt4[MOE_RT_BK * MOE_RT_XLD(NT) / 4];  // float4: 16-byte aligned for the vector loads
 threadgroup float* xt = reinterpret_cast<threadgroup float*>(xt4);
 threadgroup float4 wt4[MOE_RT_BK * (16 * TN + 4) / 4];
 threadgroup float* wt = reinterpret_cast<threadgroup float*>(wt4);
+constexpr int WPASS = NT >= 16 * TN ? 1 : 16 * TN / NT;
 const int cols = 16 * TN;
 const int ld = cols + 4;
 const uint tid = thread_index_in_threadgroup;
@@ -788,55 +858,54 @@ if (rows == 0) {
 }
 int r0, c0;
 moe_rt_thread_origin<NT>(tid, tile_rows, TN, r0, c0);
-const bool loads = int(tid) < cols;  // this thread stages weight column tid
+const bool loads = int(tid) < cols;  // this thread stages weight columns tid (+ NT ..)
 const bool shared = e >= E;          // chunk e - E of the shared expert: its K range within the shared rows
-const long wrow = shared ? long(n0 + int(tid)) : long(e) * D + n0 + int(tid);
+const long wrow0 = shared ? long(n0 + int(tid)) : long(e) * D + n0 + int(tid);
 const int koff = shared ? (e - E) * I : 0;
-int src[MOE_RT_XREGS];
-moe_rt_row_sources<NT, false>(blocks, first, rows, tile_rows, 1, tid, -1, src);
-float acc[2][4][8];
-for (int i = 0; i < 4; ++i) {
+const int src = moe_rt_row_source<false>(blocks, first, rows, tile_rows, 1, tid, -1);
+float acc[2][MOE_RT_TM_MAX(NT)][8];
+for (int i = 0; i < MOE_RT_TM_MAX(NT); ++i) {
   for (int j = 0; j < 8; ++j) {
     acc[0][i][j] = 0.0f;
   }
 }
-MoeRtWeightRegs wr;
-T xr[MOE_RT_XREGS];
+MoeRtWeightRegs wr[WPASS];
+uint xw[MOE_RT_XV(NT)];
 for (int k0 = 0; k0 < I; k0 += MOE_RT_BK) {
+  for (int p = 0; p < WPASS; ++p) {
+    const long wrow = wrow0 + p * NT;
+    if (k0 == 0 && loads && shared) {
+      moe_rt_fetch_weight(w_down_s, scales_down_s, biases_down_s, wrow, koff, Is, wr[p]);
+    } else if (k0 == 0 && loads) {
+      moe_rt_fetch_weight(w_down, scales_down, biases_down, wrow, 0, I, wr[p]);
+    }
+    if (loads && shared) {
+      moe_rt_store_weight(w_down_s, scales_down_s, biases_down_s, wrow, koff + k0, Is, wr[p], wt + tid + p * NT, ld);
+    } else if (loads) {
+      moe_rt_store_weight(w_down, scales_down, biases_down, wrow, k0, I, wr[p], wt + tid + p * NT, ld);
+    }
+  }
   if (k0 == 0) {
-    if (loads) {
-      if (shared) {
-        moe_rt_fetch_weight(w_down_s, scales_down_s, biases_down_s, wrow, koff, Is, wr);
-      } else {
-        moe_rt_fetch_weight(w_down, scales_down, biases_down, wrow, 0, I, wr);
-      }
-    }
-    moe_rt_fetch_rows<NT>(h, src, tile_rows, 0, I, tid, xr);
+    moe_rt_fetch_rows<NT, T>(h, src, tile_rows, 0, I, tid, xw);
   }
-  if (loads) {
-    if (shared) {
-      moe_rt_store_weight(w_down_s, scales_down_s, biases_down_s, wrow, koff + k0, Is, wr, wt + tid, ld);
-    } else {
-      moe_rt_store_weight(w_down, scales_down, biases_down, wrow, k0, I, wr, wt + tid, ld);
-    }
-  }
-  moe_rt_store_rows<NT>(xr, tile_rows, tid, xt);
+  moe_rt_store_rows<NT, T>(xw, tile_rows, tid, xt);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (k0 + MOE_RT_BK < I) {
-    if (loads) {
-      if (shared) {
-        moe_rt_fetch_weight(w_down_s, scales_down_s, biases_down_s, wrow, koff + k0 + MOE_RT_BK, Is, wr);
-      } else {
-        moe_rt_fetch_weight(w_down, scales_down, biases_down, wrow, k0 + MOE_RT_BK, I, wr);
+    for (int p = 0; p < WPASS; ++p) {
+      const long wrow = wrow0 + p * NT;
+      if (loads && shared) {
+        moe_rt_fetch_weight(w_down_s, scales_down_s, biases_down_s, wrow, koff + k0 + MOE_RT_BK, Is, wr[p]);
+      } else if (loads) {
+        moe_rt_fetch_weight(w_down, scales_down, biases_down, wrow, k0 + MOE_RT_BK, I, wr[p]);
       }
     }
-    moe_rt_fetch_rows<NT>(h, src, tile_rows, k0 + MOE_RT_BK, I, tid, xr);
+    moe_rt_fetch_rows<NT, T>(h, src, tile_rows, k0 + MOE_RT_BK, I, tid, xw);
   }
   moe_rt_mac_rows<NT, 1, TN>(tile_rows, acc, xt, wt, wt, ld, r0, c0);
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 #pragma unroll
-for (int i = 0; i < 4; ++i) {  // constant trip count: acc stays in registers
+for (int i = 0; i < MOE_RT_TM_MAX(NT); ++i) {  // constant trip count: acc stays in registers
   if (i < tile_rows * 16 / NT && r0 + i < rows) {
     #pragma unroll
     for (int j = 0; j < TN; ++j) {

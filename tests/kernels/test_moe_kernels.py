@@ -292,8 +292,8 @@ def test_register_tiles_have_the_bits_of_the_simdgroup_tiles(gemm_sim, kind, tok
     """switch register_tiles: the register-tiled GEMMs (a thread's outputs in registers, fp32 FMA chains in
     K order) give the simdgroup tiles' bits, bit for bit, for routed rows and shared-expert chunks, 16- and
     32-row tiles, 4-bit and dequantised weights, and down at 64 or 128 columns per threadgroup (D 192 /
-    256); the 256-thread form on a block map with 64-row tiles too; outputs poisoned, so an unwritten element
-    shows."""
+    256), over 128 and 64 threads; the 256-thread form on a block map with 64-row tiles too; outputs poisoned,
+    so an unwritten element shows."""
     d, i, e, k = shape
     block = make_sparse_moe_block(hidden=d, expert_width=i, num_experts=e, top_k=k, seed=seed % 5,
                                   shared_width=max(1, chunks) * i)
@@ -322,11 +322,12 @@ def test_register_tiles_have_the_bits_of_the_simdgroup_tiles(gemm_sim, kind, tok
     h_want, y_want = run("simdgroup")
     assert h_want.shape == (inds.size + chunks * tokens, i)
     assert not mx.isnan(h_want).any().item() and not mx.isnan(y_want).any().item()
-    for down_columns in ((64,), (128, 64)):  # down at TN = 4, and at TN = 8 where D allows (256)
-        with regtile_down_columns(down_columns):
-            h, y = run("register")
-        assert mx.array_equal(h, h_want).item(), _rms_rel(h, h_want)
-        assert mx.array_equal(y, y_want).item(), (down_columns, _rms_rel(y, y_want))
+    for tiles in ("register", "register64"):
+        for down_columns in ((64,), (128, 64)):  # down at TN = 4, and at TN = 8 where D allows (256)
+            with regtile_down_columns(down_columns):
+                h, y = run(tiles)
+            assert mx.array_equal(h, h_want).item(), (tiles, _rms_rel(h, h_want))
+            assert mx.array_equal(y, y_want).item(), (tiles, down_columns, _rms_rel(y, y_want))
     h, y = run("register256", huge)
     assert mx.array_equal(h, h_want).item(), ("register256", _rms_rel(h, h_want))
     assert mx.array_equal(y, y_want).item(), ("register256", _rms_rel(y, y_want))
@@ -336,7 +337,8 @@ def test_register_tiles_have_the_bits_of_the_simdgroup_tiles(gemm_sim, kind, tok
 def test_register_tiles_race_check(gemm_sim, monkeypatch):
     """The simulator's race check on the register tiles' staged tiles (each K step's stores after the last
     step's reads, its reads after its stores): 16- and 32-row tiles, a shared-expert chunk, down at 64 and
-    128 columns a threadgroup, and the 256-thread form on 64-row tiles; the outputs are the simdgroup tiles'."""
+    128 columns a threadgroup, over 128 and 64 threads, and the 256-thread form on 64-row tiles; the outputs are
+    the simdgroup tiles'."""
     monkeypatch.setenv("LILY_MSL_RACE", "1")
     d, i, e, k = 256, 64, 9, 2
     block = make_sparse_moe_block(hidden=d, expert_width=i, num_experts=e, top_k=k, seed=4, shared_width=i)
@@ -350,13 +352,14 @@ def test_register_tiles_race_check(gemm_sim, monkeypatch):
     for down_columns in ((64,), (128, 64)):
         outs = {}
         with regtile_down_columns(down_columns):
-            for tiles in ("register", "simdgroup"):
+            for tiles in ("register", "register64", "simdgroup"):
                 h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], blocks, sw.gate_proj, sw.up_proj, k, True,
                                            sched["counts"], KERNEL_BACKEND, shared=block.shared_expert, tiles=tiles)
                 outs[tiles] = (h, mk.gemm_down(h, blocks, sw.down_proj, True, sched["counts"], KERNEL_BACKEND,
                                                shared=block.shared_expert, tiles=tiles))
-        for got, want in zip(outs["register"], outs["simdgroup"]):
-            assert mx.array_equal(got, want).item()
+        for tiles in ("register", "register64"):
+            for got, want in zip(outs[tiles], outs["simdgroup"]):
+                assert mx.array_equal(got, want).item(), tiles
     # The 256-thread form on 64-row tiles (the 70-row expert and the 71 shared rows: one full, one partial each).
     huge = mx.concatenate([mx.array(mk.host_block_map(np.asarray(sched["counts"]), True, mk.HUGE_TILE)),
                            mk.shared_expert_blocks(tokens, 1, inds.size, e, mk.HUGE_TILE, False)])

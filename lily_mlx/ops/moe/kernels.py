@@ -112,9 +112,11 @@ KERNELS: Dict[str, KernelSpec] = {
 CHUNK = 256  # assignments per threadgroup in the histogram and scatter kernels
 GEMM_THREADS = 128  # 4 simdgroups
 GEMM_COLS = 32  # output columns per threadgroup
-# The GEMMs' tile forms: the switch register_tiles picks between the first two; "register256" (benchmarks, tests)
-# is the register form over 256 threads, which also takes 64-row tiles (HUGE_TILE; host_block_map's huge_min_rows).
-TILE_KINDS = ("simdgroup", "register", "register256")
+# The GEMMs' tile forms: the switch register_tiles picks between the first two; "register64" and "register256"
+# (benchmarks, tests) are the register form over 64 threads (8 rows a thread in 32-row tiles) and over 256 (which
+# also takes 64-row tiles: HUGE_TILE, host_block_map's huge_min_rows). Threads per threadgroup of each:
+REGTILE_THREADS = {"register": GEMM_THREADS, "register64": 64, "register256": 256}
+TILE_KINDS = ("simdgroup",) + tuple(REGTILE_THREADS)
 COMBINE_THREADS = 128  # threads per threadgroup of the combine kernel, 4 columns each
 # Placeholder for the combine kernel's residual input when it adds none (one element, never read).
 _ONE_ZERO = {dtype: mx.zeros((1,), dtype=dtype) for dtype in (mx.bfloat16, mx.float16, mx.float32)}
@@ -373,8 +375,8 @@ def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, 
     the GEMVs) or the activation dtype (bf16/f16 fragments with fp32 accumulation: tensor cores through
     the bridge; not the same bits as the GEMVs, so not a product path yet, docs/moe.md).
     ``tiles`` (benchmarks, tests): "simdgroup", "register" (the register-tiled form, fp32 operands, same
-    bits) or "register256" (that form over 256 threads: the only one that takes 64-row tiles); None: as the
-    switch register_tiles says."""
+    bits), "register64" (that form over 64 threads) or "register256" (over 256 threads: the only one that takes
+    64-row tiles); None: as the switch register_tiles says."""
     n, d = x2d.shape
     e, i = gate_proj["scales"].shape[:2]
     a = sorted_rows.size
@@ -393,14 +395,14 @@ def _register_tiles(name: str, width: int, tile_dtype, tiles: Optional[str]) -> 
     """Columns per threadgroup when the register-tiled form runs this GEMM, else None (simdgroup tiles)."""
     if tiles is not None and tiles not in TILE_KINDS:
         raise ValueError(f"tiles: one of {TILE_KINDS}, not {tiles!r}")
-    wanted = tiles in ("register", "register256") or (tiles is None and switches.is_enabled("register_tiles"))
+    wanted = tiles in REGTILE_THREADS or (tiles is None and switches.is_enabled("register_tiles"))
     if not wanted or (tile_dtype is not None and tile_dtype != mx.float32):
-        if tiles in ("register", "register256"):
+        if tiles in REGTILE_THREADS:
             raise ValueError("register tiles take fp32 operands only")
         return None
     cols = regtile_columns(name, width)
     if cols is None:
-        if tiles in ("register", "register256"):
+        if tiles in REGTILE_THREADS:
             raise ValueError(f"register tiles: output width {width} is not a multiple of 64")
         log_once(f"moe_regtile:{name}:{width}",
                  f"moe_grouped_gemm: simdgroup tiles for {name} (output width {width} not a multiple of 64)")
@@ -425,7 +427,7 @@ def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_s
         template += [("R", rows), ("KC", chunk)]
         name = "gemv_" + name
     elif (cols := _register_tiles(name, width, tile_dtype, tiles)) is not None:
-        nt = 256 if tiles == "register256" else GEMM_THREADS
+        nt = REGTILE_THREADS[tiles or "register"]
         grid, threads = (width // cols * nt, blocks.shape[0], 1), (nt, 1, 1)
         template.append(("NT", nt))
         if name == "down":
