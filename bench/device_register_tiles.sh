@@ -7,7 +7,8 @@
 #   PART=3 bash bench/device_register_tiles.sh   # prefill sweep 512 .. 32K: stock (to 4K), stock-kernels, lily
 #   PART=4 bash bench/device_register_tiles.sh   # GEMM variants timed, ncu's full sections of the register tiles
 #   PART=5 bash bench/device_register_tiles.sh   # register tiles' CUDA tests, GEMM variants, prefill GPU time by
-#                                                # kernel (a 2048-token chunk after 2048 cached, ncu)
+#                                                # kernel (a 2048-token chunk after 2048 cached), ncu's memory
+#                                                # sections of the 128- and 64-thread register tiles
 #
 # Results under $OUT/register_tiles (Markdown tables, JSON, logs).
 set -uo pipefail
@@ -60,6 +61,11 @@ json.dump({'ceilings': ceil, 'rows': rows}, open('$W/op_cases.json', 'w'), inden
       --prefill-chunk 2048 --steps 1 --out "$W/prefill_sgt"
     head -40 "$W/prefill_sgt/step_gpu_time.md" 2>/dev/null
     rm -f "$W"/prefill_sgt/*.csv
+    run ncu 150 ncu --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section Occupancy \
+      --section LaunchStats --section ComputeWorkloadAnalysis -k regex:regtile -c 4 \
+      python -m bench.gemm_tiles --tokens 2048 --once
+    grep -E "regtile|Duration|Registers Per|Achieved Occupancy|L1/TEX Cache Throughput|Mem Busy|Issue Slots|Bank" \
+      "$W/ncu.txt" | head -60
     ;;
   *) echo "PART must be 1, 2, 3, 4 or 5" >&2; exit 2 ;;
 esac
