@@ -42,6 +42,7 @@ ABLATIONS = (
     ("staged_scan", "prefill", 2 * K, None),
     ("fused_combine", "prefill", 2 * K, None),
     ("register_tiles", "prefill", 2 * K, None),
+    ("tall_register_blocks", "prefill", 2 * K, None),
     ("chunked_prefill", "prefill", 16 * K, None),
     ("bounded_lookahead", "prefill", 16 * K, None),
     ("compiled_decode", "decode", 4 * K, None),

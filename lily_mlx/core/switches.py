@@ -41,6 +41,11 @@ _SWITCH_LIST = [
            "chains fed by 16-byte threadgroup loads, the next K step's loads in flight (same bits as the "
            "simdgroup tiles).",
            "simdgroup_matrix 8 x 8 tiles, 4 simdgroups per 32 x 32 block (the write-up's kernel)."),
+    Switch("tall_register_blocks", "moe", "prefill", True,
+           "With register_tiles: 64-thread threadgroups whose threads each keep 8 rows x 4 columns (of gate and "
+           "of up) of a 32-row tile in registers (4 rows of a 16-row tile): twice the FMAs per threadgroup load "
+           "(same bits).",
+           "128-thread threadgroups, 4 x 4 outputs a thread in 32-row tiles (2 x 4 in 16-row tiles)."),
     Switch("fused_combine", "moe", "both", True,
            "Weight and sum each token's expert rows straight from the down GEMM's slot order (one kernel).",
            "Gather the rows back to token order, multiply by the routing weights, sum over k (three ops)."),

@@ -14,6 +14,7 @@ template or geometry:
 | ``adaptive_tile`` | 32-row tiles for experts with >= 32 rows | 16-row tiles only |
 | ``fused_combine`` | ``moe_combine_weighted_rows`` | no combine kernel (gather + weighted sum) |
 | ``register_tiles`` | ``moe_gemm_*_regtile`` (outputs in registers) | ``moe_gemm_gate_up_swiglu`` / ``moe_gemm_down`` (simdgroup tiles) |
+| ``tall_register_blocks`` | register tiles with template NT = 64, 64-thread threadgroups | NT = 128, 128 threads |
 | ``register_scan`` | ``deltanet_scan_staged`` / ``deltanet_scan_register`` | ``deltanet_scan_blockwise``, ceil(T / 16) state blocks |
 | ``staged_scan`` | ``deltanet_scan_staged`` (with ``register_scan``) | ``deltanet_scan_register`` |
 | ``fused_recurrent_norm`` | ``deltanet_decode_fused`` | gates, scan (T = 1), gated norm kernels |
@@ -309,6 +310,33 @@ def test_moe_switch_paths(sim, state, call):
     assert err <= err_stock, f"RMS error vs fp32 {err:.4g}, stock's {err_stock:.4g}"
 
 
+REGISTER_BLOCK_SWITCHES = ("tall_register_blocks",)
+
+
+@pytest.mark.parametrize("state", _states(("register_tiles",) + REGISTER_BLOCK_SWITCHES), ids=_state_id)
+def test_tall_register_blocks_paths(sim, state):
+    """tall_register_blocks: with register_tiles, the register-tiled GEMMs over 64-thread threadgroups (template
+    NT = 64: 8 rows a thread in 32-row tiles) or 128 (NT = 128); without register_tiles no effect (simdgroup
+    tiles, no NT). Every state gives the same bits (docs/moe.md: the register forms are the simdgroup tiles'
+    arithmetic)."""
+    counts = MOE_CALLS["prefill-400"]
+    block, x, inds, scores = _moe_problem(counts)
+    with _overrides(state), record_launches() as rec:
+        out = mk.routed_experts_combined_kernel(block.switch_mlp, x, inds, scores)
+        mx.eval(out)
+    full = {"fused_dequant": True, "gpu_routing": True, "adaptive_tile": True, "fused_combine": True}
+    full.update(state)
+    launches = {launch.name: launch for launch in rec}
+    nt = (64 if state["tall_register_blocks"] else 128) if state["register_tiles"] else None
+    for name in gemm_names(full, sum(counts)):
+        launch = launches[name]
+        assert dict(launch.kwargs["template"]).get("NT") == nt, (name, launch.kwargs["template"])
+        assert launch.kwargs["threadgroup"][0] == (nt or 128)
+    with _overrides({"register_tiles": False}):
+        want = mk.routed_experts_combined_kernel(block.switch_mlp, x, inds, scores)
+    assert mx.array_equal(out, want).item()
+
+
 # ----------------------------------------------------------------------------------------------
 # DeltaNet: register_scan, staged_scan, fused_recurrent_norm, fused_conv_step
 
@@ -462,7 +490,8 @@ ADD_NORM_SWITCHES = ("fused_add_norm", "fused_norm_router", "fused_next_norm")
 NORM_ROUTER_NEEDS = ("fused_norm_router", "fused_add_norm", "fused_residual", "fused_expert_up", "fused_expert_down",
                      "fused_combine")
 assert set(NO_KERNEL_SWITCHES) | set(MOE_SWITCHES) | set(MOE_BLOCK_SWITCHES) | set(DELTANET_SWITCHES) | set(
-    ATTENTION_SWITCHES) | set(QK_PREP_SWITCHES) | set(ADD_NORM_SWITCHES) == set(switches.SWITCHES), \
+    ATTENTION_SWITCHES) | set(QK_PREP_SWITCHES) | set(ADD_NORM_SWITCHES) | set(REGISTER_BLOCK_SWITCHES) == set(
+    switches.SWITCHES), \
     "a new switch needs its expected launches here"
 
 

@@ -112,9 +112,10 @@ KERNELS: Dict[str, KernelSpec] = {
 CHUNK = 256  # assignments per threadgroup in the histogram and scatter kernels
 GEMM_THREADS = 128  # 4 simdgroups
 GEMM_COLS = 32  # output columns per threadgroup
-# The GEMMs' tile forms: the switch register_tiles picks between the first two; "register64" and "register256"
-# (benchmarks, tests) are the register form over 64 threads (8 rows a thread in 32-row tiles) and over 256 (which
-# also takes 64-row tiles: HUGE_TILE, host_block_map's huge_min_rows). Threads per threadgroup of each:
+# The GEMMs' tile forms: the switch register_tiles picks between simdgroup and register tiles, tall_register_blocks
+# between the register form over 64 threads (8 rows a thread in 32-row tiles) and over 128; "register256"
+# (benchmarks, tests) is that form over 256 threads, which also takes 64-row tiles (HUGE_TILE, host_block_map's
+# huge_min_rows). Threads per threadgroup of each explicit form:
 REGTILE_THREADS = {"register": GEMM_THREADS, "register64": 64, "register256": 256}
 TILE_KINDS = ("simdgroup",) + tuple(REGTILE_THREADS)
 COMBINE_THREADS = 128  # threads per threadgroup of the combine kernel, 4 columns each
@@ -427,7 +428,7 @@ def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_s
         template += [("R", rows), ("KC", chunk)]
         name = "gemv_" + name
     elif (cols := _register_tiles(name, width, tile_dtype, tiles)) is not None:
-        nt = REGTILE_THREADS[tiles or "register"]
+        nt = REGTILE_THREADS[tiles or ("register64" if switches.is_enabled("tall_register_blocks") else "register")]
         grid, threads = (width // cols * nt, blocks.shape[0], 1), (nt, 1, 1)
         template.append(("NT", nt))
         if name == "down":
