@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The register-tiled MoE GEMMs (switch register_tiles) on one NVIDIA GPU, in two calls of under 10 minutes:
+# The register-tiled MoE GEMMs (switch register_tiles) on one NVIDIA GPU, in calls of under 10 minutes:
 #
 #   PART=1 bash bench/device_register_tiles.sh   # CUDA tests (same bits as the simdgroup tiles and the
 #                                                # decode GEMVs), then the GEMM op cases, both tile forms
 #   PART=2 bash bench/device_register_tiles.sh   # e2e prefill: stock-kernels, lily, lily-off:register_tiles
 #   PART=3 bash bench/device_register_tiles.sh   # prefill sweep 512 .. 32K: stock (to 4K), stock-kernels, lily
 #   PART=4 bash bench/device_register_tiles.sh   # GEMM variants timed, ncu's full sections of the register tiles
-#   PART=5 bash bench/device_register_tiles.sh   # register tiles' CUDA tests, GEMM variants, prefill GPU time by
-#                                                # kernel (a 2048-token chunk after 2048 cached), ncu's memory
-#                                                # sections of the 128- and 64-thread register tiles
+#   PART=5 bash bench/device_register_tiles.sh   # 64-thread register tiles: CUDA tests, GEMM variants, e2e
+#                                                # prefill with tall_register_blocks on / off
+#   PART=6 bash bench/device_register_tiles.sh   # prefill GPU time by kernel (a 2048-token chunk after 2048
+#                                                # cached), ncu's memory sections of the register tiles
 #
 # Results under $OUT/register_tiles (Markdown tables, JSON, logs).
 set -uo pipefail
@@ -51,12 +52,19 @@ json.dump({'ceilings': ceil, 'rows': rows}, open('$W/op_cases.json', 'w'), inden
     run ncu 200 ncu --set full -k regex:regtile -c 4 python -m bench.gemm_tiles --tokens 2048 --once
     grep -E "regtile|Duration|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Stall|Warp Cycles Per Issued|Executed Ipc|L1/TEX Hit|Bank" "$W/ncu.txt" | head -80
     ;;
-  5)  # where a prompt chunk's GPU time goes, kernel by kernel, lily against the fair baseline
+  5)  # the 64-thread register tiles (tall_register_blocks): CUDA tests, GEMM variants, e2e prefill on / off
     run tests_cuda 100 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
       -o addopts= tests/kernels/test_moe_kernels.py -k "register_tiles_have or decode_gemvs_same_bits"
     grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -2
     run gemm_variants 70 python -m bench.gemm_tiles --variants --out "$W/variants.md"
     cat "$W/variants.md" 2>/dev/null
+    run e2e_tall 300 python -m bench.run --mode e2e --size full \
+      --engines stock-kernels,lily,lily-off:tall_register_blocks --lengths 512,4K --rounds 2 --prefill-only \
+      --out "$W/e2e_tall"
+    cat "$W/e2e_tall/e2e.md" 2>/dev/null
+    ;;
+  6)  # where a prompt chunk's GPU time goes, kernel by kernel, lily against the fair baseline; ncu's memory
+      # sections of the 128- and 64-thread register tiles
     run prefill_gpu_time 300 python -m bench.step_gpu_time --compare "${ENGINES:-lily,stock-kernels}" --context 2048 \
       --prefill-chunk 2048 --steps 1 --out "$W/prefill_sgt"
     head -40 "$W/prefill_sgt/step_gpu_time.md" 2>/dev/null
@@ -67,6 +75,6 @@ json.dump({'ceilings': ceil, 'rows': rows}, open('$W/op_cases.json', 'w'), inden
     grep -E "regtile|Duration|Registers Per|Achieved Occupancy|L1/TEX Cache Throughput|Mem Busy|Issue Slots|Bank" \
       "$W/ncu.txt" | head -60
     ;;
-  *) echo "PART must be 1, 2, 3, 4 or 5" >&2; exit 2 ;;
+  *) echo "PART must be 1, 2, 3, 4, 5 or 6" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"
