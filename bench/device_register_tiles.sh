@@ -10,6 +10,8 @@
 #                                                # prefill with tall_register_blocks on / off
 #   PART=6 bash bench/device_register_tiles.sh   # prefill GPU time by kernel (a 2048-token chunk after 2048
 #                                                # cached), ncu's memory sections of the register tiles
+#   PART=7 bash bench/device_register_tiles.sh   # the router's logits of token groups: CUDA tests, e2e prefill
+#                                                # 512 / 4K / 16K against the fair baseline
 #
 # Results under $OUT/register_tiles (Markdown tables, JSON, logs).
 set -uo pipefail
@@ -75,6 +77,14 @@ json.dump({'ceilings': ceil, 'rows': rows}, open('$W/op_cases.json', 'w'), inden
     grep -E "regtile|Duration|Registers Per|Achieved Occupancy|L1/TEX Cache Throughput|Mem Busy|Issue Slots|Bank" \
       "$W/ncu.txt" | head -60
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5 or 6" >&2; exit 2 ;;
+  7)  # the router's logits of token groups (moe_router_logits_tokens_q): CUDA tests, e2e prefill 512 .. 16K
+    run tests_cuda_router 90 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+      -o addopts= tests/kernels/test_moe_kernels.py -k "router_logits_of_token_groups or split_router or token_alone"
+    grep -v "TMA\|cuTensorMap" "$W/tests_cuda_router.txt" | tail -2
+    run e2e_router 330 python -m bench.run --mode e2e --size full --engines stock-kernels,lily \
+      --lengths 512,4K,16K --rounds 2 --long-from 16K --long-rounds 1 --prefill-only --out "$W/e2e_router"
+    cat "$W/e2e_router/e2e.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6 or 7" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"

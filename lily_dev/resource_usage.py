@@ -147,8 +147,9 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
 
 def router_units(shapes=((256, 8, 8, 2048), (1024, 32, 8, 4096), (16, 4, 4, 64))) -> Dict[str, tuple]:
     """{name: (CUDA translation unit, threads per threadgroup)} of the router kernels (one kernel, the
-    split pair and the residual norm with the logits) for (experts, top-k, bits, hidden) shapes, bf16, as
-    ``route_tokens`` and ``residual_norm_router_logits`` launch them."""
+    split pair, the split logits of a prompt-sized call and the residual norm with the logits) for (experts,
+    top-k, bits, hidden) shapes, bf16, as ``route_tokens``, ``router_logits`` and ``residual_norm_router_logits``
+    launch them."""
     from lily_mlx.core import switches
     from lily_mlx.core.kernel_registry import kernel_source
     from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
@@ -174,6 +175,7 @@ def router_units(shapes=((256, 8, 8, 2048), (1024, 32, 8, 4096), (16, 4, 4, 64))
             for split in (True, False):
                 with switches.overrides(**({} if split else {"disable": ["split_router"]})):
                     mk.route_tokens(block, x, True, "cuda")
+            mk.router_logits(block, mx.zeros((3 * mk.ROUTER_TOKENS_PER_GROUP, hidden), mx.bfloat16), True, "cuda")
             norm = nn.RMSNorm(hidden)
             norm.weight = norm.weight.astype(mx.bfloat16)
             mk.residual_norm_router_logits(block, norm, x, x, "cuda")

@@ -453,42 +453,6 @@ inline void moe_rt_store_weight(const device W* w, const device S*, const device
   }
 }
 
-// Activations travel as raw 32-bit words: PER values of type T per word, value h of a word as a float (the
-// same value as float(T)).
-template <typename T> struct MoeRtWords;
-template <> struct MoeRtWords<bfloat16_t> {
-  static constant constexpr int PER = 2;
-  static inline float get(uint w, int h) { return as_type<float>(h ? (w & 0xffff0000u) : (w << 16)); }
-};
-template <> struct MoeRtWords<half> {
-  static constant constexpr int PER = 2;
-  static inline float get(uint w, int h) { return float(as_type<half>(ushort(h ? (w >> 16) : (w & 0xffffu)))); }
-};
-template <> struct MoeRtWords<float> {
-  static constant constexpr int PER = 1;
-  static inline float get(uint w, int) { return as_type<float>(w); }
-};
-
-// NW consecutive words from p (aligned to min(4 * NW, 16) bytes), in 16-byte loads where it can.
-template <int NW>
-inline void moe_rt_load_words(const device uint* p, thread uint* w) {
-  if (NW >= 4) {
-    for (int c = 0; c < NW / 4; ++c) {
-      const uint4 t = reinterpret_cast<const device uint4*>(p)[c];
-      w[4 * c] = t.x;
-      w[4 * c + 1] = t.y;
-      w[4 * c + 2] = t.z;
-      w[4 * c + 3] = t.w;
-    }
-  } else if (NW == 2) {
-    const uint2 t = *reinterpret_cast<const device uint2*>(p);
-    w[0] = t.x;
-    w[1] = t.y;
-  } else {
-    w[0] = p[0];
-  }
-}
-
 // The activation tile of a K step, TR rows (the block's tile rows): thread tid stages row tid % TR, values
 // k0 + (tid / TR) * V .. + V (V = TR * MOE_RT_BK / NT, 2 to 16) in one or two vector loads, and a simdgroup's
 // stores into the k-major tile fall on 32 (or 2 x 16) adjacent rows, on distinct banks but at NT = 64 with
@@ -497,7 +461,7 @@ template <int NT, int TR, typename T, typename PX>
 inline void moe_rt_fetch_rows_of(PX x, int src, int k0, int K, uint tid, thread uint* xw) {
   constexpr int V = TR * MOE_RT_BK / NT;
   const device T* p = x + long(src) * K + k0 + (int(tid) / TR) * V;
-  moe_rt_load_words<V / MoeRtWords<T>::PER>(reinterpret_cast<const device uint*>(p), xw);
+  moe_load_words<V / MoeWords<T>::PER>(reinterpret_cast<const device uint*>(p), xw);
 }
 
 template <int NT, int TR, typename T>
@@ -506,7 +470,7 @@ inline void moe_rt_store_rows_of(thread const uint* xw, uint tid, threadgroup fl
   const int r = int(tid) % TR;
   const int kb = (int(tid) / TR) * V;
   for (int v = 0; v < V; ++v) {
-    xt[(kb + v) * MOE_RT_XLD(NT) + r] = MoeRtWords<T>::get(xw[v / MoeRtWords<T>::PER], v % MoeRtWords<T>::PER);
+    xt[(kb + v) * MOE_RT_XLD(NT) + r] = MoeWords<T>::get(xw[v / MoeWords<T>::PER], v % MoeWords<T>::PER);
   }
 }
 

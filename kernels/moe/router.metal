@@ -24,6 +24,42 @@
 #define MOE_ROUTER_LOGIT_SIMDGROUPS 8  // expert rows per threadgroup of moe_router_logits_q
 #define MOE_ROUTER_LOADS 4      // 16-byte weight loads a lane issues before it uses them
 
+// Activation values loaded as raw 32-bit words (vector loads): PER values of type T per word, value h of a word
+// as a float (the same value as float(T)). The register tiles (gemm.metal) and the router use them.
+template <typename T> struct MoeWords;
+template <> struct MoeWords<bfloat16_t> {
+  static constant constexpr int PER = 2;
+  static inline float get(uint w, int h) { return as_type<float>(h ? (w & 0xffff0000u) : (w << 16)); }
+};
+template <> struct MoeWords<half> {
+  static constant constexpr int PER = 2;
+  static inline float get(uint w, int h) { return float(as_type<half>(ushort(h ? (w >> 16) : (w & 0xffffu)))); }
+};
+template <> struct MoeWords<float> {
+  static constant constexpr int PER = 1;
+  static inline float get(uint w, int) { return as_type<float>(w); }
+};
+
+// NW consecutive words from p (aligned to min(4 * NW, 16) bytes), in 16-byte loads where it can.
+template <int NW>
+inline void moe_load_words(const device uint* p, thread uint* w) {
+  if (NW >= 4) {
+    for (int c = 0; c < NW / 4; ++c) {
+      const uint4 t = reinterpret_cast<const device uint4*>(p)[c];
+      w[4 * c] = t.x;
+      w[4 * c + 1] = t.y;
+      w[4 * c + 2] = t.z;
+      w[4 * c + 3] = t.w;
+    }
+  } else if (NW == 2) {
+    const uint2 t = *reinterpret_cast<const device uint2*>(p);
+    w[0] = t.x;
+    w[1] = t.y;
+  } else {
+    w[0] = p[0];
+  }
+}
+
 // The activation row x[0 .. D) into threadgroup memory as floats (D a multiple of 64), by the
 // threadgroup's `threads` threads; the caller puts a barrier after it. Every row's dot product of the
 // token then reads x from there instead of device memory.
@@ -89,6 +125,61 @@ inline float moe_router_logit(int row, int E, PW w_router, PS scales_router, PB 
                                     biases_router + long(row) * (D / 64), xs, D, lane);
   }
   return moe_router_row_dot<BITS>(w_gate, scales_gate, biases_gate, xs, D, lane);
+}
+
+// moe_router_row_dot for TT tokens at once (rows x[0], x[D], ... x[(TT - 1) * D] of the call; `last` the
+// index of the last valid one: later slots repeat it, computed and never written): each weight word, scale
+// and bias is loaded once for the TT tokens. A token's arithmetic is moe_router_row_dot's, operation for
+// operation (the same lane split, order, fmas and simd_sum), so its logits have the same bits whether it
+// comes alone or with others. x is read from device memory (VALUES_PER_WORD values of a token per word, one
+// vector load).
+template <int BITS, int TT, typename T, typename PW, typename PS, typename PB>
+inline void moe_router_rows_dot(PW w, PS scales, PB biases, const device T* x, int last, int D, uint lane,
+                                thread float* acc) {
+  constexpr int VALUES_PER_WORD = 32 / BITS;
+  constexpr int WORDS_PER_GROUP = 64 / VALUES_PER_WORD;
+  constexpr int XWORDS = VALUES_PER_WORD / MoeWords<T>::PER;  // 32-bit words of x per weight word
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const int words = D / VALUES_PER_WORD;
+  for (int t = 0; t < TT; ++t) {
+    acc[t] = 0.0f;
+  }
+  for (int w0 = int(lane); w0 < words; w0 += 32 * MOE_ROUTER_LOADS) {
+    uint32_t word[MOE_ROUTER_LOADS];
+    float scale[MOE_ROUTER_LOADS];
+    float bias[MOE_ROUTER_LOADS];
+    for (int u = 0; u < MOE_ROUTER_LOADS; ++u) {
+      const int wi = w0 + 32 * u;
+      if (wi < words) {
+        word[u] = w[wi];
+        scale[u] = float(scales[wi / WORDS_PER_GROUP]);
+        bias[u] = float(biases[wi / WORDS_PER_GROUP]);
+      }
+    }
+    for (int u = 0; u < MOE_ROUTER_LOADS; ++u) {
+      const int wi = w0 + 32 * u;
+      if (wi < words) {
+        #pragma unroll
+        for (int t = 0; t < TT; ++t) {
+          uint xw[XWORDS];
+          const int row = t < last ? t : last;
+          moe_load_words<XWORDS>(reinterpret_cast<const device uint*>(x + long(row) * D + wi * VALUES_PER_WORD), xw);
+          float xq = 0.0f;
+          float xsum = 0.0f;
+          #pragma unroll
+          for (int j = 0; j < VALUES_PER_WORD; ++j) {
+            const float xv = MoeWords<T>::get(xw[j / MoeWords<T>::PER], j % MoeWords<T>::PER);
+            xq = metal::fma(xv, float((word[u] >> (BITS * j)) & MASK), xq);
+            xsum += xv;
+          }
+          acc[t] += metal::fma(scale[u], xq, bias[u] * xsum);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    acc[t] = simd_sum(acc[t]);
+  }
 }
 
 // Steps 2-3 of the router for one token, by one simdgroup (no barriers), from its T-rounded logits in
@@ -247,6 +338,35 @@ if (sg == 0) {  // the selection is one simdgroup's work (no barriers inside)
                                                biases_gate, xs, D, lane);
     if (lane == 0) {
       logits[n * (E + 1) + row] = float(static_cast<T>(logit));
+    }
+  }
+}
+
+// @kernel moe_router_logits_tokens_q
+// moe_router_logits_q for prompt-sized calls: TT tokens per threadgroup (template), so each expert row's words
+// are read once per TT tokens instead of once per token (a prompt chunk's router read the 0.5 MB router once
+// per token: a tenth of the chunk's GPU time on the H200, docs/moe.md). Same logits, bit for bit
+// (moe_router_rows_dot). grid (32 * MOE_ROUTER_LOGIT_SIMDGROUPS, ceil(N / TT), ceil((E + has_gate) /
+// MOE_ROUTER_LOGIT_SIMDGROUPS)), threadgroup (32 * MOE_ROUTER_LOGIT_SIMDGROUPS, 1, 1); template T, BITS, TT.
+// params: [D, E, has_gate, N]. logits [N, E + 1] float32 as moe_router_logits_q's.
+{
+  const uint lane = thread_index_in_simdgroup;
+  const int row = int(threadgroup_position_in_grid.z) * MOE_ROUTER_LOGIT_SIMDGROUPS + int(simdgroup_index_in_threadgroup);
+  const int n0 = int(threadgroup_position_in_grid.y) * TT;
+  const int last = min(TT, N - n0) - 1;  // the group's last valid token
+  if (row < E + has_gate) {  // uniform over the simdgroup: every lane reaches the simd_sums
+    float acc[TT];
+    if (row < E) {
+      const long words = long(row) * (D * BITS / 32);
+      moe_router_rows_dot<BITS, TT>(w_router + words, scales_router + long(row) * (D / 64),
+                                    biases_router + long(row) * (D / 64), x + long(n0) * D, last, D, lane, acc);
+    } else {
+      moe_router_rows_dot<BITS, TT>(w_gate, scales_gate, biases_gate, x + long(n0) * D, last, D, lane, acc);
+    }
+    for (int t = 0; t < TT; ++t) {  // constant trip count: acc stays in registers
+      if (lane == 0 && t <= last) {
+        logits[long(n0 + t) * (E + 1) + row] = float(static_cast<T>(acc[t]));
+      }
     }
   }
 }

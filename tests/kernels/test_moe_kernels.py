@@ -919,9 +919,34 @@ def test_split_router_has_the_bits_of_the_one_kernel_router(tokens, hidden, expe
         got = mk.route_tokens(block, x, with_gate, KERNEL_BACKEND, init_value=POISON_INT)
         mx.eval(got)
     assert one.names() == ["moe_router_softmax_topk_q"]
-    assert split.names() == ["moe_router_logits_q", "moe_router_topk_from_logits"]
+    logits_kernel = "moe_router_logits_tokens_q" if tokens > mk.ROUTER_GROUP_MIN_TOKENS else "moe_router_logits_q"
+    assert split.names() == [logits_kernel, "moe_router_topk_from_logits"]
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and mx.array_equal(g, w).item()
+
+
+@needs_sim
+@SETTINGS
+@given(tokens=st.sampled_from([1, 5, 9, 17]), tokens_per_group=st.sampled_from([2, 3, 8]),
+       hidden=st.sampled_from([64, 256]), experts=st.sampled_from([8, 40, 256]), with_gate=st.booleans(),
+       bits=st.sampled_from([8, 4]), dtype=st.sampled_from([mx.bfloat16, mx.float16, mx.float32]),
+       seed=st.integers(0, 10_000))
+def test_router_logits_of_token_groups_have_the_bits_of_one_token_a_threadgroup(tokens, tokens_per_group, hidden,
+                                                                                experts, with_gate, bits, dtype, seed):
+    """moe_router_logits_tokens_q (prompt-sized calls: several tokens a threadgroup, each router word read once
+    for them) gives moe_router_logits_q's logits bit for bit, groups cut anywhere (N not a multiple of the group),
+    outputs poisoned so an unwritten logit shows."""
+    block = _router_block(hidden, experts, min(4, experts), True, bits, dtype, seed)
+    x = make_inputs(1, tokens, hidden, seed=seed, dtype=dtype).reshape(tokens, hidden)
+    with record_launches() as rec:
+        got = mk.router_logits(block, x, with_gate, KERNEL_BACKEND, init_value=float("nan"),
+                               tokens_per_group=tokens_per_group)
+        mx.eval(got)
+    assert rec.names() == ["moe_router_logits_tokens_q"]
+    want = mk.router_logits(block, x, with_gate, KERNEL_BACKEND, init_value=float("nan"), tokens_per_group=1)
+    cols = experts + int(with_gate)
+    assert not mx.isnan(got[:, :cols]).any().item()
+    assert mx.array_equal(got[:, :cols], want[:, :cols]).item()
 
 
 @needs_sim
@@ -944,7 +969,8 @@ def test_router_kernels_race_check(monkeypatch, split):
 
 @needs_sim
 def test_router_kernel_token_alone_equals_token_in_batch():
-    """A token's routing (indices, scores, gate) has the same bits alone and among 37 others."""
+    """A token's routing (indices, scores, gate) has the same bits alone and among 37 others (the logits of the
+    38 tokens by the grouped kernel, of one by the one-token kernel)."""
     block = _router_block(256, 256, 8, True, 8, mx.bfloat16, 3)
     x = make_inputs(1, 38, 256, seed=5).reshape(38, 256)
     batch = mk.route_tokens(block, x, True, KERNEL_BACKEND)
@@ -1105,7 +1131,7 @@ def test_router_kernels_fit_their_threadgroups_on_the_h200():
     if compile_check.nvcc_path() is None:
         pytest.skip("nvcc (CUDA toolkit) not installed")
     units = resource_usage.router_units()
-    assert len(units) == 12
+    assert len(units) == 15  # 3 shapes x (one kernel, logits, logits of token groups, top-k, norm + logits)
     for name, (unit, threads) in units.items():
         u = resource_usage.ptxas_usage(unit)
         assert 0 < u["registers"] * threads <= resource_usage.REGISTERS_PER_SM, (name, threads, u)

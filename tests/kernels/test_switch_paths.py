@@ -168,6 +168,9 @@ def expected_blocks(counts: Sequence[int], state: Dict[str, bool], flat_inds: np
 
 ROUTER = ["moe_router_softmax_topk_q"]  # split_router off
 SPLIT_ROUTER = ["moe_router_logits_q", "moe_router_topk_from_logits"]  # split_router on
+# docs/moe.md: calls of more than 8 tokens take the logits kernel of token groups (the same bits).
+ROUTER_GROUP_MIN_TOKENS = 8
+SPLIT_ROUTER_GROUPS = ["moe_router_logits_tokens_q", "moe_router_topk_from_logits"]
 MOE_BLOCK_SWITCHES = ("fused_expert_up", "fused_expert_down", "row_gemv", "split_router", "fused_topk_gemv")
 GEMV_GATE_UP_ROUTED = "moe_gemv_gate_up_swiglu_routed"
 
@@ -180,10 +183,11 @@ def topk_in_gemv(state: Dict[str, bool], assignments: int) -> bool:
             and state["fused_dequant"] and assignments <= PER_ASSIGNMENT_MAX)
 
 
-def expected_block_launches(state: Dict[str, bool], assignments: int) -> List[str]:
+def expected_block_launches(state: Dict[str, bool], assignments: int, tokens: int) -> List[str]:
+    split = SPLIT_ROUTER_GROUPS if tokens > ROUTER_GROUP_MIN_TOKENS else SPLIT_ROUTER
     if topk_in_gemv(state, assignments):  # the top-k inside the gate/up GEMV: 4 launches
-        return ["moe_router_logits_q", GEMV_GATE_UP_ROUTED, GEMV_DOWN, COMBINE]
-    router = (SPLIT_ROUTER if state["split_router"] else ROUTER) if state["fused_expert_up"] else []
+        return [split[0], GEMV_GATE_UP_ROUTED, GEMV_DOWN, COMBINE]
+    router = (split if state["split_router"] else ROUTER) if state["fused_expert_up"] else []
     return router + expected_moe_launches(state, assignments)
 
 
@@ -207,7 +211,7 @@ def test_moe_block_switch_paths(sim, state, tokens, chunks):
         out = sparse_moe_forward(block, x)
         mx.eval(out)
     a = tokens * TOP_K
-    assert rec.names() == expected_block_launches(full, a), rec.names()
+    assert rec.names() == expected_block_launches(full, a, tokens), rec.names()
     launches = {launch.name: launch for launch in rec}
     if topk_in_gemv(full, a):  # the GEMV writes the block map: read it where the down GEMV takes it
         gate_up = launches[GEMV_GATE_UP_ROUTED]
@@ -500,10 +504,11 @@ def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Se
     fresh prompt cache: per layer, its mixer's kernels then its MoE block's."""
     names = []
     add_norm = ["moe_residual_rms_norm"] if state["fused_add_norm"] else []  # after the mixer, before the block
-    after_mixer = add_norm + expected_block_launches(state, tokens * top_k)
+    after_mixer = add_norm + expected_block_launches(state, tokens * top_k, tokens)
     last_after_mixer = after_mixer
     if all(state[name] for name in NORM_ROUTER_NEEDS) and topk_in_gemv(state, tokens * top_k):
-        assert after_mixer[:2] == ["moe_residual_rms_norm", "moe_router_logits_q"], after_mixer
+        assert after_mixer[0] == "moe_residual_rms_norm", after_mixer
+        assert after_mixer[1] in (SPLIT_ROUTER[0], SPLIT_ROUTER_GROUPS[0]), after_mixer
         after_mixer = last_after_mixer = ["moe_residual_norm_router_logits_q"] + after_mixer[2:]
         if state["fused_next_norm"] and tokens == 1:
             assert after_mixer[-1] == "moe_combine_weighted_rows", after_mixer

@@ -72,6 +72,10 @@ KERNELS: Dict[str, KernelSpec] = {
     "router_logits": KernelSpec("moe_router_logits_q", ROUTER,
                                 ("x", "w_router", "scales_router", "biases_router", "w_gate", "scales_gate",
                                  "biases_gate", "params"), ("logits",), params=("D", "E", "has_gate")),
+    # The logits of TT tokens per threadgroup (prompt-sized calls; the same bits).
+    "router_logits_tokens": KernelSpec("moe_router_logits_tokens_q", ROUTER,
+                                       ("x", "w_router", "scales_router", "biases_router", "w_gate", "scales_gate",
+                                        "biases_gate", "params"), ("logits",), params=("D", "E", "has_gate", "N")),
     "router_topk": KernelSpec("moe_router_topk_from_logits", ROUTER, ("logits", "params"),
                               ("inds", "scores", "gate", "blocks"),
                               params=("E", "top_k", "norm_topk", "has_gate", "decode_tile", "shared_chunks")),
@@ -552,6 +556,10 @@ def residual_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float, ba
 
 ROUTER_THREADS = 512  # kernels/moe/router.metal: MOE_ROUTER_THREADS
 ROUTER_LOGIT_SIMDGROUPS = 8  # kernels/moe/router.metal: MOE_ROUTER_LOGIT_SIMDGROUPS (expert rows per threadgroup)
+# Prompt-sized router calls: tokens per threadgroup of moe_router_logits_tokens_q, from how many tokens a call takes
+# it (decode calls keep the one-token form; either gives the same bits).
+ROUTER_TOKENS_PER_GROUP = 8
+ROUTER_GROUP_MIN_TOKENS = 8
 ROUTER_MAX_EXPERTS = 1024  # kernels/moe/router.metal's threadgroup arrays
 ROUTER_MAX_HIDDEN = 4096  # kernels/moe/router.metal: MOE_ROUTER_MAX_D (the staged activation row)
 ROUTER_MAX_TOP_K = 32  # kernels/moe/router.metal: MOE_ROUTER_MAX_K (one lane per pick)
@@ -610,19 +618,30 @@ def _swiglu_mlp_call():
     return Qwen3NextMLP.__call__
 
 
-def router_logits(block, x2d: mx.array, with_gate: bool, backend: Optional[str] = None, init_value=None):
+def router_logits(block, x2d: mx.array, with_gate: bool, backend: Optional[str] = None, init_value=None,
+                  tokens_per_group: Optional[int] = None):
     """moe_router_logits_q: x [N, D] -> logits [N, E + 1] fp32 (each rounded to T; row E the shared
-    expert's gate), one simdgroup per expert row (switch split_router)."""
+    expert's gate), one simdgroup per expert row (switch split_router). Calls of more than
+    ROUTER_GROUP_MIN_TOKENS tokens run moe_router_logits_tokens_q, ROUTER_TOKENS_PER_GROUP tokens a threadgroup
+    (each router word read once for them; the same bits). ``tokens_per_group`` (tests, benchmarks): 1 for the
+    one-token form, another count for the grouped one, whatever N."""
     n, d = x2d.shape
     router, gate = block.gate, block.shared_expert_gate if with_gate else block.gate
     e = router["scales"].shape[0]
     threads = 32 * ROUTER_LOGIT_SIMDGROUPS
     row_groups = -(-(e + int(with_gate)) // ROUTER_LOGIT_SIMDGROUPS)
-    (logits,) = _kernel("router_logits", backend)(
-        inputs=[x2d, router["weight"], router["scales"], router["biases"], gate["weight"], gate["scales"],
-                gate["biases"], KERNELS["router_logits"].pack(D=d, E=e, has_gate=with_gate)],
-        template=[("T", x2d.dtype), ("BITS", router.bits)],
-        grid=(threads, n, row_groups), threadgroup=(threads, 1, 1),
+    weights = [x2d, router["weight"], router["scales"], router["biases"], gate["weight"], gate["scales"],
+               gate["biases"]]
+    template = [("T", x2d.dtype), ("BITS", router.bits)]
+    tt = tokens_per_group or (ROUTER_TOKENS_PER_GROUP if n > ROUTER_GROUP_MIN_TOKENS else 1)
+    if tt == 1:
+        name, inputs = "router_logits", weights + [KERNELS["router_logits"].pack(D=d, E=e, has_gate=with_gate)]
+    else:
+        name, inputs = "router_logits_tokens", weights + [KERNELS["router_logits_tokens"].pack(
+            D=d, E=e, has_gate=with_gate, N=n)]
+        template.append(("TT", tt))
+    (logits,) = _kernel(name, backend)(
+        inputs=inputs, template=template, grid=(threads, -(-n // tt), row_groups), threadgroup=(threads, 1, 1),
         output_shapes=[(n, e + 1)], output_dtypes=[mx.float32], init_value=init_value)
     return logits
 
