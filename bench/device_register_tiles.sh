@@ -12,6 +12,8 @@
 #                                                # cached), ncu's memory sections of the register tiles
 #   PART=7 bash bench/device_register_tiles.sh   # the router's logits of token groups: CUDA tests, e2e prefill
 #                                                # 512 / 4K / 16K against the fair baseline
+#   PART=8 bash bench/device_register_tiles.sh   # ncu's warp stall reasons of the register tiles; the router's
+#                                                # token groups timed
 #
 # Results under $OUT/register_tiles (Markdown tables, JSON, logs).
 set -uo pipefail
@@ -85,6 +87,14 @@ json.dump({'ceilings': ceil, 'rows': rows}, open('$W/op_cases.json', 'w'), inden
       --lengths 512,4K,16K --rounds 2 --long-from 16K --long-rounds 1 --prefill-only --out "$W/e2e_router"
     cat "$W/e2e_router/e2e.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6 or 7" >&2; exit 2 ;;
+  8)  # what stalls the register tiles (ncu's warp states and instruction mix at 2K tokens), then the router's
+      # token groups timed (1, 8, 16 tokens a threadgroup)
+    run ncu_stalls 60 ncu --section WarpStateStats --section InstructionStats --section LaunchStats \
+      -k regex:regtile -c 4 python -m bench.gemm_tiles --tokens 2048 --once
+    grep -E "regtile|Stall|Warp Cycles|Issued Ipc|Executed Instructions  " "$W/ncu_stalls.txt" | head -60
+    run router_groups 40 python -m bench.router_groups --out "$W/router_groups.md"
+    cat "$W/router_groups.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7 or 8" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"

@@ -148,6 +148,7 @@ inline void moe_router_rows_dot(PW w, PS scales, PB biases, const device T* x, i
     uint32_t word[MOE_ROUTER_LOADS];
     float scale[MOE_ROUTER_LOADS];
     float bias[MOE_ROUTER_LOADS];
+    #pragma unroll
     for (int u = 0; u < MOE_ROUTER_LOADS; ++u) {
       const int wi = w0 + 32 * u;
       if (wi < words) {
@@ -156,6 +157,7 @@ inline void moe_router_rows_dot(PW w, PS scales, PB biases, const device T* x, i
         bias[u] = float(biases[wi / WORDS_PER_GROUP]);
       }
     }
+    #pragma unroll
     for (int u = 0; u < MOE_ROUTER_LOADS; ++u) {
       const int wi = w0 + 32 * u;
       if (wi < words) {
