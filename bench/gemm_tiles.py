@@ -27,7 +27,8 @@ from lily_mlx.core.dispatch import op_backend
 from lily_mlx.ops.moe import kernels as mk
 
 
-def _median_us(fn: Callable[[], mx.array], rounds: int = 15) -> float:
+def median_us(fn: Callable[[], mx.array], rounds: int = 15) -> float:
+    """Median microseconds of ``rounds`` evaluated calls of ``fn``, after two warm-up calls."""
     mx.eval(fn())
     mx.eval(fn())
     times = []
@@ -91,15 +92,20 @@ def main(argv: List[str] = None) -> int:
     for tokens in token_counts:
         for name, (fn, flops, columns) in cases(tokens, sw, backend).items():
             with regtile_down_columns(columns) if columns else contextlib.nullcontext():
-                us = _median_us(fn)
+                us = median_us(fn)
             rows.setdefault(name, []).append(f"{us:,.0f} ({flops / us / 1e6:.1f})")
     lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows.items()]
+    print_table(lines, args.out)
+    return 0
+
+
+def print_table(lines: List[str], out: str = None) -> None:
+    """Print a Markdown table's lines, and write them to ``out`` too when given."""
     table = "\n".join(lines)
     print(table)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(table + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,25 +9,14 @@ table of microseconds.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import List
 
 import mlx.core as mx
 
+from bench.gemm_tiles import median_us, print_table
 from lily_dev.moe_testing import make_inputs, make_sparse_moe_block
 from lily_mlx.core.dispatch import op_backend
 from lily_mlx.ops.moe import kernels as mk
-
-
-def median_us(fn, rounds: int = 15) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(rounds):
-        tic = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - tic)
-    return statistics.median(times) * 1e6
 
 
 def main(argv: List[str] = None) -> int:
@@ -54,11 +43,7 @@ def main(argv: List[str] = None) -> int:
             us = median_us(lambda: mk.router_logits(block, x, True, backend, tokens_per_group=g))
             cells.append(f"{us:,.0f}" + ("" if same else " (NOT the same bits)"))
         lines.append(f"| {tokens} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    print_table(lines, args.out)
     return 0
 
 

@@ -55,20 +55,26 @@ def _profiler():
     return lib.cuProfilerStart, lib.cuProfilerStop, "libcuda.so.1"
 
 
-def profile(engine: str, context: int, steps: int, warmup: int) -> None:
-    import mlx.core as mx
-
-    from bench.decode_profile import _prefill, _step
+def _engine_model(engine: str, what: str):
+    """(the full-size model patched as ``engine`` runs it, its vocabulary size, the engine's switch overrides)."""
     from bench.e2e import Engines, switches_off, validate_engine
     from bench.model_setup import load_model
     from lily_mlx.core import switches
 
     validate_engine(engine)
     model, description = load_model(None, "full")
-    print(f"[step-gpu-time] {description}; engine {engine}, context {context}", flush=True)
+    print(f"[step-gpu-time] {description}; engine {engine}, {what}", flush=True)
     Engines(model).use(engine)
-    vocab = model.args.text_config["vocab_size"]
-    with switches.overrides(disable=switches_off(engine)):
+    return model, model.args.text_config["vocab_size"], switches.overrides(disable=switches_off(engine))
+
+
+def profile(engine: str, context: int, steps: int, warmup: int) -> None:
+    import mlx.core as mx
+
+    from bench.decode_profile import _prefill, _step
+
+    model, vocab, overrides = _engine_model(engine, f"context {context}")
+    with overrides:
         y, cache = _prefill(model, context, vocab, seed=0)
         for _ in range(warmup):
             y = _step(model, y, cache)
@@ -88,22 +94,14 @@ def profile_prefill(engine: str, context: int, chunk: int, steps: int) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from bench.e2e import Engines, switches_off, validate_engine
-    from bench.model_setup import load_model
-    from lily_mlx.core import switches
-
-    validate_engine(engine)
-    model, description = load_model(None, "full")
-    print(f"[step-gpu-time] {description}; engine {engine}, chunks of {chunk} after {context} tokens", flush=True)
-    Engines(model).use(engine)
-    vocab = model.args.text_config["vocab_size"]
+    model, vocab, overrides = _engine_model(engine, f"chunks of {chunk} after {context} tokens")
     tokens = mx.random.randint(0, vocab, (1, context + chunk * steps), key=mx.random.key(0))
 
     def prefill(cache, begin: int, end: int) -> None:
         model(tokens[:, begin:end], cache=cache)
         mx.eval([c.state for c in cache])
 
-    with switches.overrides(disable=switches_off(engine)):
+    with overrides:
         prefill(make_prompt_cache(model), 0, chunk)  # compiles this chunk length's kernels
         cache = make_prompt_cache(model)
         for begin in range(0, context, 2048):
