@@ -556,8 +556,8 @@ def residual_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float, ba
 
 ROUTER_THREADS = 512  # kernels/moe/router.metal: MOE_ROUTER_THREADS
 ROUTER_LOGIT_SIMDGROUPS = 8  # kernels/moe/router.metal: MOE_ROUTER_LOGIT_SIMDGROUPS (expert rows per threadgroup)
-# Prompt-sized router calls: tokens per threadgroup of moe_router_logits_tokens_q, from how many tokens a call takes
-# it (decode calls keep the one-token form; either gives the same bits).
+# Prompt-sized router calls: tokens per threadgroup of moe_router_logits_tokens_q, which calls of more than
+# ROUTER_GROUP_MIN_TOKENS tokens take (decode calls keep the one-token form; either gives the same bits).
 ROUTER_TOKENS_PER_GROUP = 8
 ROUTER_GROUP_MIN_TOKENS = 8
 ROUTER_MAX_EXPERTS = 1024  # kernels/moe/router.metal's threadgroup arrays
