@@ -454,7 +454,8 @@ inline void moe_rt_store_weight(const device W* w, const device S*, const device
 }
 
 // The activation tile of a K step, TR rows (the block's tile rows): thread tid stages row tid % TR, values
-// k0 + (tid / TR) * V .. + V (V = TR * MOE_RT_BK / NT, 2 to 16) in one or two vector loads, and a simdgroup's
+// k0 + (tid / TR) * V .. + V (V = TR * MOE_RT_BK / NT, 2 to 16) in loads of up to 16 bytes (one or two for bf16 and
+// f16, up to four for fp32), and a simdgroup's
 // stores into the k-major tile fall on 32 (or 2 x 16) adjacent rows, on distinct banks but at NT = 64 with
 // 16-row tiles (2-way). `src`: the row of x it reads (moe_rt_row_source).
 template <int NT, int TR, typename T, typename PX>
