@@ -70,6 +70,38 @@ inline void moe_router_stage_x(threadgroup float4* xs, PX x, int D, uint tid, ui
   }
 }
 
+// A lane's next MOE_ROUTER_LOADS words (wi = w0, w0 + 32, ...; those < words) with their scales and biases,
+// all loads issued before any is used, so their memory latencies overlap.
+template <int BITS, typename PW, typename PS, typename PB>
+inline void moe_router_fetch_words(PW w, PS scales, PB biases, int w0, int words, thread uint32_t* word,
+                                   thread float* scale, thread float* bias) {
+  constexpr int WORDS_PER_GROUP = 64 / (32 / BITS);
+  #pragma unroll
+  for (int u = 0; u < MOE_ROUTER_LOADS; ++u) {
+    const int wi = w0 + 32 * u;
+    if (wi < words) {
+      word[u] = w[wi];
+      scale[u] = float(scales[wi / WORDS_PER_GROUP]);
+      bias[u] = float(biases[wi / WORDS_PER_GROUP]);
+    }
+  }
+}
+
+// acc plus one word's term, scale * (x . q) + bias * sum(x) over its 32 / BITS values xv: the one expression
+// every router form uses for every word, so a logit has the same bits in each.
+template <int BITS>
+inline float moe_router_word_term(float acc, uint32_t word, float scale, float bias, thread const float* xv) {
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  float xq = 0.0f;
+  float xsum = 0.0f;
+  #pragma unroll
+  for (int j = 0; j < 32 / BITS; ++j) {
+    xq = metal::fma(xv[j], float((word >> (BITS * j)) & MASK), xq);
+    xsum += xv[j];
+  }
+  return acc + metal::fma(scale, xq, bias * xsum);  // fused explicitly: one rounding on every target
+}
+
 // Dot product of one quantised row with the staged x over D, reduced over the simdgroup (every lane
 // gets it). Adjacent lanes read adjacent words (coalesced); each lane sums its words l, l + 32, ... in
 // order, per word scale * (x . q) + bias * sum(x), as MLX's own quantised GEMV factors the affine
@@ -82,33 +114,22 @@ inline void moe_router_stage_x(threadgroup float4* xs, PX x, int D, uint tid, ui
 template <int BITS, typename PW, typename PS, typename PB>
 inline float moe_router_row_dot(PW w, PS scales, PB biases, const threadgroup float4* xs, int D, uint lane) {
   constexpr int VALUES_PER_WORD = 32 / BITS;
-  constexpr int WORDS_PER_GROUP = 64 / VALUES_PER_WORD;
-  constexpr uint32_t MASK = (1u << BITS) - 1u;
   const int words = D / VALUES_PER_WORD;
   float acc = 0.0f;
   for (int w0 = int(lane); w0 < words; w0 += 32 * MOE_ROUTER_LOADS) {
     uint32_t word[MOE_ROUTER_LOADS];
     float scale[MOE_ROUTER_LOADS];
     float bias[MOE_ROUTER_LOADS];
+    moe_router_fetch_words<BITS>(w, scales, biases, w0, words, word, scale, bias);
+    #pragma unroll
     for (int u = 0; u < MOE_ROUTER_LOADS; ++u) {
       const int wi = w0 + 32 * u;
       if (wi < words) {
-        word[u] = w[wi];
-        scale[u] = float(scales[wi / WORDS_PER_GROUP]);
-        bias[u] = float(biases[wi / WORDS_PER_GROUP]);
-      }
-    }
-    for (int u = 0; u < MOE_ROUTER_LOADS; ++u) {
-      const int wi = w0 + 32 * u;
-      if (wi < words) {
-        float xq = 0.0f;
-        float xsum = 0.0f;
+        float xv[VALUES_PER_WORD];
         for (int j = 0; j < VALUES_PER_WORD; ++j) {
-          const float xv = xs[(wi * VALUES_PER_WORD + j) / 4][j % 4];
-          xq = metal::fma(xv, float((word[u] >> (BITS * j)) & MASK), xq);
-          xsum += xv;
+          xv[j] = xs[(wi * VALUES_PER_WORD + j) / 4][j % 4];
         }
-        acc += metal::fma(scale[u], xq, bias[u] * xsum);  // fused explicitly: one rounding on every target
+        acc = moe_router_word_term<BITS>(acc, word[u], scale[u], bias[u], xv);
       }
     }
   }
@@ -137,9 +158,7 @@ template <int BITS, int TT, typename T, typename PW, typename PS, typename PB>
 inline void moe_router_rows_dot(PW w, PS scales, PB biases, const device T* x, int last, int D, uint lane,
                                 thread float* acc) {
   constexpr int VALUES_PER_WORD = 32 / BITS;
-  constexpr int WORDS_PER_GROUP = 64 / VALUES_PER_WORD;
   constexpr int XWORDS = VALUES_PER_WORD / MoeWords<T>::PER;  // 32-bit words of x per weight word
-  constexpr uint32_t MASK = (1u << BITS) - 1u;
   const int words = D / VALUES_PER_WORD;
   for (int t = 0; t < TT; ++t) {
     acc[t] = 0.0f;
@@ -148,15 +167,7 @@ inline void moe_router_rows_dot(PW w, PS scales, PB biases, const device T* x, i
     uint32_t word[MOE_ROUTER_LOADS];
     float scale[MOE_ROUTER_LOADS];
     float bias[MOE_ROUTER_LOADS];
-    #pragma unroll
-    for (int u = 0; u < MOE_ROUTER_LOADS; ++u) {
-      const int wi = w0 + 32 * u;
-      if (wi < words) {
-        word[u] = w[wi];
-        scale[u] = float(scales[wi / WORDS_PER_GROUP]);
-        bias[u] = float(biases[wi / WORDS_PER_GROUP]);
-      }
-    }
+    moe_router_fetch_words<BITS>(w, scales, biases, w0, words, word, scale, bias);
     #pragma unroll
     for (int u = 0; u < MOE_ROUTER_LOADS; ++u) {
       const int wi = w0 + 32 * u;
@@ -166,15 +177,12 @@ inline void moe_router_rows_dot(PW w, PS scales, PB biases, const device T* x, i
           uint xw[XWORDS];
           const int row = t < last ? t : last;
           moe_load_words<XWORDS>(reinterpret_cast<const device uint*>(x + long(row) * D + wi * VALUES_PER_WORD), xw);
-          float xq = 0.0f;
-          float xsum = 0.0f;
+          float xv[VALUES_PER_WORD];
           #pragma unroll
           for (int j = 0; j < VALUES_PER_WORD; ++j) {
-            const float xv = MoeWords<T>::get(xw[j / MoeWords<T>::PER], j % MoeWords<T>::PER);
-            xq = metal::fma(xv, float((word[u] >> (BITS * j)) & MASK), xq);
-            xsum += xv;
+            xv[j] = MoeWords<T>::get(xw[j / MoeWords<T>::PER], j % MoeWords<T>::PER);
           }
-          acc[t] += metal::fma(scale[u], xq, bias[u] * xsum);
+          acc[t] = moe_router_word_term<BITS>(acc[t], word[u], scale[u], bias[u], xv);
         }
       }
     }
