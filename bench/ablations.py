@@ -48,6 +48,7 @@ ABLATIONS = (
     ("compiled_decode", "decode", 4 * K, None),
     ("compiled_layers", "decode", 4 * K, None),
     ("compiled_attention", "decode", 4 * K, None),
+    ("layer_replay", "decode", 4 * K, None),
     ("fused_conv_step", "decode", 4 * K, None),
     ("fused_recurrent_norm", "decode", 4 * K, None),
     ("row_gemv", "decode", 4 * K, None),
@@ -111,7 +112,7 @@ def skip_reason(switch: str, backend: str, time_all: bool = False, length: Optio
         return GENERATION_LEVEL[switch]
     if switch == "bounded_lookahead":  # when the host waits, not which kernel: acts on every backend
         return None
-    if switch in ("compiled_decode", "compiled_layers", "compiled_attention"):
+    if switch in ("compiled_decode", "compiled_layers", "compiled_attention", "layer_replay"):
         if backend in COMPILE_BACKENDS or time_all:
             return None
         return f"traces Metal/CUDA kernels only ({backend} runs them uncompiled)"

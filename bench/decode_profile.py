@@ -205,13 +205,62 @@ def host_profile(model, engine: str, context: int, steps: int, vocab: int, seed:
     finally:
         Engines(model).use("stock")
     out = io.StringIO()
+    out.write(_trace_call_costs(model, engine, context, steps, vocab, seed))
     stats = pstats.Stats(profiler, stream=out)
     out.write(f"build of {steps} decode steps at context {context}, engine {engine}: "
               f"{1e3 * stats.total_tt / steps:.2f} ms per step under cProfile (the profiler adds its own cost)\n")
     for order in ("tottime", "cumulative"):
         out.write(f"\n--- by {order} ---\n")
         stats.sort_stats(order).print_stats(top)
+    out.write("\n--- callers of the functions with the most own time ---\n")
+    stats.sort_stats("tottime").print_callers(12)
     return out.getvalue()
+
+
+def _trace_call_costs(model, engine: str, context: int, steps: int, vocab: int, seed: int) -> str:
+    """Without the profiler: a step's build time, and how much of it is spent inside trace calls
+    (``compiled.call``: MLX flattening the owner's weights and replaying the recorded graph) by the
+    kind of piece, against the Python around them."""
+    from lily_mlx.core import compiled
+
+    inner = compiled.call
+    spent: Dict[str, List[float]] = {}
+
+    def timed(owner, key, fn, args):
+        t0 = time.perf_counter()
+        out = inner(owner, key, fn, args)
+        kind = f"{type(owner).__name__}:{key[0] if isinstance(key, tuple) and key else key}"
+        spent.setdefault(kind, []).append(time.perf_counter() - t0)
+        return out
+
+    Engines(model).use(engine)
+    builds = []
+    try:
+        with switches.overrides(disable=switches_off(engine)):
+            y, cache = _prefill(model, context, vocab, seed)
+            mx.eval(_step(model, y, cache))
+            compiled.call = timed
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                nxt = _step(model, y, cache)
+                builds.append(time.perf_counter() - t0)
+                mx.eval(nxt)
+                y = nxt
+    finally:
+        compiled.call = inner
+        Engines(model).use("stock")
+    build_ms = 1e3 * statistics.median(builds)
+    lines = [f"build of one decode step at context {context}, engine {engine}, without the profiler: "
+             f"{build_ms:.2f} ms (median of {steps})", "",
+             "| piece (owner:kind) | calls/step | median us/call | ms/step |", "|---|---|---|---|"]
+    in_traces = 0.0
+    for kind, times in sorted(spent.items(), key=lambda kv: -sum(kv[1])):
+        per_step = 1e3 * sum(times) / steps
+        in_traces += per_step
+        lines.append(f"| {kind} | {len(times) / steps:.0f} | {1e6 * statistics.median(times):.1f} | {per_step:.2f} |")
+    lines.append(f"\ninside trace calls {in_traces:.2f} ms/step, the rest of the build "
+                 f"{build_ms - in_traces:.2f} ms/step\n\n")
+    return "\n".join(lines)
 
 
 def run(model, context: int, engines: Sequence[str], rounds: int, steps: int, vocab: int, seed: int = 0,

@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .core import environment, switches
+from .core import environment, generation, switches
 from .core.log import log_once, warn_caller
 
 # MLX-LM architecture modules (``mlx_lm.models.<name>``) whose layers lily-mlx can drive. MLX-LM
@@ -346,6 +346,7 @@ def patch(model, strict: bool = True):
 
     for layers in _layer_lists(model):
         link_successors(layers)  # a layer may compute the next one's input norm (switch fused_next_norm)
+    generation.bump()  # decode paths resolved before (replays of decode steps) are chosen again
     if swapped == 0 and not is_patched(model):
         msg = f"lily-mlx found no patchable layers in this {_describe(model)} model"
         if strict:
@@ -365,6 +366,7 @@ def unpatch(model):
         stock_cls = _stock_class(module)
         if stock_cls is not None:
             module.__class__ = stock_cls
+    generation.bump()
     vars(model).pop("_lily_report", None)
     return model
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Dict, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Hashable, Optional, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -30,10 +31,24 @@ _FAILED = object()
 
 # Decode steps of whole decoder layers (switch compiled_layers), per patched mixer forward, registered by
 # the mixer's op family (families do not import each other; the decoder layer finds its mixer's entry):
-#   LAYER_TRACES[forward](mixer, x, mask, cache, *, owner, key, pre, post) -> the layer's output or None
+#   LAYER_TRACES[forward](mixer, x, mask, cache, *, owner, key, pre, post, pre_args, post_args)
+#       -> a LayerStep or None
 # computes post(x, mixer(pre(x))) for a one-token step with the shape-stable parts traced, ``owner``'s
 # weights (the decoder layer's) the traces' implicit inputs; ``key`` holds what pre/post depend on.
 LAYER_TRACES: Dict[Callable, Callable] = {}
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """A decoder layer's decode step through its traces. ``out``: the step's output (an array, or a tuple
+    when ``post`` returns one). ``replay(x, mask, cache, pre_args, post_args)``: the same step for a later
+    call with every path choice of this one already made: the trace objects called directly, their inputs
+    gathered from the call, the cache updated as here; it returns None (having done nothing) where the
+    call's cache or the mixer's weights no longer fit, and the caller builds the step again. The caller
+    uses a replay only while nothing it chose from has changed (``generation``, shapes, cache type)."""
+
+    out: Any
+    replay: Optional[Callable] = None
 _local = threading.local()  # .inline: depth of inline() (a larger piece is being traced)
 
 
@@ -82,7 +97,16 @@ def call(owner, key: Hashable, fn: Callable, args: Sequence[mx.array]):
                      f"compiled_decode: {type(owner).__name__} cannot be traced ({type(e).__name__}: {e}); "
                      "running it uncompiled")
             return None
+        # MLX puts the weights back after tracing as new array objects; the owner keeps its own (identity
+        # tells a module's arrays from replaced ones: the fused projections would be prepared again).
+        owner.update(tree_unflatten(saved))
         traces[key] = traced
         return out
     return traced(*args)
 
+
+
+def lookup(owner, key: Hashable):
+    """The trace :func:`call` keeps for ``owner`` and ``key`` (None: none yet, or it could not trace)."""
+    traced = owner.__dict__.get("_lily_compiled", {}).get(key)
+    return None if traced is _FAILED else traced

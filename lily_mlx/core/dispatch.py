@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, Optional, Tuple
 
-from . import switches, tune_profile
+from . import generation, switches, tune_profile
 from .backend import resolve_backend
 
 REFERENCE = "reference"
@@ -53,6 +53,7 @@ def register_op(op: Op) -> Op:
     OPS[op.name] = op
     with _lock:
         _plan.pop(op.name, None)
+        generation.bump()
     return op
 
 
@@ -113,6 +114,7 @@ def resolve() -> str:
         _backend, _profile = backend, profile
         _plan.clear()
         _plan.update({name: _choose(op, backend, forced, pinned, trials) for name, op in OPS.items()})
+        generation.bump()
     _apply_profile_switches(profile)
     return backend
 
@@ -155,6 +157,7 @@ def invalidate() -> None:
     with _lock:
         _backend, _profile = None, None
         _plan.clear()
+        generation.bump()
 
 
 def active_backend() -> str:

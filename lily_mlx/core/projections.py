@@ -97,6 +97,17 @@ def _same(a, b) -> bool:
     return len(a) == len(b) and all(x is y for p, q in zip(a, b) for x, y in zip(p, q))
 
 
+def holds(module, record: FusedProjection) -> bool:
+    """Whether ``module`` still holds the arrays ``record`` was made from (identity only: a per-call check
+    for a replayed decode step, where :func:`current` would also re-prepare)."""
+    for name, (weight, scales, biases) in zip(record.names, record.pieces):
+        piece = module.get(name)
+        if (piece is None or piece.get("weight") is not weight or piece.get("scales") is not scales
+                or piece.get("biases") is not biases):
+            return False
+    return True
+
+
 def _unfusable_reason(module, names) -> Optional[str]:
     pieces = [module.get(name) for name in names]
     if any(not isinstance(p, nn.QuantizedLinear) for p in pieces):

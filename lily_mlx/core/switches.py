@@ -15,6 +15,8 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, Iterable, Iterator, List, Optional
 
+from . import generation
+
 
 @dataclass(frozen=True)
 class Switch:
@@ -117,6 +119,13 @@ _SWITCH_LIST = [
            "layer (norms, mixer, residual adds, MoE block) one, an attention layer (with compiled_attention) "
            "two around its KV cache (Metal and CUDA; same primitives, same bits).",
            "The mixers and MoE blocks replay their own traces; the norms and adds are built in Python."),
+    Switch("layer_replay", "generation", "decode", True,
+           "With compiled_layers: after a decode step through the layer traces, a decoder layer replays that "
+           "step's resolved path (the trace objects called directly, the cache updated around them) while "
+           "the switch states, the dispatch plan, the input's shape and the cache's type are unchanged "
+           "and the fused projections' weights are still held (same primitives, same bits).",
+           "Every decode step chooses each layer's path again in Python (switches, backends, fused "
+           "projections, trace keys) before calling its traces."),
     Switch("compiled_attention", "generation", "decode", True,
            "An attention layer's decode pieces before and after the KV cache (q/k/v projections with the "
            "q/k preparation; output gate with o_proj) traced once per shape and replayed, the cache offset "
@@ -210,6 +219,7 @@ def reset() -> None:
         _state.clear()
         _state.update({n: s.default for n, s in SWITCHES.items()})
         _state.update(values)
+        generation.bump()
 
 
 def environment_problems() -> List[str]:
@@ -242,6 +252,7 @@ def set_enabled(name: str, value: bool) -> None:
     name = _check_one(name)
     with _lock:
         _state[name] = bool(value)
+        generation.bump()
 
 
 def disable(*names: str) -> None:
@@ -278,6 +289,7 @@ def overrides(disable: Iterable[str] = (), enable: Iterable[str] = ()) -> Iterat
         with _lock:
             _state.clear()
             _state.update(saved)
+            generation.bump()
 
 
 reset()

@@ -115,6 +115,79 @@ def test_decode_traces_give_the_bits_of_steps_built_op_by_op(monkeypatch, off):
             assert mx.array_equal(a, b).item(), f"row {r}, step {step}"
 
 
+def test_decode_steps_replay_their_resolved_path_until_something_changes(monkeypatch):
+    """After one step through the layer traces, a decoder layer replays it (``compiled.LayerStep``): later
+    steps skip the per-call path choices. The replay gives the built steps' bits, and it is not used once a
+    switch changes (the path is chosen again) nor after a projection's weights are replaced (the fused
+    in-projections are prepared again: the logits follow the new weights, as the built steps do). Every op
+    on its reference but the fused in-projections (MLX's own matmul, taken off the reference backend so that
+    they run fused), all traced on the CPU."""
+    import mlx_lm
+
+    from lily_mlx import patch as lily_patch
+    from lily_mlx.core import dispatch
+    from lily_mlx.models import embedded
+    from lily_mlx.ops import load_all
+    from lily_mlx.ops.moe import layer as moe_layer
+    from tests.kernels.test_batch_invariance import PROMPTS
+    from tests.kernels.test_compiled_decode import STEPS, _greedy_logits
+
+    fused_ops = {"deltanet_in_proj", "attention_qkv_proj"}
+    monkeypatch.setenv("LILY_BACKEND", "sim")
+    monkeypatch.setenv("LILY_REFERENCE_OPS", ",".join(sorted(set(load_all()) - fused_ops)))
+    monkeypatch.setattr(compiled, "COMPILE_BACKENDS", compiled.COMPILE_BACKENDS | {"reference", "sim"})
+    chosen = []  # decode calls that chose their path (the others replayed)
+    real = moe_layer._traced_layer
+    monkeypatch.setattr(moe_layer, "_traced_layer", lambda *a: chosen.append(1) or real(*a))
+    model, tokenizer = mlx_lm.load(str(embedded.EMBEDDED_DIR))
+    prompt = tokenizer.encode(PROMPTS[2])
+    n_layers = len(model.layers)
+    lily_patch.patch(model)
+    try:
+        with switches.overrides(disable=["compiled_decode"]):
+            built, _ = _greedy_logits(model, prompt)
+        chosen.clear()
+        traced, _ = _greedy_logits(model, prompt)
+        assert len(chosen) == n_layers  # the first step chose, the other STEPS - 1 replayed
+        assert all(dispatch.op_backend(op) == "sim" for op in fused_ops)
+        again, _ = _greedy_logits(model, prompt)  # a new cache of the same kind: every step replayed
+        assert len(chosen) == n_layers
+        assert all(mx.array_equal(a, b).item() for a, b in zip(again, built))
+        assert all(mx.array_equal(a, b).item() for a, b in zip(traced, built))
+
+        chosen.clear()
+        with switches.overrides(disable=["fused_add_norm"]):
+            _greedy_logits(model, prompt)
+        assert len(chosen) == n_layers  # chosen again under the override
+        _greedy_logits(model, prompt)
+        assert len(chosen) == 2 * n_layers  # and again after it
+        chosen.clear()
+        with switches.overrides(disable=["layer_replay"]):
+            unreplayed, _ = _greedy_logits(model, prompt)
+        assert len(chosen) == n_layers * STEPS  # the switch off: every step chooses
+        assert all(mx.array_equal(a, b).item() for a, b in zip(unreplayed, built))
+        _greedy_logits(model, prompt)  # replays made again
+
+        deltanet = next(layer for layer in model.layers if layer.is_linear).linear_attn
+        attention = next(layer for layer in model.layers if not layer.is_linear).self_attn
+        for module in (deltanet.in_proj_qkv, attention.k_proj):
+            out_dims, in_dims = module.weight.shape[0], module.weight.shape[1] * 32 // module.bits
+            linear = nn.Linear(in_dims, out_dims, bias=False)
+            linear.set_dtype(module.scales.dtype)
+            fresh = nn.QuantizedLinear.from_linear(linear, group_size=module.group_size, bits=module.bits)
+            module.update(fresh.parameters())
+        chosen.clear()
+        traced_new, _ = _greedy_logits(model, prompt)
+        assert len(chosen) == 2  # the two layers whose projections changed chose again (once), the rest replayed
+        with switches.overrides(disable=["compiled_decode"]):
+            built_new, _ = _greedy_logits(model, prompt)
+    finally:
+        lily_patch.unpatch(model)
+    assert len(traced_new) == STEPS + 1
+    assert all(mx.array_equal(a, b).item() for a, b in zip(traced_new, built_new))
+    assert not mx.array_equal(traced_new[-1], traced[-1]).item()
+
+
 def test_layer_traces_with_a_quantized_kv_cache(monkeypatch):
     """MLX-LM's generate_step with --kv-bits (the attention layers' cache turns into a QuantizedKVCache
     mid-generation): tokens and log-probabilities with the layer traces are those of the steps built op by

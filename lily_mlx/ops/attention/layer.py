@@ -215,13 +215,16 @@ def _traces_on(self, x: mx.array, cache: Any) -> bool:
     return compiled.enabled(active_backend(), *kernel_backends)
 
 
-def _offset_and_weights(cache: Any, fused: Optional[projections.FusedProjection]):
+def _positions(cache: Any) -> mx.array:
     """The cache's offset as an int32 array (a [B] or scalar input: the traces are shape-stable from token
-    to token) and the fused q/k/v weights as trace inputs (a re-prepared record is never replayed stale)."""
+    to token)."""
     offset = cache.offset
-    positions = offset.astype(mx.int32) if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
-    weights = [] if fused is None else [a for a in (fused.weight, fused.scales, fused.biases) if a is not None]
-    return positions, weights
+    return offset.astype(mx.int32) if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
+
+
+def _weights(fused: Optional[projections.FusedProjection]) -> list:
+    """The fused q/k/v arrays as trace inputs (a re-prepared record is never replayed stale)."""
+    return [] if fused is None else [a for a in (fused.weight, fused.scales, fused.biases) if a is not None]
 
 
 def _bound(fused: Optional[projections.FusedProjection], weights) -> Optional[projections.FusedProjection]:
@@ -242,34 +245,58 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
     ``compiled_layers`` the decoder layer calls it through ``compiled.LAYER_TRACES``, otherwise
     ``attention_forward`` with nothing around the mixer): ``pre`` with the projections and q/k preparation,
     and the output gate and o_proj with ``post``, replay traces owned by ``owner``; the KV cache update and
-    the attention over it are built in between. None (nothing done) where the pieces would not be traced."""
+    the attention over it are built in between. A ``compiled.LayerStep``, or None (nothing done) where the
+    pieces would not be traced."""
     if not _traces_on(self, x, cache):
         return None
     fused = _qkv_projections(self, x)  # chosen from x: the caller hands a pre that keeps its shape and dtype
-    positions, weights = _offset_and_weights(cache, fused)
-
-    n_pre = len(pre_args)
+    weights = _weights(fused)
+    n_pre, n_post = len(pre_args), len(post_args)
 
     def prep(x, positions, *rest):
         with compiled.inline():
             return tuple(_projected_and_prepared(self, pre(x, *rest[:n_pre]), _bound(fused, rest[n_pre:]), positions))
 
-    args = [x, positions, *pre_args] + weights
-    prepared = compiled.call(owner, ("prep", key, n_pre) + _prep_key(self, args, fused), prep, args)
-    if prepared is None:
-        return None
-    queries, keys, values, gate = prepared
-    keys, values = cache.update_and_fetch(keys, values)
-    output = attention(queries, keys, values, scale=self.scale, mask=mask, cache=cache)
-
     def finish(output, gate, x, *extra):
         with compiled.inline():
             return post(x, _gated_output(self, output, gate), *extra)
 
-    out_key = ("out", key, output.shape, output.dtype, gate.shape, gate.dtype, x.shape, x.dtype, self.o_proj.weight.shape,
-               len(post_args))
-    out = compiled.call(owner, out_key, finish, (output, gate, x, *post_args))
-    return out if out is not None else post(x, _gated_output(self, output, gate), *post_args)
+    args = [x, _positions(cache), *pre_args] + weights
+    prep_key = ("prep", key, n_pre) + _prep_key(self, args, fused)
+    prepared = compiled.call(owner, prep_key, prep, args)
+    if prepared is None:
+        return None
+    output, gate = _attend(self, prepared, mask, cache)
+
+    def out_key(output):
+        return ("out", key, output.shape, output.dtype, gate.shape, gate.dtype, x.shape, x.dtype,
+                self.o_proj.weight.shape, n_post)
+
+    out = compiled.call(owner, out_key(output), finish, (output, gate, x, *post_args))
+    if out is None:
+        return compiled.LayerStep(post(x, _gated_output(self, output, gate), *post_args))
+    traced_prep, traced_finish = compiled.lookup(owner, prep_key), compiled.lookup(owner, out_key(output))
+    shape, dtype = output.shape, output.dtype
+
+    def replay(x, mask, cache, pre_args, post_args):
+        """The same step for a later call: the two traces called directly, the cache update and the
+        attention over it built as above."""
+        if len(pre_args) != n_pre or len(post_args) != n_post or (fused is not None and not projections.holds(self, fused)):
+            return None
+        output, gate = _attend(self, traced_prep(x, _positions(cache), *pre_args, *weights), mask, cache)
+        if output.shape != shape or output.dtype != dtype:  # (not for one input shape; then the keyed call)
+            return compiled.call(owner, out_key(output), finish, (output, gate, x, *post_args))
+        return traced_finish(output, gate, x, *post_args)
+
+    return compiled.LayerStep(out, replay if traced_prep is not None and traced_finish is not None else None)
+
+
+def _attend(self, prepared, mask, cache):
+    """(queries, keys, values, gate) of this step -> (attention output [B, H, 1, D], gate): the KV cache
+    updated with the step's keys and values and attended over."""
+    queries, keys, values, gate = prepared
+    keys, values = cache.update_and_fetch(keys, values)
+    return attention(queries, keys, values, scale=self.scale, mask=mask, cache=cache), gate
 
 
 def _unchanged(x: mx.array) -> mx.array:
@@ -290,9 +317,9 @@ def attention_forward(self, x: mx.array, mask: Any = None, cache: Any = None) ->
     Python. The cache update and the attention over the grown cache are built as usual."""
     if self.training:  # the kernels have no gradients: training runs stock's ops, stock's gradients
         return getattr(type(self), "_lily_stock_class", type(self)).__call__(self, x, mask=mask, cache=cache)
-    out = traced_decode_layer(self, x, mask, cache, owner=self, key="mixer", pre=_unchanged, post=_mixer_output)
-    if out is not None:
-        return out
+    step = traced_decode_layer(self, x, mask, cache, owner=self, key="mixer", pre=_unchanged, post=_mixer_output)
+    if step is not None:
+        return step.out
     queries, keys, values, gate = _projected_and_prepared(self, x, _qkv_projections(self, x),
                                                           cache.offset if cache is not None else 0)
     if cache is not None:

@@ -287,11 +287,11 @@ def _step_parts(self, mixer, inputs: mx.array, mask, cache, fused) -> Optional[D
 
 
 def _traced_step(self, mixer, x: mx.array, mask, cache, fused, *, owner, kind, key=(), pre=None, post=None,
-                 pre_args=(), post_args=()):
+                 pre_args=(), post_args=()) -> Optional[compiled.LayerStep]:
     """``post(x, mixer(pre(x, *pre_args)), *post_args)`` for a one-token step through a trace owned by ``owner``
     (``pre`` / ``post`` None: the mixer alone; the args are trace inputs), the states in and out as arrays and
     the cache updated around the trace; None where the step is not traced. ``post`` may return a tuple of
-    arrays (returned as a tuple)."""
+    arrays (returned as a tuple), as the LayerStep's ``out``, with the step's replay."""
     parts = _step_parts(self, mixer, x, mask, cache, fused)
     if parts is None:
         return None
@@ -305,19 +305,49 @@ def _traced_step(self, mixer, x: mx.array, mask, cache, fused, *, owner, kind, k
             out = post(x, out, *extra_post) if post is not None else out
         return (*(out if isinstance(out, tuple) else (out,)), states[0], states[1])
 
-    traced = compiled.call(owner, (kind, key, x.shape, x.dtype, n_pre, n_post) + parts.key, step,
-                           [x, *pre_args, *post_args, *parts.args])
-    if traced is None:
+    trace_key = (kind, key, x.shape, x.dtype, n_pre, n_post) + parts.key
+    outs = compiled.call(owner, trace_key, step, [x, *pre_args, *post_args, *parts.args])
+    if outs is None:
         return None
-    *outs, cache[0], cache[1] = traced
+    return compiled.LayerStep(_stepped(outs, cache), _step_replay(self, parts, compiled.lookup(owner, trace_key),
+                                                                   n_pre, n_post))
+
+
+def _stepped(outs, cache):
+    """A step trace's outputs -> the layer's output(s), the new states into the cache."""
+    *outs, cache[0], cache[1] = outs
     cache.advance(1)
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _step_replay(self, parts: DecodeStepParts, traced, n_pre: int, n_post: int):
+    """The replay of a traced step (``compiled.LayerStep``): the trace called with this call's input, states,
+    mask and lengths and the fused in-projection arrays of ``parts``; None (nothing done) where the cache's
+    entries or the held projection weights differ from what the trace was made for."""
+    if traced is None:
+        return None
+    fused, has_mask, has_lengths = parts.fused, parts.has_mask, parts.has_lengths
+    weights = parts.args[2 + has_mask + has_lengths:]
+
+    def replay(x, mask, cache, pre_args, post_args):
+        if len(pre_args) != n_pre or len(post_args) != n_post or (mask is not None) != has_mask or self.training:
+            return None
+        conv_state, state, lengths = cache[0], cache[1], cache.lengths
+        if conv_state is None or state is None or (lengths is not None) != has_lengths:
+            return None
+        if fused is not None and not projections.holds(self, fused):
+            return None
+        extra = [a for a in (mask, lengths) if a is not None]  # (as _step_parts orders them)
+        return _stepped(traced(x, *pre_args, *post_args, conv_state, state, *extra, *weights), cache)
+
+    return replay
 
 
 def _traced_decode(self, mixer, inputs: mx.array, mask, cache, fused=None) -> Optional[mx.array]:
     """``mixer(self, inputs, mask, cache, fused)`` for a one-token step through its trace (switch
     ``compiled_decode``, kernels on Metal or CUDA), or None where that does not apply."""
-    return _traced_step(self, mixer, inputs, mask, cache, fused, owner=self, kind="mixer")
+    step = _traced_step(self, mixer, inputs, mask, cache, fused, owner=self, kind="mixer")
+    return None if step is None else step.out
 
 
 def _in_projections(self, names: Tuple[str, ...], inputs: mx.array) -> Optional[projections.FusedProjection]:
@@ -383,7 +413,8 @@ _MIXERS = {
 def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post, pre_args=(), post_args=()):
     """``post(x, mixer(pre(x, *pre_args)), *post_args)`` for a one-token step through one trace owned by the
     decoder layer ``owner`` (``compiled.LAYER_TRACES``): the states enter and leave as arrays and the cache is
-    updated around the trace. None where this mixer's own step would not be traced (or it is sharded)."""
+    updated around the trace. A ``compiled.LayerStep``, or None where this mixer's own step would not be
+    traced (or it is sharded)."""
     entry = _MIXERS.get(type(self).__call__)
     if entry is None or getattr(self, "sharding_group", None) is not None:
         return None
