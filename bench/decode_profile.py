@@ -219,11 +219,13 @@ def host_profile(model, engine: str, context: int, steps: int, vocab: int, seed:
 
 def _trace_call_costs(model, engine: str, context: int, steps: int, vocab: int, seed: int) -> str:
     """Without the profiler: a step's build time, and how much of it is spent inside trace calls
-    (``compiled.call``: MLX flattening the owner's weights and replaying the recorded graph) by the
-    kind of piece, against the Python around them."""
+    (``compiled.call``: MLX flattening the owner's weights and replaying the recorded graph) and inside
+    decoder layers' replays (``layer_replay``: their traces called directly, the cache updated and, in an
+    attention layer, its attention built) by the kind of piece, against the Python around them."""
     from lily_mlx.core import compiled
+    from lily_mlx.ops.moe import layer as moe_layer
 
-    inner = compiled.call
+    inner, inner_replay = compiled.call, moe_layer._replayed
     spent: Dict[str, List[float]] = {}
 
     def timed(owner, key, fn, args):
@@ -233,13 +235,20 @@ def _trace_call_costs(model, engine: str, context: int, steps: int, vocab: int, 
         spent.setdefault(kind, []).append(time.perf_counter() - t0)
         return out
 
+    def timed_replay(layer, *args):
+        t0 = time.perf_counter()
+        out = inner_replay(layer, *args)
+        kind = f"replay:{'linear' if getattr(layer, 'is_linear', False) else 'attention'} layer"
+        spent.setdefault(kind, []).append(time.perf_counter() - t0)
+        return out
+
     Engines(model).use(engine)
     builds = []
     try:
         with switches.overrides(disable=switches_off(engine)):
             y, cache = _prefill(model, context, vocab, seed)
             mx.eval(_step(model, y, cache))
-            compiled.call = timed
+            compiled.call, moe_layer._replayed = timed, timed_replay
             for _ in range(steps):
                 t0 = time.perf_counter()
                 nxt = _step(model, y, cache)
@@ -247,7 +256,7 @@ def _trace_call_costs(model, engine: str, context: int, steps: int, vocab: int, 
                 mx.eval(nxt)
                 y = nxt
     finally:
-        compiled.call = inner
+        compiled.call, moe_layer._replayed = inner, inner_replay
         Engines(model).use("stock")
     build_ms = 1e3 * statistics.median(builds)
     lines = [f"build of one decode step at context {context}, engine {engine}, without the profiler: "
@@ -258,7 +267,7 @@ def _trace_call_costs(model, engine: str, context: int, steps: int, vocab: int, 
         per_step = 1e3 * sum(times) / steps
         in_traces += per_step
         lines.append(f"| {kind} | {len(times) / steps:.0f} | {1e6 * statistics.median(times):.1f} | {per_step:.2f} |")
-    lines.append(f"\ninside trace calls {in_traces:.2f} ms/step, the rest of the build "
+    lines.append(f"\ninside trace calls and replays {in_traces:.2f} ms/step, the rest of the build "
                  f"{build_ms - in_traces:.2f} ms/step\n\n")
     return "\n".join(lines)
 
