@@ -6,6 +6,8 @@
 #   PART=1 bash bench/device_decode_checks.sh   # CUDA tests of what has not run on a GPU, decode A/B
 #   PART=2 bash bench/device_decode_checks.sh   # step GPU time by engine (Nsight Compute)
 #   PART=3 bash bench/device_decode_checks.sh   # decode profile (primitives, build, eval) + host profile
+#   PART=4 bash bench/device_decode_checks.sh   # layer_replay: CUDA tests of the traced steps, decode A/B
+#                                               # (lily, lily-off:layer_replay, stock-kernels), e2e decode
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -35,6 +37,17 @@ case "${PART:-1}" in
       --profile-steps 12 --engines "stock-kernels,$ENGINES" --host-profile lily --out "$W/dprof"
     head -12 "$W/dprof/decode_profile.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2 or 3" >&2; exit 2 ;;
+  4)
+    run tests_cuda 240 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+      -o addopts= tests/kernels/test_compiled_decode.py
+    grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -3
+    run decode_ab 200 python -m bench.decode_ab --engines lily,lily-off:layer_replay,stock-kernels --context 4096 \
+      --bursts 8 --out "$W/ab_replay"
+    cat "$W/ab_replay/decode_ab.md" 2>/dev/null
+    run e2e_decode 150 python -m bench.run --mode e2e --size full --engines stock-kernels,lily --shared-prefill \
+      --lengths 512,4K --rounds 2 --gen-tokens 64 --out "$W/e2e_decode"
+    cat "$W/e2e_decode/e2e.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3 or 4" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"
