@@ -31,8 +31,8 @@ _FAILED = object()
 
 # Decode steps of whole decoder layers (switch compiled_layers), per patched mixer forward, registered by
 # the mixer's op family (families do not import each other; the decoder layer finds its mixer's entry):
-#   LAYER_TRACES[forward](mixer, x, mask, cache, *, owner, key, pre, post, pre_args, post_args)
-#       -> a LayerStep or None
+#   LAYER_TRACES[forward](mixer, x, mask, cache, *, owner, key, pre, post, pre_args, post_args, replayable)
+#       -> a LayerStep (its replay made only if ``replayable``) or None
 # computes post(x, mixer(pre(x))) for a one-token step with the shape-stable parts traced, ``owner``'s
 # weights (the decoder layer's) the traces' implicit inputs; ``key`` holds what pre/post depend on.
 LAYER_TRACES: Dict[Callable, Callable] = {}
@@ -49,6 +49,8 @@ class LayerStep:
 
     out: Any
     replay: Optional[Callable] = None
+
+
 _local = threading.local()  # .inline: depth of inline() (a larger piece is being traced)
 
 
@@ -103,7 +105,6 @@ def call(owner, key: Hashable, fn: Callable, args: Sequence[mx.array]):
         traces[key] = traced
         return out
     return traced(*args)
-
 
 
 def lookup(owner, key: Hashable):

@@ -93,19 +93,15 @@ def _held(module, names) -> Tuple[Tuple[mx.array, mx.array, Optional[mx.array]],
     return tuple(out)
 
 
-def _same(a, b) -> bool:
-    return len(a) == len(b) and all(x is y for p, q in zip(a, b) for x, y in zip(p, q))
-
-
-def holds(module, record: FusedProjection) -> bool:
-    """Whether ``module`` still holds the arrays ``record`` was made from (identity only: a per-call check
-    for a replayed decode step, where :func:`current` would also re-prepare)."""
-    for name, (weight, scales, biases) in zip(record.names, record.pieces):
+def holds(module, names, pieces) -> bool:
+    """Whether ``module`` still holds ``pieces`` (a record's arrays) as its ``names`` (identity only: cheap
+    enough for every call of a replayed decode step; :func:`current` also prepares the group again)."""
+    for name, (weight, scales, biases) in zip(names, pieces):
         piece = module.get(name)
         if (piece is None or piece.get("weight") is not weight or piece.get("scales") is not scales
                 or piece.get("biases") is not biases):
             return False
-    return True
+    return len(names) == len(pieces)
 
 
 def _unfusable_reason(module, names) -> Optional[str]:
@@ -174,10 +170,9 @@ def current(module, names: Tuple[str, ...]) -> Optional[FusedProjection]:
     (prepared again once if they were replaced), else None."""
     records = module.__dict__.get(_ATTR)
     record = records.get(names) if records else None
-    held = _held(module, names)
-    if record is not None and _same(record.pieces, held):
+    if record is not None and holds(module, names, record.pieces):
         return record if isinstance(record, FusedProjection) else None
-    if not held:
+    if not _held(module, names):
         return None
     return prepare(module, names)
 

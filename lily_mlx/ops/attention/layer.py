@@ -240,13 +240,14 @@ def _prep_key(self, args, fused: Optional[projections.FusedProjection]) -> tuple
             self.q_proj.weight.shape, self.k_proj.weight.shape, None if fused is None else (fused.names, fused.split_at))
 
 
-def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post, pre_args=(), post_args=()):
+def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post, pre_args=(), post_args=(),
+                        replayable=False):
     """``post(x, attention_layer(pre(x, *pre_args)), *post_args)`` for a decode step (switch ``compiled_attention``; with
     ``compiled_layers`` the decoder layer calls it through ``compiled.LAYER_TRACES``, otherwise
     ``attention_forward`` with nothing around the mixer): ``pre`` with the projections and q/k preparation,
     and the output gate and o_proj with ``post``, replay traces owned by ``owner``; the KV cache update and
-    the attention over it are built in between. A ``compiled.LayerStep``, or None (nothing done) where the
-    pieces would not be traced."""
+    the attention over it are built in between. A ``compiled.LayerStep`` (with its replay if ``replayable``), or
+    None (nothing done) where the pieces would not be traced."""
     if not _traces_on(self, x, cache):
         return None
     fused = _qkv_projections(self, x)  # chosen from x: the caller hands a pre that keeps its shape and dtype
@@ -275,13 +276,15 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
     out = compiled.call(owner, out_key(output), finish, (output, gate, x, *post_args))
     if out is None:
         return compiled.LayerStep(post(x, _gated_output(self, output, gate), *post_args))
+    if not replayable:
+        return compiled.LayerStep(out)
     traced_prep, traced_finish = compiled.lookup(owner, prep_key), compiled.lookup(owner, out_key(output))
     shape, dtype = output.shape, output.dtype
 
     def replay(x, mask, cache, pre_args, post_args):
         """The same step for a later call: the two traces called directly, the cache update and the
         attention over it built as above."""
-        if len(pre_args) != n_pre or len(post_args) != n_post or (fused is not None and not projections.holds(self, fused)):
+        if len(pre_args) != n_pre or len(post_args) != n_post or (fused is not None and not projections.holds(self, fused.names, fused.pieces)):
             return None
         output, gate = _attend(self, traced_prep(x, _positions(cache), *pre_args, *weights), mask, cache)
         if output.shape != shape or output.dtype != dtype:  # (not for one input shape; then the keyed call)

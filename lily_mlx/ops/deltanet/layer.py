@@ -287,11 +287,11 @@ def _step_parts(self, mixer, inputs: mx.array, mask, cache, fused) -> Optional[D
 
 
 def _traced_step(self, mixer, x: mx.array, mask, cache, fused, *, owner, kind, key=(), pre=None, post=None,
-                 pre_args=(), post_args=()) -> Optional[compiled.LayerStep]:
+                 pre_args=(), post_args=(), replayable=False) -> Optional[compiled.LayerStep]:
     """``post(x, mixer(pre(x, *pre_args)), *post_args)`` for a one-token step through a trace owned by ``owner``
     (``pre`` / ``post`` None: the mixer alone; the args are trace inputs), the states in and out as arrays and
     the cache updated around the trace; None where the step is not traced. ``post`` may return a tuple of
-    arrays (returned as a tuple), as the LayerStep's ``out``, with the step's replay."""
+    arrays (returned as a tuple), as the LayerStep's ``out``, with the step's replay if ``replayable``."""
     parts = _step_parts(self, mixer, x, mask, cache, fused)
     if parts is None:
         return None
@@ -312,8 +312,8 @@ def _traced_step(self, mixer, x: mx.array, mask, cache, fused, *, owner, kind, k
     outs = compiled.call(owner, trace_key, step, [x, *pre_args, *post_args, *parts.args])
     if outs is None:
         return None
-    return compiled.LayerStep(_stepped(outs, cache), _step_replay(self, parts, compiled.lookup(owner, trace_key),
-                                                                   n_pre, n_post))
+    replay = _step_replay(self, parts, compiled.lookup(owner, trace_key), n_pre, n_post) if replayable else None
+    return compiled.LayerStep(_stepped(outs, cache), replay)
 
 
 def _stepped(outs, cache):
@@ -338,7 +338,7 @@ def _step_replay(self, parts: DecodeStepParts, traced, n_pre: int, n_post: int):
         conv_state, state, lengths = cache[0], cache[1], cache.lengths
         if conv_state is None or state is None or (lengths is not None) != has_lengths:
             return None
-        if fused is not None and not projections.holds(self, fused):
+        if fused is not None and not projections.holds(self, fused.names, fused.pieces):
             return None
         extra = [a for a in (mask, lengths) if a is not None]  # (as _step_parts orders them)
         return _stepped(traced(x, *pre_args, *post_args, conv_state, state, *extra, *weights), cache)
@@ -413,18 +413,19 @@ _MIXERS = {
 }
 
 
-def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post, pre_args=(), post_args=()):
+def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post, pre_args=(), post_args=(),
+                        replayable=False):
     """``post(x, mixer(pre(x, *pre_args)), *post_args)`` for a one-token step through one trace owned by the
     decoder layer ``owner`` (``compiled.LAYER_TRACES``): the states enter and leave as arrays and the cache is
-    updated around the trace. A ``compiled.LayerStep``, or None where this mixer's own step would not be
-    traced (or it is sharded)."""
+    updated around the trace. A ``compiled.LayerStep`` (with its replay if ``replayable``), or None where this
+    mixer's own step would not be traced (or it is sharded)."""
     entry = _MIXERS.get(type(self).__call__)
     if entry is None or getattr(self, "sharding_group", None) is not None:
         return None
     mixer, group = entry
     fused = _in_projections(self, projections.GROUPS[group], x)
     return _traced_step(self, mixer, x, mask, cache, fused, owner=owner, kind="layer", key=key, pre=pre, post=post,
-                        pre_args=pre_args, post_args=post_args)
+                        pre_args=pre_args, post_args=post_args, replayable=replayable)
 
 
 compiled.LAYER_TRACES.update({forward: traced_decode_layer for forward in _MIXERS})
