@@ -11,6 +11,12 @@ and the engines take turns burst by burst (the order reversed every other turn).
 each turn gives every engine's rate relative to the first engine's in the same turn, seconds apart. The
 table: median rate per engine and the median of the per-turn ratios (the figure to decide on), with the
 ratios' spread. Written to ``DIR/decode_ab.md`` / ``decode_ab.json`` with ``--out``.
+
+``--drivers bursts,stream,generate-step`` times each engine under several ways of driving the same decode,
+each a column of its own (``ENGINE@DRIVER``): ``bursts`` (the loop above, on the default stream), ``stream``
+(the same loop inside ``mx.stream`` of MLX-LM's ``generation_stream``, where ``generate_step`` runs the model),
+``generate-step`` (MLX-LM's ``generate_step`` itself from the cache, greedy, with its log-probabilities;
+timed from its first token, as the e2e harness times decode).
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ import json
 import os
 import statistics
 import sys
+import time
 from typing import Dict, List, Sequence
+
+import mlx.core as mx
 
 from lily_mlx.core import switches
 
@@ -28,44 +37,79 @@ from .decode_profile import _prefill, clone_cache, pipelined_decode
 from .e2e import Engines, switches_off, validate_engine
 
 
-def _burst(model, state, steps: int) -> float:
-    """``steps`` pipelined decode steps from ``state`` = [last token, cache] (updated); tokens per second."""
-    rate, state[0] = pipelined_decode(model, state[0], state[1], steps)
+DRIVERS = ("bursts", "stream", "generate-step")
+
+
+def _burst(model, state, steps: int, driver: str = "bursts") -> float:
+    """``steps`` pipelined decode steps from ``state`` = [last token, cache] (updated) as ``driver`` runs
+    them (``DRIVERS``); tokens per second."""
+    if driver == "bursts":
+        rate, state[0] = pipelined_decode(model, state[0], state[1], steps)
+        return rate
+    from mlx_lm.generate import generate_step, generation_stream
+
+    if driver == "stream":
+        with mx.stream(generation_stream):
+            rate, state[0] = pipelined_decode(model, state[0], state[1], steps)
+        return rate
+    if driver != "generate-step":
+        raise ValueError(f"unknown decode driver {driver!r}: one of {', '.join(DRIVERS)}")
+    # generate_step feeds its last token into one more step than it yields: the cache grows by steps + 2
+    # and the burst's last yielded token is fed next (the tokens do not matter for the rate).
+    t_first = last = None
+    for n, (tok, _) in enumerate(generate_step(state[0].reshape(1), model, max_tokens=steps + 1,
+                                                prompt_cache=state[1],
+                                                sampler=lambda lp: mx.argmax(lp, axis=-1))):
+        if n == 0:
+            t_first = time.perf_counter()
+        last = tok
+    rate = steps / (time.perf_counter() - t_first)
+    state[0] = mx.array([last], dtype=state[0].dtype)
     return rate
 
 
+def _column(engine: str, driver: str, drivers: Sequence[str]) -> str:
+    return engine if drivers == ("bursts",) else f"{engine}@{driver}"
+
+
 def run(model, engines: Sequence[str], context: int, bursts: int, burst_steps: int, vocab: int, seed: int = 0,
-        log=print) -> Dict:
+        log=print, drivers: Sequence[str] = ("bursts",)) -> Dict:
     for engine in engines:
         validate_engine(engine)
+    drivers = tuple(drivers)
+    for driver in drivers:
+        if driver not in DRIVERS:
+            raise ValueError(f"unknown decode driver {driver!r}: one of {', '.join(DRIVERS)}")
+    columns = [(_column(e, d, drivers), e, d) for e in engines for d in drivers]
     switcher = Engines(model)
     switcher.use("lily" if "lily" in engines else engines[0])
     y0, cache0 = _prefill(model, context, vocab, seed)
     states = {}
-    for engine in engines:  # each engine's own cache copy, warmed up (compiles, traces, plans)
+    for name, engine, driver in columns:  # each column's own cache copy, warmed up (compiles, traces, plans)
         switcher.use(engine)
         with switches.overrides(disable=switches_off(engine)):
-            states[engine] = [y0, clone_cache(cache0)]
-            _burst(model, states[engine], 2)
-    rates: Dict[str, List[float]] = {e: [] for e in engines}
-    ratios: Dict[str, List[float]] = {e: [] for e in engines}
+            states[name] = [y0, clone_cache(cache0)]
+            _burst(model, states[name], 2, driver)
+    names = [c[0] for c in columns]
+    rates: Dict[str, List[float]] = {n: [] for n in names}
+    ratios: Dict[str, List[float]] = {n: [] for n in names}
     for turn in range(bursts):
-        order = list(engines) if turn % 2 == 0 else list(reversed(engines))
+        order = list(columns) if turn % 2 == 0 else list(reversed(columns))
         turn_rates = {}
-        for engine in order:
+        for name, engine, driver in order:
             switcher.use(engine)
             with switches.overrides(disable=switches_off(engine)):
-                turn_rates[engine] = _burst(model, states[engine], burst_steps)
-        for engine in engines:
-            rates[engine].append(turn_rates[engine])
-            ratios[engine].append(turn_rates[engine] / turn_rates[engines[0]])
-        log(f"[decode-ab] turn {turn + 1}/{bursts}: " + ", ".join(f"{e} {turn_rates[e]:.1f}" for e in engines)
+                turn_rates[name] = _burst(model, states[name], burst_steps, driver)
+        for name in names:
+            rates[name].append(turn_rates[name])
+            ratios[name].append(turn_rates[name] / turn_rates[names[0]])
+        log(f"[decode-ab] turn {turn + 1}/{bursts}: " + ", ".join(f"{n} {turn_rates[n]:.1f}" for n in names)
             + " tok/s")
     switcher.use("stock")
-    return {"context": context, "bursts": bursts, "burst_steps": burst_steps, "engines": {
-        e: {"tok_s": statistics.median(rates[e]), "tok_s_bursts": rates[e],
-            "ratio": statistics.median(ratios[e]), "ratio_range": [min(ratios[e]), max(ratios[e])]}
-        for e in engines}}
+    return {"context": context, "bursts": bursts, "burst_steps": burst_steps, "drivers": list(drivers), "engines": {
+        n: {"tok_s": statistics.median(rates[n]), "tok_s_bursts": rates[n],
+            "ratio": statistics.median(ratios[n]), "ratio_range": [min(ratios[n]), max(ratios[n])]}
+        for n in names}}
 
 
 def table_markdown(result: Dict) -> str:
@@ -89,6 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=4096, help="tokens in the cache before decoding")
     ap.add_argument("--bursts", type=int, default=16, help="turns (each engine decodes one burst per turn)")
     ap.add_argument("--burst-steps", type=int, default=8, help="pipelined decode steps per burst")
+    ap.add_argument("--drivers", default="bursts",
+                    help=f"comma-separated ways to drive each engine's decode, one column each: {', '.join(DRIVERS)}")
     ap.add_argument("--size", default="full", help="random model size (bench.model_setup), or --model")
     ap.add_argument("--model", default=None, help="a checkpoint folder instead of a random model")
     ap.add_argument("--seed", type=int, default=0)
@@ -99,7 +145,8 @@ def main(argv=None) -> int:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     model, description = load_model(args.model, args.size, args.seed)
     vocab = model.args.text_config["vocab_size"] if hasattr(model.args, "text_config") else model.args.vocab_size
-    result = run(model, engines, args.context, args.bursts, args.burst_steps, vocab, args.seed)
+    drivers = [d.strip() for d in args.drivers.split(",") if d.strip()]
+    result = run(model, engines, args.context, args.bursts, args.burst_steps, vocab, args.seed, drivers=drivers)
     result["model"] = description
     text = table_markdown(result)
     print(text)

@@ -8,6 +8,9 @@
 #   PART=3 bash bench/device_decode_checks.sh   # decode profile (primitives, build, eval) + host profile
 #   PART=4 bash bench/device_decode_checks.sh   # layer_replay: CUDA tests of the traced steps, decode A/B
 #                                               # (lily, lily-off:layer_replay, stock-kernels), e2e decode
+#   PART=5 bash bench/device_decode_checks.sh   # decode driven three ways (bursts, bursts in MLX-LM's generation
+#                                               # stream, generate_step), then ncu's full sections of one decode
+#                                               # step's kernels in the first DeltaNet and MoE layer
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -48,6 +51,16 @@ case "${PART:-1}" in
       --lengths 512,4K --rounds 2 --gen-tokens 64 --out "$W/e2e_decode"
     cat "$W/e2e_decode/e2e.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3 or 4" >&2; exit 2 ;;
+  5)  # why generate_step decodes slower than the bursts (both engines), and what bounds each decode kernel
+    run decode_drivers 200 python -m bench.decode_ab --engines lily,stock-kernels --drivers bursts,stream,generate-step \
+      --context 4096 --bursts 6 --burst-steps 16 --out "$W/drivers"
+    cat "$W/drivers/decode_ab.md" 2>/dev/null
+    run ncu_decode 240 ncu --profile-from-start off --set full -c 7 \
+      -k "regex:deltanet_decode_conv_fused|router_logits|gate_up|gemv_down|combine_weighted|qmv" \
+      python -m bench.step_gpu_time --engine lily --context 4096 --steps 1
+    grep -E "custom_kernel|qmv|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Size|Grid Size|Memory Throughput|DRAM Throughput|Warp Cycles Per Issued|Issue Slots Busy|Stall" \
+      "$W/ncu_decode.txt" | head -120
+    ;;
+  *) echo "PART must be 1, 2, 3, 4 or 5" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"

@@ -51,3 +51,24 @@ def test_lily_trial_engines_set_and_restore_the_trial_kernels(monkeypatch):
     assert os.environ["LILY_TRIAL_OPS"] == "attention_decode"
     engines.use("stock")
     assert not lily_mlx.is_patched(model)
+
+
+def test_decode_ab_drivers_each_get_a_column_and_advance_their_cache(monkeypatch):
+    """``--drivers``: one column per (engine, driver), every column timed every turn (``generate-step``: MLX-LM's
+    own loop on the column's cache; ``stream``: the bursts inside MLX-LM's generation stream); an unknown
+    driver is refused."""
+    import pytest
+
+    monkeypatch.setenv("LILY_BACKEND", "sim")
+    monkeypatch.setenv("LILY_TUNE", "off")
+    model, _ = load_model(None, "tiny", log=None)
+    vocab = model.args.text_config["vocab_size"]
+    result = decode_ab.run(model, ["lily", "stock"], context=24, bursts=2, burst_steps=3, vocab=vocab,
+                           log=lambda line: None, drivers=("bursts", "stream", "generate-step"))
+    assert list(result["engines"]) == [f"{e}@{d}" for e in ("lily", "stock")
+                                       for d in ("bursts", "stream", "generate-step")]
+    for r in result["engines"].values():
+        assert len(r["tok_s_bursts"]) == 2 and min(r["tok_s_bursts"]) > 0
+    assert "| stock@generate-step |" in decode_ab.table_markdown(result)
+    with pytest.raises(ValueError, match="unknown decode driver"):
+        decode_ab.run(model, ["lily"], context=8, bursts=1, burst_steps=1, vocab=vocab, drivers=("eager",))
