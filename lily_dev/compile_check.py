@@ -102,6 +102,27 @@ def compile_nvrtc(text: str, arch: str = "sm_90a", include_dir: Optional[str] = 
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+def ptx_nvrtc(text: str, arch: str = "compute_90a") -> str:
+    """PTX of one translation unit from NVRTC (for counting instructions); AssertionError if it does not compile."""
+    import ctypes
+
+    lib = ctypes.CDLL(nvrtc_library())
+    with tempfile.TemporaryDirectory() as tmp:
+        opts = ["--std=c++17", f"-arch={arch}", f"-I{_standin_dir(Path(tmp))}"]
+        opts += [f"-I{d}" for d in cuda_include_dirs()]
+        prog, size = ctypes.c_void_p(), ctypes.c_size_t()
+        assert lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), b"k.cu", 0, None, None) == 0
+        try:
+            rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts]))
+            assert rc == 0, "NVRTC failed"
+            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetPTX(prog, buf)
+            return buf.value.decode()
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
 def compiler_available() -> Optional[str]:
     """'nvrtc', 'nvcc' or None: what :func:`compile_cuda` will use."""
     if nvrtc_library() and cuda_include_dirs():

@@ -125,6 +125,31 @@ inline int deltanet_col(int j, int i) {
   return ((i / 4) * LANES + j) * 4 + i % 4;
 }
 
+// A lane's DELTANET_EPL elements of one fp32 state row (s: the row's start, 16-byte aligned as Dk is a
+// multiple of 32; j: the lane's index in its row group) as 16-byte loads and stores, one per chunk of
+// deltanet_col. Scalar accesses made each simdgroup load touch 16 sectors for 128 useful bytes, and the
+// decode kernels (one threadgroup per head, 32 at Qwen3.6) waited on that traffic (Nsight Compute, H200).
+// The launchers pass the state as a device array even when absent (an 8-element stand-in: MLX hands
+// inputs of fewer elements over in the constant address space).
+template <int LANES>
+inline void deltanet_load_state(thread float (&state)[DELTANET_EPL], const device float* s, int j, bool has) {
+  for (int c = 0; c < DELTANET_EPL / 4; ++c) {
+    const float4 v = has ? reinterpret_cast<const device float4*>(s)[c * LANES + j] : float4(0.0f);
+    state[4 * c] = v.x;
+    state[4 * c + 1] = v.y;
+    state[4 * c + 2] = v.z;
+    state[4 * c + 3] = v.w;
+  }
+}
+
+template <int LANES>
+inline void deltanet_store_state(device float* s, const thread float (&state)[DELTANET_EPL], int j) {
+  for (int c = 0; c < DELTANET_EPL / 4; ++c) {
+    reinterpret_cast<device float4*>(s)[c * LANES + j] =
+        float4(state[4 * c], state[4 * c + 1], state[4 * c + 2], state[4 * c + 3]);
+  }
+}
+
 // Four consecutive elements x[col .. col + 3] as floats: element by element from any pointer, or
 // (VEC4) one 16-byte load from fp32 threadgroup memory (16-byte aligned, col a multiple of 4).
 template <bool VEC4> struct DeltanetLoad4 {
@@ -248,9 +273,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
 
   const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
   float state[DELTANET_EPL];
-  for (int i = 0; i < DELTANET_EPL; ++i) {
-    state[i] = has_state ? state_in[row + deltanet_col<LANES>(col0, i)] : 0.0f;
-  }
+  deltanet_load_state<LANES>(state, state_in + row, col0, has_state);
 
   for (int t = 0; t < T; ++t) {
     const size_t bt = static_cast<size_t>(b_idx) * T + t;
@@ -272,9 +295,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
     }
   }
 
-  for (int i = 0; i < DELTANET_EPL; ++i) {
-    state_out[row + deltanet_col<LANES>(col0, i)] = state[i];
-  }
+  deltanet_store_state<LANES>(state_out + row, state, col0);
 }
 
 // @kernel deltanet_scan_staged
@@ -319,9 +340,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
 
   const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
   float state[DELTANET_EPL];
-  for (int i = 0; i < DELTANET_EPL; ++i) {
-    state[i] = has_state ? state_in[row + deltanet_col<LANES>(col0, i)] : 0.0f;
-  }
+  deltanet_load_state<LANES>(state, state_in + row, col0, has_state);
 
   float q_pf[QK_PER];
   float k_pf[QK_PER];
@@ -406,9 +425,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
     }
   }
 
-  for (int i = 0; i < DELTANET_EPL; ++i) {
-    state_out[row + deltanet_col<LANES>(col0, i)] = state[i];
-  }
+  deltanet_store_state<LANES>(state_out + row, state, col0);
 }
 
 // @kernel deltanet_scan_blockwise
@@ -435,13 +452,10 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
 
   for (int blk = 0; blk < n_blocks; ++blk) {
     // Block start: the state comes from memory (the previous block's slot, or the input).
-    for (int i = 0; i < DELTANET_EPL; ++i) {
-      const int c = deltanet_col<LANES>(col0, i);
-      if (blk == 0) {
-        state[i] = has_state ? state_in[row + c] : 0.0f;
-      } else {
-        state[i] = block_states[blocks_row + (blk - 1) * state_size + c];
-      }
+    if (blk == 0) {
+      deltanet_load_state<LANES>(state, state_in + row, col0, has_state);
+    } else {
+      deltanet_load_state<LANES>(state, block_states + blocks_row + (blk - 1) * state_size, col0, true);
     }
     const int t_end = min(T, (blk + 1) * block);
     for (int t = blk * block; t < t_end; ++t) {
@@ -463,14 +477,10 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
       }
     }
     // Block end: materialise the state.
-    for (int i = 0; i < DELTANET_EPL; ++i) {
-      block_states[blocks_row + blk * state_size + deltanet_col<LANES>(col0, i)] = state[i];
-    }
+    deltanet_store_state<LANES>(block_states + blocks_row + blk * state_size, state, col0);
   }
 
-  for (int i = 0; i < DELTANET_EPL; ++i) {
-    state_out[row + deltanet_col<LANES>(col0, i)] = state[i];
-  }
+  deltanet_store_state<LANES>(state_out + row, state, col0);
 }
 
 // @kernel deltanet_gated_norm
@@ -525,9 +535,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
 
   const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
   float state[DELTANET_EPL];
-  for (int i = 0; i < DELTANET_EPL; ++i) {
-    state[i] = has_state ? state_in[row + deltanet_col<LANES>(col0, i)] : 0.0f;
-  }
+  deltanet_load_state<LANES>(state, state_in + row, col0, has_state);
 
   float y_dv = 0.0f;  // the read-out stays fp32 into the norm (stock rounds it to InT first)
   if (live) {
@@ -540,9 +548,7 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
                                       g_t, beta_t);
   }
 
-  for (int i = 0; i < DELTANET_EPL; ++i) {
-    state_out[row + deltanet_col<LANES>(col0, i)] = state[i];
-  }
+  deltanet_store_state<LANES>(state_out + row, state, col0);
 
   const float inv_rms = deltanet_head_inv_rms<Dv>(y_head, y_dv, dv, col0 == 0, lane, eps[0]);
   if (col0 == 0) {
@@ -641,12 +647,17 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
   const int dv = sg * ROWS + lane / LANES;
   const bool live = !has_mask || mask[b_idx];  // uniform over the threadgroup
 
-  // This lane's state elements, loaded first: the loads are in flight while the conv rows are computed.
+  // This lane's state elements, the gates and the norm's inputs, loaded first: the loads are in flight
+  // while the conv rows are computed (they depend on nothing the kernel writes).
   const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
   float state[DELTANET_EPL];
-  for (int i = 0; i < DELTANET_EPL; ++i) {
-    state[i] = has_state ? state_in[row + deltanet_col<LANES>(col0, i)] : 0.0f;
-  }
+  deltanet_load_state<LANES>(state, state_in + row, col0, has_state);
+  const size_t ab_row = static_cast<size_t>(b_idx) * ab_ld + hv;
+  const float g_t = deltanet_decay(static_cast<float>(a[ab_row + a_off]), static_cast<float>(A_log[hv]),
+                                   static_cast<float>(dt_bias[hv]));
+  const float beta_t = deltanet_beta(static_cast<float>(b[ab_row + b_off]));
+  const float zc = static_cast<float>(z[static_cast<size_t>(b_idx) * z_ld + z_off + hv * Dv + dv]);
+  const float w_dv = static_cast<float>(weight[dv]);
 
   // The conv rows (uniform per simdgroup: each simd_sum inside is reached by all 32 lanes).
   for (int j = sg; j < 3; j += SIMDGROUPS) {
@@ -666,23 +677,15 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
 
   float y_dv = 0.0f;  // the read-out stays fp32 into the norm
   if (live) {
-    const size_t ab_row = static_cast<size_t>(b_idx) * ab_ld + hv;
-    const float g_t = deltanet_decay(static_cast<float>(a[ab_row + a_off]), static_cast<float>(A_log[hv]),
-                                     static_cast<float>(dt_bias[hv]));
-    const float beta_t = deltanet_beta(static_cast<float>(b[ab_row + b_off]));
     const threadgroup float* q_t = qkv_head;
     const threadgroup float* k_t = qkv_head + Dk;
     y_dv = deltanet_decode_row<LANES, PARTIALS, true>(state, q_t, k_t, col0, qkv_head[2 * Dk + dv], g_t, beta_t);
   }
 
-  for (int i = 0; i < DELTANET_EPL; ++i) {
-    state_out[row + deltanet_col<LANES>(col0, i)] = state[i];
-  }
+  deltanet_store_state<LANES>(state_out + row, state, col0);
 
   const float inv_rms = deltanet_head_inv_rms<Dv>(y_head, y_dv, dv, col0 == 0, lane, norm_eps[0]);
   if (col0 == 0) {
-    const float zc = static_cast<float>(z[static_cast<size_t>(b_idx) * z_ld + z_off + hv * Dv + dv]);
-    out[static_cast<size_t>(n) * Dv + dv] = static_cast<InT>(deltanet_gated_out(y_dv, inv_rms,
-                                                                                 static_cast<float>(weight[dv]), zc));
+    out[static_cast<size_t>(n) * Dv + dv] = static_cast<InT>(deltanet_gated_out(y_dv, inv_rms, w_dv, zc));
   }
 }

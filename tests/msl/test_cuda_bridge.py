@@ -177,26 +177,9 @@ def test_an_invalid_simdgroup_matrix_layout_setting_is_an_error(monkeypatch, val
 
 def _ptx(text: str) -> str:
     """PTX of one translation unit, from NVRTC (for counting instructions)."""
-    import ctypes
-    import tempfile
+    from lily_dev.compile_check import ptx_nvrtc
 
-    from lily_dev.compile_check import _standin_dir, cuda_include_dirs, nvrtc_library
-
-    lib = ctypes.CDLL(nvrtc_library())
-    with tempfile.TemporaryDirectory() as tmp:
-        opts = ["--std=c++17", "-arch=compute_90a", f"-I{_standin_dir(Path(tmp))}"]
-        opts += [f"-I{d}" for d in cuda_include_dirs()]
-        prog, size = ctypes.c_void_p(), ctypes.c_size_t()
-        assert lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), b"k.cu", 0, None, None) == 0
-        try:
-            rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts]))
-            assert rc == 0, "NVRTC failed"
-            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-            buf = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetPTX(prog, buf)
-            return buf.value.decode()
-        finally:
-            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return ptx_nvrtc(text)
 
 
 @pytest.mark.skipif(compiler_available() != "nvrtc", reason="needs NVRTC (pip install nvidia-cuda-nvrtc)")

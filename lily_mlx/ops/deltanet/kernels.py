@@ -73,7 +73,10 @@ SUPPORTED_DK = (32, 64, 128, 256)
 ACTIVATION_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 _ONE_BOOL = mx.array([True])
-_ONE_FLOAT = mx.array([0.0], dtype=mx.float32)
+# The recurrent state's stand-in where there is none: 8 elements, so that MLX passes it, like a real state,
+# as a device pointer (inputs of fewer elements go to the constant address space), which the kernels load
+# 16 bytes at a time (deltanet_load_state); never read.
+_NO_STATE = mx.zeros((8,), dtype=mx.float32)
 _ONE_INT = mx.array([0], dtype=mx.int32)
 
 # One-element stand-ins for an absent conv state, per activation dtype (built once at import: not per
@@ -185,7 +188,7 @@ def scan(q, k, v, g, beta, state, mask=None, *, register: bool = True, backend: 
     simdgroups = Dv // rows_per_simdgroup(Dk)
     has_state = state is not None
     has_mask = mask is not None
-    inputs = [q, k, v, g.astype(mx.float32), beta, state if has_state else _ONE_FLOAT,
+    inputs = [q, k, v, g.astype(mx.float32), beta, state if has_state else _NO_STATE,
               mask if has_mask else _ONE_BOOL]
     out_dtype = out_dtype or q.dtype
     template = [("InT", q.dtype), ("OutT", out_dtype), ("Dk", Dk), ("Dv", Dv), ("PARTIALS", partials)]
@@ -260,7 +263,7 @@ def decode(q, k, v, a, b, A_log, dt_bias, state, z, weight, eps: float, mask=Non
     has_state = state is not None
     has_mask = mask is not None
     out, state_out = get_kernel(KERNELS["deltanet_decode_fused"], backend)(
-        inputs=[q, k, v, a, b, A_log, dt_bias, state if has_state else _ONE_FLOAT,
+        inputs=[q, k, v, a, b, A_log, dt_bias, state if has_state else _NO_STATE,
                 mask if has_mask else _ONE_BOOL, z, weight, float32_scalar(eps),
                 KERNELS["deltanet_decode_fused"].pack(
                     B=B, Hk=Hk, Hv=Hv, has_state=has_state, has_mask=has_mask)],
@@ -393,7 +396,7 @@ def decode_conv(qkv, conv_state, conv_weight, mask, a, b, A_log, dt_bias, state,
     out, state_out, conv_state_out = get_kernel(spec, backend)(
         inputs=[qkv, conv_state if has_conv_state else _ONE_ZERO[qkv.dtype], conv_weight,
                 mask if has_mask else _ONE_BOOL, lengths.astype(mx.int32) if has_lengths else _ONE_INT,
-                a, b, A_log, dt_bias, state if has_state else _ONE_FLOAT, z, weight,
+                a, b, A_log, dt_bias, state if has_state else _NO_STATE, z, weight,
                 float32_scalar(qk_eps), float32_scalar(eps),
                 spec.pack(B=B, Hk=Hk, Hv=Hv, C=C, has_conv_state=has_conv_state, has_state=has_state,
                           has_mask=has_mask, has_lengths=has_lengths, qkv_ld=strides[0], z_ld=strides[1],
