@@ -906,10 +906,25 @@ if (counts[e] > 0) {
 // arrays in between); with has_residual (switch fused_residual) the decoder layer's residual add
 // follows, as MLX adds two T arrays: T(float(residual) + float(T(sum))), the same bits as that add.
 // The k rows are taken MOE_COMBINE_LOADS at a time: their weights and slots, then their values, all
-// loaded before the first is added (the loads' latencies overlap), then added in j order as before.
+// loaded before the first is added (the loads' latencies overlap), then added in j order as before. The
+// residual and the first shared chunk (gate and row) are loaded first: they depend on no other load, so
+// their latency overlaps the routed rows' (Nsight Compute on the H200: a decode launch is a chain of
+// dependent loads, 4 threadgroups).
 const int d0 = int(thread_position_in_grid.x) * 4;
 const long n = long(thread_position_in_grid.y);
 if (d0 < D) {
+  const long num_tokens = long(threads_per_grid.y);
+  float res[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float shared0[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const float g = shared_chunks > 0 ? gate[n] : 0.0f;
+  for (int c = 0; c < 4; ++c) {
+    if (has_residual != 0) {
+      res[c] = float(residual[n * D + d0 + c]);
+    }
+    if (shared_chunks > 0) {
+      shared0[c] = float(y[(long(A) + n) * D + d0 + c]);
+    }
+  }
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int j0 = 0; j0 < k; j0 += MOE_COMBINE_LOADS) {
     float w[MOE_COMBINE_LOADS];
@@ -936,17 +951,15 @@ if (d0 < D) {
       }
     }
   }
-  const long num_tokens = long(threads_per_grid.y);
   for (int chunk = 0; chunk < shared_chunks; ++chunk) {
-    const float g = gate[n];
     const long src = (long(A) + chunk * num_tokens + n) * D + d0;
     for (int c = 0; c < 4; ++c) {
-      acc[c] += g * float(y[src + c]);
+      acc[c] += g * (chunk == 0 ? shared0[c] : float(y[src + c]));
     }
   }
   for (int c = 0; c < 4; ++c) {
     const T mixed = static_cast<T>(acc[c]);
-    out[n * D + d0 + c] = has_residual != 0 ? static_cast<T>(float(residual[n * D + d0 + c]) + float(mixed)) : mixed;
+    out[n * D + d0 + c] = has_residual != 0 ? static_cast<T>(res[c] + float(mixed)) : mixed;
   }
 }
 

@@ -110,6 +110,20 @@ inline void moe_residual_norm_row(PX x, PY y, PW weight, int D, float eps, uint 
   const uint lane = thread_index_in_simdgroup;
   const long n_row = long(threadgroup_position_in_grid.y);
   const long row = n_row * D;
+  // The simdgroup's logit row's first words, loaded before the norm (they do not depend on it): their
+  // latency overlaps the residual loads' instead of following the norm's barrier.
+  const int logit_row = int(threadgroup_position_in_grid.z) * MOE_ROUTER_LOGIT_SIMDGROUPS +
+                        int(simdgroup_index_in_threadgroup);
+  uint32_t word[MOE_ROUTER_PREFETCH];
+  float wscale[MOE_ROUTER_PREFETCH];
+  float wbias[MOE_ROUTER_PREFETCH];
+  if (logit_row < E) {
+    moe_router_prefetch_words<BITS>(w_router + long(logit_row) * (D * BITS / 32),
+                                    scales_router + long(logit_row) * (D / 64), biases_router + long(logit_row) * (D / 64),
+                                    D, lane, word, wscale, wbias);
+  } else if (logit_row < E + has_gate) {
+    moe_router_prefetch_words<BITS>(w_gate, scales_gate, biases_gate, D, lane, word, wscale, wbias);
+  }
   float hs[PER_THREAD];
   float ns[PER_THREAD];
   moe_residual_norm_row<T, PER_THREAD>(x + row, y + row, weight, D, eps[0], tid, simdgroup_index_in_threadgroup,
@@ -132,11 +146,12 @@ inline void moe_residual_norm_row(PX x, PY y, PW weight, int D, float eps, uint 
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const int logit_row = int(threadgroup_position_in_grid.z) * MOE_ROUTER_LOGIT_SIMDGROUPS +
-                        int(simdgroup_index_in_threadgroup);
   if (logit_row < E + has_gate) {  // uniform over the simdgroup: every lane reaches the simd_sum
-    const float logit = moe_router_logit<BITS>(logit_row, E, w_router, scales_router, biases_router, w_gate,
-                                               scales_gate, biases_gate, xs, D, lane);
+    const float logit = logit_row < E
+        ? moe_router_row_dot_prefetched<BITS>(word, wscale, wbias, w_router + long(logit_row) * (D * BITS / 32),
+                                              scales_router + long(logit_row) * (D / 64),
+                                              biases_router + long(logit_row) * (D / 64), xs, D, lane)
+        : moe_router_row_dot_prefetched<BITS>(word, wscale, wbias, w_gate, scales_gate, biases_gate, xs, D, lane);
     if (lane == 0) {
       logits[n_row * (E + 1) + logit_row] = float(static_cast<T>(logit));
     }

@@ -23,6 +23,7 @@
 #define MOE_ROUTER_MAX_K 32     // experts per token (lane j keeps round j's pick; the host checks)
 #define MOE_ROUTER_LOGIT_SIMDGROUPS 8  // expert rows per threadgroup of moe_router_logits_q
 #define MOE_ROUTER_LOADS 4      // 16-byte weight loads a lane issues before it uses them
+#define MOE_ROUTER_PREFETCH 16  // words of its row a lane of moe_residual_norm_router_logits_q loads before the norm
 
 // Activation values loaded as raw 32-bit words (vector loads): PER values of type T per word, value h of a word
 // as a float (the same value as float(T)). The register tiles (gemm.metal) and the router use them.
@@ -112,11 +113,10 @@ inline float moe_router_word_term(float acc, uint32_t word, float scale, float b
 // Pointer types are template parameters: MLX passes an input of fewer than 8 elements (a small
 // shared-expert gate's scales) in the constant address space, which a `const device T*` refuses.
 template <int BITS, typename PW, typename PS, typename PB>
-inline float moe_router_row_dot(PW w, PS scales, PB biases, const threadgroup float4* xs, int D, uint lane) {
+inline float moe_router_dot_words(float acc, PW w, PS scales, PB biases, const threadgroup float4* xs, int w_begin,
+                                  int words) {
   constexpr int VALUES_PER_WORD = 32 / BITS;
-  const int words = D / VALUES_PER_WORD;
-  float acc = 0.0f;
-  for (int w0 = int(lane); w0 < words; w0 += 32 * MOE_ROUTER_LOADS) {
+  for (int w0 = w_begin; w0 < words; w0 += 32 * MOE_ROUTER_LOADS) {
     uint32_t word[MOE_ROUTER_LOADS];
     float scale[MOE_ROUTER_LOADS];
     float bias[MOE_ROUTER_LOADS];
@@ -133,7 +133,54 @@ inline float moe_router_row_dot(PW w, PS scales, PB biases, const threadgroup fl
       }
     }
   }
-  return simd_sum(acc);
+  return acc;
+}
+
+template <int BITS, typename PW, typename PS, typename PB>
+inline float moe_router_row_dot(PW w, PS scales, PB biases, const threadgroup float4* xs, int D, uint lane) {
+  return simd_sum(moe_router_dot_words<BITS>(0.0f, w, scales, biases, xs, int(lane), D * BITS / 32));
+}
+
+// The same dot product in two halves, for a kernel with other work before its row is staged: a lane's first
+// MOE_ROUTER_PREFETCH words (with their scales and biases) loaded early (moe_router_prefetch_words), the
+// row's dot product later from them and the remaining words (moe_router_row_dot_prefetched): the same
+// words in the same order through the same expression as moe_router_row_dot, so the same bits.
+template <int BITS, typename PW, typename PS, typename PB>
+inline void moe_router_prefetch_words(PW w, PS scales, PB biases, int D, uint lane, thread uint32_t* word,
+                                      thread float* scale, thread float* bias) {
+  constexpr int WORDS_PER_GROUP = 64 / (32 / BITS);
+  const int words = D * BITS / 32;
+  #pragma unroll
+  for (int u = 0; u < MOE_ROUTER_PREFETCH; ++u) {
+    const int wi = int(lane) + 32 * u;
+    if (wi < words) {
+      word[u] = w[wi];
+      scale[u] = float(scales[wi / WORDS_PER_GROUP]);
+      bias[u] = float(biases[wi / WORDS_PER_GROUP]);
+    }
+  }
+}
+
+template <int BITS, typename PW, typename PS, typename PB>
+inline float moe_router_row_dot_prefetched(thread const uint32_t* word, thread const float* scale,
+                                           thread const float* bias, PW w, PS scales, PB biases,
+                                           const threadgroup float4* xs, int D, uint lane) {
+  constexpr int VALUES_PER_WORD = 32 / BITS;
+  const int words = D / VALUES_PER_WORD;
+  float acc = 0.0f;
+  #pragma unroll
+  for (int u = 0; u < MOE_ROUTER_PREFETCH; ++u) {
+    const int wi = int(lane) + 32 * u;
+    if (wi < words) {
+      float xv[VALUES_PER_WORD];
+      for (int j = 0; j < VALUES_PER_WORD; ++j) {
+        xv[j] = xs[(wi * VALUES_PER_WORD + j) / 4][j % 4];
+      }
+      acc = moe_router_word_term<BITS>(acc, word[u], scale[u], bias[u], xv);
+    }
+  }
+  return simd_sum(moe_router_dot_words<BITS>(acc, w, scales, biases, xs, int(lane) + 32 * MOE_ROUTER_PREFETCH,
+                                             words));
 }
 
 // The logit of router row `row` (row E: the shared-expert gate), as both router forms compute it.

@@ -1224,6 +1224,18 @@ def test_residual_norm_with_router_logits_has_the_bits_of_the_two_kernels(tokens
     moe_residual_rms_norm followed by moe_router_logits_q on n, bit for bit, whatever the hidden size's tail
     (320: 2 of 256 threads' elements past D) and the expert count's (63 + 1 rows: a last threadgroup with one
     simdgroup of work); every output element written (poisoned outputs)."""
+    _check_norm_router_bits(tokens, hidden, experts, bits, dtype, seed)
+
+
+@needs_sim
+def test_residual_norm_with_router_logits_past_the_prefetched_words():
+    """At 8 bits and a hidden size over 2,048 a lane's row has words past the MOE_ROUTER_PREFETCH (16) it
+    loads before the norm (2,112: 528 words, lanes 0-15 have a 17th): the logits keep the separate kernels'
+    bits there too."""
+    _check_norm_router_bits(tokens=2, hidden=2112, experts=9, bits=8, dtype="bfloat16", seed=3)
+
+
+def _check_norm_router_bits(tokens, hidden, experts, bits, dtype, seed):
     dt = getattr(mx, dtype)
     rng = np.random.default_rng(seed)
     block = make_sparse_moe_block(hidden=hidden, expert_width=64, num_experts=experts, top_k=4, shared_width=64,
