@@ -11,6 +11,8 @@
 #   PART=5 bash bench/device_decode_checks.sh   # decode driven three ways (bursts, bursts in MLX-LM's generation
 #                                               # stream, generate_step), then ncu's full sections of one decode
 #                                               # step's kernels in the first DeltaNet and MoE layer
+#   PART=6 bash bench/device_decode_checks.sh   # the decode kernels' loads (16-byte DeltaNet state, loads
+#                                               # hoisted): CUDA tests, step GPU time by kernel, decode A/B
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -61,6 +63,19 @@ case "${PART:-1}" in
     grep -E "custom_kernel|qmv|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Size|Grid Size|Memory Throughput|DRAM Throughput|Warp Cycles Per Issued|Issue Slots Busy|Stall" \
       "$W/ncu_decode.txt" | head -120
     ;;
-  *) echo "PART must be 1, 2, 3, 4 or 5" >&2; exit 2 ;;
+  6)  # the decode kernels' loads: 16-byte DeltaNet state accesses, the router's row and the combine's
+      # independent loads issued first (same bits): CUDA tests, GPU time per step by kernel, decode A/B
+    run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+      -o addopts= tests/kernels/test_deltanet_kernels.py tests/kernels/test_moe_kernels.py \
+      -k "scan_kernels_match or decode_kernels_match or decode_conv_fused or qwen36 or combine or norm_router"
+    grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -3
+    run step_gpu_time 200 python -m bench.step_gpu_time --compare lily --out "$W/sgt_loads"
+    head -30 "$W/sgt_loads/step_gpu_time.md" 2>/dev/null
+    rm -f "$W"/sgt_loads/*.csv
+    run decode_ab 150 python -m bench.decode_ab --engines lily,stock-kernels --context 4096 --bursts 8 \
+      --out "$W/ab_loads"
+    cat "$W/ab_loads/decode_ab.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5 or 6" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"
