@@ -16,7 +16,8 @@ ratios' spread. Written to ``DIR/decode_ab.md`` / ``decode_ab.json`` with ``--ou
 each a column of its own (``ENGINE@DRIVER``): ``bursts`` (the loop above, on the default stream), ``stream``
 (the same loop inside ``mx.stream`` of MLX-LM's ``generation_stream``, where ``generate_step`` runs the model),
 ``generate-step`` (MLX-LM's ``generate_step`` itself from the cache, greedy, with its log-probabilities;
-timed from its first token, as the e2e harness times decode).
+timed from its first token, as the e2e harness times decode), ``e2e`` (the e2e harness's own ``decode_from``: a fresh
+copy of the cache and ``mx.clear_cache()`` before each burst).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from .decode_profile import _prefill, clone_cache, pipelined_decode
 from .e2e import Engines, switches_off, validate_engine
 
 
-DRIVERS = ("bursts", "stream", "generate-step")
+DRIVERS = ("bursts", "stream", "generate-step", "e2e")
 
 
 def _burst(model, state, steps: int, driver: str = "bursts") -> float:
@@ -52,6 +53,14 @@ def _burst(model, state, steps: int, driver: str = "bursts") -> float:
         with mx.stream(generation_stream):
             rate, state[0] = pipelined_decode(model, state[0], state[1], steps)
         return rate
+    if driver == "e2e":  # as the e2e harness decodes: from a fresh copy of the cache, MLX's buffer cache cleared
+        from .e2e import decode_from
+
+        cache = clone_cache(state[1])
+        result = decode_from(model, state[0].reshape(1), cache, steps)
+        # decode_from keeps its first 16 tokens: one of them is fed next (the tokens do not matter for the rate)
+        state[0], state[1] = mx.array([result["tokens"][-1]], dtype=state[0].dtype), cache
+        return result["generation_tps"]
     if driver != "generate-step":
         raise ValueError(f"unknown decode driver {driver!r}: one of {', '.join(DRIVERS)}")
     # generate_step feeds its last token into one more step than it yields: the cache grows by steps + 2
