@@ -114,13 +114,14 @@ inline void moe_residual_norm_row(PX x, PY y, PW weight, int D, float eps, uint 
   // latency overlaps the residual loads' instead of following the norm's barrier.
   const int logit_row = int(threadgroup_position_in_grid.z) * MOE_ROUTER_LOGIT_SIMDGROUPS +
                         int(simdgroup_index_in_threadgroup);
+  const long row_words = long(logit_row) * (D * BITS / 32);  // the router row's words and groups (row < E)
+  const long row_groups = long(logit_row) * (D / 64);
   uint32_t word[MOE_ROUTER_PREFETCH];
   float wscale[MOE_ROUTER_PREFETCH];
   float wbias[MOE_ROUTER_PREFETCH];
   if (logit_row < E) {
-    moe_router_prefetch_words<BITS>(w_router + long(logit_row) * (D * BITS / 32),
-                                    scales_router + long(logit_row) * (D / 64), biases_router + long(logit_row) * (D / 64),
-                                    D, lane, word, wscale, wbias);
+    moe_router_prefetch_words<BITS>(w_router + row_words, scales_router + row_groups, biases_router + row_groups, D,
+                                    lane, word, wscale, wbias);
   } else if (logit_row < E + has_gate) {
     moe_router_prefetch_words<BITS>(w_gate, scales_gate, biases_gate, D, lane, word, wscale, wbias);
   }
@@ -148,9 +149,8 @@ inline void moe_residual_norm_row(PX x, PY y, PW weight, int D, float eps, uint 
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (logit_row < E + has_gate) {  // uniform over the simdgroup: every lane reaches the simd_sum
     const float logit = logit_row < E
-        ? moe_router_row_dot_prefetched<BITS>(word, wscale, wbias, w_router + long(logit_row) * (D * BITS / 32),
-                                              scales_router + long(logit_row) * (D / 64),
-                                              biases_router + long(logit_row) * (D / 64), xs, D, lane)
+        ? moe_router_row_dot_prefetched<BITS>(word, wscale, wbias, w_router + row_words, scales_router + row_groups,
+                                              biases_router + row_groups, xs, D, lane)
         : moe_router_row_dot_prefetched<BITS>(word, wscale, wbias, w_gate, scales_gate, biases_gate, xs, D, lane);
     if (lane == 0) {
       logits[n_row * (E + 1) + logit_row] = float(static_cast<T>(logit));

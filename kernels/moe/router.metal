@@ -71,14 +71,14 @@ inline void moe_router_stage_x(threadgroup float4* xs, PX x, int D, uint tid, ui
   }
 }
 
-// A lane's next MOE_ROUTER_LOADS words (wi = w0, w0 + 32, ...; those < words) with their scales and biases,
-// all loads issued before any is used, so their memory latencies overlap.
-template <int BITS, typename PW, typename PS, typename PB>
+// A lane's next N words (wi = w0, w0 + 32, ...; those < words) with their scales and biases, all loads
+// issued before any is used, so their memory latencies overlap.
+template <int BITS, int N, typename PW, typename PS, typename PB>
 inline void moe_router_fetch_words(PW w, PS scales, PB biases, int w0, int words, thread uint32_t* word,
                                    thread float* scale, thread float* bias) {
   constexpr int WORDS_PER_GROUP = 64 / (32 / BITS);
   #pragma unroll
-  for (int u = 0; u < MOE_ROUTER_LOADS; ++u) {
+  for (int u = 0; u < N; ++u) {
     const int wi = w0 + 32 * u;
     if (wi < words) {
       word[u] = w[wi];
@@ -103,6 +103,25 @@ inline float moe_router_word_term(float acc, uint32_t word, float scale, float b
   return acc + metal::fma(scale, xq, bias * xsum);  // fused explicitly: one rounding on every target
 }
 
+// acc plus the terms of N fetched words (wi = w0, w0 + 32, ...; those < words) against the staged x, in order.
+template <int BITS, int N>
+inline float moe_router_staged_terms(float acc, thread const uint32_t* word, thread const float* scale,
+                                     thread const float* bias, const threadgroup float4* xs, int w0, int words) {
+  constexpr int VALUES_PER_WORD = 32 / BITS;
+  #pragma unroll
+  for (int u = 0; u < N; ++u) {
+    const int wi = w0 + 32 * u;
+    if (wi < words) {
+      float xv[VALUES_PER_WORD];
+      for (int j = 0; j < VALUES_PER_WORD; ++j) {
+        xv[j] = xs[(wi * VALUES_PER_WORD + j) / 4][j % 4];
+      }
+      acc = moe_router_word_term<BITS>(acc, word[u], scale[u], bias[u], xv);
+    }
+  }
+  return acc;
+}
+
 // Dot product of one quantised row with the staged x over D, reduced over the simdgroup (every lane
 // gets it). Adjacent lanes read adjacent words (coalesced); each lane sums its words l, l + 32, ... in
 // order, per word scale * (x . q) + bias * sum(x), as MLX's own quantised GEMV factors the affine
@@ -112,26 +131,16 @@ inline float moe_router_word_term(float acc, uint32_t word, float scale, float b
 // otherwise round a logit differently in the two router forms.
 // Pointer types are template parameters: MLX passes an input of fewer than 8 elements (a small
 // shared-expert gate's scales) in the constant address space, which a `const device T*` refuses.
+// moe_router_dot_words: acc plus a lane's words from w_begin on; moe_router_row_dot: the whole row.
 template <int BITS, typename PW, typename PS, typename PB>
 inline float moe_router_dot_words(float acc, PW w, PS scales, PB biases, const threadgroup float4* xs, int w_begin,
                                   int words) {
-  constexpr int VALUES_PER_WORD = 32 / BITS;
   for (int w0 = w_begin; w0 < words; w0 += 32 * MOE_ROUTER_LOADS) {
     uint32_t word[MOE_ROUTER_LOADS];
     float scale[MOE_ROUTER_LOADS];
     float bias[MOE_ROUTER_LOADS];
-    moe_router_fetch_words<BITS>(w, scales, biases, w0, words, word, scale, bias);
-    #pragma unroll
-    for (int u = 0; u < MOE_ROUTER_LOADS; ++u) {
-      const int wi = w0 + 32 * u;
-      if (wi < words) {
-        float xv[VALUES_PER_WORD];
-        for (int j = 0; j < VALUES_PER_WORD; ++j) {
-          xv[j] = xs[(wi * VALUES_PER_WORD + j) / 4][j % 4];
-        }
-        acc = moe_router_word_term<BITS>(acc, word[u], scale[u], bias[u], xv);
-      }
-    }
+    moe_router_fetch_words<BITS, MOE_ROUTER_LOADS>(w, scales, biases, w0, words, word, scale, bias);
+    acc = moe_router_staged_terms<BITS, MOE_ROUTER_LOADS>(acc, word, scale, bias, xs, w0, words);
   }
   return acc;
 }
@@ -148,39 +157,16 @@ inline float moe_router_row_dot(PW w, PS scales, PB biases, const threadgroup fl
 template <int BITS, typename PW, typename PS, typename PB>
 inline void moe_router_prefetch_words(PW w, PS scales, PB biases, int D, uint lane, thread uint32_t* word,
                                       thread float* scale, thread float* bias) {
-  constexpr int WORDS_PER_GROUP = 64 / (32 / BITS);
-  const int words = D * BITS / 32;
-  #pragma unroll
-  for (int u = 0; u < MOE_ROUTER_PREFETCH; ++u) {
-    const int wi = int(lane) + 32 * u;
-    if (wi < words) {
-      word[u] = w[wi];
-      scale[u] = float(scales[wi / WORDS_PER_GROUP]);
-      bias[u] = float(biases[wi / WORDS_PER_GROUP]);
-    }
-  }
+  moe_router_fetch_words<BITS, MOE_ROUTER_PREFETCH>(w, scales, biases, int(lane), D * BITS / 32, word, scale, bias);
 }
 
 template <int BITS, typename PW, typename PS, typename PB>
 inline float moe_router_row_dot_prefetched(thread const uint32_t* word, thread const float* scale,
                                            thread const float* bias, PW w, PS scales, PB biases,
                                            const threadgroup float4* xs, int D, uint lane) {
-  constexpr int VALUES_PER_WORD = 32 / BITS;
-  const int words = D / VALUES_PER_WORD;
-  float acc = 0.0f;
-  #pragma unroll
-  for (int u = 0; u < MOE_ROUTER_PREFETCH; ++u) {
-    const int wi = int(lane) + 32 * u;
-    if (wi < words) {
-      float xv[VALUES_PER_WORD];
-      for (int j = 0; j < VALUES_PER_WORD; ++j) {
-        xv[j] = xs[(wi * VALUES_PER_WORD + j) / 4][j % 4];
-      }
-      acc = moe_router_word_term<BITS>(acc, word[u], scale[u], bias[u], xv);
-    }
-  }
-  return simd_sum(moe_router_dot_words<BITS>(acc, w, scales, biases, xs, int(lane) + 32 * MOE_ROUTER_PREFETCH,
-                                             words));
+  const int words = D * BITS / 32;
+  const float acc = moe_router_staged_terms<BITS, MOE_ROUTER_PREFETCH>(0.0f, word, scale, bias, xs, int(lane), words);
+  return simd_sum(moe_router_dot_words<BITS>(acc, w, scales, biases, xs, int(lane) + 32 * MOE_ROUTER_PREFETCH, words));
 }
 
 // The logit of router row `row` (row E: the shared-expert gate), as both router forms compute it.
@@ -214,7 +200,7 @@ inline void moe_router_rows_dot(PW w, PS scales, PB biases, const device T* x, i
     uint32_t word[MOE_ROUTER_LOADS];
     float scale[MOE_ROUTER_LOADS];
     float bias[MOE_ROUTER_LOADS];
-    moe_router_fetch_words<BITS>(w, scales, biases, w0, words, word, scale, bias);
+    moe_router_fetch_words<BITS, MOE_ROUTER_LOADS>(w, scales, biases, w0, words, word, scale, bias);
     #pragma unroll
     for (int u = 0; u < MOE_ROUTER_LOADS; ++u) {
       const int wi = w0 + 32 * u;
