@@ -12,12 +12,13 @@ each turn gives every engine's rate relative to the first engine's in the same t
 table: median rate per engine and the median of the per-turn ratios (the figure to decide on), with the
 ratios' spread. Written to ``DIR/decode_ab.md`` / ``decode_ab.json`` with ``--out``.
 
-``--drivers bursts,stream,generate-step`` times each engine under several ways of driving the same decode,
+``--drivers bursts,stream,generate-step,copy,e2e`` times each engine under several ways of driving the same decode,
 each a column of its own (``ENGINE@DRIVER``): ``bursts`` (the loop above, on the default stream), ``stream``
 (the same loop inside ``mx.stream`` of MLX-LM's ``generation_stream``, where ``generate_step`` runs the model),
 ``generate-step`` (MLX-LM's ``generate_step`` itself from the cache, greedy, with its log-probabilities;
-timed from its first token, as the e2e harness times decode), ``e2e`` (the e2e harness's own ``decode_from``: a fresh
-copy of the cache and ``mx.clear_cache()`` before each burst).
+timed from its first token, as the e2e harness times decode), ``copy`` (``generate_step`` from a fresh copy of the
+cache before each burst), ``e2e`` (the e2e harness's own ``decode_from``: a fresh copy of the cache and
+``mx.clear_cache()`` before each burst).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from .decode_profile import _prefill, clone_cache, pipelined_decode
 from .e2e import Engines, switches_off, validate_engine
 
 
-DRIVERS = ("bursts", "stream", "generate-step", "e2e")
+DRIVERS = ("bursts", "stream", "generate-step", "copy", "e2e")
 
 
 def _burst(model, state, steps: int, driver: str = "bursts") -> float:
@@ -61,7 +62,9 @@ def _burst(model, state, steps: int, driver: str = "bursts") -> float:
         # decode_from keeps its first 16 tokens: one of them is fed next (the tokens do not matter for the rate)
         state[0], state[1] = mx.array([result["tokens"][-1]], dtype=state[0].dtype), cache
         return result["generation_tps"]
-    if driver != "generate-step":
+    if driver == "copy":  # generate_step from a fresh copy of the cache (the e2e harness's copy, nothing else)
+        state[1] = clone_cache(state[1])
+    elif driver != "generate-step":
         raise ValueError(f"unknown decode driver {driver!r}: one of {', '.join(DRIVERS)}")
     # generate_step feeds its last token into one more step than it yields: the cache grows by steps + 2
     # and the burst's last yielded token is fed next (the tokens do not matter for the rate).

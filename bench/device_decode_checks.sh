@@ -13,6 +13,9 @@
 #                                               # step's kernels in the first DeltaNet and MoE layer
 #   PART=6 bash bench/device_decode_checks.sh   # the decode kernels' loads (16-byte DeltaNet state, loads
 #                                               # hoisted): CUDA tests, step GPU time by kernel, decode A/B
+#   PART=7 bash bench/device_decode_checks.sh   # where the e2e decode loses against the bursts: the bursts,
+#                                               # generate_step, generate_step from a fresh cache copy and the
+#                                               # e2e harness's decode side by side; e2e with 256 decode tokens
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -76,6 +79,15 @@ case "${PART:-1}" in
       --out "$W/ab_loads"
     cat "$W/ab_loads/decode_ab.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5 or 6" >&2; exit 2 ;;
+  7)  # the e2e decode's ~30 % loss against the bursts (both engines): which step of the harness's decode costs it,
+      # and whether it is paid once per request (then 256 decode tokens dilute it) or every token
+    run decode_drivers 240 python -m bench.decode_ab --engines lily,stock-kernels \
+      --drivers bursts,generate-step,copy,e2e --context 4096 --bursts 6 --burst-steps 16 --out "$W/drivers_e2e"
+    cat "$W/drivers_e2e/decode_ab.md" 2>/dev/null
+    run e2e_decode_256 200 python -m bench.run --mode e2e --size full --engines stock-kernels,lily --shared-prefill \
+      --lengths 4K --rounds 2 --gen-tokens 256 --out "$W/e2e_256"
+    cat "$W/e2e_256/e2e.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6 or 7" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"

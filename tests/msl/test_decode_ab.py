@@ -55,8 +55,8 @@ def test_lily_trial_engines_set_and_restore_the_trial_kernels(monkeypatch):
 
 def test_decode_ab_drivers_each_get_a_column_and_advance_their_cache(monkeypatch):
     """``--drivers``: one column per (engine, driver), every column timed every turn (``generate-step``: MLX-LM's
-    own loop on the column's cache; ``stream``: the bursts inside MLX-LM's generation stream; ``e2e``: the e2e
-    harness's decode from a fresh copy); an unknown driver is refused."""
+    own loop on the column's cache; ``stream``: the bursts inside MLX-LM's generation stream; ``copy``: that loop from
+    a fresh copy; ``e2e``: the e2e harness's decode from a fresh copy); an unknown driver is refused."""
     import pytest
 
     monkeypatch.setenv("LILY_BACKEND", "sim")
@@ -64,9 +64,8 @@ def test_decode_ab_drivers_each_get_a_column_and_advance_their_cache(monkeypatch
     model, _ = load_model(None, "tiny", log=None)
     vocab = model.args.text_config["vocab_size"]
     result = decode_ab.run(model, ["lily", "stock"], context=24, bursts=2, burst_steps=3, vocab=vocab,
-                           log=lambda line: None, drivers=("bursts", "stream", "generate-step", "e2e"))
-    assert list(result["engines"]) == [f"{e}@{d}" for e in ("lily", "stock")
-                                       for d in ("bursts", "stream", "generate-step", "e2e")]
+                           log=lambda line: None, drivers=decode_ab.DRIVERS)
+    assert list(result["engines"]) == [f"{e}@{d}" for e in ("lily", "stock") for d in decode_ab.DRIVERS]
     for r in result["engines"].values():
         assert len(r["tok_s_bursts"]) == 2 and min(r["tok_s_bursts"]) > 0
     assert "| stock@generate-step |" in decode_ab.table_markdown(result)
