@@ -711,8 +711,8 @@ def test_microbench_cases_small(gemm_sim, monkeypatch):
 
 def test_small_calls_run_the_gemms_without_routing_kernels(gemm_sim, monkeypatch):
     """Up to PER_ASSIGNMENT_MAX assignments (decode) the schedule is one block per assignment, written by
-    the gate/up GEMV that selects the experts (fused_topk_gemv): only the router's logits, the two GEMV
-    forms of the expert GEMMs and the combine launch; a
+    the gate/up GEMV that selects the experts (fused_topk_gemv): only the router's logits, the gate/up GEMV and
+    the down GEMV with the combine (fused_down_combine) launch; a
     prefill chunk runs the routing kernels and the GEMMs. A token's whole-block output (router, routed
     and shared experts: all lily's kernels) has the same bits alone (GEMVs) and in the chunk (GEMM tiles)
     (batch invariance), and so does its routed-expert output with the routing held fixed; the block
@@ -730,7 +730,7 @@ def test_small_calls_run_the_gemms_without_routing_kernels(gemm_sim, monkeypatch
         alone = sparse_moe_forward(block, chunk[:, 5:6])  # 4 assignments
         mx.eval(alone)
     assert small.counts() == {"moe_router_logits_q": 1, "moe_gemv_gate_up_swiglu_routed": 1,  # fused_topk_gemv
-                              "moe_gemv_down": 1, "moe_combine_weighted_rows": 1}
+                              "moe_gemv_down_combine": 1}  # fused_down_combine
     assert {"moe_gemm_gate_up_swiglu_regtile", "moe_gemm_down_regtile"} <= set(routed.counts())  # register_tiles
     assert {"moe_route_histogram_i32", "moe_route_scan_i32", "moe_route_scatter_i32",
             "moe_route_block_map_i32"} <= set(routed.counts())
@@ -986,7 +986,7 @@ def test_router_kernel_token_alone_equals_token_in_batch():
 
 @needs_sim
 def test_decode_plan_replays_the_general_path(gemm_sim, monkeypatch):
-    """After the first decode-sized call of a block, later calls replay its four launches: the same
+    """After the first decode-sized call of a block, later calls replay its three launches: the same
     kernels, the same bits as building them again, with each call's own activations; new weights
     (``update``) take effect; and a plan that would keep anything but shape constants is refused."""
     from lily_mlx.ops.moe import sparse_moe_forward
@@ -1006,7 +1006,7 @@ def test_decode_plan_replays_the_general_path(gemm_sim, monkeypatch):
             got = sparse_moe_forward(block, x)
             mx.eval(got)
         assert rec.names() == ["moe_router_logits_q", "moe_gemv_gate_up_swiglu_routed",  # fused_topk_gemv
-                               "moe_gemv_down", "moe_combine_weighted_rows"]
+                               "moe_gemv_down_combine"]  # fused_down_combine
         assert mx.array_equal(got, general(x)).item(), step
     plans = block.__dict__["_lily_decode_plans"]
     assert len(plans) == 1 and isinstance(next(iter(plans.values())), DecodePlan)
@@ -1031,8 +1031,9 @@ def test_decode_plan_replays_the_general_path(gemm_sim, monkeypatch):
 @pytest.mark.parametrize("tokens", [1, 2, 40])
 def test_block_with_residual_equals_residual_plus_block(gemm_sim, monkeypatch, tokens):
     """sparse_moe_forward(block, x, residual=r) is r + sparse_moe_forward(block, x) bit for bit, the add in
-    the combine kernel (no other launch, no MLX add) with fused_residual on, MLX's add with it off; decode
-    sizes through their plans (three calls: recorded, then replayed with each call's residual)."""
+    the combine kernel (no other launch, no MLX add; for decode sizes the down GEMV's with the combine,
+    fused_down_combine) with fused_residual on, MLX's add with it off; decode sizes through their plans (three
+    calls: recorded, then replayed with each call's residual)."""
     from lily_mlx.ops.moe import sparse_moe_forward
 
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
@@ -1046,12 +1047,14 @@ def test_block_with_residual_equals_residual_plus_block(gemm_sim, monkeypatch, t
             got = sparse_moe_forward(block, x, residual=residual)
             mx.eval(got)
         assert mx.array_equal(got, want).item(), step
-        combine = [launch for launch in rec if launch.name == "moe_combine_weighted_rows"]
-        assert len(combine) == 1 and combine[0].kwargs["inputs"][4].shape == (tokens, 128)
+        name = "moe_gemv_down_combine" if tokens * 4 <= mk.PER_ASSIGNMENT_MAX else "moe_combine_weighted_rows"
+        at = mk._input_names(name).index("residual")
+        combine = [launch for launch in rec if launch.name == name]
+        assert len(combine) == 1 and combine[0].kwargs["inputs"][at].shape == (tokens, 128)
         with switches.overrides(disable=("fused_residual",)), record_launches() as off:
             unfused = sparse_moe_forward(block, x, residual=residual)
         assert mx.array_equal(unfused, want).item()
-        assert next(l for l in off if l.name == "moe_combine_weighted_rows").kwargs["inputs"][4].size == 1
+        assert next(l for l in off if l.name == name).kwargs["inputs"][at].size == 1
 
 
 def test_router_kernel_refuses_shapes_beyond_its_threadgroup_arrays():
@@ -1414,8 +1417,10 @@ def test_decode_step_hands_the_next_layers_input_norm_over(monkeypatch):
                 y = mx.argmax(out[:, -1], axis=-1)
             runs[on] = logits, rec.counts(), [i for i in called if i is not None]
     (on_logits, on_counts, on_norms), (off_logits, off_counts, off_norms) = runs[True], runs[False]
-    assert on_counts.get("moe_combine_residual_norm") == 3 and on_counts.get("moe_combine_weighted_rows") == 1
-    assert "moe_combine_residual_norm" not in off_counts and off_counts["moe_combine_weighted_rows"] == 4
+    # the last layer has no next norm to compute: its down GEMV and combine are one kernel (fused_down_combine)
+    assert on_counts.get("moe_combine_residual_norm") == 3 and on_counts.get("moe_gemv_down_combine") == 1
+    assert on_counts.get("moe_gemv_down") == 3 and "moe_combine_weighted_rows" not in on_counts
+    assert "moe_combine_residual_norm" not in off_counts and off_counts["moe_gemv_down_combine"] == 4
     assert on_norms == [0] and off_norms == [0, 1, 2, 3]
     for a, b in zip(on_logits, off_logits):
         assert mx.argmax(a[0, -1]).item() == mx.argmax(b[0, -1]).item()
@@ -1468,3 +1473,70 @@ def test_gate_up_gemv_with_the_top_k_inside_race_check(monkeypatch):
     logits = mk.router_logits(block, x2d, True, KERNEL_BACKEND)
     h, inds, scores, gate, blocks = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND)
     assert mx.array_equal(inds, mk.route_tokens(block, x2d, True, KERNEL_BACKEND)[0]).item()
+
+
+# ----------------------------------------------------------------------------------------------
+# The down GEMV and the combine in one kernel (fused_down_combine)
+
+def _down_combine_case(tokens, experts_topk, expert_width, shared, dtype, seed):
+    """A block and a decode call's gate/up GEMV outputs (h, scores, gate, blocks), with a residual [N, D]."""
+    experts, k = experts_topk
+    block = make_sparse_moe_block(hidden=128, expert_width=expert_width, num_experts=experts, top_k=k,
+                                  shared_width=shared, seed=seed)
+    block.set_dtype(dtype)
+    x2d = make_inputs(1, tokens, 128, seed=seed + 1).reshape(tokens, 128).astype(dtype)
+    logits = mk.router_logits(block, x2d, True, KERNEL_BACKEND)
+    h, _, scores, gate, blocks = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND)
+    residual = make_inputs(1, tokens, 128, seed=seed + 2).reshape(tokens, 128).astype(dtype)
+    return block, h, scores, gate, blocks, residual
+
+
+@needs_sim
+@SETTINGS
+@given(tokens=st.sampled_from([1, 2, 5]), experts_topk=st.sampled_from([(16, 4), (40, 8)]),
+       expert_width=st.sampled_from([64, 256]), shared=st.sampled_from([1, 2]), residual=st.booleans(),
+       dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 1000))
+def test_down_gemv_with_the_combine_has_the_bits_of_the_two_kernels(tokens, experts_topk, expert_width, shared,
+                                                                    residual, dtype, seed):
+    """moe_gemv_down_combine: out is moe_gemv_down then moe_combine_weighted_rows (with or without the residual),
+    bit for bit, for 1 or 2 shared-expert chunks and K of one or several staged chunks; every output element
+    written (poisoned output)."""
+    block, h, scores, gate, blocks, res = _down_combine_case(tokens, experts_topk, expert_width,
+                                                             shared * expert_width, getattr(mx, dtype), seed)
+    res = res if residual else None
+    sw, k = block.switch_mlp, experts_topk[1]
+    chunk = mk.down_combine_chunk(k + shared, 128, expert_width)
+    out = mk.gemv_down_combine(h, blocks, sw.down_proj, block.shared_expert, scores, gate, res, chunk,
+                               KERNEL_BACKEND, init_value=float("nan"))
+    y = mk.gemm_down(h, blocks, sw.down_proj, True, None, KERNEL_BACKEND, shared=block.shared_expert, gemv=True)
+    want = mk.combine_rows(y, mx.arange(tokens * k, dtype=mx.int32), scores, KERNEL_BACKEND, gate=gate,
+                           chunks=shared, residual=res)
+    assert out.shape == want.shape and out.dtype == want.dtype and mx.array_equal(out, want).item()
+
+
+@needs_sim
+def test_down_gemv_with_the_combine_token_alone_equals_token_in_batch_and_race_check(monkeypatch):
+    """A token's out does not depend on the other tokens of the call; the simulator's race check on the staged
+    chunks and the rows handed to the combine through threadgroup memory."""
+    monkeypatch.setenv("LILY_MSL_RACE", "1")
+    block, h, scores, gate, blocks, res = _down_combine_case(3, (40, 8), 256, 256, mx.bfloat16, 5)
+    down, shared = block.switch_mlp.down_proj, block.shared_expert
+    chunk = mk.down_combine_chunk(9, 128, 256)
+    out = mk.gemv_down_combine(h, blocks, down, shared, scores, gate, res, chunk, KERNEL_BACKEND)
+    # token 1 alone: its 8 routed rows (blocks 8 .. 15) and its shared row (block 24 + 1) as a call of one token
+    rows = mx.concatenate([h[8:16], h[25:26]])
+    alone_blocks = mx.concatenate([blocks[8:16], blocks[25:26]])
+    alone_blocks = mx.concatenate([alone_blocks[:, :1], mx.arange(9, dtype=mx.int32)[:, None], alone_blocks[:, 2:]],
+                                  axis=1)
+    alone = mk.gemv_down_combine(rows, alone_blocks, down, shared, scores[1:2], gate[1:2], res[1:2], chunk,
+                                 KERNEL_BACKEND)
+    assert mx.array_equal(out[1:2], alone).item()
+
+
+def test_down_combine_chunk_fits_its_threadgroup():
+    """KC: Qwen3.6's 8 experts + 1 shared chunk at I = 512 stage 128-wide chunks (256 would not fit 32 KB); a
+    width that is no multiple of 32 columns, or more blocks than a threadgroup holds, have none."""
+    assert mk.down_combine_chunk(9, 2048, 512) == 128
+    assert mk.down_combine_chunk(5, 2048, 512) == 128 and mk.down_combine_chunk(4, 2048, 512) == 256
+    assert mk.down_combine_chunk(9, 2048 + 16, 512) is None and mk.down_combine_chunk(33, 2048, 512) is None
+    assert mk.down_combine_chunk(40, 2048, 64) is None  # 40 x 2 KB of staging

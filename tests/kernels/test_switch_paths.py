@@ -171,8 +171,11 @@ SPLIT_ROUTER = ["moe_router_logits_q", "moe_router_topk_from_logits"]  # split_r
 # docs/moe.md: calls of more than 8 tokens take the logits kernel of token groups (the same bits).
 ROUTER_GROUP_MIN_TOKENS = 8
 SPLIT_ROUTER_GROUPS = ["moe_router_logits_tokens_q", "moe_router_topk_from_logits"]
-MOE_BLOCK_SWITCHES = ("fused_expert_up", "fused_expert_down", "row_gemv", "split_router", "fused_topk_gemv")
+MOE_BLOCK_SWITCHES = ("fused_expert_up", "fused_expert_down", "row_gemv", "split_router", "fused_topk_gemv",
+                      "fused_down_combine")
 GEMV_GATE_UP_ROUTED = "moe_gemv_gate_up_swiglu_routed"
+# fused_down_combine: on that decode path the down GEMV and the combine are one kernel.
+GEMV_DOWN_COMBINE = "moe_gemv_down_combine"
 
 
 def topk_in_gemv(state: Dict[str, bool], assignments: int) -> bool:
@@ -185,8 +188,9 @@ def topk_in_gemv(state: Dict[str, bool], assignments: int) -> bool:
 
 def expected_block_launches(state: Dict[str, bool], assignments: int, tokens: int) -> List[str]:
     split = SPLIT_ROUTER_GROUPS if tokens > ROUTER_GROUP_MIN_TOKENS else SPLIT_ROUTER
-    if topk_in_gemv(state, assignments):  # the top-k inside the gate/up GEMV: 4 launches
-        return [split[0], GEMV_GATE_UP_ROUTED, GEMV_DOWN, COMBINE]
+    if topk_in_gemv(state, assignments):  # the top-k inside the gate/up GEMV: 4 launches (3 with fused_down_combine)
+        return [split[0], GEMV_GATE_UP_ROUTED] + ([GEMV_DOWN_COMBINE] if state["fused_down_combine"]
+                                                  else [GEMV_DOWN, COMBINE])
     router = (split if state["split_router"] else ROUTER) if state["fused_expert_up"] else []
     return router + expected_moe_launches(state, assignments)
 
@@ -215,7 +219,8 @@ def test_moe_block_switch_paths(sim, state, tokens, chunks):
     launches = {launch.name: launch for launch in rec}
     if topk_in_gemv(full, a):  # the GEMV writes the block map: read it where the down GEMV takes it
         gate_up = launches[GEMV_GATE_UP_ROUTED]
-        blocks = np.asarray(launches[GEMV_DOWN].kwargs["inputs"][1])
+        down = launches[GEMV_DOWN_COMBINE if full["fused_down_combine"] else GEMV_DOWN]
+        blocks = np.asarray(down.kwargs["inputs"][1])
     else:
         gate_up = launches[gemm_names(full, a)[0]]
         blocks = np.asarray(gate_up.kwargs["inputs"][2])
@@ -511,9 +516,10 @@ def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Se
         assert after_mixer[0] == "moe_residual_rms_norm", after_mixer
         assert after_mixer[1] in (SPLIT_ROUTER[0], SPLIT_ROUTER_GROUPS[0]), after_mixer
         after_mixer = last_after_mixer = ["moe_residual_norm_router_logits_q"] + after_mixer[2:]
-        if state["fused_next_norm"] and tokens == 1:
-            assert after_mixer[-1] == "moe_combine_weighted_rows", after_mixer
-            after_mixer = after_mixer[:-1] + ["moe_combine_residual_norm"]
+        if state["fused_next_norm"] and tokens == 1:  # the down GEMV, then the combine with the next norm
+            assert after_mixer[-1] in (COMBINE, GEMV_DOWN_COMBINE), after_mixer
+            after_mixer = after_mixer[:-1] if after_mixer[-1] == GEMV_DOWN_COMBINE else after_mixer[:-2]
+            after_mixer = after_mixer + [GEMV_DOWN, "moe_combine_residual_norm"]
     for i, kind in enumerate(layer_types):
         if i == len(layer_types) - 1:
             after_mixer = last_after_mixer  # no next layer to hand a norm to

@@ -103,6 +103,10 @@ KERNELS: Dict[str, KernelSpec] = {
         ("h", "inds", "scores", "gate", "blocks"),
         params=_GATE_UP_PARAMS + ("norm_topk", "has_gate", "decode_tile", "shared_chunks")),
     "gemv_down": KernelSpec("moe_gemv_down", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
+    # The decode down GEMV and the combine (+ the residual) in one launch (switch fused_down_combine).
+    "gemv_down_combine": KernelSpec(
+        "moe_gemv_down_combine", GEMM, _DOWN_SIGNATURE[0][:-1] + ("scores", "gate", "residual", "params"), ("out",),
+        params=_DOWN_PARAMS + ("k", "A", "shared_chunks", "has_residual")),
     "gemv_gate_up_rowwise": KernelSpec("moe_gemv_gate_up_swiglu_rowwise", GEMM, *_GATE_UP_SIGNATURE,
                                        params=_GATE_UP_PARAMS),
     "gemv_down_rowwise": KernelSpec("moe_gemv_down_rowwise", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
@@ -343,6 +347,22 @@ def gemv_geometry(name: str, width: int, k: int, layout=None, other_bytes: int =
     raise ValueError(f"no staged GEMV chunk for {name} at width {width}, K {k}, layout {layout}")
 
 
+DOWN_COMBINE_ROWS = 32  # kernels/moe/gemm.metal: MOE_DOWN_COMBINE_R, output columns per threadgroup
+
+
+@lru_cache(maxsize=None)
+def down_combine_chunk(blocks_per_token: int, width: int, k: int) -> Optional[int]:
+    """KC of ``moe_gemv_down_combine`` for a token's ``blocks_per_token`` down GEMVs (k routed + m shared chunks)
+    of output width ``width`` and reduction length ``k``: the largest of 256, 128, 64 dividing k whose one-buffer
+    staging, once per block, fits 32 KB; None where none does or the width is not a multiple of its columns."""
+    if width % DOWN_COMBINE_ROWS or blocks_per_token * 32 > 1024:
+        return None
+    for kc in (256, 128, 64):
+        if k % kc == 0 and blocks_per_token * gemv_stage_bytes(1, DOWN_COMBINE_ROWS, kc) // 2 <= GEMV_THREADGROUP_BYTES:
+            return kc
+    return None
+
+
 @lru_cache(maxsize=None)
 def gemv_threads(width: int) -> int:
     """Threads per rowwise GEMV threadgroup: the largest of 256, 128, 64, 32 dividing the output width."""
@@ -464,6 +484,30 @@ def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = Tr
     inputs.append(KERNELS["down"].pack(I=i, D=d, E=e, Is=shared_width))
     return _launch_expert_kernel("down", gemv, inputs, blocks, (rows, d), h.dtype, backend, init_value, i,
                                  gemv_layout, tile_dtype, tiles)
+
+
+def gemv_down_combine(h: mx.array, blocks: mx.array, down_proj, shared, scores: mx.array, gate: mx.array,
+                      residual: Optional[mx.array], chunk: int, backend: Optional[str] = None,
+                      init_value=None) -> mx.array:
+    """out [N, D] = ``combine_rows(gemm_down(h, blocks, ..., gemv=True), identity, scores, gate=gate,
+    residual=residual)`` in one launch (switch ``fused_down_combine``), the same bits: a decode call's one-row
+    blocks (the gate/up GEMV's schedule: routed rows then ``shared``'s chunks), h [N * (k + m), I], scores [N, k]
+    (h's dtype), gate [N] fp32, residual [N, D] or None. ``chunk``: ``down_combine_chunk``'s KC."""
+    n, k = scores.shape
+    rows, i = h.shape
+    e, d = down_proj["scales"].shape[:2]
+    m = shared_chunks(shared, i)
+    blocks_per_token = rows // n
+    inputs = [h, blocks] + _weights(down_proj, True, None, h.dtype, backend)
+    inputs += _shared_weights(shared.down_proj, down_proj)
+    inputs += [scores, gate, residual if residual is not None else _ONE_ZERO[h.dtype]]
+    inputs.append(KERNELS["gemv_down_combine"].pack(I=i, D=d, E=e, Is=i * max(1, m), k=k, A=n * k, shared_chunks=m,
+                                                    has_residual=residual is not None))
+    (out,) = _kernel("gemv_down_combine", backend)(
+        inputs=inputs, template=[("T", h.dtype), ("KC", chunk), ("NBLK", blocks_per_token)],
+        grid=(d // DOWN_COMBINE_ROWS * 32 * blocks_per_token, n, 1), threadgroup=(32 * blocks_per_token, 1, 1),
+        output_shapes=[(n, d)], output_dtypes=[h.dtype], init_value=init_value)
+    return out
 
 
 def combine_rows(y: mx.array, slot_of_row: mx.array, scores: mx.array, backend: Optional[str] = None,
@@ -1020,16 +1064,23 @@ def _decode_block_topk_in_gemv(block, x2d: mx.array, router_backend: str,
                                next_norm=None):
     """A decode call of the block in four launches: the router's logits (unless given: ``logits`` from
     ``residual_norm_router_logits``), the gate/up GEMV that selects each token's experts itself (and writes
-    the top-k kernel's outputs), the down GEMV, the combine (+ the residual). The bits of the five-launch
-    path (route_tokens, then the GEMVs). ``next_norm`` (weight, eps), with ``residual2d``: the combine also
+    the top-k kernel's outputs), the down GEMV, the combine (+ the residual); three with the down GEMV and the
+    combine as one (switch ``fused_down_combine``). The bits of the five-launch path (route_tokens, then the
+    GEMVs). ``next_norm`` (weight, eps), with ``residual2d``: the combine also
     normalises its output for the next layer (``combine_rows_norm``) and (out, n) is returned."""
     backend = op_backend("moe_grouped_gemm")
     sw, shared = block.switch_mlp, block.shared_expert
     if logits is None:
         logits = router_logits(block, x2d, True, router_backend)
     h, inds, scores, gate, blocks = gemv_gate_up_routed(block, x2d, logits, backend)
-    y = gemm_down(h, blocks, sw.down_proj, True, None, backend, shared=shared, gemv=True)
     chunks = shared_chunks(shared, sw.gate_proj["scales"].shape[1])
+    if next_norm is None and switches.is_enabled("fused_down_combine"):
+        chunk = down_combine_chunk(block.top_k + chunks, x2d.shape[1], h.shape[1])
+        if chunk is not None:
+            return gemv_down_combine(h, blocks, sw.down_proj, shared, scores, gate, residual2d, chunk, backend)
+        log_once("fused_down_combine:shape", f"fused_down_combine: {block.top_k} + {chunks} down GEMVs of width "
+                 f"{x2d.shape[1]} do not fit one threadgroup, running the down GEMV and the combine apart")
+    y = gemm_down(h, blocks, sw.down_proj, True, None, backend, shared=shared, gemv=True)
     slot_of_row = _per_assignment_tail(inds.size)[0]
     if next_norm is not None:
         return combine_rows_norm(y, slot_of_row, scores, residual2d, next_norm[0], next_norm[1], backend, gate=gate,
