@@ -55,6 +55,7 @@ ABLATIONS = (
     ("fused_expert_up", "decode", 4 * K, None),
     ("split_router", "decode", 4 * K, None),
     ("fused_topk_gemv", "decode", 4 * K, None),
+    ("fused_down_combine", "decode", 4 * K, None),
     ("fused_residual", "decode", 4 * K, None),
     ("fused_add_norm", "decode", 4 * K, None),
     ("fused_norm_router", "decode", 4 * K, None),

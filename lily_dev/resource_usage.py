@@ -145,6 +145,41 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
     return units
 
 
+def down_combine_unit(blocks_per_token: int = 9, width: int = 2048, expert_width: int = 512) -> tuple:
+    """(CUDA translation unit, threads per threadgroup) of ``moe_gemv_down_combine`` in bf16 as a decode call
+    launches it, with the template (``down_combine_geometry``) of Qwen3.6's shape (8 experts + 1 shared chunk,
+    hidden 2048, expert width 512); the inputs' shapes do not enter the translation, a small block's stand in."""
+    from lily_mlx.core.kernel_registry import kernel_source
+    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
+    from lily_mlx.ops.moe import kernels as mk
+
+    from .moe_testing import make_sparse_moe_block
+
+    calls = {}
+
+    def capture(name, backend=None):
+        def launch(*, inputs, template, threadgroup, output_shapes, output_dtypes, **kw):
+            calls[name] = (inputs, output_dtypes)
+            return [mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]
+        return launch
+
+    k = blocks_per_token - 1
+    geometry = mk.down_combine_geometry(blocks_per_token, width, expert_width)
+    block = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=16, top_k=k, shared_width=64, seed=1)
+    block.set_dtype(mx.bfloat16)
+    with mock.patch.object(mk, "_kernel", capture):
+        mk.gemv_down_combine(mx.zeros((blocks_per_token, 64), mx.bfloat16), mx.zeros((blocks_per_token, 4), mx.int32),
+                             block.switch_mlp.down_proj, block.shared_expert, mx.zeros((1, k), mx.bfloat16),
+                             mx.zeros((1,), mx.float32), mx.zeros((1, 128), mx.bfloat16), geometry, "cuda")
+    inputs, output_dtypes = calls["gemv_down_combine"]
+    spec = mk.KERNELS["gemv_down_combine"]
+    header, body = kernel_source(spec)
+    kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
+    rows, chunk, groups = geometry
+    template = [("T", mx.bfloat16), ("R", rows), ("KC", chunk), ("NBLK", blocks_per_token), ("NG", groups)]
+    return wrap_like_mlx(kernel, inputs, output_dtypes, template=template)[1], rows * groups
+
+
 def router_units(shapes=((256, 8, 8, 2048), (1024, 32, 8, 4096), (16, 4, 4, 64))) -> Dict[str, tuple]:
     """{name: (CUDA translation unit, threads per threadgroup)} of the router kernels (one kernel, the
     split pair, the split logits of a prompt-sized call and the residual norm with the logits) for (experts,

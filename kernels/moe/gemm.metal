@@ -43,7 +43,6 @@
 #define MOE_MAX_ROWS 32   // largest tile rows
 #define MOE_THREADS 128   // 4 simdgroups
 #define MOE_COMBINE_LOADS 8  // routed rows whose loads moe_combine_weighted_rows issues together
-#define MOE_DOWN_COMBINE_R 32  // output columns per threadgroup of moe_gemv_down_combine (one simdgroup a block)
 
 // Weight tile loaders: fill wt[k][n] (k-major, MOE_BK rows of MOE_WT_LD, MOE_BN used) for output columns
 // [n0, n0 + 32) and K range [k0, k0 + 64) of expert e. O, K: the weight's output and input dims.
@@ -347,44 +346,6 @@ inline float moe_gemv_staged(
       moe_gemv_store<NM, R, KC, T>(ws + nb * WS, ss + nb * SB, bs + nb * SB, xs + nb * XS, tid, wr, sr, br, xr);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  return acc;
-}
-
-// moe_gemv_staged for one matrix with one staging buffer instead of two, for a kernel that runs several such
-// GEMVs side by side in one threadgroup (moe_gemv_down_combine: two buffers each would not fit 32 KB). The next
-// chunk's device loads still go to registers before the current chunk's chains run; they are stored after a
-// barrier (every chain has read the chunk) and read after another. The same chains in the same order: the bits
-// of moe_gemv_staged. tid: this thread's chain (0 .. R - 1); every thread of the threadgroup calls it with the
-// same K (it holds barriers). ws, ss, bs, xs: one buffer, [R * (KC / 32 + 1)] uint4, [KC / 64 * R] floats twice,
-// [KC / 4] float4.
-template <int R, int KC, typename T>
-inline float moe_gemv_staged_one_buffer(
-    const device uint32_t* w, long wstride, const device T* s, const device T* b, long sstride,
-    const device T* xrow, int K, uint tid,
-    threadgroup uint4* ws, threadgroup float* ss, threadgroup float* bs, threadgroup float4* xs,
-    uint32_t exponent) {
-  typedef MoeGemvShape<1, R, KC> Shape;
-  uint4 wr[Shape::P];
-  T sr[Shape::G];
-  T br[Shape::G];
-  T xr[4 * Shape::XQ];
-  moe_gemv_fetch<1, R, KC, T>(w, w, wstride, s, s, b, b, sstride, xrow, 0, tid, wr, sr, br, xr);
-  moe_gemv_store<1, R, KC, T>(ws, ss, bs, xs, tid, wr, sr, br, xr);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  float acc = 0.0f;
-  const int chunks = K / KC;
-  for (int c = 0; c < chunks; ++c) {
-    const bool next = c + 1 < chunks;  // uniform over the threadgroup
-    if (next) {
-      moe_gemv_fetch<1, R, KC, T>(w, w, wstride, s, s, b, b, sstride, xrow, (c + 1) * KC, tid, wr, sr, br, xr);
-    }
-    acc = moe_gemv_chain<R, KC>(acc, ws + int(tid) * Shape::STRIDE, ss, bs, int(tid), xs, exponent);
-    if (next) {
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      moe_gemv_store<1, R, KC, T>(ws, ss, bs, xs, tid, wr, sr, br, xr);
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-    }
   }
   return acc;
 }
@@ -1116,34 +1077,38 @@ y[long(slot) * D + o0 + int(tid)] = static_cast<T>(acc);
 
 // @kernel moe_gemv_down_combine
 // moe_gemv_down and moe_combine_weighted_rows in one launch for a decode call (switch fused_down_combine): a
-// threadgroup per (token, MOE_DOWN_COMBINE_R output columns) runs the down GEMV of each of the token's NBLK = k + m
-// blocks (its k routed rows, then its m shared-expert chunks) in simdgroup j, with moe_gemv_down's chains
-// (moe_gemv_staged_one_buffer), keeps each result rounded to T as y would hold it, and simdgroup 0 then combines
-// them with the combine kernel's expression and order (routed rows in j order weighted by their scores, then the
-// gated shared chunks, rounded once, then the residual add as MLX adds two T arrays). So out has the bits of
-// moe_gemv_down followed by moe_combine_weighted_rows, and y never goes to memory: one launch and one dependent
-// round trip fewer per MoE layer. The decode schedule's blocks: routed row j of token n is block (and slot)
-// n * k + j, shared chunk c is block A + c * N + n (moe_router_write_pick, moe_router_write_shared_block).
-// grid (D / R * 32 * NBLK, N, 1), threadgroup (32 * NBLK, 1, 1) (R = MOE_DOWN_COMBINE_R); template T, KC (a
-// multiple of 64 dividing I; the host fits NBLK buffers in 32 KB), NBLK. params: [I, D, E, Is, k, A, shared_chunks,
+// threadgroup per (token, R output columns) runs the down GEMV of each of the token's NBLK = k + m blocks (its k
+// routed rows, then its m shared-expert chunks) in its own group of R threads (group j: threads j * R .. j * R +
+// R - 1), with moe_gemv_down's staged chains (moe_gemv_staged), keeps each result rounded to T as y would hold it,
+// and the first R threads then combine them with the combine kernel's expression and order (routed rows in j order
+// weighted by their scores, then the gated shared chunks, rounded once, then the residual add as MLX adds two T
+// arrays). So out has the bits of moe_gemv_down followed by moe_combine_weighted_rows, and y never goes to memory:
+// one launch and one dependent round trip fewer per MoE layer. The threadgroup is NG >= NBLK groups, whole
+// simdgroups: groups past NBLK repeat block 0's GEMV (every thread reaches every barrier) and are not used.
+// The decode schedule's blocks: routed row j of token n is block (and slot) n * k + j, shared chunk c is block
+// A + c * N + n (moe_router_write_pick, moe_router_write_shared_block).
+// grid (D / R * R * NG, N, 1), threadgroup (R * NG, 1, 1); template T, R (dividing D), KC (a multiple of 64
+// dividing I; the host fits NG double buffers in 32 KB), NBLK, NG. params: [I, D, E, Is, k, A, shared_chunks,
 // has_residual]. h [A + m N, I] T; blocks [A + m N, 4] int32; the down weights as moe_gemv_down's; scores [N, k] T;
 // gate [N] fp32 (read when m > 0); residual [N, D] T (read when has_residual). out [N, D] T.
-constexpr int R = MOE_DOWN_COMBINE_R;
-threadgroup uint4 gemv_ws[NBLK * R * (KC / 32 + 1)];
-threadgroup float gemv_ss[NBLK * R * (KC / 64)];
-threadgroup float gemv_bs[NBLK * R * (KC / 64)];
-threadgroup float4 gemv_xs[NBLK * (KC / 4)];
-const uint lane = thread_index_in_simdgroup;
-const int j = int(simdgroup_index_in_threadgroup);  // the token's block j
+typedef MoeGemvShape<1, R, KC> Shape;
+threadgroup uint4 gemv_ws[NG * 2 * R * Shape::STRIDE];
+threadgroup float gemv_ss[NG * 2 * R * Shape::G];
+threadgroup float gemv_bs[NG * 2 * R * Shape::G];
+threadgroup float4 gemv_xs[NG * 2 * (KC / 4)];
+const uint tid = thread_index_in_threadgroup;
+const int group = int(tid) / R;
+const uint r = tid % uint(R);
+const int j = group < NBLK ? group : 0;  // the token's block j
 const int n = int(threadgroup_position_in_grid.y);
 const int num_tokens = int(threads_per_grid.y);
 const int o0 = int(threadgroup_position_in_grid.x) * R;
 // The combine's own inputs first: they depend on no other load.
 float res = 0.0f;
 float g = 0.0f;
-if (j == 0) {
+if (group == 0) {
   if (has_residual != 0) {
-    res = float(residual[long(n) * D + o0 + int(lane)]);
+    res = float(residual[long(n) * D + o0 + int(r)]);
   }
   if (shared_chunks > 0) {
     g = gate[n];
@@ -1157,25 +1122,28 @@ const int slot = blocks[4 * blk + 1];
 const bool shared = e >= E;
 const long words = shared ? long(o0) * (Is / 8) + (e - E) * (I / 8) : (long(e) * D + o0) * (I / 8);
 const long groups = shared ? long(o0) * (Is / 64) + (e - E) * (I / 64) : (long(e) * D + o0) * (I / 64);
+const device uint32_t* w = (shared ? w_down_s : w_down) + words;
 const device T* s = (shared ? scales_down_s : scales_down) + groups;
 const device T* b = (shared ? biases_down_s : biases_down) + groups;
-const float acc = moe_gemv_staged_one_buffer<R, KC, T>(
-    (shared ? w_down_s : w_down) + words, shared ? Is / 8 : I / 8, s, b, shared ? Is / 64 : I / 64,
-    h + long(slot) * I, I, lane, gemv_ws + j * R * (KC / 32 + 1), gemv_ss + j * R * (KC / 64),
-    gemv_bs + j * R * (KC / 64), gemv_xs + j * (KC / 4), q4_exponent_unfolded(E));
-threadgroup_barrier(mem_flags::mem_threadgroup);  // every chain is done with the staging buffers
-gemv_ss[j * R + int(lane)] = float(static_cast<T>(acc));  // y[slot, o0 + lane] as moe_gemv_down stores it
+const float acc = moe_gemv_staged<1, R, KC, T>(
+    w, w, shared ? Is / 8 : I / 8, s, s, b, b, shared ? Is / 64 : I / 64, h + long(slot) * I, I, r,
+    gemv_ws + group * 2 * R * Shape::STRIDE, gemv_ss + group * 2 * R * Shape::G, gemv_bs + group * 2 * R * Shape::G,
+    gemv_xs + group * 2 * (KC / 4), q4_exponent_unfolded(E));
+// moe_gemv_staged ends on a barrier: every chain is done with the staging buffers, gemv_ss is free.
+if (group < NBLK) {
+  gemv_ss[group * R + int(r)] = float(static_cast<T>(acc));  // y[slot, o0 + r] as moe_gemv_down stores it
+}
 threadgroup_barrier(mem_flags::mem_threadgroup);
-if (j == 0) {
+if (group == 0) {
   float sum = 0.0f;
   for (int jj = 0; jj < k; ++jj) {
-    sum += float(scores[long(n) * k + jj]) * gemv_ss[jj * R + int(lane)];
+    sum += float(scores[long(n) * k + jj]) * gemv_ss[jj * R + int(r)];
   }
   for (int c = 0; c < shared_chunks; ++c) {
-    sum += g * gemv_ss[(k + c) * R + int(lane)];
+    sum += g * gemv_ss[(k + c) * R + int(r)];
   }
   const T mixed = static_cast<T>(sum);
-  out[long(n) * D + o0 + int(lane)] = has_residual != 0 ? static_cast<T>(res + float(mixed)) : mixed;
+  out[long(n) * D + o0 + int(r)] = has_residual != 0 ? static_cast<T>(res + float(mixed)) : mixed;
 }
 
 // @kernel moe_gemv_gate_up_swiglu_rowwise

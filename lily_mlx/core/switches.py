@@ -102,8 +102,8 @@ _SWITCH_LIST = [
            "The residual-norm kernel, then the router-logits kernel."),
     Switch("fused_down_combine", "moe", "decode", True,
            "With fused_topk_gemv, a decode call's down GEMVs (each of a token's k experts and shared-expert chunks "
-           "in its own simdgroup of one threadgroup) and the combine with the residual add in one kernel (same "
-           "bits): 3 launches per MoE layer after the router instead of 4.",
+           "in its own group of threads of one threadgroup) and the combine with the residual add in one kernel "
+           "(same bits): 3 launches per MoE layer after the router instead of 4.",
            "The down GEMV kernel, then the combine kernel."),
     Switch("fused_next_norm", "moe", "decode", False,
            "With fused_norm_router, a decode call's combine kernel also computes the next decoder layer's input "

@@ -1505,8 +1505,8 @@ def test_down_gemv_with_the_combine_has_the_bits_of_the_two_kernels(tokens, expe
                                                              shared * expert_width, getattr(mx, dtype), seed)
     res = res if residual else None
     sw, k = block.switch_mlp, experts_topk[1]
-    chunk = mk.down_combine_chunk(k + shared, 128, expert_width)
-    out = mk.gemv_down_combine(h, blocks, sw.down_proj, block.shared_expert, scores, gate, res, chunk,
+    geometry = mk.down_combine_geometry(k + shared, 128, expert_width)
+    out = mk.gemv_down_combine(h, blocks, sw.down_proj, block.shared_expert, scores, gate, res, geometry,
                                KERNEL_BACKEND, init_value=float("nan"))
     y = mk.gemm_down(h, blocks, sw.down_proj, True, None, KERNEL_BACKEND, shared=block.shared_expert, gemv=True)
     want = mk.combine_rows(y, mx.arange(tokens * k, dtype=mx.int32), scores, KERNEL_BACKEND, gate=gate,
@@ -1521,22 +1521,43 @@ def test_down_gemv_with_the_combine_token_alone_equals_token_in_batch_and_race_c
     monkeypatch.setenv("LILY_MSL_RACE", "1")
     block, h, scores, gate, blocks, res = _down_combine_case(3, (40, 8), 256, 256, mx.bfloat16, 5)
     down, shared = block.switch_mlp.down_proj, block.shared_expert
-    chunk = mk.down_combine_chunk(9, 128, 256)
-    out = mk.gemv_down_combine(h, blocks, down, shared, scores, gate, res, chunk, KERNEL_BACKEND)
+    geometry = mk.down_combine_geometry(9, 128, 256)
+    out = mk.gemv_down_combine(h, blocks, down, shared, scores, gate, res, geometry, KERNEL_BACKEND)
     # token 1 alone: its 8 routed rows (blocks 8 .. 15) and its shared row (block 24 + 1) as a call of one token
     rows = mx.concatenate([h[8:16], h[25:26]])
     alone_blocks = mx.concatenate([blocks[8:16], blocks[25:26]])
     alone_blocks = mx.concatenate([alone_blocks[:, :1], mx.arange(9, dtype=mx.int32)[:, None], alone_blocks[:, 2:]],
                                   axis=1)
-    alone = mk.gemv_down_combine(rows, alone_blocks, down, shared, scores[1:2], gate[1:2], res[1:2], chunk,
+    alone = mk.gemv_down_combine(rows, alone_blocks, down, shared, scores[1:2], gate[1:2], res[1:2], geometry,
                                  KERNEL_BACKEND)
     assert mx.array_equal(out[1:2], alone).item()
 
 
-def test_down_combine_chunk_fits_its_threadgroup():
-    """KC: Qwen3.6's 8 experts + 1 shared chunk at I = 512 stage 128-wide chunks (256 would not fit 32 KB); a
-    width that is no multiple of 32 columns, or more blocks than a threadgroup holds, have none."""
-    assert mk.down_combine_chunk(9, 2048, 512) == 128
-    assert mk.down_combine_chunk(5, 2048, 512) == 128 and mk.down_combine_chunk(4, 2048, 512) == 256
-    assert mk.down_combine_chunk(9, 2048 + 16, 512) is None and mk.down_combine_chunk(33, 2048, 512) is None
-    assert mk.down_combine_chunk(40, 2048, 64) is None  # 40 x 2 KB of staging
+def test_down_combine_geometry_fits_its_threadgroup():
+    """(R, KC, NG): Qwen3.6's 8 experts + 1 shared chunk at I = 512 run 10 groups of 16 threads (whole
+    simdgroups; the tenth repeats block 0) staging 64-wide chunks twice (23 KB; 128-wide would not fit 32 KB);
+    an even block count needs no spare group; a width no multiple of 16, or more groups than a threadgroup's 1024
+    threads, have none."""
+    assert mk.down_combine_geometry(9, 2048, 512) == (16, 64, 10)
+    assert mk.down_combine_geometry(4, 2048, 512) == (16, 256, 4)
+    assert mk.down_combine_geometry(9, 2048 + 8, 512) is None and mk.down_combine_geometry(65, 2048, 512) is None
+    assert mk.down_combine_geometry(9, 2048, 96) is None  # no 64-multiple chunk divides K
+
+
+def test_down_gemv_with_the_combine_compiles_and_fits_on_the_h200():
+    """The CUDA translation of moe_gemv_down_combine at Qwen3.6's template compiles (NVRTC); with ptxas, its
+    registers times its 288 threads fit an SM, without spills or a stack frame (a register array indexed at
+    run time), and its static shared memory is ten groups' double-buffered stagings (23,040 bytes)."""
+    from lily_dev import compile_check, resource_usage
+
+    if compile_check.compiler_available() is None:
+        pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
+    unit, threads = resource_usage.down_combine_unit()
+    ok, log = compile_check.compile_cuda(unit)
+    assert ok and threads == 160, log[-3000:]
+    if compile_check.nvcc_path() is None:
+        return
+    u = resource_usage.ptxas_usage(unit)
+    assert 0 < u["registers"] * threads <= resource_usage.REGISTERS_PER_SM, u
+    assert u["spill_stores"] == 0 and u["spill_loads"] == 0 and u["stack"] == 0, u
+    assert u["smem"] == 10 * mk.gemv_stage_bytes(1, 16, 64) == 23040, u

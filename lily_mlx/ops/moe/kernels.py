@@ -347,19 +347,24 @@ def gemv_geometry(name: str, width: int, k: int, layout=None, other_bytes: int =
     raise ValueError(f"no staged GEMV chunk for {name} at width {width}, K {k}, layout {layout}")
 
 
-DOWN_COMBINE_ROWS = 32  # kernels/moe/gemm.metal: MOE_DOWN_COMBINE_R, output columns per threadgroup
+# Output columns per threadgroup of moe_gemv_down_combine: each block's GEMV in a group of that many threads.
+DOWN_COMBINE_ROWS = 16
 
 
 @lru_cache(maxsize=None)
-def down_combine_chunk(blocks_per_token: int, width: int, k: int) -> Optional[int]:
-    """KC of ``moe_gemv_down_combine`` for a token's ``blocks_per_token`` down GEMVs (k routed + m shared chunks)
-    of output width ``width`` and reduction length ``k``: the largest of 256, 128, 64 dividing k whose one-buffer
-    staging, once per block, fits 32 KB; None where none does or the width is not a multiple of its columns."""
-    if width % DOWN_COMBINE_ROWS or blocks_per_token * 32 > 1024:
+def down_combine_geometry(blocks_per_token: int, width: int, k: int) -> Optional[tuple]:
+    """(R, KC, NG) of ``moe_gemv_down_combine`` for a token's ``blocks_per_token`` down GEMVs (k routed + m
+    shared chunks) of output width ``width`` and reduction length ``k``: R = DOWN_COMBINE_ROWS columns a
+    threadgroup, NG groups of R threads (the blocks, rounded up to whole simdgroups), KC the largest of 256, 128,
+    64 dividing k whose double-buffered staging, once per group, fits 32 KB; None where nothing fits or R does
+    not divide the width."""
+    rows = DOWN_COMBINE_ROWS
+    groups = -(-blocks_per_token * rows // 32) * 32 // rows
+    if width % rows or groups * rows > 1024:
         return None
     for kc in (256, 128, 64):
-        if k % kc == 0 and blocks_per_token * gemv_stage_bytes(1, DOWN_COMBINE_ROWS, kc) // 2 <= GEMV_THREADGROUP_BYTES:
-            return kc
+        if k % kc == 0 and groups * gemv_stage_bytes(1, rows, kc) <= GEMV_THREADGROUP_BYTES:
+            return rows, kc, groups
     return None
 
 
@@ -487,12 +492,12 @@ def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = Tr
 
 
 def gemv_down_combine(h: mx.array, blocks: mx.array, down_proj, shared, scores: mx.array, gate: mx.array,
-                      residual: Optional[mx.array], chunk: int, backend: Optional[str] = None,
+                      residual: Optional[mx.array], geometry: tuple, backend: Optional[str] = None,
                       init_value=None) -> mx.array:
     """out [N, D] = ``combine_rows(gemm_down(h, blocks, ..., gemv=True), identity, scores, gate=gate,
     residual=residual)`` in one launch (switch ``fused_down_combine``), the same bits: a decode call's one-row
     blocks (the gate/up GEMV's schedule: routed rows then ``shared``'s chunks), h [N * (k + m), I], scores [N, k]
-    (h's dtype), gate [N] fp32, residual [N, D] or None. ``chunk``: ``down_combine_chunk``'s KC."""
+    (h's dtype), gate [N] fp32, residual [N, D] or None. ``geometry``: ``down_combine_geometry``'s (R, KC, NG)."""
     n, k = scores.shape
     rows, i = h.shape
     e, d = down_proj["scales"].shape[:2]
@@ -503,9 +508,11 @@ def gemv_down_combine(h: mx.array, blocks: mx.array, down_proj, shared, scores: 
     inputs += [scores, gate, residual if residual is not None else _ONE_ZERO[h.dtype]]
     inputs.append(KERNELS["gemv_down_combine"].pack(I=i, D=d, E=e, Is=i * max(1, m), k=k, A=n * k, shared_chunks=m,
                                                     has_residual=residual is not None))
+    rows_per_tg, chunk, groups = geometry
     (out,) = _kernel("gemv_down_combine", backend)(
-        inputs=inputs, template=[("T", h.dtype), ("KC", chunk), ("NBLK", blocks_per_token)],
-        grid=(d // DOWN_COMBINE_ROWS * 32 * blocks_per_token, n, 1), threadgroup=(32 * blocks_per_token, 1, 1),
+        inputs=inputs, template=[("T", h.dtype), ("R", rows_per_tg), ("KC", chunk), ("NBLK", blocks_per_token),
+                                 ("NG", groups)],
+        grid=(d * groups, n, 1), threadgroup=(rows_per_tg * groups, 1, 1),
         output_shapes=[(n, d)], output_dtypes=[h.dtype], init_value=init_value)
     return out
 
@@ -1075,9 +1082,9 @@ def _decode_block_topk_in_gemv(block, x2d: mx.array, router_backend: str,
     h, inds, scores, gate, blocks = gemv_gate_up_routed(block, x2d, logits, backend)
     chunks = shared_chunks(shared, sw.gate_proj["scales"].shape[1])
     if next_norm is None and switches.is_enabled("fused_down_combine"):
-        chunk = down_combine_chunk(block.top_k + chunks, x2d.shape[1], h.shape[1])
-        if chunk is not None:
-            return gemv_down_combine(h, blocks, sw.down_proj, shared, scores, gate, residual2d, chunk, backend)
+        geometry = down_combine_geometry(block.top_k + chunks, x2d.shape[1], h.shape[1])
+        if geometry is not None:
+            return gemv_down_combine(h, blocks, sw.down_proj, shared, scores, gate, residual2d, geometry, backend)
         log_once("fused_down_combine:shape", f"fused_down_combine: {block.top_k} + {chunks} down GEMVs of width "
                  f"{x2d.shape[1]} do not fit one threadgroup, running the down GEMV and the combine apart")
     y = gemm_down(h, blocks, sw.down_proj, True, None, backend, shared=shared, gemv=True)
