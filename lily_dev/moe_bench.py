@@ -23,7 +23,11 @@ expert as one chunk (9 blocks per token), bf16:
   threadgroup, K chunk KC), ``onerow_gemm`` (x8 only: the GEMM kernels on the same one-row blocks,
   what row_gemv off runs), ``onerow_gemm_bf16tiles`` (x8, 1 and 8 tokens: those GEMM kernels with bf16 tile
   operands, what decode would run if bf16 tiles became the product path);
-- ``..._x8[8tok]`` (staged, rowwise): a decode batch of 8 sequences, 72 blocks per launch.
+- ``..._x8[8tok]`` (staged, rowwise): a decode batch of 8 sequences, 72 blocks per launch;
+- ``down_then_combine_x8[<n>tok]`` / ``down_combine_<variant>_x8[<n>tok]``: a decode call's down GEMV and
+  combine (with the residual) as two kernels, against ``moe_gemv_down_combine`` (switch ``fused_down_combine``)
+  at its layout (``default``: kernels.down_combine_geometry) and others (``r<R>_kc<KC>``: R columns a threadgroup,
+  K chunk KC; those whose threadgroup memory would pass 32 KB are left out).
 
 Every launch of these cases reads other experts than the previous ones (the launches cycle through a
 pool of GEMV_POOL calls whose routings walk over all experts, each with its own shared expert), so the
@@ -201,6 +205,8 @@ GEMV_POOL = 32  # distinct decode calls the GEMV cases cycle through
 REPEATS = 8  # launches per evaluation in the _x8 cases
 # Staged layouts timed besides the default (kernels.GEMV_LAYOUT): (R outputs per threadgroup, K chunk).
 GEMV_VARIANTS = {"gate_up": ((32, 256), (64, 128)), "down": ((64, 256), (128, 256), (64, 128))}
+# Layouts of the down GEMV + combine kernel timed besides its default: (R columns a threadgroup, K chunk).
+DOWN_COMBINE_VARIANTS = ((8, 128), (8, 64), (32, 64))
 
 
 def _decode_calls(tokens: int, backend: str):
@@ -280,4 +286,41 @@ def decode_gemv_cases(sw, backend: str) -> List[Tuple[str, Callable[[], None], i
             cases.append((f"{name}_onerow_gemm_bf16tiles_x{REPEATS}{t}",
                           _cycling(make(None, gemv=False, tile=mx.bfloat16), calls, REPEATS),
                           REPEATS * nbytes, REPEATS * flops))
+        cases += _down_combine_cases(sw, backend, calls, tokens, down_bytes, down_flops)
+    return cases
+
+
+def _down_combine_cases(sw, backend: str, calls, tokens: int, down_bytes: int, down_flops: int):
+    """The down GEMV then the combine (two kernels) against moe_gemv_down_combine at its layouts (module
+    docstring), each 8 launches an evaluation; the combine's inputs (scores, gate, residual) one set per case."""
+    key = mx.random.key(300 + tokens)
+    scores = mx.softmax(mx.random.normal((tokens, TOP_K), key=key), axis=-1).astype(mx.bfloat16)
+    gate = mx.sigmoid(mx.random.normal((tokens,), key=mx.random.key(301))).astype(mx.float32)
+    residual = mx.random.normal((tokens, HIDDEN), key=mx.random.key(302)).astype(mx.bfloat16)
+    slot_of_row = mx.arange(tokens * TOP_K, dtype=mx.int32)
+    mx.eval(scores, gate, residual, slot_of_row)
+    nbytes = down_bytes + 2 * tokens * HIDDEN * 2 - (tokens * TOP_K + tokens) * HIDDEN * 2  # no y, + residual, out
+    t = f"[{tokens}tok]"
+
+    def two_kernels(x, h, sr, blocks, shared):
+        y = mk.gemm_down(h, blocks, sw.down_proj, True, None, backend, shared=shared, gemv=True)
+        return mk.combine_rows(y, slot_of_row, scores, backend, gate=gate, chunks=1, residual=residual)
+
+    def fused(geometry):
+        return lambda x, h, sr, blocks, shared: mk.gemv_down_combine(h, blocks, sw.down_proj, shared, scores, gate,
+                                                                     residual, geometry, backend)
+
+    cases = [(f"down_then_combine_x{REPEATS}{t}", _cycling(two_kernels, calls, REPEATS), REPEATS * nbytes,
+              REPEATS * down_flops)]
+    default = mk.down_combine_geometry(TOP_K + 1, HIDDEN, EXPERT_WIDTH)
+    layouts = [("default", default)] if default is not None else []
+    for rows, chunk in DOWN_COMBINE_VARIANTS:
+        groups = -(-(TOP_K + 1) * rows // 32) * 32 // rows
+        fits = (HIDDEN % rows == 0 and EXPERT_WIDTH % chunk == 0
+                and groups * mk.gemv_stage_bytes(1, rows, chunk) <= mk.GEMV_THREADGROUP_BYTES)
+        if fits and (rows, chunk, groups) != default:
+            layouts.append((f"r{rows}_kc{chunk}", (rows, chunk, groups)))
+    for label, geometry in layouts:
+        cases.append((f"down_combine_{label}_x{REPEATS}{t}", _cycling(fused(geometry), calls, REPEATS),
+                      REPEATS * nbytes, REPEATS * down_flops))
     return cases
