@@ -1,7 +1,7 @@
 """A decode-sized MoE call replayed from its recorded launches (host cost).
 
-Every decode step calls each MoE block with the same shapes, so working out its four launches (router,
-GEMV gate+up, GEMV down, combine: geometry, params arrays, schedule constants) gives the same answer
+Every decode step calls each MoE block with the same shapes, so working out its launches (router, GEMV
+gate+up, GEMV down and combine, or both in one: geometry, params arrays, schedule constants) gives the same answer
 token after token. ``DecodePlan`` records them once, from the general path, and a later call only
 gathers each launch's inputs and launches: the activations, outputs of the earlier launches, constants
 of the plan, and the weights, read from the block's modules at every call (so ``load_weights`` and
