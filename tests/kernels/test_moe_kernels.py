@@ -704,7 +704,8 @@ def test_microbench_cases_small(gemm_sim, monkeypatch):
     names = [c[0] for c in cases]
     assert "stock_switch_glu[24tok]" in names and "gemm_gate_up_swiglu_fused_adaptive[24tok]" in names
     assert "gemm_down_fused_adaptive_bf16tiles[40tok]" in names
-    assert {"down_then_combine_x8[1tok]", "down_combine_default_x8[1tok]", "down_combine_r8_kc64_x8[8tok]"} <= set(names)
+    assert {"down_then_combine_x8[1tok]", "down_combine_default_x8[1tok]",
+            "down_combine_r8_kc64_x8[8tok]"} <= set(names)
     for name, run_once, bytes_moved, flops in cases:
         run_once()
         assert bytes_moved > 0 and flops >= 0, name

@@ -1,8 +1,8 @@
 """A decode-sized MoE call replayed from its recorded launches (host cost).
 
 Every decode step calls each MoE block with the same shapes, so working out its launches (router, GEMV
-gate+up, GEMV down and combine, or both in one: geometry, params arrays, schedule constants) gives the same answer
-token after token. ``DecodePlan`` records them once, from the general path, and a later call only
+gate+up, GEMV down and combine or both in one: geometry, params arrays, schedule constants) gives the same
+answer token after token. ``DecodePlan`` records them once, from the general path, and a later call only
 gathers each launch's inputs and launches: the activations, outputs of the earlier launches, constants
 of the plan, and the weights, read from the block's modules at every call (so ``load_weights`` and
 ``update`` take effect). The caller keys plans by everything that shapes the launches (tokens, dtype,

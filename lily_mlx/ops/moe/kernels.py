@@ -1099,9 +1099,10 @@ def decode_block_from_norm(layer, x: mx.array, mixed: mx.array, backend: str, ne
     """A decoder layer's work after its mixer for a decode call, in four launches (switch
     ``fused_norm_router``): h = x + mixed, the post-attention norm and the router's logits in one
     (``residual_norm_router_logits``), then the gate/up GEMV (top-k inside), the down GEMV and the combine
-    with the residual h (one launch with ``fused_down_combine``: three in all). x, mixed [..., D] -> h + mlp(norm(h)) [..., D]; the caller checks
-    ``norm_router_reason`` and the switches (``layer.post_mixer``). ``next_norm`` (weight [D], eps): the combine
-    also computes the next layer's input norm of the output, and (out, n) is returned (switch ``fused_next_norm``)."""
+    with the residual h (one launch with ``fused_down_combine``: three in all). x, mixed [..., D] -> h +
+    mlp(norm(h)) [..., D]; the caller checks ``norm_router_reason`` and the switches (``layer.post_mixer``).
+    ``next_norm`` (weight [D], eps): the combine also computes the next layer's input norm of the output, and
+    (out, n) is returned (switch ``fused_next_norm``)."""
     h, normed, logits = residual_norm_router_logits(layer.mlp, layer.post_attention_layernorm, x, mixed, backend)
     out = _decode_block_topk_in_gemv(layer.mlp, normed, backend, residual2d=h, logits=logits, next_norm=next_norm)
     if next_norm is not None:

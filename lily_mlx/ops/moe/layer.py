@@ -126,9 +126,10 @@ def _norm_router_backend(self, x: mx.array, mixed: mx.array):
 def post_mixer(self, x: mx.array, mixed: mx.array, next_weight: Optional[mx.array] = None):
     """A decoder layer's work after its mixer: h = x + mixed, then h + mlp(post_attention_layernorm(h)).
     A decode call on the kernels takes three or four launches (``kernels.decode_block_from_norm``, switch
-    ``fused_norm_router``; three with ``fused_down_combine``), else ``residual_norm`` and the MoE block (stock's ops for a stock MLP).
-    ``next_weight`` (the next layer's input-norm weight, from ``_next_norm``): on that path the
-    combine also returns that norm of the output (then as its own launch after the down GEMV), and (out, n) is returned; elsewhere the output alone."""
+    ``fused_norm_router``; three with ``fused_down_combine``), else ``residual_norm`` and the MoE block (stock's
+    ops for a stock MLP). ``next_weight`` (the next layer's input-norm weight, from ``_next_norm``): on that path
+    the combine (then a launch of its own after the down GEMV) also returns that norm of the output, and (out, n)
+    is returned; elsewhere the output alone."""
     moe = type(self.mlp).__call__ is sparse_moe_forward
     if moe:
         backend = _norm_router_backend(self, x, mixed)
