@@ -1091,11 +1091,14 @@ y[long(slot) * D + o0 + int(tid)] = static_cast<T>(acc);
 // dividing I; the host fits NG double buffers in 32 KB), NBLK, NG. params: [I, D, E, Is, k, A, shared_chunks,
 // has_residual]. h [A + m N, I] T; blocks [A + m N, 4] int32; the down weights as moe_gemv_down's; scores [N, k] T;
 // gate [N] fp32 (read when m > 0); residual [N, D] T (read when has_residual). out [N, D] T.
-typedef MoeGemvShape<1, R, KC> Shape;
-threadgroup uint4 gemv_ws[NG * 2 * R * Shape::STRIDE];
-threadgroup float gemv_ss[NG * 2 * R * Shape::G];
-threadgroup float gemv_bs[NG * 2 * R * Shape::G];
-threadgroup float4 gemv_xs[NG * 2 * (KC / 4)];
+// Each group's two staging buffers (moe_gemv_staged), as moe_gemv_down declares them, one after another.
+constexpr int WS = 2 * R * (KC / 32 + 1);  // uint4, padded rows
+constexpr int SB = 2 * R * (KC / 64);      // floats
+constexpr int XS = 2 * (KC / 4);           // float4
+threadgroup uint4 gemv_ws[NG * WS];
+threadgroup float gemv_ss[NG * SB];
+threadgroup float gemv_bs[NG * SB];
+threadgroup float4 gemv_xs[NG * XS];
 const uint tid = thread_index_in_threadgroup;
 const int group = int(tid) / R;
 const uint r = tid % uint(R);
@@ -1127,8 +1130,7 @@ const device T* s = (shared ? scales_down_s : scales_down) + groups;
 const device T* b = (shared ? biases_down_s : biases_down) + groups;
 const float acc = moe_gemv_staged<1, R, KC, T>(
     w, w, shared ? Is / 8 : I / 8, s, s, b, b, shared ? Is / 64 : I / 64, h + long(slot) * I, I, r,
-    gemv_ws + group * 2 * R * Shape::STRIDE, gemv_ss + group * 2 * R * Shape::G, gemv_bs + group * 2 * R * Shape::G,
-    gemv_xs + group * 2 * (KC / 4), q4_exponent_unfolded(E));
+    gemv_ws + group * WS, gemv_ss + group * SB, gemv_bs + group * SB, gemv_xs + group * XS, q4_exponent_unfolded(E));
 // moe_gemv_staged ends on a barrier: every chain is done with the staging buffers, gemv_ss is free.
 if (group < NBLK) {
   gemv_ss[group * R + int(r)] = float(static_cast<T>(acc));  // y[slot, o0 + r] as moe_gemv_down stores it
