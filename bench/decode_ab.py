@@ -10,7 +10,9 @@ copy of that cache, pipelined as MLX-LM's ``generate_step`` does, ``--burst-step
 and the engines take turns burst by burst (the order reversed every other turn). Each burst gives a rate;
 each turn gives every engine's rate relative to the first engine's in the same turn, seconds apart. The
 table: median rate per engine and the median of the per-turn ratios (the figure to decide on), with the
-ratios' spread. Written to ``DIR/decode_ab.md`` / ``decode_ab.json`` with ``--out``.
+ratios' spread. Written to ``DIR/decode_ab.md`` / ``decode_ab.json`` with ``--out``. The host's speed at the start
+and the end of the run (``bench.host_speed``: microseconds to build 1,000 MLX ops) heads the table: the rates of
+two calls compare only with it.
 
 ``--drivers bursts,stream,generate-step,copy,e2e`` times each engine under several ways of driving the same decode,
 each a column of its own (``ENGINE@DRIVER``): ``bursts`` (the loop above, on the default stream), ``stream``
@@ -37,6 +39,7 @@ from lily_mlx.core import switches
 
 from .decode_profile import _prefill, clone_cache, pipelined_decode
 from .e2e import Engines, switches_off, validate_engine
+from .host_speed import graph_build_us
 
 
 DRIVERS = ("bursts", "stream", "generate-step", "copy", "e2e")
@@ -93,6 +96,7 @@ def run(model, engines: Sequence[str], context: int, bursts: int, burst_steps: i
         if driver not in DRIVERS:
             raise ValueError(f"unknown decode driver {driver!r}: one of {', '.join(DRIVERS)}")
     columns = [(_column(e, d, drivers), e, d) for e in engines for d in drivers]
+    host_start = graph_build_us()
     switcher = Engines(model)
     switcher.use("lily" if "lily" in engines else engines[0])
     y0, cache0 = _prefill(model, context, vocab, seed)
@@ -118,7 +122,8 @@ def run(model, engines: Sequence[str], context: int, bursts: int, burst_steps: i
         log(f"[decode-ab] turn {turn + 1}/{bursts}: " + ", ".join(f"{n} {turn_rates[n]:.1f}" for n in names)
             + " tok/s")
     switcher.use("stock")
-    return {"context": context, "bursts": bursts, "burst_steps": burst_steps, "drivers": list(drivers), "engines": {
+    return {"context": context, "bursts": bursts, "burst_steps": burst_steps, "drivers": list(drivers),
+            "host_build_us_per_1000_ops": [round(host_start, 1), round(graph_build_us(), 1)], "engines": {
         n: {"tok_s": statistics.median(rates[n]), "tok_s_bursts": rates[n],
             "ratio": statistics.median(ratios[n]), "ratio_range": [min(ratios[n]), max(ratios[n])]}
         for n in names}}
@@ -128,8 +133,12 @@ def table_markdown(result: Dict) -> str:
     engines = list(result["engines"])
     first = engines[0]
     lines = [f"Decode at context {result['context']}: {result['bursts']} turns of {result['burst_steps']} pipelined "
-             f"steps per engine, engines alternating burst by burst", "",
-             f"| engine | median tok/s | median ratio to {first} in the same turn | ratio range |", "|---|---|---|---|"]
+             f"steps per engine, engines alternating burst by burst"]
+    if "host_build_us_per_1000_ops" in result:
+        start, end = result["host_build_us_per_1000_ops"]
+        lines.append(f"(host: {start:.0f} / {end:.0f} us to build 1,000 MLX ops at the start / end of the run)")
+    lines += ["", f"| engine | median tok/s | median ratio to {first} in the same turn | ratio range |",
+              "|---|---|---|---|"]
     for e in engines:
         r = result["engines"][e]
         lines.append(f"| {e} | {r['tok_s']:.1f} | {r['ratio']:.3f} | {r['ratio_range'][0]:.3f} - "

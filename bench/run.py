@@ -52,6 +52,9 @@ def environment() -> dict:
             "python": platform.python_version(), "platform": platform.platform(),
             "default_device": str(mx.default_device()), "lily_backend": resolve_backend(),
             "command": " ".join(["python -m bench.run"] + sys.argv[1:])}
+    from .host_speed import graph_build_us
+
+    info["host_build_us_per_1000_ops"] = round(graph_build_us(), 1)  # this host's speed now (bench.host_speed)
     try:
         info["device"] = {k: (v if isinstance(v, (int, float, str)) else str(v)) for k, v in mx.device_info().items()}
     except Exception as e:  # older MLX or no GPU

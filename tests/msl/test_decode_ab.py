@@ -69,5 +69,7 @@ def test_decode_ab_drivers_each_get_a_column_and_advance_their_cache(monkeypatch
     for r in result["engines"].values():
         assert len(r["tok_s_bursts"]) == 2 and min(r["tok_s_bursts"]) > 0
     assert "| stock@generate-step |" in decode_ab.table_markdown(result)
+    start, end = result["host_build_us_per_1000_ops"]  # the host's speed at the start and the end of the run
+    assert start > 0 and end > 0 and f"(host: {start:.0f} / {end:.0f} us" in decode_ab.table_markdown(result)
     with pytest.raises(ValueError, match="unknown decode driver"):
         decode_ab.run(model, ["lily"], context=8, bursts=1, burst_steps=1, vocab=vocab, drivers=("eager",))
