@@ -14,6 +14,7 @@ import argparse
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Dict
 from unittest import mock
 
@@ -100,24 +101,40 @@ def mlx_lm_gdn_units() -> Dict[str, str]:
     return units
 
 
+def _cuda_unit(spec, inputs, output_dtypes, template) -> str:
+    """The CUDA translation unit MLX would compile for kernel ``spec`` (a KernelSpec) launched with these inputs,
+    output dtypes and template, through the bridge."""
+    from lily_mlx.core.kernel_registry import kernel_source
+    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
+
+    header, body = kernel_source(spec)
+    kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
+    return wrap_like_mlx(kernel, inputs, output_dtypes, template=template)[1]
+
+
+@contextmanager
+def _captured_launches(module):
+    """``module._kernel`` replaced for the block: every launch is recorded as (dispatch-table name, its keyword
+    arguments) in the yielded list and returns zeros of its output shapes, nothing runs."""
+    calls = []
+
+    def kernel(name, backend=None):
+        def launch(**kw):
+            calls.append((name, kw))
+            return [mx.zeros(tuple(s), d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+        return launch
+
+    with mock.patch.object(module, "_kernel", kernel):
+        yield calls
+
+
 def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
     """The grouped GEMMs (gate+up+SwiGLU, down) at Qwen3.6's widths, for each activation dtype with fp32
     tile operands and with operands of that dtype, and their register-tiled forms (switch register_tiles; 128, 64
     and 256 threads)."""
-    from lily_mlx.core.kernel_registry import kernel_source
-    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
     from lily_mlx.ops.moe import kernels as mk
 
     from .moe_testing import make_routing, make_sparse_moe_block
-
-    calls = {}
-
-    def capture(name, backend=None):
-        def launch(*, inputs, template, output_shapes, output_dtypes, **kw):
-            t = dict(template)
-            calls[(name, t["T"], t.get("MT"), t.get("NT"))] = (inputs, template, output_dtypes)
-            return [mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]
-        return launch
 
     block = make_sparse_moe_block(hidden=2048, expert_width=512, num_experts=8, top_k=2, seed=1)
     sw = block.switch_mlp
@@ -126,7 +143,7 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
     sched = {"counts": mx.array(counts.astype(np.int32)),
              "sorted_rows": mx.array(np.argsort(flat, kind="stable").astype(np.int32)),
              "blocks": mx.array(mk.host_block_map(counts, True))}
-    with mock.patch.object(mk, "_kernel", capture):
+    with _captured_launches(mk) as calls:
         for dtype in dtypes:
             x = mx.zeros((40, 2048), dtype)
             for tile, tiles in ((None, "simdgroup"), (dtype, "simdgroup"), (None, "register"), (None, "register64"),
@@ -136,12 +153,10 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
                 mk.gemm_down(h, sched["blocks"], sw.down_proj, True, sched["counts"], "cuda", tile_dtype=tile,
                              tiles=tiles)
     units = {}
-    for (name, dtype, mt, nt), (inputs, template, output_dtypes) in calls.items():
-        spec = mk.KERNELS[name]
-        header, body = kernel_source(spec)
-        kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
-        units[f"{spec.name}[T={dtype}, MT={mt}" + (f", NT={nt}]" if nt else "]")] = wrap_like_mlx(
-            kernel, inputs, output_dtypes, template=template)[1]
+    for name, kw in calls:
+        t = dict(kw["template"])
+        key = f"{mk.KERNELS[name].name}[T={t['T']}, MT={t.get('MT')}" + (f", NT={t['NT']}]" if t.get("NT") else "]")
+        units[key] = _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], kw["template"])
     return units
 
 
@@ -149,35 +164,22 @@ def down_combine_unit(blocks_per_token: int = 9, width: int = 2048, expert_width
     """(CUDA translation unit, threads per threadgroup) of ``moe_gemv_down_combine`` in bf16 as a decode call
     launches it, with the template (``down_combine_geometry``) of Qwen3.6's shape (8 experts + 1 shared chunk,
     hidden 2048, expert width 512); the inputs' shapes do not enter the translation, a small block's stand in."""
-    from lily_mlx.core.kernel_registry import kernel_source
-    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
     from lily_mlx.ops.moe import kernels as mk
 
     from .moe_testing import make_sparse_moe_block
-
-    calls = {}
-
-    def capture(name, backend=None):
-        def launch(*, inputs, template, threadgroup, output_shapes, output_dtypes, **kw):
-            calls[name] = (inputs, output_dtypes)
-            return [mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]
-        return launch
 
     k = blocks_per_token - 1
     geometry = mk.down_combine_geometry(blocks_per_token, width, expert_width)
     block = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=16, top_k=k, shared_width=64, seed=1)
     block.set_dtype(mx.bfloat16)
-    with mock.patch.object(mk, "_kernel", capture):
+    with _captured_launches(mk) as calls:
         mk.gemv_down_combine(mx.zeros((blocks_per_token, 64), mx.bfloat16), mx.zeros((blocks_per_token, 4), mx.int32),
                              block.switch_mlp.down_proj, block.shared_expert, mx.zeros((1, k), mx.bfloat16),
                              mx.zeros((1,), mx.float32), mx.zeros((1, 128), mx.bfloat16), geometry, "cuda")
-    inputs, output_dtypes = calls["gemv_down_combine"]
-    spec = mk.KERNELS["gemv_down_combine"]
-    header, body = kernel_source(spec)
-    kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
+    (name, kw), = calls
     rows, chunk, groups = geometry
     template = [("T", mx.bfloat16), ("R", rows), ("KC", chunk), ("NBLK", blocks_per_token), ("NG", groups)]
-    return wrap_like_mlx(kernel, inputs, output_dtypes, template=template)[1], rows * groups
+    return _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], template), rows * groups
 
 
 def router_units(shapes=((256, 8, 8, 2048), (1024, 32, 8, 4096), (16, 4, 4, 64))) -> Dict[str, tuple]:
@@ -186,27 +188,17 @@ def router_units(shapes=((256, 8, 8, 2048), (1024, 32, 8, 4096), (16, 4, 4, 64))
     top-k, bits, hidden) shapes, bf16, as ``route_tokens``, ``router_logits`` and ``residual_norm_router_logits``
     launch them."""
     from lily_mlx.core import switches
-    from lily_mlx.core.kernel_registry import kernel_source
-    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
     from lily_mlx.ops.moe import kernels as mk
 
     from .moe_testing import make_sparse_moe_block
 
     units = {}
     for experts, top_k, bits, hidden in shapes:
-        calls = {}
-
-        def capture(name, backend=None):
-            def launch(*, inputs, template, threadgroup, output_shapes, output_dtypes, **kw):
-                calls[name] = (inputs, template, threadgroup, output_dtypes)
-                return [mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes)]
-            return launch
-
         block = make_sparse_moe_block(hidden=hidden, expert_width=64, num_experts=experts, top_k=top_k, seed=1)
         if bits != 8:  # the block comes with an 8-bit router
             _requantize_router(block, bits)
         x = mx.zeros((1, hidden), mx.bfloat16)
-        with mock.patch.object(mk, "_kernel", capture):
+        with _captured_launches(mk) as calls:
             for split in (True, False):
                 with switches.overrides(**({} if split else {"disable": ["split_router"]})):
                     mk.route_tokens(block, x, True, "cuda")
@@ -214,32 +206,26 @@ def router_units(shapes=((256, 8, 8, 2048), (1024, 32, 8, 4096), (16, 4, 4, 64))
             norm = nn.RMSNorm(hidden)
             norm.weight = norm.weight.astype(mx.bfloat16)
             mk.residual_norm_router_logits(block, norm, x, x, "cuda")
-        for name, (inputs, template, threadgroup, output_dtypes) in calls.items():
+        for name, kw in calls:
             spec = mk.KERNELS[name]
-            header, body = kernel_source(spec)
-            kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
-            unit = wrap_like_mlx(kernel, inputs, output_dtypes, template=template)[1]
-            units[f"{spec.name}[E={experts}, k={top_k}, bits={bits}, D={hidden}]"] = (unit, threadgroup[0])
+            unit = _cuda_unit(spec, kw["inputs"], kw["output_dtypes"], kw["template"])
+            units[f"{spec.name}[E={experts}, k={top_k}, bits={bits}, D={hidden}]"] = (unit, kw["threadgroup"][0])
     return units
 
 
 def linear_gemv_units(rows=(1, 2, 4, 8), k: int = 2048, n: int = 4096, group_size: int = 64) -> Dict[str, tuple]:
     """{name: (CUDA translation unit, threads per threadgroup)} of the dense row GEMV
     (``linear_gemv_q4``) for calls of ``rows`` rows of x, bf16, as ``gemv_q4`` launches them."""
-    from lily_mlx.core.kernel_registry import kernel_source
-    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
     from lily_mlx.ops.linear import kernels as lk
 
     spec = lk.KERNELS["gemv_q4"]
-    header, body = kernel_source(spec)
-    kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
     wq, scales, biases = mx.quantize(mx.zeros((n, k), mx.bfloat16), group_size=group_size, bits=4, stream=mx.cpu)
     units = {}
     for m in rows:
         x = mx.zeros((m, k), mx.bfloat16)
         inputs = [x, wq, scales, biases, spec.pack(K=k, N=n, B=m)]
         template = [("T", mx.bfloat16), ("M", min(m, lk.MAX_ROWS_PER_LAUNCH)), ("GS", group_size)]
-        unit = wrap_like_mlx(kernel, inputs, [mx.bfloat16], template=template)[1]
+        unit = _cuda_unit(spec, inputs, [mx.bfloat16], template)
         units[f"{spec.name}[M={m}, K={k}, GS={group_size}]"] = (unit, lk.SIMDGROUPS * 32)
     return units
 
