@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -79,8 +80,10 @@ def nvrtc_library() -> Optional[str]:
     return ctypes.util.find_library("nvrtc")
 
 
-def compile_nvrtc(text: str, arch: str = "sm_90a", include_dir: Optional[str] = None) -> Tuple[bool, str]:
-    """Compile with NVRTC, as MLX does at run time (C++17, the given architecture)."""
+@contextmanager
+def _nvrtc_program(text: str, arch: str, include_dir: Optional[str] = None):
+    """(the NVRTC library, a program of ``text`` compiled for ``arch``, NVRTC's status) for the block, as MLX
+    compiles at run time (C++17); the program is destroyed after."""
     import ctypes
 
     lib = ctypes.CDLL(nvrtc_library())
@@ -89,38 +92,39 @@ def compile_nvrtc(text: str, arch: str = "sm_90a", include_dir: Optional[str] = 
         opts = ["--std=c++17", f"-arch={arch}", f"-I{inc}"] + [f"-I{d}" for d in cuda_include_dirs()]
         prog = ctypes.c_void_p()
         if lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), b"kernel.cu", 0, None, None) != 0:
-            return False, "nvrtcCreateProgram failed"
+            raise RuntimeError("nvrtcCreateProgram failed")
         try:
-            arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-            rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            buf = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, buf)
-            return rc == 0, buf.value.decode(errors="replace")
+            rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts]))
+            yield lib, prog, rc
         finally:
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _nvrtc_text(lib, prog, what: str) -> str:
+    """The program's log (``what`` = "ProgramLog") or PTX ("PTX") as text."""
+    import ctypes
+
+    size = ctypes.c_size_t()
+    getattr(lib, f"nvrtcGet{what}Size")(prog, ctypes.byref(size))
+    buf = ctypes.create_string_buffer(size.value)
+    getattr(lib, f"nvrtcGet{what}")(prog, buf)
+    return buf.value.decode(errors="replace")
+
+
+def compile_nvrtc(text: str, arch: str = "sm_90a", include_dir: Optional[str] = None) -> Tuple[bool, str]:
+    """Compile with NVRTC, as MLX does at run time (C++17, the given architecture)."""
+    try:
+        with _nvrtc_program(text, arch, include_dir) as (lib, prog, rc):
+            return rc == 0, _nvrtc_text(lib, prog, "ProgramLog")
+    except RuntimeError as e:
+        return False, str(e)
 
 
 def ptx_nvrtc(text: str, arch: str = "compute_90a") -> str:
     """PTX of one translation unit from NVRTC (for counting instructions); AssertionError if it does not compile."""
-    import ctypes
-
-    lib = ctypes.CDLL(nvrtc_library())
-    with tempfile.TemporaryDirectory() as tmp:
-        opts = ["--std=c++17", f"-arch={arch}", f"-I{_standin_dir(Path(tmp))}"]
-        opts += [f"-I{d}" for d in cuda_include_dirs()]
-        prog, size = ctypes.c_void_p(), ctypes.c_size_t()
-        assert lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), b"k.cu", 0, None, None) == 0
-        try:
-            rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts]))
-            assert rc == 0, "NVRTC failed"
-            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-            buf = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetPTX(prog, buf)
-            return buf.value.decode()
-        finally:
-            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    with _nvrtc_program(text, arch) as (lib, prog, rc):
+        assert rc == 0, "NVRTC failed: " + _nvrtc_text(lib, prog, "ProgramLog")[-2000:]
+        return _nvrtc_text(lib, prog, "PTX")
 
 
 def compiler_available() -> Optional[str]:

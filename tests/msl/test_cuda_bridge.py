@@ -21,7 +21,7 @@ from lily_mlx.core.kernel_registry import kernels_dir, load_kernel_file
 from lily_dev import resource_usage
 from lily_mlx.msl.cuda import UnbridgeableError, metal_kernel, translate, wrap_like_mlx
 from lily_mlx.msl.cuda.kernel import prelude
-from lily_dev.compile_check import compile_cuda, compiler_available, record_model_translations
+from lily_dev.compile_check import compile_cuda, compiler_available, ptx_nvrtc, record_model_translations
 
 needs_nvcc = pytest.mark.skipif(compiler_available() is None, reason="no CUDA compiler (NVRTC or nvcc) installed")
 REPO = Path(__file__).resolve().parents[2]
@@ -175,13 +175,6 @@ def test_an_invalid_simdgroup_matrix_layout_setting_is_an_error(monkeypatch, val
         k.cuda_header()
 
 
-def _ptx(text: str) -> str:
-    """PTX of one translation unit, from NVRTC (for counting instructions)."""
-    from lily_dev.compile_check import ptx_nvrtc
-
-    return ptx_nvrtc(text)
-
-
 @pytest.mark.skipif(compiler_available() != "nvrtc", reason="needs NVRTC (pip install nvidia-cuda-nvrtc)")
 @pytest.mark.parametrize("dtype, layout, mma, shuffles", [
     (mx.bfloat16, "auto", "1", 2),     # tensor cores, mma layout: B's fragment only
@@ -196,7 +189,7 @@ def test_shuffles_per_simdgroup_matrix_product(monkeypatch, dtype, layout, mma, 
     monkeypatch.setenv("LILY_CUDA_SGM_LAYOUT", layout)
     monkeypatch.setenv("LILY_CUDA_MMA", mma)
     k = metal_kernel("k", ["x"], ["y"], SGM_PRODUCT)
-    text = _ptx(wrap_like_mlx(k, [mx.zeros((64,), dtype)], [mx.float32], [("T", dtype)])[1])
+    text = ptx_nvrtc(wrap_like_mlx(k, [mx.zeros((64,), dtype)], [mx.float32], [("T", dtype)])[1])
     assert text.count("shfl.sync") == shuffles
     assert text.count("mma.sync") == (1 if mma == "1" and dtype != mx.float32 else 0)
 
