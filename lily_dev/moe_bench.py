@@ -315,11 +315,9 @@ def _down_combine_cases(sw, backend: str, calls, tokens: int, down_bytes: int, d
     default = mk.down_combine_geometry(TOP_K + 1, HIDDEN, EXPERT_WIDTH)
     layouts = [("default", default)] if default is not None else []
     for rows, chunk in DOWN_COMBINE_VARIANTS:
-        groups = -(-(TOP_K + 1) * rows // 32) * 32 // rows
-        fits = (HIDDEN % rows == 0 and EXPERT_WIDTH % chunk == 0
-                and groups * mk.gemv_stage_bytes(1, rows, chunk) <= mk.GEMV_THREADGROUP_BYTES)
-        if fits and (rows, chunk, groups) != default:
-            layouts.append((f"r{rows}_kc{chunk}", (rows, chunk, groups)))
+        geometry = mk.down_combine_geometry(TOP_K + 1, HIDDEN, EXPERT_WIDTH, rows, (chunk,))
+        if geometry is not None and geometry != default:
+            layouts.append((f"r{rows}_kc{chunk}", geometry))
     for label, geometry in layouts:
         cases.append((f"down_combine_{label}_x{REPEATS}{t}", _cycling(fused(geometry), calls, REPEATS),
                       REPEATS * nbytes, REPEATS * down_flops))

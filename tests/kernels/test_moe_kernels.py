@@ -1512,7 +1512,7 @@ def test_down_gemv_with_the_combine_has_the_bits_of_the_two_kernels(tokens, expe
     sw, k = block.switch_mlp, experts_topk[1]
     geometry = mk.down_combine_geometry(k + shared, 128, expert_width)
     if rows is not None:  # R = 8: 4 groups a simdgroup, the blocks rounded up to whole simdgroups
-        geometry = (rows, 64, -(-(k + shared) * rows // 32) * 32 // rows)
+        geometry = mk.down_combine_geometry(k + shared, 128, expert_width, rows, (64,))
     out = mk.gemv_down_combine(h, blocks, sw.down_proj, block.shared_expert, scores, gate, res, geometry,
                                KERNEL_BACKEND, init_value=float("nan"))
     y = mk.gemm_down(h, blocks, sw.down_proj, True, None, KERNEL_BACKEND, shared=block.shared_expert, gemv=True)

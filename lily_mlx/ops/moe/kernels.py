@@ -352,17 +352,17 @@ DOWN_COMBINE_ROWS = 16
 
 
 @lru_cache(maxsize=None)
-def down_combine_geometry(blocks_per_token: int, width: int, k: int) -> Optional[tuple]:
+def down_combine_geometry(blocks_per_token: int, width: int, k: int, rows: int = DOWN_COMBINE_ROWS,
+                          chunks: tuple = (256, 128, 64)) -> Optional[tuple]:
     """(R, KC, NG) of ``moe_gemv_down_combine`` for a token's ``blocks_per_token`` down GEMVs (k routed + m
-    shared chunks) of output width ``width`` and reduction length ``k``: R = DOWN_COMBINE_ROWS columns a
-    threadgroup, NG groups of R threads (the blocks, rounded up to whole simdgroups), KC the largest of 256, 128,
-    64 dividing k whose double-buffered staging, once per group, fits 32 KB; None where nothing fits or R does
-    not divide the width."""
-    rows = DOWN_COMBINE_ROWS
+    shared chunks) of output width ``width`` and reduction length ``k``: R = ``rows`` columns a threadgroup
+    (benchmarks and tests try others), NG groups of R threads (the blocks, rounded up to whole simdgroups), KC
+    the first of ``chunks`` dividing k whose double-buffered staging, once per group, fits 32 KB; None where
+    nothing fits or R does not divide the width."""
     groups = -(-blocks_per_token * rows // 32) * 32 // rows
     if width % rows or groups * rows > 1024:
         return None
-    for kc in (256, 128, 64):
+    for kc in chunks:
         if k % kc == 0 and groups * gemv_stage_bytes(1, rows, kc) <= GEMV_THREADGROUP_BYTES:
             return rows, kc, groups
     return None
