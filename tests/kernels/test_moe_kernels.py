@@ -1568,3 +1568,29 @@ def test_down_gemv_with_the_combine_compiles_and_fits_on_the_h200():
     assert 0 < u["registers"] * threads <= resource_usage.REGISTERS_PER_SM, u
     assert u["spill_stores"] == 0 and u["spill_loads"] == 0 and u["stack"] == 0, u
     assert u["smem"] == 10 * mk.gemv_stage_bytes(1, 16, 64) == 23040, u
+
+
+@needs_sim
+def test_down_gemv_with_the_combine_falls_back_to_the_two_kernels_where_it_does_not_fit(gemm_sim, monkeypatch, caplog):
+    """A shape whose down GEMVs do not fit one threadgroup (down_combine_geometry None) runs the down GEMV and the
+    combine as two kernels, with a log line, and gets the fused kernel's bits (they are the two kernels')."""
+    from lily_mlx.ops.moe import sparse_moe_forward
+
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    monkeypatch.setitem(switches._state, "compiled_decode", False)
+    block = make_sparse_moe_block(num_experts=16, top_k=4, seed=9, shared_width=128)
+    x = make_inputs(1, 1, 128, seed=3)
+    with record_launches() as fused:
+        want = sparse_moe_forward(block, x)
+        mx.eval(want)
+    assert "moe_gemv_down_combine" in fused.counts()
+    block.__dict__.pop("_lily_decode_plans", None)
+    reset_log_once()
+    monkeypatch.setattr(mk, "down_combine_geometry", lambda *a, **kw: None)
+    with caplog.at_level(logging.INFO), record_launches() as apart:
+        got = sparse_moe_forward(block, x)
+        mx.eval(got)
+    assert {"moe_gemv_down", "moe_combine_weighted_rows"} <= set(apart.counts())
+    assert "moe_gemv_down_combine" not in apart.counts()
+    assert "do not fit one threadgroup" in caplog.text
+    assert mx.array_equal(got, want).item()
