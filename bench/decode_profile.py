@@ -235,11 +235,16 @@ def _trace_call_costs(model, engine: str, context: int, steps: int, vocab: int, 
         spent.setdefault(kind, []).append(time.perf_counter() - t0)
         return out
 
+    nodes: Dict[str, int] = {}
+
     def timed_replay(layer, *args):
         t0 = time.perf_counter()
         out = inner_replay(layer, *args)
         kind = f"replay:{'linear' if getattr(layer, 'is_linear', False) else 'attention'} layer"
         spent.setdefault(kind, []).append(time.perf_counter() - t0)
+        if out is not None and kind not in nodes:  # once per kind: the graph nodes the call added
+            nodes[kind] = (sum(count_primitives(out).values())
+                           - sum(count_primitives(args[0]).values()))
         return out
 
     Engines(model).use(engine)
@@ -261,12 +266,14 @@ def _trace_call_costs(model, engine: str, context: int, steps: int, vocab: int, 
     build_ms = 1e3 * statistics.median(builds)
     lines = [f"build of one decode step at context {context}, engine {engine}, without the profiler: "
              f"{build_ms:.2f} ms (median of {steps})", "",
-             "| piece (owner:kind) | calls/step | median us/call | ms/step |", "|---|---|---|---|"]
+             "| piece (owner:kind) | calls/step | median us/call | ms/step | graph nodes/call (views too) |",
+             "|---|---|---|---|---|"]
     in_traces = 0.0
     for kind, times in sorted(spent.items(), key=lambda kv: -sum(kv[1])):
         per_step = 1e3 * sum(times) / steps
         in_traces += per_step
-        lines.append(f"| {kind} | {len(times) / steps:.0f} | {1e6 * statistics.median(times):.1f} | {per_step:.2f} |")
+        lines.append(f"| {kind} | {len(times) / steps:.0f} | {1e6 * statistics.median(times):.1f} | {per_step:.2f} "
+                     f"| {nodes.get(kind, '')} |")
     lines.append(f"\ninside trace calls and replays {in_traces:.2f} ms/step, the rest of the build "
                  f"{build_ms - in_traces:.2f} ms/step\n\n")
     return "\n".join(lines)

@@ -18,6 +18,10 @@
 #                                               # e2e harness's decode side by side; e2e with 256 decode tokens
 #   PART=8 bash bench/device_decode_checks.sh   # fused_down_combine (the down GEMVs and the combine in one
 #                                               # kernel): step GPU time on/off, decode A/B, CUDA tests
+#   PART=9 bash bench/device_decode_checks.sh   # the fused kernel's GPU time on/off, then where a decode step's
+#                                               # build goes on this host: one mx.compile trace call by captured
+#                                               # arrays and ops (bench.host_speed --traces) against lily's layer
+#                                               # replays (their us and graph nodes a call)
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -102,6 +106,18 @@ case "${PART:-1}" in
       -o addopts= tests/kernels/test_moe_kernels.py -k "down_combine or down_gemv_with or small_calls or residual_equals"
     grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -3
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7 or 8" >&2; exit 2 ;;
+  9)  # the shipped fused kernel's GPU time (item 1 of the seventeenth session's list), then the build's cost
+      # model on this host: is a layer replay's time its trace call's fixed cost, its captured weights or its nodes?
+    run step_gpu_time 200 python -m bench.step_gpu_time --compare lily,lily-off:fused_down_combine --out "$W/sgt_dc"
+    head -40 "$W/sgt_dc/step_gpu_time.md" 2>/dev/null
+    rm -f "$W"/sgt_dc/*.csv
+    run host_traces 60 python -m bench.host_speed --traces
+    cat "$W/host_traces.txt" 2>/dev/null
+    run host_profile 240 python -m bench.run --mode decode-profile --size full --context 4096 --rounds 1 \
+      --profile-steps 12 --engines lily --host-profile lily --out "$W/hprof"
+    head -12 "$W/hprof/decode_profile.md" 2>/dev/null
+    ls "$W/hprof"
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8 or 9" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"

@@ -7,6 +7,8 @@ next). A decode rate from one call is comparable with another call's only togeth
 compared within one call need none.
 
     python -m bench.host_speed            # prints microseconds to build 1,000 MLX ops
+    python -m bench.host_speed --traces   # and what one call of an ``mx.compile`` trace costs here, by the
+                                          # arrays it captures (its owner's weights) and the ops it replays
 
 ``bench.run`` records it in every results file's ``environment`` and ``bench.decode_ab`` at the start and the
 end of its run.
@@ -38,8 +40,58 @@ def graph_build_us(ops: int = BUILD_OPS, repeats: int = 9) -> float:
     return statistics.median(times) * 1e6 * 1000 / ops
 
 
-def main() -> int:
+def trace_call_us(arrays: int, ops: int, calls: int = 2000) -> float:
+    """Median-of-3 microseconds for one call of an ``mx.compile`` trace of ``ops`` element-wise ops whose
+    owner module holds ``arrays`` weight arrays (``inputs=owner``, as lily's decode traces are made): MLX
+    flattening the owner's weights, matching the trace and rebuilding its graph, nothing evaluated. A decoder
+    layer's trace captures ~45 arrays; what a call costs beyond this grid's prediction is the trace's own."""
+    import mlx.nn as nn
+
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights = [mx.ones((4,)) for _ in range(arrays)]
+
+    owner = Owner()
+
+    def fn(x):
+        for i in range(ops // 2):
+            x = x * 1.0001 + (owner.weights[i % arrays] if arrays else 1.0)
+        return x
+
+    traced = mx.compile(fn, inputs=owner) if arrays else mx.compile(fn)
+    x = mx.ones((4,))
+    mx.eval(x)
+    for _ in range(50):
+        traced(x)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            traced(x)
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times) * 1e6
+
+
+def trace_cost_table(arrays=(0, 45, 200), ops=(2, 32, 128)) -> str:
+    lines = ["| captured arrays | " + " | ".join(f"{n} ops: us/call" for n in ops) + " |",
+             "|---|" + "---|" * len(ops)]
+    for a in arrays:
+        lines.append(f"| {a} | " + " | ".join(f"{trace_call_us(a, n):.1f}" for n in ops) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bench.host_speed", description=__doc__.split("\n")[0])
+    parser.add_argument("--traces", action="store_true",
+                        help="also time one call of an mx.compile trace by captured arrays and replayed ops")
+    args = parser.parse_args(argv)
     print(f"{graph_build_us():.0f} us to build {BUILD_OPS:,} MLX ops (median of 9)")
+    if args.traces:
+        print(f"\none call of an mx.compile trace on {mx.default_device()}:\n")
+        print(trace_cost_table())
     return 0
 
 

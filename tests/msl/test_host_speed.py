@@ -10,3 +10,10 @@ def test_graph_build_speed_is_measured_and_recorded_in_the_environment():
     us = host_speed.graph_build_us(ops=200, repeats=3)
     assert 0 < us < 1e6
     assert environment()["host_build_us_per_1000_ops"] > 0
+
+
+def test_trace_call_cost_grid_is_measured():
+    """A trace call's cost is positive and grows with the arrays its owner captures (200 vs none)."""
+    assert 0 < host_speed.trace_call_us(0, 2, calls=200) < host_speed.trace_call_us(200, 2, calls=200)
+    table = host_speed.trace_cost_table(arrays=(0, 3), ops=(2,))
+    assert table.count("\n") == 3 and "captured arrays" in table
