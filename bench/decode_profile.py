@@ -27,6 +27,7 @@ import time
 from typing import Dict, List, Sequence
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from lily_mlx.core import switches
 from lily_mlx.core.kernel_registry import record_launches
@@ -260,6 +261,8 @@ def _trace_call_costs(model, engine: str, context: int, steps: int, vocab: int, 
                 builds.append(time.perf_counter() - t0)
                 mx.eval(nxt)
                 y = nxt
+            compiled.call, moe_layer._replayed = inner, inner_replay
+            anatomy = _replay_anatomy(model, cache)
     finally:
         compiled.call, moe_layer._replayed = inner, inner_replay
         Engines(model).use("stock")
@@ -275,7 +278,70 @@ def _trace_call_costs(model, engine: str, context: int, steps: int, vocab: int, 
         lines.append(f"| {kind} | {len(times) / steps:.0f} | {1e6 * statistics.median(times):.1f} | {per_step:.2f} "
                      f"| {nodes.get(kind, '')} |")
     lines.append(f"\ninside trace calls and replays {in_traces:.2f} ms/step, the rest of the build "
-                 f"{build_ms - in_traces:.2f} ms/step\n\n")
+                 f"{build_ms - in_traces:.2f} ms/step\n")
+    return "\n".join(lines + [anatomy, "\n"])
+
+
+def _timed_us(fn, calls: int) -> float:
+    for _ in range(20):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _replay_anatomy(model, cache, calls: int = 400) -> str:
+    """What one layer replay's host time is made of (the first DeltaNet decoder layer that has one): the replay
+    as a decode step calls it, its trace called alone (outputs dropped at once, or kept so that nothing is freed
+    while timing), a trivial trace with the same owner (MLX flattening the layer's weights) and without one,
+    and the graph nodes one call adds (all outputs, views too). The layer's cache is put back before every call,
+    so every call sees the same inputs and no graph grows from call to call."""
+    from lily_mlx.ops.moe import layer as moe_layer
+
+    found = [(i, layer) for i, layer in enumerate(model.layers)
+             if getattr(layer, "is_linear", False) and moe_layer._REPLAY in layer.__dict__]
+    if not found:
+        return "(no DeltaNet layer replay to dissect)"
+    i, layer = found[0]
+    _, replay = layer.__dict__[moe_layer._REPLAY]
+    env = dict(zip(replay.__code__.co_freevars, (c.cell_contents for c in replay.__closure__ or ())))
+    traced, weights = env.get("traced"), env.get("weights", ())
+    c = cache[i]
+    states = (c[0], c[1])
+    weight = layer.input_layernorm.weight
+    x = mx.zeros((1, 1, weight.shape[-1]), dtype=weight.dtype)
+    mx.eval(x)
+
+    def restore():
+        c[0], c[1] = states
+
+    def full():
+        restore()
+        return replay(x, None, c, (), ())
+
+    if full() is None:
+        return "(the replay does not take a maskless one-row call)"
+    kept = []
+    rows = [("the replay, as a decode step calls it", _timed_us(full, calls))]
+    if traced is not None:
+        rows.append(("its trace called alone, outputs dropped", _timed_us(lambda: traced(x, *states, *weights), calls)))
+        rows.append(("its trace called alone, outputs kept",
+                     _timed_us(lambda: kept.append(traced(x, *states, *weights)), calls)))
+        kept.clear()
+        nodes = sum(count_primitives(traced(x, *states, *weights)).values()) - sum(
+            count_primitives([x, *states, *weights]).values())
+    else:
+        nodes = None
+    trivial_owned = mx.compile(lambda a: a + 1, inputs=layer)
+    trivial = mx.compile(lambda a: a + 1)
+    rows.append(("a trivial trace owned by the layer", _timed_us(lambda: trivial_owned(x), calls)))
+    rows.append(("a trivial trace without an owner", _timed_us(lambda: trivial(x), calls)))
+    restore()
+    lines = [f"\nanatomy of decoder layer {i}'s replay (DeltaNet; {len(tree_flatten(layer.parameters()))} weight "
+             f"arrays; its trace adds {nodes} graph nodes a call, views too), median of {calls} calls:", "",
+             "| call | us |", "|---|---|"]
+    lines += [f"| {name} | {us:.1f} |" for name, us in rows]
     return "\n".join(lines)
 
 
