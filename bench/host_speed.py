@@ -81,6 +81,73 @@ def trace_cost_table(arrays=(0, 45, 200), ops=(2, 32, 128)) -> str:
     return "\n".join(lines)
 
 
+def _node_chain(kind: str):
+    """(x, one node of ``kind`` applied to x) for the node-kind table, or None where this device has no such
+    node (a custom kernel needs Metal or CUDA)."""
+    if kind == "matmul":
+        x = mx.ones((1, 64), dtype=mx.bfloat16)
+        w = mx.ones((64, 64), dtype=mx.bfloat16)
+        return x, lambda a: a @ w
+    if kind == "reshape (view)":
+        x = mx.ones((1, 64), dtype=mx.bfloat16)
+        return x, lambda a: a.reshape(64, 1) if a.shape == (1, 64) else a.reshape(1, 64)
+    if kind == "rms_norm":
+        x = mx.ones((1, 64), dtype=mx.bfloat16)
+        w = mx.ones((64,), dtype=mx.bfloat16)
+        return x, lambda a: mx.fast.rms_norm(a, w, 1e-6)
+    if kind == "custom kernel":
+        if mx.default_device().type != mx.gpu:
+            return None
+        from .launch_cost import raw_kernel
+
+        kernel = raw_kernel("")
+        x = mx.ones((4,), dtype=mx.float32)
+        return x, lambda a: kernel(inputs=[a], output_shapes=[(4,)], output_dtypes=[mx.float32], grid=(32, 1, 1),
+                                   threadgroup=(32, 1, 1))[0]
+    raise ValueError(kind)
+
+
+def node_kind_us(kind: str, nodes: int = 16, calls: int = 1000):
+    """(us per node kept, us per node dropped) for a trace of ``nodes`` nodes of one kind, no owner, the
+    fixed cost of a trivial trace taken off; None where the device has no such node."""
+    made = _node_chain(kind)
+    if made is None:
+        return None
+    x, one = made
+
+    def chain(a):
+        for _ in range(nodes):
+            a = one(a)
+        return a
+
+    traced, trivial = mx.compile(chain), mx.compile(lambda a: a + 1)
+    mx.eval(x)
+    kept = []
+
+    def timed(fn):
+        for _ in range(20):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) / calls * 1e6
+
+    base = timed(lambda: trivial(x))
+    keep = timed(lambda: kept.append(traced(x)))
+    kept.clear()
+    drop = timed(lambda: traced(x))
+    return (keep - base) / nodes, (drop - base) / nodes
+
+
+def node_kind_table(kinds=("matmul", "rms_norm", "reshape (view)", "custom kernel")) -> str:
+    lines = ["| node kind (16 in one trace) | us per node, outputs kept | us per node, outputs dropped |",
+             "|---|---|---|"]
+    for kind in kinds:
+        got = node_kind_us(kind)
+        lines.append(f"| {kind} | " + ("n/a | n/a" if got is None else f"{got[0]:.2f} | {got[1]:.2f}") + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -92,6 +159,8 @@ def main(argv=None) -> int:
     if args.traces:
         print(f"\none call of an mx.compile trace on {mx.default_device()}:\n")
         print(trace_cost_table())
+        print(f"\nreplaying a trace's nodes, by kind (each a separate op that the trace cannot fuse):\n")
+        print(node_kind_table())
     return 0
 
 

@@ -17,3 +17,10 @@ def test_trace_call_cost_grid_is_measured():
     assert 0 < host_speed.trace_call_us(0, 2, calls=200) < host_speed.trace_call_us(200, 2, calls=200)
     table = host_speed.trace_cost_table(arrays=(0, 3), ops=(2,))
     assert table.count("\n") == 3 and "captured arrays" in table
+
+
+def test_node_kind_table_times_each_kind_it_can_build_here():
+    """Per-node replay costs are finite numbers for the kinds the CPU has; a custom kernel is n/a there."""
+    table = host_speed.node_kind_table(kinds=("matmul", "reshape (view)", "custom kernel"))
+    rows = table.splitlines()[2:]
+    assert len(rows) == 3 and "n/a" in rows[2] and "n/a" not in rows[0] + rows[1]
