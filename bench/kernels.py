@@ -52,6 +52,7 @@ def record_kernel_calls(model, prefill_tokens: int, vocab_size: int, log=print) 
     """[(phase, kernel name, kernel, call kwargs)] from one prefill chunk and one decode step of the
     patched model (the model is left unpatched)."""
     import lily_mlx
+    from lily_mlx.core import switches
     from lily_mlx.core.kernel_registry import record_launches
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -61,7 +62,9 @@ def record_kernel_calls(model, prefill_tokens: int, vocab_size: int, log=print) 
         cache = make_prompt_cache(model)
         prompt = mx.random.randint(0, vocab_size, (1, prefill_tokens), key=mx.random.key(1))
         for phase, tokens in (("prefill", prompt), ("decode", prompt[:, -1:])):
-            with record_launches() as record:
+            # Launches built while a decode step is traced (compiled_decode, on Metal and CUDA) hold the trace's
+            # placeholder arrays, which cannot be evaluated or re-run: record the launches of a step built op by op.
+            with switches.overrides(disable=["compiled_decode"]), record_launches() as record:
                 mx.eval(model(tokens, cache=cache))
             calls += [(phase, launch.name, launch.kernel, launch.kwargs) for launch in record]
         mx.eval([kw["inputs"] for _, _, _, kw in calls])

@@ -206,7 +206,7 @@ REPEATS = 8  # launches per evaluation in the _x8 cases
 # Staged layouts timed besides the default (kernels.GEMV_LAYOUT): (R outputs per threadgroup, K chunk).
 GEMV_VARIANTS = {"gate_up": ((32, 256), (64, 128)), "down": ((64, 256), (128, 256), (64, 128))}
 # Layouts of the down GEMV + combine kernel timed besides its default: (R columns a threadgroup, K chunk).
-DOWN_COMBINE_VARIANTS = ((8, 128), (8, 64), (32, 64))
+DOWN_COMBINE_VARIANTS = ((8, 128), (8, 64), (4, 128), (4, 64), (32, 64))
 
 
 def _decode_calls(tokens: int, backend: str):

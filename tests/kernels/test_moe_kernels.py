@@ -1500,18 +1500,18 @@ def _down_combine_case(tokens, experts_topk, expert_width, shared, dtype, seed):
 @SETTINGS
 @given(tokens=st.sampled_from([1, 2, 5]), experts_topk=st.sampled_from([(16, 4), (40, 8)]),
        expert_width=st.sampled_from([64, 256]), shared=st.sampled_from([1, 2]), residual=st.booleans(),
-       rows=st.sampled_from([None, 8]), dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 1000))
+       rows=st.sampled_from([None, 8, 4]), dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 1000))
 def test_down_gemv_with_the_combine_has_the_bits_of_the_two_kernels(tokens, experts_topk, expert_width, shared,
                                                                     residual, rows, dtype, seed):
     """moe_gemv_down_combine: out is moe_gemv_down then moe_combine_weighted_rows (with or without the residual),
     bit for bit, for 1 or 2 shared-expert chunks, K of one or several staged chunks, the default layout and 8
-    columns a threadgroup (spare groups or none); every output element written (poisoned output)."""
+    or 4 columns a threadgroup (spare groups or none); every output element written (poisoned output)."""
     block, h, scores, gate, blocks, res = _down_combine_case(tokens, experts_topk, expert_width,
                                                              shared * expert_width, getattr(mx, dtype), seed)
     res = res if residual else None
     sw, k = block.switch_mlp, experts_topk[1]
     geometry = mk.down_combine_geometry(k + shared, 128, expert_width)
-    if rows is not None:  # R = 8: 4 groups a simdgroup, the blocks rounded up to whole simdgroups
+    if rows is not None:  # R = 8 or 4: 4 or 8 groups a simdgroup, the blocks rounded up to whole simdgroups
         geometry = mk.down_combine_geometry(k + shared, 128, expert_width, rows, (64,))
     out = mk.gemv_down_combine(h, blocks, sw.down_proj, block.shared_expert, scores, gate, res, geometry,
                                KERNEL_BACKEND, init_value=float("nan"))
