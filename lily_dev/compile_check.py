@@ -144,9 +144,11 @@ def compile_cuda(text: str, arch: str = "sm_90a", include_dir: Optional[str] = N
 
 
 def compile_nvcc(text: str, arch: str = "sm_90a", include_dir: Optional[str] = None,
-                 timeout: float = 300.0, extra_flags: Tuple[str, ...] = ()) -> Tuple[bool, str]:
+                 timeout: float = 300.0, extra_flags: Tuple[str, ...] = (),
+                 cubin_out: Optional[Path] = None) -> Tuple[bool, str]:
     """Compile one translation unit to a cubin (front end and ptxas, as the driver would).
-    Returns (ok, compiler output). ``extra_flags``: more nvcc flags (``-Xptxas -v``: resource usage)."""
+    Returns (ok, compiler output). ``extra_flags``: more nvcc flags (``-Xptxas -v``: resource usage);
+    ``cubin_out``: where to keep the cubin (for ``cuobjdump -sass``)."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found")
@@ -161,6 +163,8 @@ def compile_nvcc(text: str, arch: str = "sm_90a", include_dir: Optional[str] = N
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         out = p.stdout + p.stderr
         ok = p.returncode == 0 and (tmp / "kernel.cubin").stat().st_size > 0
+        if ok and cubin_out is not None:
+            shutil.copyfile(tmp / "kernel.cubin", cubin_out)
         return ok, out
 
 
