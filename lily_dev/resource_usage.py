@@ -182,6 +182,29 @@ def down_combine_unit(blocks_per_token: int = 9, width: int = 2048, expert_width
     return _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], template), rows * groups
 
 
+def attention_units(heads: tuple = (16, 2), head_dim: int = 256) -> Dict[str, str]:
+    """The decode attention kernels in bf16 at Qwen3.6's heads (16 query heads, 2 KV heads, head dim 256) with their
+    default templates: the one-pass kernel, the fixed blocks' partials and their merge. The rows' count is a
+    runtime parameter, so a small cache stands in for a long one."""
+    from lily_mlx.ops.attention import kernels as ak
+
+    hq, hkv = heads
+    q = mx.zeros((1, hq, 1, head_dim), mx.bfloat16)
+    kv = mx.zeros((1, hkv, 1024, head_dim), mx.bfloat16)
+    calls = []
+
+    def kernel(spec, backend=None):
+        def launch(**kw):
+            calls.append((spec, kw))
+            return [mx.zeros(tuple(s), d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+        return launch
+
+    with mock.patch.object(ak, "get_kernel", kernel):
+        ak.decode_attention(q, kv, kv, scale=0.0625, backend="cuda")
+        ak.decode_attention_fixed_blocks(q, kv, kv, scale=0.0625, backend="cuda")
+    return {spec.name: _cuda_unit(spec, kw["inputs"], kw["output_dtypes"], kw["template"]) for spec, kw in calls}
+
+
 def router_units(shapes=((256, 8, 8, 2048), (1024, 32, 8, 4096), (16, 4, 4, 64))) -> Dict[str, tuple]:
     """{name: (CUDA translation unit, threads per threadgroup)} of the router kernels (one kernel, the
     split pair, the split logits of a prompt-sized call and the residual norm with the logits) for (experts,

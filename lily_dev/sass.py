@@ -2,6 +2,7 @@
 
     python -m lily_dev.sass --family moe --match "regtile[T=mlx.core.bfloat16, MT=None, NT=64]"
     python -m lily_dev.sass --family moe --match regtile --loops 3     # the 3 loops with the most FFMAs each
+    python -m lily_dev.sass --family attention --match partials
 
 Needs nvcc (front end and ptxas) and nvdisasm (on PATH, or the ``nvidia-cuda-nvdisasm`` package of the test
 extras). For each kernel: ptxas's registers, stack frame and spills, then its loops (each backward branch:
@@ -133,15 +134,18 @@ def units(family: str) -> Dict[str, str]:
 
     if family == "moe":
         return resource_usage.moe_gemm_units()
+    if family == "attention":
+        return resource_usage.attention_units()
     if family == "deltanet":
         return {name.removeprefix("custom_kernel_").rsplit("_", 1)[0]: unit
                 for name, unit in resource_usage.record_deltanet_units().items()}
-    raise ValueError(f"family must be moe or deltanet, not {family!r}")
+    raise ValueError(f"family must be moe, attention or deltanet, not {family!r}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lily_dev.sass", description=__doc__.split("\n\n")[0])
-    p.add_argument("--family", default="moe", help="moe (the grouped GEMMs, every tile form) or deltanet")
+    p.add_argument("--family", default="moe",
+                   help="moe (the grouped GEMMs, every tile form), attention (decode) or deltanet")
     p.add_argument("--match", default="", help="only kernels whose name contains this text")
     p.add_argument("--loops", type=int, default=5, help="loops shown per kernel (most FFMAs first, then FFMA share)")
     args = p.parse_args(argv)

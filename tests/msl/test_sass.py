@@ -46,3 +46,11 @@ def test_the_register_tiles_inner_loop_is_mostly_ffma():
     hottest = max((lp for lp in sass.loops(listing) if lp.inner), key=lambda lp: lp.ops.get("FFMA", 0))
     assert hottest.ops["FFMA"] >= 32 and hottest.share("FFMA") > 0.7 and hottest.ops.get("LDS", 0) > 0
     assert "LDL" not in hottest.ops and "STL" not in hottest.ops
+
+
+def test_the_attention_family_has_the_three_decode_kernels():
+    """``--family attention``: the one-pass decode kernel, the fixed blocks' partials and their merge, each as the
+    CUDA translation unit MLX would compile (their launches captured, nothing run)."""
+    units = sass.units("attention")
+    assert set(units) == {"attention_decode", "attention_decode_block_partials", "attention_decode_merge_blocks"}
+    assert all(f"custom_kernel_{name}" in unit for name, unit in units.items())
