@@ -12,8 +12,9 @@ then the prefill cases (``prefill_cases``). Decode:
   ``DECODE_ROWS_PER_STEP``, ``DECODE_SIMDGROUPS`` simdgroups);
 - candidates for its knobs: ``..._small_S*`` (4x as many blocks, a quarter of the rows each:
   ``FIXED_BLOCK_TARGET_BLOCKS`` = 1024), ``..._r2_S*`` (2 rows per simdgroup step instead of 4:
-  fewer registers, half the bytes in flight), ``..._sg8_S*`` (8 simdgroups per threadgroup);
-- ``..._x8_S*`` (stock and auto): 8 independent calls per evaluation, bytes and flops x 8: the
+  fewer registers, half the bytes in flight), ``..._sg8_S*`` (8 simdgroups per threadgroup), ``..._gt4_S*``
+  (the 8 query heads of a KV head over two threadgroups of 4: ~2/3 of the registers, each row read twice);
+- ``..._x8_S*`` (stock, auto and auto_gt4): 8 independent calls per evaluation, bytes and flops x 8: the
   kernels' own time with the per-call evaluation round trip (~60-100 us on MLX-CUDA) spread over 8.
 
 Bytes: the live K and V rows once (the floor), plus q and out; flops: 4 * Hq * S * D (two products
@@ -69,6 +70,7 @@ FIXED_BLOCK_VARIANTS = {
     "auto_small_r2": {"block_rows": lambda S: ak.fixed_block_rows(S, target_blocks=4 * ak.FIXED_BLOCK_TARGET_BLOCKS),
                       "rows": 2},
     "auto_per_head": {"gqa_packed": False},  # gqa_packing off: one threadgroup per query head
+    "auto_gt4": {"heads_per_threadgroup": 4},  # the 8 heads of a KV head over two threadgroups: fewer registers
 }
 
 Case = Tuple[str, Callable[[], None], int, int]
@@ -166,10 +168,12 @@ def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CO
 
             cases.append((f"attention_fixed_blocks_{variant}_S{label}", blocks, nbytes, flops))
 
-        def blocks_x8(q=q, k=k, v=v, S=S):
-            mx.eval([_fixed_blocks(q, k, v, s, backend, S, "auto") for s in scales])
+        for variant in ("auto", "auto_gt4"):
+            def blocks_x8(q=q, k=k, v=v, S=S, variant=variant):
+                mx.eval([_fixed_blocks(q, k, v, s, backend, S, variant) for s in scales])
 
-        cases.append((f"attention_fixed_blocks_auto_x{REPEATS}_S{label}", blocks_x8, REPEATS * nbytes, REPEATS * flops))
+            cases.append((f"attention_fixed_blocks_{variant}_x{REPEATS}_S{label}", blocks_x8, REPEATS * nbytes,
+                          REPEATS * flops))
     return (cases + prefill_cases(backend, prefill_cached, prefill_chunk, B, dtype)
             + qk_prep_cases(backend, qk_prep_chunks, B=B, dtype=dtype))
 

@@ -184,8 +184,9 @@ def down_combine_unit(blocks_per_token: int = 9, width: int = 2048, expert_width
 
 def attention_units(heads: tuple = (16, 2), head_dim: int = 256) -> Dict[str, str]:
     """The decode attention kernels in bf16 at Qwen3.6's heads (16 query heads, 2 KV heads, head dim 256) with their
-    default templates: the one-pass kernel, the fixed blocks' partials and their merge. The rows' count is a
-    runtime parameter, so a small cache stands in for a long one."""
+    default templates: the one-pass kernel, the fixed blocks' partials and their merge, and the partials with half
+    a KV head's query heads a threadgroup (``[GT=4]``, a candidate). The rows' count is a runtime parameter, so a
+    small cache stands in for a long one."""
     from lily_mlx.ops.attention import kernels as ak
 
     hq, hkv = heads
@@ -202,7 +203,13 @@ def attention_units(heads: tuple = (16, 2), head_dim: int = 256) -> Dict[str, st
     with mock.patch.object(ak, "get_kernel", kernel):
         ak.decode_attention(q, kv, kv, scale=0.0625, backend="cuda")
         ak.decode_attention_fixed_blocks(q, kv, kv, scale=0.0625, backend="cuda")
-    return {spec.name: _cuda_unit(spec, kw["inputs"], kw["output_dtypes"], kw["template"]) for spec, kw in calls}
+        ak.decode_attention_fixed_blocks(q, kv, kv, scale=0.0625, backend="cuda", heads_per_threadgroup=hq // hkv // 2)
+    units = {}
+    for spec, kw in calls:
+        gt = dict(kw["template"]).get("GT")
+        name = spec.name if gt in (None, hq // hkv) else f"{spec.name}[GT={gt}]"
+        units.setdefault(name, _cuda_unit(spec, kw["inputs"], kw["output_dtypes"], kw["template"]))
+    return units
 
 
 def router_units(shapes=((256, 8, 8, 2048), (1024, 32, 8, 4096), (16, 4, 4, 64))) -> Dict[str, tuple]:

@@ -318,6 +318,26 @@ def test_fixed_block_kernels_match_reference(B, Hkv, G, D, S, block_rows, dtype,
 
 
 @needs_sim
+@settings(deadline=None, max_examples=10)
+@given(G_GT=st.sampled_from([(8, 4), (8, 2), (4, 2)]), S=st.sampled_from([1, 129, 300]),
+       block_rows=st.sampled_from([None, 16, 48]), dtype=st.sampled_from(["bfloat16", "float32"]),
+       seed=st.integers(0, 2**16))
+def test_fixed_block_kernels_with_the_heads_of_a_kv_head_split(G_GT, S, block_rows, dtype, seed):
+    """The G query heads of a KV head over G / GT threadgroups of GT heads each (a benchmark candidate: fewer
+    registers a thread, each K/V row read G / GT times): still the attention, partials and output poisoned."""
+    G, GT = G_GT
+    rng = np.random.default_rng(seed)
+    q, k, v = _problem(rng, 1, 2, G, 256, S, DTYPES[dtype], 3)
+    scale = 256**-0.5
+    out = ak.decode_attention_fixed_blocks(q, k, v, scale=scale, block_rows=block_rows, kv_length=S,
+                                           backend=KERNEL_BACKEND, init_value=NAN, heads_per_threadgroup=GT)
+    _check(out, _oracle(q, k, v, S, scale), TOL[dtype])
+    with pytest.raises(ValueError, match="does not divide"):
+        ak.decode_attention_fixed_blocks(q, k, v, scale=scale, kv_length=S, backend=KERNEL_BACKEND,
+                                         heads_per_threadgroup=3)
+
+
+@needs_sim
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_fixed_block_kernels_qwen36_shape(dtype):
     """Qwen3.6's shape (16 query heads over 2 KV heads, D = 256) through the schedule's geometry at a
@@ -449,7 +469,8 @@ def test_microbench_cases_for_the_bench_harness():
                      "attention_fixed_blocks_auto_small_S100", "attention_fixed_blocks_auto_r2_S100",
                      "attention_fixed_blocks_auto_sg8_S100", "attention_fixed_blocks_auto_small_sg8_S100",
                      "attention_fixed_blocks_auto_small_r2_S100", "attention_fixed_blocks_auto_per_head_S100",
-                     "attention_fixed_blocks_auto_x8_S100"]
+                     "attention_fixed_blocks_auto_gt4_S100", "attention_fixed_blocks_auto_x8_S100",
+                     "attention_fixed_blocks_auto_gt4_x8_S100"]
     one = (2 * 2 * 100 * 256 + 2 * 16 * 256) * 2, 4 * 16 * 100 * 256
     for name, run_once, nbytes, flops in cases:
         run_once()

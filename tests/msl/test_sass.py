@@ -49,8 +49,9 @@ def test_the_register_tiles_inner_loop_is_mostly_ffma():
 
 
 def test_the_attention_family_has_the_three_decode_kernels():
-    """``--family attention``: the one-pass decode kernel, the fixed blocks' partials and their merge, each as the
-    CUDA translation unit MLX would compile (their launches captured, nothing run)."""
+    """``--family attention``: the one-pass decode kernel, the fixed blocks' partials (and the 4-heads candidate) and
+    their merge, each as the CUDA translation unit MLX would compile (their launches captured, nothing run)."""
     units = sass.units("attention")
-    assert set(units) == {"attention_decode", "attention_decode_block_partials", "attention_decode_merge_blocks"}
-    assert all(f"custom_kernel_{name}" in unit for name, unit in units.items())
+    assert set(units) == {"attention_decode", "attention_decode_block_partials", "attention_decode_merge_blocks",
+                          "attention_decode_block_partials[GT=4]"}
+    assert all(f"custom_kernel_{name.split('[')[0]}" in unit for name, unit in units.items())

@@ -167,12 +167,16 @@ def rows_per_step(heads_per_threadgroup: int, requested: Optional[int] = None) -
 
 
 def _geometry(queries, keys, kv_length, gqa_packed: bool, coalesced: bool, simdgroups: Optional[int] = None,
-              rows: Optional[int] = None) -> _Geometry:
-    """Sizes, threadgroups and template arguments shared by the decode kernels."""
+              rows: Optional[int] = None, heads_per_threadgroup: Optional[int] = None) -> _Geometry:
+    """Sizes, threadgroups and template arguments shared by the decode kernels. ``heads_per_threadgroup`` (GT, a
+    divisor of G; benchmarks and tests): the query heads of a KV head that share a threadgroup, else G with
+    ``gqa_packed`` and 1 without."""
     B, Hq, _, D = queries.shape
     Hkv, S_cap = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
-    heads_per_tg = G if gqa_packed else 1
+    heads_per_tg = heads_per_threadgroup or (G if gqa_packed else 1)
+    if G % heads_per_tg:
+        raise ValueError(f"heads per threadgroup {heads_per_tg} does not divide the GQA factor {G}")
     sg = simdgroups or DECODE_SIMDGROUPS
     template = [("InT", queries.dtype), ("D", D), ("GT", heads_per_tg), ("SG", sg),
                 ("R", rows_per_step(heads_per_tg, rows)), ("COALESCED", int(coalesced))]
@@ -243,11 +247,12 @@ def decode_attention_fixed_blocks(
     init_value=None,
     simdgroups: Optional[int] = None,  # per partials threadgroup (default DECODE_SIMDGROUPS)
     rows: Optional[int] = None,  # rows per simdgroup step (default DECODE_ROWS_PER_STEP)
+    heads_per_threadgroup: Optional[int] = None,  # GT (default: G with gqa_packed, else 1)
 ) -> mx.array:  # [B, Hq, 1, D]
     """``decode_attention`` with the KV rows cut into blocks of BR rows processed by separate
     threadgroups (fp32 partials), then merged: two launches."""
     B, Hq, _, D = queries.shape
-    g = _geometry(queries, keys, kv_length, gqa_packed, coalesced, simdgroups, rows)
+    g = _geometry(queries, keys, kv_length, gqa_packed, coalesced, simdgroups, rows, heads_per_threadgroup)
     plan = fixed_block_plan(g.S, D, g.threadgroups, block_rows)
     partials = KERNELS["attention_decode_block_partials"]
     part_max, part_sum, part_acc = get_kernel(partials, backend)(
