@@ -26,8 +26,9 @@ expert as one chunk (9 blocks per token), bf16:
 - ``..._x8[8tok]`` (staged, rowwise): a decode batch of 8 sequences, 72 blocks per launch;
 - ``down_then_combine_x8[<n>tok]`` / ``down_combine_<variant>_x8[<n>tok]``: a decode call's down GEMV and
   combine (with the residual) as two kernels, against ``moe_gemv_down_combine`` (switch ``fused_down_combine``)
-  at its layout (``default``: kernels.down_combine_geometry) and others (``r<R>_kc<KC>``: R columns a threadgroup,
-  K chunk KC; those whose threadgroup memory would pass 32 KB are left out).
+  at its layout (``default``: kernels.down_combine_geometry), others (``r<R>_kc<KC>``: R columns a threadgroup,
+  K chunk KC; those whose threadgroup memory would pass 32 KB are left out) and the direct layout (``direct``:
+  ``moe_gemv_down_combine_direct``, each chain's weights read by its own thread).
 
 Every launch of these cases reads other experts than the previous ones (the launches cycle through a
 pool of GEMV_POOL calls whose routings walk over all experts, each with its own shared expert), so the
@@ -306,9 +307,9 @@ def _down_combine_cases(sw, backend: str, calls, tokens: int, down_bytes: int, d
         y = mk.gemm_down(h, blocks, sw.down_proj, True, None, backend, shared=shared, gemv=True)
         return mk.combine_rows(y, slot_of_row, scores, backend, gate=gate, chunks=1, residual=residual)
 
-    def fused(geometry):
+    def fused(geometry, direct=False):
         return lambda x, h, sr, blocks, shared: mk.gemv_down_combine(h, blocks, sw.down_proj, shared, scores, gate,
-                                                                     residual, geometry, backend)
+                                                                     residual, geometry, backend, direct=direct)
 
     cases = [(f"down_then_combine_x{REPEATS}{t}", _cycling(two_kernels, calls, REPEATS), REPEATS * nbytes,
               REPEATS * down_flops)]
@@ -320,5 +321,9 @@ def _down_combine_cases(sw, backend: str, calls, tokens: int, down_bytes: int, d
             layouts.append((f"r{rows}_kc{chunk}", geometry))
     for label, geometry in layouts:
         cases.append((f"down_combine_{label}_x{REPEATS}{t}", _cycling(fused(geometry), calls, REPEATS),
+                      REPEATS * nbytes, REPEATS * down_flops))
+    direct = mk.down_combine_direct_geometry(TOP_K + 1, HIDDEN, EXPERT_WIDTH)
+    if direct is not None:
+        cases.append((f"down_combine_direct_x{REPEATS}{t}", _cycling(fused(direct, True), calls, REPEATS),
                       REPEATS * nbytes, REPEATS * down_flops))
     return cases

@@ -160,25 +160,30 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
     return units
 
 
-def down_combine_unit(blocks_per_token: int = 9, width: int = 2048, expert_width: int = 512) -> tuple:
-    """(CUDA translation unit, threads per threadgroup) of ``moe_gemv_down_combine`` in bf16 as a decode call
-    launches it, with the template (``down_combine_geometry``) of Qwen3.6's shape (8 experts + 1 shared chunk,
-    hidden 2048, expert width 512); the inputs' shapes do not enter the translation, a small block's stand in."""
+def down_combine_unit(blocks_per_token: int = 9, width: int = 2048, expert_width: int = 512,
+                      direct: bool = False) -> tuple:
+    """(CUDA translation unit, threads per threadgroup) of ``moe_gemv_down_combine`` (``direct``: its direct
+    layout, ``moe_gemv_down_combine_direct``) in bf16 as a decode call launches it, with the template of Qwen3.6's
+    shape (8 experts + 1 shared chunk, hidden 2048, expert width 512); the inputs' shapes do not enter the
+    translation, a small block's stand in."""
     from lily_mlx.ops.moe import kernels as mk
 
     from .moe_testing import make_sparse_moe_block
 
     k = blocks_per_token - 1
-    geometry = mk.down_combine_geometry(blocks_per_token, width, expert_width)
+    geometry = (mk.down_combine_direct_geometry if direct else mk.down_combine_geometry)(
+        blocks_per_token, width, expert_width)
     block = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=16, top_k=k, shared_width=64, seed=1)
     block.set_dtype(mx.bfloat16)
     with _captured_launches(mk) as calls:
         mk.gemv_down_combine(mx.zeros((blocks_per_token, 64), mx.bfloat16), mx.zeros((blocks_per_token, 4), mx.int32),
                              block.switch_mlp.down_proj, block.shared_expert, mx.zeros((1, k), mx.bfloat16),
-                             mx.zeros((1,), mx.float32), mx.zeros((1, 128), mx.bfloat16), geometry, "cuda")
+                             mx.zeros((1,), mx.float32), mx.zeros((1, 128), mx.bfloat16), geometry, "cuda",
+                             direct=direct)
     (name, kw), = calls
     rows, chunk, groups = geometry
-    template = [("T", mx.bfloat16), ("R", rows), ("KC", chunk), ("NBLK", blocks_per_token), ("NG", groups)]
+    sizes = [("KB", chunk), ("KX", expert_width)] if direct else [("KC", chunk)]
+    template = [("T", mx.bfloat16), ("R", rows), *sizes, ("NBLK", blocks_per_token), ("NG", groups)]
     return _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], template), rows * groups
 
 

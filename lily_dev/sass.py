@@ -133,7 +133,11 @@ def units(family: str) -> Dict[str, str]:
     from . import resource_usage
 
     if family == "moe":
-        return resource_usage.moe_gemm_units()
+        units = resource_usage.moe_gemm_units()
+        for direct in (False, True):
+            name = "moe_gemv_down_combine" + ("_direct" if direct else "")
+            units[name] = resource_usage.down_combine_unit(direct=direct)[0]
+        return units
     if family == "attention":
         return resource_usage.attention_units()
     if family == "deltanet":
@@ -145,7 +149,8 @@ def units(family: str) -> Dict[str, str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lily_dev.sass", description=__doc__.split("\n\n")[0])
     p.add_argument("--family", default="moe",
-                   help="moe (the grouped GEMMs, every tile form), attention (decode) or deltanet")
+                   help="moe (the grouped GEMMs, every tile form; the decode down+combine kernel's two "
+                        "layouts), attention (decode) or deltanet")
     p.add_argument("--match", default="", help="only kernels whose name contains this text")
     p.add_argument("--loops", type=int, default=5, help="loops shown per kernel (most FFMAs first, then FFMA share)")
     args = p.parse_args(argv)

@@ -350,6 +350,98 @@ inline float moe_gemv_staged(
   return acc;
 }
 
+// One chain of moe_gemv_down_combine_direct: this thread's weight row read straight from device memory (no
+// staging through threadgroup memory, no barrier per chunk), KB quantisation groups (2 KB uint4 pieces, KB scales
+// and biases) a register batch, the next batch's loads issued before this batch's sums. The sums are
+// moe_gemv_chain's (the same expression in the same k order), so the chain has moe_gemv_staged's bits.
+// wrow, srow, brow: the row's packed words, scales and biases; xs: the row's K activations as floats. Every loop
+// over a batch is unrolled: its register arrays are then indexed by constants only (else a stack frame).
+template <int KB, typename T>
+inline float moe_gemv_chain_direct(const device uint32_t* wrow, const device T* srow, const device T* brow,
+                                   const threadgroup float4* xs, int K, uint32_t exponent) {
+  const device uint4* w4 = reinterpret_cast<const device uint4*>(wrow);
+  uint4 cur[2 * KB];
+  float cs[KB];
+  float cb[KB];
+  #pragma unroll
+  for (int i = 0; i < 2 * KB; ++i) {
+    cur[i] = w4[i];
+  }
+  #pragma unroll
+  for (int i = 0; i < KB; ++i) {
+    cs[i] = float(srow[i]);
+    cb[i] = float(brow[i]);
+  }
+  uint4 nxt[2 * KB];
+  float ns[KB];
+  float nb[KB];
+  float acc = 0.0f;
+  const int groups = K / 64;
+  for (int g0 = 0; g0 < groups; g0 += KB) {
+    const bool more = g0 + KB < groups;  // uniform over the threadgroup
+    if (more) {
+      #pragma unroll
+      for (int i = 0; i < 2 * KB; ++i) {
+        nxt[i] = w4[2 * (g0 + KB) + i];
+      }
+      #pragma unroll
+      for (int i = 0; i < KB; ++i) {
+        ns[i] = float(srow[g0 + KB + i]);
+        nb[i] = float(brow[g0 + KB + i]);
+      }
+    }
+    #pragma unroll
+    for (int gg = 0; gg < KB; ++gg) {
+      const int g = g0 + gg;
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 wv = cur[2 * gg + h];
+        #pragma unroll
+        for (int wi = 0; wi < 4; ++wi) {
+          const uint32_t word = wv[wi];
+          const float4 xa = xs[16 * g + 8 * h + 2 * wi];
+          const float4 xb = xs[16 * g + 8 * h + 2 * wi + 1];
+          const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+          #pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            acc += xv[j] * moe_dequant_q4(word, j, cs[gg], cb[gg], exponent);
+          }
+        }
+      }
+    }
+    if (more) {
+      #pragma unroll
+      for (int i = 0; i < 2 * KB; ++i) {
+        cur[i] = nxt[i];
+      }
+      #pragma unroll
+      for (int i = 0; i < KB; ++i) {
+        cs[i] = ns[i];
+        cb[i] = nb[i];
+      }
+    }
+  }
+  return acc;
+}
+
+// The combine of moe_gemv_down_combine (both layouts), by the first group's R threads: ys [NBLK][R] holds each
+// block's GEMV result rounded to T as y would hold it; routed rows in j order weighted by their scores, then the
+// gated shared chunks, rounded once, then the residual add as MLX adds two T arrays (moe_combine_weighted_rows'
+// expression and order). PS: scores' pointer type (an input of under 8 elements arrives in the constant space).
+template <int R, typename T, typename PS>
+inline void moe_down_combine_out(const threadgroup float* ys, int r, long n, int o, int D, int k, int shared_chunks,
+                                 float g, float res, int has_residual, PS scores, device T* out) {
+  float sum = 0.0f;
+  for (int jj = 0; jj < k; ++jj) {
+    sum += float(scores[n * k + jj]) * ys[jj * R + r];
+  }
+  for (int c = 0; c < shared_chunks; ++c) {
+    sum += g * ys[(k + c) * R + r];
+  }
+  const T mixed = static_cast<T>(sum);
+  out[n * D + o] = has_residual != 0 ? static_cast<T>(res + float(mixed)) : mixed;
+}
+
 // One block row of the gate/up GEMV (moe_gemv_gate_up_swiglu and its routed form): expert e (E + c: the
 // shared expert's chunk c), output slot `slot`, activation row `token`; h[slot, o0 .. o0 + R) =
 // silu(gate) * up from the staged chains (threads 0 .. R-1 the gate chains, R .. 2R-1 the up chains).
@@ -1137,15 +1229,59 @@ if (group < NBLK) {
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 if (group == 0) {
-  float sum = 0.0f;
-  for (int jj = 0; jj < k; ++jj) {
-    sum += float(scores[long(n) * k + jj]) * gemv_ss[jj * R + int(r)];
+  moe_down_combine_out<R>(gemv_ss, int(r), n, o0 + int(r), D, k, shared_chunks, g, res, has_residual, scores, out);
+}
+
+// @kernel moe_gemv_down_combine_direct
+// moe_gemv_down_combine with each chain's weight row read by its own thread straight from device memory
+// (moe_gemv_chain_direct: KB quantisation groups a register batch, the next batch in flight during this one's
+// sums) instead of staged chunks: no barrier per chunk, a chunk's latency exposed once per KB groups rather than
+// once per 64-wide chunk (the staged layout's 32 KB of threadgroup memory allows no more for 10 groups). Each
+// group first stages its block's activation row as floats (KX = I floats; the host fits NG rows in 32 KB). Same
+// grid, threadgroup, inputs, blocks and combine as moe_gemv_down_combine, so the same bits; template T, R, KB
+// (dividing I / 64), KX (= I), NBLK, NG.
+threadgroup float4 gemv_xrows[NG * (KX / 4)];
+threadgroup float gemv_ys[NG * R];
+const uint tid = thread_index_in_threadgroup;
+const int group = int(tid) / R;
+const uint r = tid % uint(R);
+const int j = group < NBLK ? group : 0;
+const int n = int(threadgroup_position_in_grid.y);
+const int num_tokens = int(threads_per_grid.y);
+const int o0 = int(threadgroup_position_in_grid.x) * R;
+float res = 0.0f;
+float g = 0.0f;
+if (group == 0) {
+  if (has_residual != 0) {
+    res = float(residual[long(n) * D + o0 + int(r)]);
   }
-  for (int c = 0; c < shared_chunks; ++c) {
-    sum += g * gemv_ss[(k + c) * R + int(r)];
+  if (shared_chunks > 0) {
+    g = gate[n];
   }
-  const T mixed = static_cast<T>(sum);
-  out[long(n) * D + o0 + int(r)] = has_residual != 0 ? static_cast<T>(res + float(mixed)) : mixed;
+}
+const int blk = j < k ? n * k + j : A + (j - k) * num_tokens + n;
+const int e = blocks[4 * blk + 0];
+const int slot = blocks[4 * blk + 1];
+const bool shared = e >= E;
+const long row = long(o0) + int(r);  // this chain's output column
+const long words = shared ? row * (Is / 8) + (e - E) * (I / 8) : (long(e) * D + row) * (I / 8);
+const long groups = shared ? row * (Is / 64) + (e - E) * (I / 64) : (long(e) * D + row) * (I / 64);
+threadgroup float4* xrow = gemv_xrows + group * (KX / 4);
+const device T* hrow = h + long(slot) * I;
+for (int i = int(r); i < KX / 4; i += R) {  // the activations as floats, moe_gemv_staged's values
+  xrow[i] = float4(float(hrow[4 * i]), float(hrow[4 * i + 1]), float(hrow[4 * i + 2]), float(hrow[4 * i + 3]));
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+const float acc = moe_gemv_chain_direct<KB, T>((shared ? w_down_s : w_down) + words,
+                                               (shared ? scales_down_s : scales_down) + groups,
+                                               (shared ? biases_down_s : biases_down) + groups, xrow, KX,
+                                               q4_exponent_unfolded(E));
+if (group < NBLK) {
+  gemv_ys[group * R + int(r)] = float(static_cast<T>(acc));  // y[slot, o0 + r] as moe_gemv_down stores it
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (group == 0) {
+  moe_down_combine_out<R>(gemv_ys, int(r), n, o0 + int(r), D, k, shared_chunks, g, res, has_residual, scores, out);
 }
 
 // @kernel moe_gemv_gate_up_swiglu_rowwise

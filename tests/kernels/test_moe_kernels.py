@@ -705,7 +705,7 @@ def test_microbench_cases_small(gemm_sim, monkeypatch):
     assert "stock_switch_glu[24tok]" in names and "gemm_gate_up_swiglu_fused_adaptive[24tok]" in names
     assert "gemm_down_fused_adaptive_bf16tiles[40tok]" in names
     assert {"down_then_combine_x8[1tok]", "down_combine_default_x8[1tok]",
-            "down_combine_r8_kc64_x8[8tok]"} <= set(names)
+            "down_combine_r8_kc64_x8[8tok]", "down_combine_direct_x8[1tok]"} <= set(names)
     for name, run_once, bytes_moved, flops in cases:
         run_once()
         assert bytes_moved > 0 and flops >= 0, name
@@ -1500,21 +1500,25 @@ def _down_combine_case(tokens, experts_topk, expert_width, shared, dtype, seed):
 @SETTINGS
 @given(tokens=st.sampled_from([1, 2, 5]), experts_topk=st.sampled_from([(16, 4), (40, 8)]),
        expert_width=st.sampled_from([64, 256]), shared=st.sampled_from([1, 2]), residual=st.booleans(),
-       rows=st.sampled_from([None, 8, 4]), dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 1000))
+       rows=st.sampled_from([None, 8, 4, "direct"]), dtype=st.sampled_from(["bfloat16", "float16"]),
+       seed=st.integers(0, 1000))
 def test_down_gemv_with_the_combine_has_the_bits_of_the_two_kernels(tokens, experts_topk, expert_width, shared,
                                                                     residual, rows, dtype, seed):
     """moe_gemv_down_combine: out is moe_gemv_down then moe_combine_weighted_rows (with or without the residual),
     bit for bit, for 1 or 2 shared-expert chunks, K of one or several staged chunks, the default layout and 8
-    or 4 columns a threadgroup (spare groups or none); every output element written (poisoned output)."""
+    or 4 columns a threadgroup (spare groups or none), and the direct layout (each chain's weights read by its
+    thread, moe_gemv_down_combine_direct); every output element written (poisoned output)."""
     block, h, scores, gate, blocks, res = _down_combine_case(tokens, experts_topk, expert_width,
                                                              shared * expert_width, getattr(mx, dtype), seed)
     res = res if residual else None
     sw, k = block.switch_mlp, experts_topk[1]
     geometry = mk.down_combine_geometry(k + shared, 128, expert_width)
-    if rows is not None:  # R = 8 or 4: 4 or 8 groups a simdgroup, the blocks rounded up to whole simdgroups
+    if rows == "direct":
+        geometry = mk.down_combine_direct_geometry(k + shared, 128, expert_width)
+    elif rows is not None:  # R = 8 or 4: 4 or 8 groups a simdgroup, the blocks rounded up to whole simdgroups
         geometry = mk.down_combine_geometry(k + shared, 128, expert_width, rows, (64,))
     out = mk.gemv_down_combine(h, blocks, sw.down_proj, block.shared_expert, scores, gate, res, geometry,
-                               KERNEL_BACKEND, init_value=float("nan"))
+                               KERNEL_BACKEND, init_value=float("nan"), direct=rows == "direct")
     y = mk.gemm_down(h, blocks, sw.down_proj, True, None, KERNEL_BACKEND, shared=block.shared_expert, gemv=True)
     want = mk.combine_rows(y, mx.arange(tokens * k, dtype=mx.int32), scores, KERNEL_BACKEND, gate=gate,
                            chunks=shared, residual=res)
@@ -1522,22 +1526,39 @@ def test_down_gemv_with_the_combine_has_the_bits_of_the_two_kernels(tokens, expe
 
 
 @needs_sim
-def test_down_gemv_with_the_combine_token_alone_equals_token_in_batch_and_race_check(monkeypatch):
+@pytest.mark.parametrize("direct", [False, True])
+def test_down_gemv_with_the_combine_token_alone_equals_token_in_batch_and_race_check(monkeypatch, direct):
     """A token's out does not depend on the other tokens of the call; the simulator's race check on the staged
-    chunks and the rows handed to the combine through threadgroup memory."""
+    chunks (or the direct layout's activation rows) and the rows handed to the combine through threadgroup
+    memory."""
     monkeypatch.setenv("LILY_MSL_RACE", "1")
     block, h, scores, gate, blocks, res = _down_combine_case(3, (40, 8), 256, 256, mx.bfloat16, 5)
     down, shared = block.switch_mlp.down_proj, block.shared_expert
-    geometry = mk.down_combine_geometry(9, 128, 256)
-    out = mk.gemv_down_combine(h, blocks, down, shared, scores, gate, res, geometry, KERNEL_BACKEND)
+    geometry = (mk.down_combine_direct_geometry if direct else mk.down_combine_geometry)(9, 128, 256)
+    out = mk.gemv_down_combine(h, blocks, down, shared, scores, gate, res, geometry, KERNEL_BACKEND, direct=direct)
     # token 1 alone: its 8 routed rows (blocks 8 .. 15) and its shared row (block 24 + 1) as a call of one token
     rows = mx.concatenate([h[8:16], h[25:26]])
     alone_blocks = mx.concatenate([blocks[8:16], blocks[25:26]])
     alone_blocks = mx.concatenate([alone_blocks[:, :1], mx.arange(9, dtype=mx.int32)[:, None], alone_blocks[:, 2:]],
                                   axis=1)
     alone = mk.gemv_down_combine(rows, alone_blocks, down, shared, scores[1:2], gate[1:2], res[1:2], geometry,
-                                 KERNEL_BACKEND)
+                                 KERNEL_BACKEND, direct=direct)
     assert mx.array_equal(out[1:2], alone).item()
+
+
+@needs_sim
+def test_down_gemv_with_the_combine_direct_layout_at_qwen36_expert_width():
+    """The direct layout at I = 512 (two register batches of 4 groups: the next batch's loads in flight) has the
+    staged layout's bits, which are the two kernels'."""
+    block, h, scores, gate, blocks, res = _down_combine_case(2, (40, 8), 512, 512, mx.bfloat16, 8)
+    down, shared = block.switch_mlp.down_proj, block.shared_expert
+    direct = mk.down_combine_direct_geometry(9, 128, 512)
+    assert direct == (16, 4, 10)
+    got = mk.gemv_down_combine(h, blocks, down, shared, scores, gate, res, direct, KERNEL_BACKEND,
+                               init_value=float("nan"), direct=True)
+    want = mk.gemv_down_combine(h, blocks, down, shared, scores, gate, res, mk.down_combine_geometry(9, 128, 512),
+                                KERNEL_BACKEND)
+    assert mx.array_equal(got, want).item()
 
 
 def test_down_combine_geometry_fits_its_threadgroup():
@@ -1549,17 +1570,25 @@ def test_down_combine_geometry_fits_its_threadgroup():
     assert mk.down_combine_geometry(4, 2048, 512) == (16, 256, 4)
     assert mk.down_combine_geometry(9, 2048 + 8, 512) is None and mk.down_combine_geometry(65, 2048, 512) is None
     assert mk.down_combine_geometry(9, 2048, 96) is None  # no 64-multiple chunk divides K
+    # the direct layout: batches of 4 / 2 / 1 groups dividing K / 64; ten activation rows of K floats in 32 KB
+    assert mk.down_combine_direct_geometry(9, 2048, 512) == (16, 4, 10)
+    assert mk.down_combine_direct_geometry(9, 2048, 384) == (16, 2, 10)
+    assert mk.down_combine_direct_geometry(9, 2048, 192) == (16, 1, 10)
+    assert mk.down_combine_direct_geometry(9, 2048, 1024) is None  # 10 x 1024 floats do not fit
+    assert mk.down_combine_direct_geometry(9, 2048, 96) is None
 
 
-def test_down_gemv_with_the_combine_compiles_and_fits_on_the_h200():
-    """The CUDA translation of moe_gemv_down_combine at Qwen3.6's template compiles (NVRTC); with ptxas, its
-    registers times its 288 threads fit an SM, without spills or a stack frame (a register array indexed at
-    run time), and its static shared memory is ten groups' double-buffered stagings (23,040 bytes)."""
+@pytest.mark.parametrize("direct", [False, True])
+def test_down_gemv_with_the_combine_compiles_and_fits_on_the_h200(direct):
+    """The CUDA translation of moe_gemv_down_combine (and of its direct layout) at Qwen3.6's template compiles
+    (NVRTC); with ptxas, its registers times its 160 threads fit an SM, without spills or a stack frame (a register
+    array indexed at run time), and its static shared memory is ten groups' double-buffered stagings (23,040 bytes)
+    or, direct, ten activation rows of 512 floats and the ten groups' results (21,120 bytes)."""
     from lily_dev import compile_check, resource_usage
 
     if compile_check.compiler_available() is None:
         pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
-    unit, threads = resource_usage.down_combine_unit()
+    unit, threads = resource_usage.down_combine_unit(direct=direct)
     ok, log = compile_check.compile_cuda(unit)
     assert ok and threads == 160, log[-3000:]
     if compile_check.nvcc_path() is None:
@@ -1567,7 +1596,31 @@ def test_down_gemv_with_the_combine_compiles_and_fits_on_the_h200():
     u = resource_usage.ptxas_usage(unit)
     assert 0 < u["registers"] * threads <= resource_usage.REGISTERS_PER_SM, u
     assert u["spill_stores"] == 0 and u["spill_loads"] == 0 and u["stack"] == 0, u
-    assert u["smem"] == 10 * mk.gemv_stage_bytes(1, 16, 64) == 23040, u
+    want = 10 * (512 + 16) * 4 if direct else 10 * mk.gemv_stage_bytes(1, 16, 64)
+    assert u["smem"] == want == (21120 if direct else 23040), u
+
+
+@needs_sim
+def test_decode_call_takes_the_direct_down_combine_layout_when_chosen(gemm_sim, monkeypatch):
+    """With ``DOWN_COMBINE_DIRECT`` a decode call of the block launches moe_gemv_down_combine_direct instead of the
+    staged kernel, with the same bits."""
+    from lily_mlx.ops.moe import sparse_moe_forward
+
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    monkeypatch.setitem(switches._state, "compiled_decode", False)
+    block = make_sparse_moe_block(num_experts=16, top_k=4, seed=9, shared_width=128)
+    x = make_inputs(1, 1, 128, seed=3)
+    with record_launches() as staged:
+        want = sparse_moe_forward(block, x)
+        mx.eval(want)
+    block.__dict__.pop("_lily_decode_plans", None)
+    monkeypatch.setattr(mk, "DOWN_COMBINE_DIRECT", True)
+    with record_launches() as direct:
+        got = sparse_moe_forward(block, x)
+        mx.eval(got)
+    assert "moe_gemv_down_combine" in staged.counts() and "moe_gemv_down_combine_direct" not in staged.counts()
+    assert "moe_gemv_down_combine_direct" in direct.counts() and "moe_gemv_down_combine" not in direct.counts()
+    assert mx.array_equal(got, want).item()
 
 
 @needs_sim

@@ -107,6 +107,10 @@ KERNELS: Dict[str, KernelSpec] = {
     "gemv_down_combine": KernelSpec(
         "moe_gemv_down_combine", GEMM, _DOWN_SIGNATURE[0][:-1] + ("scores", "gate", "residual", "params"), ("out",),
         params=_DOWN_PARAMS + ("k", "A", "shared_chunks", "has_residual")),
+    # The same with each chain's weights read by its own thread from device memory (a layout candidate).
+    "gemv_down_combine_direct": KernelSpec(
+        "moe_gemv_down_combine_direct", GEMM, _DOWN_SIGNATURE[0][:-1] + ("scores", "gate", "residual", "params"),
+        ("out",), params=_DOWN_PARAMS + ("k", "A", "shared_chunks", "has_residual")),
     "gemv_gate_up_rowwise": KernelSpec("moe_gemv_gate_up_swiglu_rowwise", GEMM, *_GATE_UP_SIGNATURE,
                                        params=_GATE_UP_PARAMS),
     "gemv_down_rowwise": KernelSpec("moe_gemv_down_rowwise", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
@@ -349,6 +353,10 @@ def gemv_geometry(name: str, width: int, k: int, layout=None, other_bytes: int =
 
 # Output columns per threadgroup of moe_gemv_down_combine: each block's GEMV in a group of that many threads.
 DOWN_COMBINE_ROWS = 16
+# Whether a decode call's down+combine takes the direct layout (moe_gemv_down_combine_direct: each chain's weights
+# read by its thread, no staging; the same bits). A candidate until timed on a GPU: the staged layout's 26.1 us a
+# launch on the H200 is latency-bound (8 chunks, a barrier each; docs/decode.md); op cases down_combine_direct_x8.
+DOWN_COMBINE_DIRECT = False
 
 
 @lru_cache(maxsize=None)
@@ -366,6 +374,22 @@ def down_combine_geometry(blocks_per_token: int, width: int, k: int, rows: int =
         if k % kc == 0 and groups * gemv_stage_bytes(1, rows, kc) <= GEMV_THREADGROUP_BYTES:
             return rows, kc, groups
     return None
+
+
+@lru_cache(maxsize=None)
+def down_combine_direct_geometry(blocks_per_token: int, width: int, k: int, rows: int = DOWN_COMBINE_ROWS,
+                                 batch_groups: tuple = (4, 2, 1)) -> Optional[tuple]:
+    """(R, KB, NG) of ``moe_gemv_down_combine_direct`` (each chain's weight row read by its thread from device
+    memory): R and NG as ``down_combine_geometry``, KB the first of ``batch_groups`` quantisation groups a register
+    batch dividing k / 64; None where k is no multiple of 64, R does not divide the width, or the NG activation
+    rows (k floats each) and results do not fit 32 KB."""
+    groups = -(-blocks_per_token * rows // 32) * 32 // rows
+    if width % rows or groups * rows > 1024 or k % 64:
+        return None
+    if groups * (k + rows) * 4 > GEMV_THREADGROUP_BYTES:
+        return None
+    kb = next(b for b in batch_groups if (k // 64) % b == 0)
+    return rows, kb, groups
 
 
 @lru_cache(maxsize=None)
@@ -493,11 +517,13 @@ def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = Tr
 
 def gemv_down_combine(h: mx.array, blocks: mx.array, down_proj, shared, scores: mx.array, gate: mx.array,
                       residual: Optional[mx.array], geometry: tuple, backend: Optional[str] = None,
-                      init_value=None) -> mx.array:
+                      init_value=None, direct: bool = False) -> mx.array:
     """out [N, D] = ``combine_rows(gemm_down(h, blocks, ..., gemv=True), identity, scores, gate=gate,
     residual=residual)`` in one launch (switch ``fused_down_combine``), the same bits: a decode call's one-row
     blocks (the gate/up GEMV's schedule: routed rows then ``shared``'s chunks), h [N * (k + m), I], scores [N, k]
-    (h's dtype), gate [N] fp32, residual [N, D] or None. ``geometry``: ``down_combine_geometry``'s (R, KC, NG)."""
+    (h's dtype), gate [N] fp32, residual [N, D] or None. ``geometry``: ``down_combine_geometry``'s (R, KC, NG), or
+    with ``direct`` (each chain's weights read by its thread, a layout candidate) ``down_combine_direct_geometry``'s
+    (R, KB, NG)."""
     n, k = scores.shape
     rows, i = h.shape
     e, d = down_proj["scales"].shape[:2]
@@ -509,8 +535,10 @@ def gemv_down_combine(h: mx.array, blocks: mx.array, down_proj, shared, scores: 
     inputs.append(KERNELS["gemv_down_combine"].pack(I=i, D=d, E=e, Is=i * max(1, m), k=k, A=n * k, shared_chunks=m,
                                                     has_residual=residual is not None))
     rows_per_tg, chunk, groups = geometry
-    (out,) = _kernel("gemv_down_combine", backend)(
-        inputs=inputs, template=[("T", h.dtype), ("R", rows_per_tg), ("KC", chunk), ("NBLK", blocks_per_token),
+    name = "gemv_down_combine_direct" if direct else "gemv_down_combine"
+    sizes = [("KB", chunk), ("KX", i)] if direct else [("KC", chunk)]
+    (out,) = _kernel(name, backend)(
+        inputs=inputs, template=[("T", h.dtype), ("R", rows_per_tg), *sizes, ("NBLK", blocks_per_token),
                                  ("NG", groups)],
         grid=(d * groups, n, 1), threadgroup=(rows_per_tg * groups, 1, 1),
         output_shapes=[(n, d)], output_dtypes=[h.dtype], init_value=init_value)
@@ -1082,9 +1110,11 @@ def _decode_block_topk_in_gemv(block, x2d: mx.array, router_backend: str,
     h, inds, scores, gate, blocks = gemv_gate_up_routed(block, x2d, logits, backend)
     chunks = shared_chunks(shared, sw.gate_proj["scales"].shape[1])
     if next_norm is None and switches.is_enabled("fused_down_combine"):
-        geometry = down_combine_geometry(block.top_k + chunks, x2d.shape[1], h.shape[1])
+        direct = DOWN_COMBINE_DIRECT and down_combine_direct_geometry(block.top_k + chunks, x2d.shape[1], h.shape[1])
+        geometry = direct or down_combine_geometry(block.top_k + chunks, x2d.shape[1], h.shape[1])
         if geometry is not None:
-            return gemv_down_combine(h, blocks, sw.down_proj, shared, scores, gate, residual2d, geometry, backend)
+            return gemv_down_combine(h, blocks, sw.down_proj, shared, scores, gate, residual2d, geometry, backend,
+                                     direct=bool(direct))
         log_once("fused_down_combine:shape", f"fused_down_combine: {block.top_k} + {chunks} down GEMVs of width "
                  f"{x2d.shape[1]} do not fit one threadgroup, running the down GEMV and the combine apart")
     y = gemm_down(h, blocks, sw.down_proj, True, None, backend, shared=shared, gemv=True)
