@@ -803,7 +803,10 @@ for (int i = int(tid); i < tile_rows * MOE_BN; i += MOE_THREADS) {
 // grid (I / 64 * NT, max_blocks, 1), threadgroup (NT, 1, 1), NT = 64, 128 or 256 (template); inputs, params and
 // output as moe_gemm_gate_up_swiglu (I % 64 == 0), same bits. Thread (rg, cg): rows rg * TM .., gate and up
 // columns n0 + cg * 4 .. + 4 of both matrices. The 128 staged columns (gate 0 .. 63, then up) go to threads
-// c % NT, WPASS = 128 / NT of them a thread at NT = 64, one to each of the first 128 threads otherwise.
+// c % NT, WPASS = 128 / NT of them a thread at NT = 64, one to each of the first 128 threads otherwise. WR
+// (template, 0 or 1): the loops over a thread's staged columns unrolled, so that their weights stay in registers
+// (with WR = 0 at NT = 64 the compiler keeps the loop and puts them in local memory; WR = 1 is a candidate,
+// tiles "register64_unrolled"). Same operations either way, so the same bits.
 threadgroup float4 xt4[MOE_RT_BK * MOE_RT_XLD(NT) / 4];  // float4: 16-byte aligned for the vector loads
 threadgroup float* xt = reinterpret_cast<threadgroup float*>(xt4);
 threadgroup float4 wt4[2 * MOE_RT_BK * MOE_RT_GU_LD / 4];  // gate tile, then up tile
@@ -837,6 +840,7 @@ MoeRtWeightRegs wr[WPASS];
 uint xw[MOE_RT_XV(NT)];
 for (int k0 = 0; k0 < D; k0 += MOE_RT_BK) {
   // Step k0's operands: fetched ahead during the last step (or now, for the first), staged now.
+  #pragma unroll (WR != 0 ? WPASS : 1)
   for (int p = 0; p < WPASS; ++p) {
     const int c = int(tid) + p * NT;  // staged column: matrix c / 64, column c % 64
     const long wrow = long(chunk >= 0 ? chunk : e) * I + n0 + c % MOE_RT_GU_COLS;
@@ -863,6 +867,7 @@ for (int k0 = 0; k0 < D; k0 += MOE_RT_BK) {
   moe_rt_store_rows<NT, T>(xw, tile_rows, tid, xt);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (k0 + MOE_RT_BK < D) {  // the next step's device loads, in flight during this step's FMAs
+    #pragma unroll (WR != 0 ? WPASS : 1)
     for (int p = 0; p < WPASS; ++p) {
       const int c = int(tid) + p * NT;
       const long wrow = long(chunk >= 0 ? chunk : e) * I + n0 + c % MOE_RT_GU_COLS;

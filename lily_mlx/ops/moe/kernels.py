@@ -128,7 +128,10 @@ GEMM_COLS = 32  # output columns per threadgroup
 # between the register form over 64 threads (8 rows a thread in 32-row tiles) and over 128; "register256"
 # (benchmarks, tests) is that form over 256 threads, which also takes 64-row tiles (HUGE_TILE, host_block_map's
 # huge_min_rows). Threads per threadgroup of each explicit form:
-REGTILE_THREADS = {"register": GEMM_THREADS, "register64": 64, "register256": 256}
+REGTILE_THREADS = {"register": GEMM_THREADS, "register64": 64, "register256": 256, "register64_unrolled": 64}
+# "register64_unrolled" (benchmarks, tests): the 64-thread form with gate/up's staged weight columns held in
+# registers (template WR = 1; the product's form keeps them in local memory, a 64-byte stack frame under ptxas).
+REGTILE_UNROLLED = frozenset({"register64_unrolled"})
 TILE_KINDS = ("simdgroup",) + tuple(REGTILE_THREADS)
 COMBINE_THREADS = 128  # threads per threadgroup of the combine kernel, 4 columns each
 # Placeholder for the combine kernel's residual input when it adds none (one element, never read).
@@ -486,6 +489,8 @@ def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_s
         template.append(("NT", nt))
         if name == "down":
             template.append(("TN", cols // 16))
+        else:
+            template.append(("WR", int(tiles in REGTILE_UNROLLED)))
         name += "_regtile"
     else:
         grid, threads = (width // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), (GEMM_THREADS, 1, 1)
