@@ -282,15 +282,6 @@ def _trace_call_costs(model, engine: str, context: int, steps: int, vocab: int, 
     return "\n".join(lines + [anatomy, "\n"])
 
 
-def _timed_us(fn, calls: int) -> float:
-    for _ in range(20):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
-
-
 def _replay_anatomy(model, cache, calls: int = 400) -> str:
     """What one layer replay's host time is made of (the first DeltaNet decoder layer that has one): the replay
     as a decode step calls it, its trace called alone (outputs dropped at once, or kept so that nothing is freed
@@ -298,6 +289,8 @@ def _replay_anatomy(model, cache, calls: int = 400) -> str:
     and the graph nodes one call adds (all outputs, views too). The layer's cache is put back before every call,
     so every call sees the same inputs and no graph grows from call to call."""
     from lily_mlx.ops.moe import layer as moe_layer
+
+    from .host_speed import call_us
 
     found = [(i, layer) for i, layer in enumerate(model.layers)
              if getattr(layer, "is_linear", False) and moe_layer._REPLAY in layer.__dict__]
@@ -323,11 +316,11 @@ def _replay_anatomy(model, cache, calls: int = 400) -> str:
     if full() is None:
         return "(the replay does not take a maskless one-row call)"
     kept = []
-    rows = [("the replay, as a decode step calls it", _timed_us(full, calls))]
+    rows = [("the replay, as a decode step calls it", call_us(full, calls))]
     if traced is not None:
-        rows.append(("its trace called alone, outputs dropped", _timed_us(lambda: traced(x, *states, *weights), calls)))
+        rows.append(("its trace called alone, outputs dropped", call_us(lambda: traced(x, *states, *weights), calls)))
         rows.append(("its trace called alone, outputs kept",
-                     _timed_us(lambda: kept.append(traced(x, *states, *weights)), calls)))
+                     call_us(lambda: kept.append(traced(x, *states, *weights)), calls)))
         kept.clear()
         nodes = sum(count_primitives(traced(x, *states, *weights)).values()) - sum(
             count_primitives([x, *states, *weights]).values())
@@ -335,8 +328,8 @@ def _replay_anatomy(model, cache, calls: int = 400) -> str:
         nodes = None
     trivial_owned = mx.compile(lambda a: a + 1, inputs=layer)
     trivial = mx.compile(lambda a: a + 1)
-    rows.append(("a trivial trace owned by the layer", _timed_us(lambda: trivial_owned(x), calls)))
-    rows.append(("a trivial trace without an owner", _timed_us(lambda: trivial(x), calls)))
+    rows.append(("a trivial trace owned by the layer", call_us(lambda: trivial_owned(x), calls)))
+    rows.append(("a trivial trace without an owner", call_us(lambda: trivial(x), calls)))
     restore()
     lines = [f"\nanatomy of decoder layer {i}'s replay (DeltaNet; {len(tree_flatten(layer.parameters()))} weight "
              f"arrays; its trace adds {nodes} graph nodes a call, views too), median of {calls} calls:", "",

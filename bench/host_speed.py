@@ -81,6 +81,16 @@ def trace_cost_table(arrays=(0, 45, 200), ops=(2, 32, 128)) -> str:
     return "\n".join(lines)
 
 
+def call_us(fn, calls: int, warmup: int = 20) -> float:
+    """Microseconds per call of ``fn`` (host time: whatever it builds is not evaluated), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def _node_chain(kind: str):
     """(x, one node of ``kind`` applied to x) for the node-kind table, or None where this device has no such
     node (a custom kernel needs Metal or CUDA)."""
@@ -123,19 +133,10 @@ def node_kind_us(kind: str, nodes: int = 16, calls: int = 1000):
     traced, trivial = mx.compile(chain), mx.compile(lambda a: a + 1)
     mx.eval(x)
     kept = []
-
-    def timed(fn):
-        for _ in range(20):
-            fn()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - t0) / calls * 1e6
-
-    base = timed(lambda: trivial(x))
-    keep = timed(lambda: kept.append(traced(x)))
+    base = call_us(lambda: trivial(x), calls)
+    keep = call_us(lambda: kept.append(traced(x)), calls)
     kept.clear()
-    drop = timed(lambda: traced(x))
+    drop = call_us(lambda: traced(x), calls)
     return (keep - base) / nodes, (drop - base) / nodes
 
 

@@ -113,9 +113,10 @@ def _cuda_unit(spec, inputs, output_dtypes, template) -> str:
 
 
 @contextmanager
-def _captured_launches(module):
-    """``module._kernel`` replaced for the block: every launch is recorded as (dispatch-table name, its keyword
-    arguments) in the yielded list and returns zeros of its output shapes, nothing runs."""
+def _captured_launches(module, factory: str = "_kernel"):
+    """``module.<factory>`` (the function that hands out a launcher for a dispatch-table name or a KernelSpec and a
+    backend) replaced for the block: every launch is recorded as (that name or spec, its keyword arguments) in the
+    yielded list and returns zeros of its output shapes, nothing runs."""
     calls = []
 
     def kernel(name, backend=None):
@@ -124,7 +125,7 @@ def _captured_launches(module):
             return [mx.zeros(tuple(s), d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
         return launch
 
-    with mock.patch.object(module, "_kernel", kernel):
+    with mock.patch.object(module, factory, kernel):
         yield calls
 
 
@@ -198,15 +199,7 @@ def attention_units(heads: tuple = (16, 2), head_dim: int = 256) -> Dict[str, st
     hq, hkv = heads
     q = mx.zeros((1, hq, 1, head_dim), mx.bfloat16)
     kv = mx.zeros((1, hkv, 1024, head_dim), mx.bfloat16)
-    calls = []
-
-    def kernel(spec, backend=None):
-        def launch(**kw):
-            calls.append((spec, kw))
-            return [mx.zeros(tuple(s), d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
-        return launch
-
-    with mock.patch.object(ak, "get_kernel", kernel):
+    with _captured_launches(ak, "get_kernel") as calls:
         ak.decode_attention(q, kv, kv, scale=0.0625, backend="cuda")
         ak.decode_attention_fixed_blocks(q, kv, kv, scale=0.0625, backend="cuda")
         ak.decode_attention_fixed_blocks(q, kv, kv, scale=0.0625, backend="cuda", heads_per_threadgroup=hq // hkv // 2)

@@ -1603,20 +1603,29 @@ def test_down_gemv_with_the_combine_compiles_and_fits_on_the_h200(direct):
     assert u["smem"] == want == (21120 if direct else 23040), u
 
 
-@needs_sim
-def test_decode_call_takes_the_direct_down_combine_layout_when_chosen(gemm_sim, monkeypatch):
-    """With ``DOWN_COMBINE_DIRECT`` a decode call of the block launches moe_gemv_down_combine_direct instead of the
-    staged kernel, with the same bits."""
+def _decode_call_of_a_small_block(monkeypatch):
+    """(block, x, output, launches) of one decode call (one token) of a small block on the kernel backend, built op
+    by op; the block's recorded decode plan is dropped after it, so that the next call chooses its path again."""
     from lily_mlx.ops.moe import sparse_moe_forward
 
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     monkeypatch.setitem(switches._state, "compiled_decode", False)
     block = make_sparse_moe_block(num_experts=16, top_k=4, seed=9, shared_width=128)
     x = make_inputs(1, 1, 128, seed=3)
-    with record_launches() as staged:
-        want = sparse_moe_forward(block, x)
-        mx.eval(want)
+    with record_launches() as launches:
+        out = sparse_moe_forward(block, x)
+        mx.eval(out)
     block.__dict__.pop("_lily_decode_plans", None)
+    return block, x, out, launches
+
+
+@needs_sim
+def test_decode_call_takes_the_direct_down_combine_layout_when_chosen(gemm_sim, monkeypatch):
+    """With ``DOWN_COMBINE_DIRECT`` a decode call of the block launches moe_gemv_down_combine_direct instead of the
+    staged kernel, with the same bits."""
+    from lily_mlx.ops.moe import sparse_moe_forward
+
+    block, x, want, staged = _decode_call_of_a_small_block(monkeypatch)
     monkeypatch.setattr(mk, "DOWN_COMBINE_DIRECT", True)
     with record_launches() as direct:
         got = sparse_moe_forward(block, x)
@@ -1632,15 +1641,8 @@ def test_down_gemv_with_the_combine_falls_back_to_the_two_kernels_where_it_does_
     combine as two kernels, with a log line, and gets the fused kernel's bits (they are the two kernels')."""
     from lily_mlx.ops.moe import sparse_moe_forward
 
-    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
-    monkeypatch.setitem(switches._state, "compiled_decode", False)
-    block = make_sparse_moe_block(num_experts=16, top_k=4, seed=9, shared_width=128)
-    x = make_inputs(1, 1, 128, seed=3)
-    with record_launches() as fused:
-        want = sparse_moe_forward(block, x)
-        mx.eval(want)
+    block, x, want, fused = _decode_call_of_a_small_block(monkeypatch)
     assert "moe_gemv_down_combine" in fused.counts()
-    block.__dict__.pop("_lily_decode_plans", None)
     reset_log_once()
     monkeypatch.setattr(mk, "down_combine_geometry", lambda *a, **kw: None)
     with caplog.at_level(logging.INFO), record_launches() as apart:
