@@ -372,13 +372,13 @@ inline float moe_gemv_chain_direct(const device uint32_t* wrow, const device T* 
     cs[i] = float(srow[i]);
     cb[i] = float(brow[i]);
   }
-  uint4 nxt[2 * KB];
-  float ns[KB];
-  float nb[KB];
   float acc = 0.0f;
   const int groups = K / 64;
   for (int g0 = 0; g0 < groups; g0 += KB) {
     const bool more = g0 + KB < groups;  // uniform over the threadgroup
+    uint4 nxt[2 * KB];
+    float ns[KB];
+    float nb[KB];
     if (more) {
       #pragma unroll
       for (int i = 0; i < 2 * KB; ++i) {

@@ -176,3 +176,23 @@ def test_swizzles_read_and_write():
                 + q[1] + 4 + 10 + (10 + q[1] + 20))
 
     assert np.array(out).tolist() == [ref(list(range(4 * i, 4 * i + 4))) for i in range(2)]
+
+
+def test_words_of_comments_are_not_read_as_code():
+    """A comment ending in "threadgroup" before a thread's own array (the translator once read the two as a
+    threadgroup declaration and left the array undeclared); a "//" inside a string stays; block comments keep the
+    lines, so a later line's report still points at it."""
+    src = """
+        uint i = thread_position_in_grid.x;  // each thread's own, not the threadgroup
+        float mine[2];
+        /* several
+           lines */ float other[2];
+        mine[0] = float(i);
+        other[0] = float(2 * i);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        const char* s = "not // a comment";
+        o0[i] = mine[0] + other[0] + float(s[4] == '/');
+    """
+    out = _k(src)(inputs=[mx.array([0.0])], grid=(8, 1, 1), threadgroup=(8, 1, 1), output_shapes=[(8,)],
+                  output_dtypes=[mx.float32])[0]
+    assert np.array(out).tolist() == [3.0 * i + 1.0 for i in range(8)]

@@ -3,6 +3,7 @@
 The translated text keeps MLX's line structure (a ``#line`` directive maps compiler messages and
 the simulator's reports back to lines of the MLX-generated kernel text). Rewrites, all line-preserving:
 
+- comments are blanked (line breaks kept), so that no word of a comment is read as code;
 - ``[[...]]`` attributes are dropped; ``#include <metal_*>`` lines are commented out;
 - ``threadgroup T name[N]...;`` declarations become references to storage shared by the threadgroup
   (one block per declaration site and type, per threadgroup);
@@ -41,8 +42,21 @@ def _keep_lines(match_text: str, replacement: str) -> str:
     return replacement + "\n" * match_text.count("\n")
 
 
+# Comments and string/character literals, in text order (a "//" inside a string is no comment).
+_COMMENT_OR_LITERAL = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.DOTALL)
+
+
+def _without_comments(text: str) -> str:
+    """Comments blanked (a block comment keeps its line breaks), literals kept: the rewrites below must not read
+    words of a comment as code (a comment ending in "threadgroup" made the declaration on the next line a
+    threadgroup array)."""
+    return _COMMENT_OR_LITERAL.sub(lambda m: m.group(0) if m.group(0)[0] in "\"'" else
+                                   _keep_lines(m.group(0), " "), text)
+
+
 def translate_text(text: str) -> str:
     """Rewrite user Metal text (header or body) into C++ for the prelude (line-preserving)."""
+    text = _without_comments(text)
     text = _METAL_INCLUDE.sub(lambda m: "// " + m.group(0).lstrip(), text)
     text = _ATTRIBUTE.sub("", text)
 
