@@ -22,6 +22,10 @@
 #                                               # build goes on this host: one mx.compile trace call by captured
 #                                               # arrays and ops (bench.host_speed --traces) against lily's layer
 #                                               # replays (their us and graph nodes a call)
+#   PART=10 bash bench/device_decode_checks.sh  # the eighteenth session's candidates kernel against kernel (same
+#                                               # bits as the product's forms): the direct down+combine layout, the
+#                                               # attention's query heads over two threadgroups, the register tile
+#                                               # without a stack frame (docs/benchmarks.md, items 1, 2 and 4)
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -118,6 +122,15 @@ case "${PART:-1}" in
     head -12 "$W/hprof/decode_profile.md" 2>/dev/null
     ls "$W/hprof"
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8 or 9" >&2; exit 2 ;;
+  10) # the candidates of docs/benchmarks.md (2026-12-04): op cases (down_combine_direct_x8 against the default
+      # layout and the two kernels; attention_fixed_blocks_auto_gt4 against auto, 4K-128K), then the GEMM tile forms
+      # (gate_up register, 64 threads, with and without its staged columns in registers)
+    run op_cases 300 python -m bench.run --mode kernels --op-cases on --op-match "combine_|attention_fixed_blocks_auto" \
+      --out "$W/candidates"
+    grep -E "down_|combine_|attention_fixed" "$W/op_cases.txt" | tail -40
+    run gemm_tiles 200 python -m bench.gemm_tiles --variants --tokens 512,2048,8192 --out "$W/candidates_gemm_tiles.md"
+    cat "$W/candidates_gemm_tiles.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9 or 10" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"
