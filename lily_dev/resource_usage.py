@@ -189,6 +189,24 @@ def down_combine_unit(blocks_per_token: int = 9, width: int = 2048, expert_width
     return _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], template), rows * groups
 
 
+def gate_up_gemv_unit(experts: int = 256, width: int = 2048, expert_width: int = 512) -> str:
+    """The CUDA translation unit of the decode gate/up GEMV with the router's top-k inside
+    (``moe_gemv_gate_up_swiglu_routed``) in bf16 with the template of Qwen3.6's shape (256 experts, hidden 2048,
+    expert width 512); a small block's launch stands in for the inputs (their shapes do not enter the translation)."""
+    from lily_mlx.ops.moe import kernels as mk
+
+    from .moe_testing import make_sparse_moe_block
+
+    block = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=16, top_k=4, shared_width=64, seed=1)
+    block.set_dtype(mx.bfloat16)
+    with _captured_launches(mk) as calls:
+        mk.gemv_gate_up_routed(block, mx.zeros((1, 128), mx.bfloat16), mx.zeros((1, 16), mx.float32), "cuda")
+    (name, kw), = calls
+    rows, chunk = mk.gemv_geometry("gate_up", expert_width, width, None, mk.ROUTED_GEMV_PROBS_BYTES)
+    template = [("T", mx.bfloat16), ("R", rows), ("KC", chunk), ("NPL", -(-experts // 32))]
+    return _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], template)
+
+
 def attention_units(heads: tuple = (16, 2), head_dim: int = 256) -> Dict[str, str]:
     """The decode attention kernels in bf16 at Qwen3.6's heads (16 query heads, 2 KV heads, head dim 256) with their
     default templates: the one-pass kernel, the fixed blocks' partials and their merge, and the partials with half

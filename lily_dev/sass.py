@@ -137,6 +137,7 @@ def units(family: str) -> Dict[str, str]:
         for direct in (False, True):
             name = "moe_gemv_down_combine" + ("_direct" if direct else "")
             units[name] = resource_usage.down_combine_unit(direct=direct)[0]
+        units["moe_gemv_gate_up_swiglu_routed"] = resource_usage.gate_up_gemv_unit()
         return units
     if family == "attention":
         return resource_usage.attention_units()
@@ -149,8 +150,8 @@ def units(family: str) -> Dict[str, str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lily_dev.sass", description=__doc__.split("\n\n")[0])
     p.add_argument("--family", default="moe",
-                   help="moe (the grouped GEMMs, every tile form; the decode down+combine kernel's two "
-                        "layouts), attention (decode) or deltanet")
+                   help="moe (the grouped GEMMs, every tile form; the decode gate/up GEMV and the "
+                        "down+combine kernel's two layouts), attention (decode) or deltanet")
     p.add_argument("--match", default="", help="only kernels whose name contains this text")
     p.add_argument("--loops", type=int, default=5, help="loops shown per kernel (most FFMAs first, then FFMA share)")
     args = p.parse_args(argv)
