@@ -52,6 +52,9 @@ _DOWN_PARAMS = ("I", "D", "E", "Is")
 
 # Dispatch table: one KernelSpec per kernel of kernels/moe/router.metal, routing.metal, gemm.metal and
 # residual_norm.metal.
+# The down GEMV's inputs without its params, then the combine's; one output.
+_DOWN_COMBINE_SIGNATURE = (_DOWN_SIGNATURE[0][:-1] + ("scores", "gate", "residual", "params"), ("out",))
+_DOWN_COMBINE_PARAMS = _DOWN_PARAMS + ("k", "A", "shared_chunks", "has_residual")
 KERNELS: Dict[str, KernelSpec] = {
     "residual_norm": KernelSpec("moe_residual_rms_norm", RESIDUAL_NORM, ("x", "y", "weight", "eps", "params"),
                                 ("h", "n"), params=("D",)),
@@ -104,13 +107,11 @@ KERNELS: Dict[str, KernelSpec] = {
         params=_GATE_UP_PARAMS + ("norm_topk", "has_gate", "decode_tile", "shared_chunks")),
     "gemv_down": KernelSpec("moe_gemv_down", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
     # The decode down GEMV and the combine (+ the residual) in one launch (switch fused_down_combine).
-    "gemv_down_combine": KernelSpec(
-        "moe_gemv_down_combine", GEMM, _DOWN_SIGNATURE[0][:-1] + ("scores", "gate", "residual", "params"), ("out",),
-        params=_DOWN_PARAMS + ("k", "A", "shared_chunks", "has_residual")),
+    "gemv_down_combine": KernelSpec("moe_gemv_down_combine", GEMM, *_DOWN_COMBINE_SIGNATURE,
+                                    params=_DOWN_COMBINE_PARAMS),
     # The same with each chain's weights read by its own thread from device memory (a layout candidate).
-    "gemv_down_combine_direct": KernelSpec(
-        "moe_gemv_down_combine_direct", GEMM, _DOWN_SIGNATURE[0][:-1] + ("scores", "gate", "residual", "params"),
-        ("out",), params=_DOWN_PARAMS + ("k", "A", "shared_chunks", "has_residual")),
+    "gemv_down_combine_direct": KernelSpec("moe_gemv_down_combine_direct", GEMM, *_DOWN_COMBINE_SIGNATURE,
+                                           params=_DOWN_COMBINE_PARAMS),
     "gemv_gate_up_rowwise": KernelSpec("moe_gemv_gate_up_swiglu_rowwise", GEMM, *_GATE_UP_SIGNATURE,
                                        params=_GATE_UP_PARAMS),
     "gemv_down_rowwise": KernelSpec("moe_gemv_down_rowwise", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
@@ -362,6 +363,13 @@ DOWN_COMBINE_ROWS = 16
 DOWN_COMBINE_DIRECT = False
 
 
+def _down_combine_groups(blocks_per_token: int, width: int, rows: int) -> Optional[int]:
+    """NG of moe_gemv_down_combine (both layouts): the blocks rounded up to whole simdgroups of groups of ``rows``
+    threads; None where ``rows`` does not divide the width or the groups pass one threadgroup's 1,024 threads."""
+    groups = -(-blocks_per_token * rows // 32) * 32 // rows
+    return None if width % rows or groups * rows > 1024 else groups
+
+
 @lru_cache(maxsize=None)
 def down_combine_geometry(blocks_per_token: int, width: int, k: int, rows: int = DOWN_COMBINE_ROWS,
                           chunks: tuple = (256, 128, 64)) -> Optional[tuple]:
@@ -370,8 +378,8 @@ def down_combine_geometry(blocks_per_token: int, width: int, k: int, rows: int =
     (benchmarks and tests try others), NG groups of R threads (the blocks, rounded up to whole simdgroups), KC
     the first of ``chunks`` dividing k whose double-buffered staging, once per group, fits 32 KB; None where
     nothing fits or R does not divide the width."""
-    groups = -(-blocks_per_token * rows // 32) * 32 // rows
-    if width % rows or groups * rows > 1024:
+    groups = _down_combine_groups(blocks_per_token, width, rows)
+    if groups is None:
         return None
     for kc in chunks:
         if k % kc == 0 and groups * gemv_stage_bytes(1, rows, kc) <= GEMV_THREADGROUP_BYTES:
@@ -386,10 +394,8 @@ def down_combine_direct_geometry(blocks_per_token: int, width: int, k: int, rows
     memory): R and NG as ``down_combine_geometry``, KB the first of ``batch_groups`` quantisation groups a register
     batch dividing k / 64; None where k is no multiple of 64, R does not divide the width, or the NG activation
     rows (k floats each) and results do not fit 32 KB."""
-    groups = -(-blocks_per_token * rows // 32) * 32 // rows
-    if width % rows or groups * rows > 1024 or k % 64:
-        return None
-    if groups * (k + rows) * 4 > GEMV_THREADGROUP_BYTES:
+    groups = _down_combine_groups(blocks_per_token, width, rows)
+    if groups is None or k % 64 or groups * (k + rows) * 4 > GEMV_THREADGROUP_BYTES:
         return None
     kb = next(b for b in batch_groups if (k // 64) % b == 0)
     return rows, kb, groups
