@@ -238,14 +238,20 @@ def _trace_call_costs(model, engine: str, context: int, steps: int, vocab: int, 
 
     nodes: Dict[str, int] = {}
 
+    def replay_kind(layer) -> str:
+        return f"replay:{'linear' if getattr(layer, 'is_linear', False) else 'attention'} layer"
+
     def timed_replay(layer, *args):
         t0 = time.perf_counter()
         out = inner_replay(layer, *args)
-        kind = f"replay:{'linear' if getattr(layer, 'is_linear', False) else 'attention'} layer"
-        spent.setdefault(kind, []).append(time.perf_counter() - t0)
-        if out is not None and kind not in nodes:  # once per kind: the graph nodes the call added
-            nodes[kind] = (sum(count_primitives(out).values())
-                           - sum(count_primitives(args[0]).values()))
+        spent.setdefault(replay_kind(layer), []).append(time.perf_counter() - t0)
+        return out
+
+    def counted_replay(layer, *args):  # (an untimed step) the graph nodes a replay adds, once per kind
+        out = inner_replay(layer, *args)
+        kind = replay_kind(layer)
+        if out is not None and kind not in nodes:
+            nodes[kind] = sum(count_primitives(out).values()) - sum(count_primitives(args[0]).values())
         return out
 
     Engines(model).use(engine)
@@ -261,7 +267,10 @@ def _trace_call_costs(model, engine: str, context: int, steps: int, vocab: int, 
                 builds.append(time.perf_counter() - t0)
                 mx.eval(nxt)
                 y = nxt
-            compiled.call, moe_layer._replayed = inner, inner_replay
+            compiled.call, moe_layer._replayed = inner, counted_replay
+            y = _step(model, y, cache)
+            mx.eval(y)
+            moe_layer._replayed = inner_replay
             anatomy = _replay_anatomy(model, cache)
     finally:
         compiled.call, moe_layer._replayed = inner, inner_replay

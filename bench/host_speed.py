@@ -40,6 +40,16 @@ def graph_build_us(ops: int = BUILD_OPS, repeats: int = 9) -> float:
     return statistics.median(times) * 1e6 * 1000 / ops
 
 
+def call_us(fn, calls: int, warmup: int = 20) -> float:
+    """Microseconds per call of ``fn`` (host time: whatever it builds is not evaluated), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def trace_call_us(arrays: int, ops: int, calls: int = 2000) -> float:
     """Median-of-3 microseconds for one call of an ``mx.compile`` trace of ``ops`` element-wise ops whose
     owner module holds ``arrays`` weight arrays (``inputs=owner``, as lily's decode traces are made): MLX
@@ -62,15 +72,7 @@ def trace_call_us(arrays: int, ops: int, calls: int = 2000) -> float:
     traced = mx.compile(fn, inputs=owner) if arrays else mx.compile(fn)
     x = mx.ones((4,))
     mx.eval(x)
-    for _ in range(50):
-        traced(x)
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            traced(x)
-        times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times) * 1e6
+    return statistics.median(call_us(lambda: traced(x), calls) for _ in range(3))
 
 
 def trace_cost_table(arrays=(0, 45, 200), ops=(2, 32, 128)) -> str:
@@ -79,16 +81,6 @@ def trace_cost_table(arrays=(0, 45, 200), ops=(2, 32, 128)) -> str:
     for a in arrays:
         lines.append(f"| {a} | " + " | ".join(f"{trace_call_us(a, n):.1f}" for n in ops) + " |")
     return "\n".join(lines)
-
-
-def call_us(fn, calls: int, warmup: int = 20) -> float:
-    """Microseconds per call of ``fn`` (host time: whatever it builds is not evaluated), after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def _node_chain(kind: str):
