@@ -2,8 +2,8 @@
 expert width 512, skewed routing, bf16): simdgroup tiles, register tiles, register tiles with down at 64
 columns a threadgroup (TN = 4, the default) and at 128 (TN = 8), the register tiles over 64 threads (8 rows a
 thread in 32-row tiles) and over 256 threads on a block map with 64-row tiles for experts of >= 64 rows, and the
-64-thread gate/up with its staged weight columns unrolled into registers (no stack frame; the last two are
-candidates, not product paths). Times each on this backend (medians of evaluated calls)
+64-thread gate/up with the loops over its staged weight columns rolled (local memory under ptxas: the form before
+2026-12-04; the last two are not product paths). Times each on this backend (medians of evaluated calls)
 and prints a Markdown table of microseconds and TFLOP/s; ``--once`` runs each register-tile GEMM once
 (a target for a profiler such as ``ncu -k regex:regtile``).
 
@@ -61,7 +61,7 @@ def cases(tokens: int, sw, backend: str) -> Dict[str, tuple]:
     return {"gate_up simdgroup": (up("simdgroup"), up_flops, None),
             "gate_up register": (up("register"), up_flops, None),
             "gate_up register, 64 threads": (up("register64"), up_flops, None),
-            "gate_up register, 64 threads, staged columns in registers": (up("register64_unrolled"), up_flops, None),
+            "gate_up register, 64 threads, staged columns in local memory": (up("register64_rolled"), up_flops, None),
             "gate_up register, 256 threads, 64-row tiles": (up("register256", huge), up_flops, None),
             "down simdgroup": (down("simdgroup"), down_flops, None),
             "down register, 64 columns (TN 4)": (down("register"), down_flops, (64,)),

@@ -132,7 +132,7 @@ def _captured_launches(module, factory: str = "_kernel"):
 def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
     """The grouped GEMMs (gate+up+SwiGLU, down) at Qwen3.6's widths, for each activation dtype with fp32
     tile operands and with operands of that dtype, and their register-tiled forms (switch register_tiles; 128, 64
-    and 256 threads, and the 64-thread candidate with gate/up's staged columns unrolled, ``WR=1``)."""
+    and 256 threads, and the 64-thread gate/up form with its staged columns' loops rolled, ``WR=0``)."""
     from lily_mlx.ops.moe import kernels as mk
 
     from .moe_testing import make_routing, make_sparse_moe_block
@@ -148,7 +148,7 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
         for dtype in dtypes:
             x = mx.zeros((40, 2048), dtype)
             for tile, tiles in ((None, "simdgroup"), (dtype, "simdgroup"), (None, "register"), (None, "register64"),
-                               (None, "register256"), (None, "register64_unrolled")):
+                               (None, "register256"), (None, "register64_rolled")):
                 h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, 2,
                                            True, sched["counts"], "cuda", tile_dtype=tile, tiles=tiles)
                 mk.gemm_down(h, sched["blocks"], sw.down_proj, True, sched["counts"], "cuda", tile_dtype=tile,
@@ -157,7 +157,7 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
     for name, kw in calls:
         t = dict(kw["template"])
         key = (f"{mk.KERNELS[name].name}[T={t['T']}, MT={t.get('MT')}" + (f", NT={t['NT']}" if t.get("NT") else "")
-               + (", WR=1" if t.get("WR") else "") + "]")
+               + (", WR=0" if t.get("WR") == 0 else "") + "]")
         units[key] = _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], kw["template"])
     return units
 

@@ -805,8 +805,8 @@ for (int i = int(tid); i < tile_rows * MOE_BN; i += MOE_THREADS) {
 // columns n0 + cg * 4 .. + 4 of both matrices. The 128 staged columns (gate 0 .. 63, then up) go to threads
 // c % NT, WPASS = 128 / NT of them a thread at NT = 64, one to each of the first 128 threads otherwise. WR
 // (template, 0 or 1): the loops over a thread's staged columns unrolled, so that their weights stay in registers
-// (with WR = 0 at NT = 64 the compiler keeps the loop and puts them in local memory; WR = 1 is a candidate,
-// tiles "register64_unrolled"). Same operations either way, so the same bits.
+// (with WR = 0 at NT = 64 the compiler keeps the loop and puts them in local memory, 4-7 % slower on the H200;
+// the product launches WR = 1, tiles "register64_rolled" WR = 0). Same operations either way, so the same bits.
 threadgroup float4 xt4[MOE_RT_BK * MOE_RT_XLD(NT) / 4];  // float4: 16-byte aligned for the vector loads
 threadgroup float* xt = reinterpret_cast<threadgroup float*>(xt4);
 threadgroup float4 wt4[2 * MOE_RT_BK * MOE_RT_GU_LD / 4];  // gate tile, then up tile

@@ -129,10 +129,11 @@ GEMM_COLS = 32  # output columns per threadgroup
 # between the register form over 64 threads (8 rows a thread in 32-row tiles) and over 128; "register256"
 # (benchmarks, tests) is that form over 256 threads, which also takes 64-row tiles (HUGE_TILE, host_block_map's
 # huge_min_rows). Threads per threadgroup of each explicit form:
-REGTILE_THREADS = {"register": GEMM_THREADS, "register64": 64, "register256": 256, "register64_unrolled": 64}
-# "register64_unrolled" (benchmarks, tests): the 64-thread form with gate/up's staged weight columns held in
-# registers (template WR = 1; the product's form keeps them in local memory, a 64-byte stack frame under ptxas).
-REGTILE_UNROLLED = frozenset({"register64_unrolled"})
+REGTILE_THREADS = {"register": GEMM_THREADS, "register64": 64, "register256": 256, "register64_rolled": 64}
+# The product's gate/up register tiles unroll the loops over a thread's staged weight columns (template WR = 1), so
+# that they stay in registers; "register64_rolled" (benchmarks, tests) is the 64-thread form with those loops rolled
+# (WR = 0: the columns in local memory, a 64-byte stack frame under ptxas; 4-7 % slower on the H200, 2026-12-04).
+REGTILE_ROLLED = frozenset({"register64_rolled"})
 TILE_KINDS = ("simdgroup",) + tuple(REGTILE_THREADS)
 COMBINE_THREADS = 128  # threads per threadgroup of the combine kernel, 4 columns each
 # Placeholder for the combine kernel's residual input when it adds none (one element, never read).
@@ -496,7 +497,7 @@ def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_s
         if name == "down":
             template.append(("TN", cols // 16))
         else:
-            template.append(("WR", int(tiles in REGTILE_UNROLLED)))
+            template.append(("WR", int(tiles not in REGTILE_ROLLED)))
         name += "_regtile"
     else:
         grid, threads = (width // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), (GEMM_THREADS, 1, 1)
