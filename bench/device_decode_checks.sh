@@ -26,6 +26,9 @@
 #                                               # bits as the product's forms): the direct down+combine layout, the
 #                                               # attention's query heads over two threadgroups, the register tile
 #                                               # without a stack frame (docs/benchmarks.md, items 1, 2 and 4)
+#   PART=11 bash bench/device_decode_checks.sh  # kv_write_in_trace (the KV cache written inside the attention
+#                                               # layer's first trace): CUDA tests of the traced steps, decode A/B,
+#                                               # decode profile (build ms, primitives), e2e decode of 256 tokens
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -131,6 +134,22 @@ case "${PART:-1}" in
     run gemm_tiles 200 python -m bench.gemm_tiles --variants --tokens 512,2048,8192 --out "$W/candidates_gemm_tiles.md"
     cat "$W/candidates_gemm_tiles.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9 or 10" >&2; exit 2 ;;
+  11) # the KV cache written and attended inside the attention layers' first trace (nothing built between their two
+      # traces): the CUDA tests of the traced steps (traced == built bits; on == off up to the GPU's sums), the
+      # decode A/B and profile against the switch off, e2e decode of 256 tokens (crosses the buffer's growth)
+    run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+      -o addopts= tests/kernels/test_compiled_decode.py
+    grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -3
+    run decode_ab 150 python -m bench.decode_ab --engines lily,lily-off:kv_write_in_trace,stock-kernels \
+      --context 4096 --bursts 8 --out "$W/ab_kv"
+    cat "$W/ab_kv/decode_ab.md" 2>/dev/null
+    run decode_profile 150 python -m bench.run --mode decode-profile --size full --context 4096 --rounds 1 \
+      --profile-steps 12 --engines lily,lily-off:kv_write_in_trace --out "$W/dprof_kv"
+    head -8 "$W/dprof_kv/decode_profile.md" 2>/dev/null
+    run e2e_decode_256 150 python -m bench.run --mode e2e --size full --engines lily,lily-off:kv_write_in_trace \
+      --shared-prefill --lengths 4K --rounds 2 --gen-tokens 256 --out "$W/e2e_kv"
+    cat "$W/e2e_kv/e2e.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 or 11" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"

@@ -76,17 +76,23 @@ def enabled(*backends: str) -> bool:
     return switches.is_enabled("compiled_decode") and all(b in COMPILE_BACKENDS for b in backends)
 
 
-def call(owner, key: Hashable, fn: Callable, args: Sequence[mx.array]):
+def call(owner, key: Hashable, fn: Callable, args: Sequence[mx.array], slot: Optional[Hashable] = None):
     """``fn(*args)`` through a trace cached on ``owner`` per ``key``, or None when it cannot be traced
     (the caller then runs ``fn`` itself). ``key`` must hold everything besides the args' shapes and
-    dtypes that changes what ``fn`` builds (switch states, backends, weight shapes). Inside
-    :func:`inline`, ``fn(*args)`` itself (traced as part of the larger piece)."""
+    dtypes that changes what ``fn`` builds (switch states, backends, weight shapes). ``slot``: the traces
+    of one slot replace each other (a KV buffer's capacity grows: the last capacity's trace is dropped).
+    Inside :func:`inline`, ``fn(*args)`` itself (traced as part of the larger piece)."""
     if inlining():
         return fn(*args)
     traces = owner.__dict__.setdefault("_lily_compiled", {})
     traced = traces.get(key)
     if traced is _FAILED:
         return None
+    if traced is None and slot is not None:
+        slots = owner.__dict__.setdefault("_lily_compiled_slots", {})
+        if slots.get(slot, key) != key:
+            traces.pop(slots[slot], None)
+        slots[slot] = key
     if traced is None:
         traced = mx.compile(fn, inputs=owner)
         saved = tree_flatten(owner.parameters())

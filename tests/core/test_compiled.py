@@ -102,8 +102,10 @@ def test_decode_traces_give_the_bits_of_steps_built_op_by_op(monkeypatch, off):
         traces = [(type(m).__name__, k, v) for _, m in model.named_modules()
                   for k, v in m.__dict__.get("_lily_compiled", {}).items()]
         assert all(v is not compiled._FAILED for _, _, v in traces)
-        # every layer traced whole: DeltaNet layers in one trace, attention layers in two around the cache
-        assert {k[0] for owner, k, _ in traces if owner.endswith("DecoderLayer")} == {"layer", "prep", "out"}
+        # every layer traced whole: DeltaNet layers in one trace, attention layers in two (with the KV cache
+        # written in the first where the plain cache has room, kv_write_in_trace; around the batch cache)
+        assert {k[0] for owner, k, _ in traces if owner.endswith("DecoderLayer")} == {
+            "layer", "prep", "prep_in_buffer", "out"}
         if off == "compiled_decode":  # no piece was ever traced on its own
             assert {owner for owner, _, _ in traces} == {"LilyDecoderLayer"}
     finally:
@@ -113,6 +115,60 @@ def test_decode_traces_give_the_bits_of_steps_built_op_by_op(monkeypatch, off):
     for r, (got, want) in enumerate(zip(traced_rows, built_rows)):
         for step, (a, b) in enumerate(zip(got, want)):
             assert mx.array_equal(a, b).item(), f"row {r}, step {step}"
+
+
+def test_decode_across_the_kv_buffers_growth(monkeypatch):
+    """``kv_write_in_trace``: a decode step writes its keys and values into the plain KV cache's buffer and
+    attends over the whole buffer with the rows past the offset masked. Across MLX-LM's growth of the buffer
+    (256 -> 512 rows: the growth step is built by ``update_and_fetch``, the steps after it trace anew for the
+    new capacity and the old capacity's trace is dropped) the traced steps give the bits of the steps built
+    op by op, and the switch off (stock's update and attention over the live rows) gives the same bits on
+    the CPU (masked scores weigh exactly 0); the cache ends as MLX-LM's own update leaves it."""
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from lily_mlx import patch as lily_patch
+    from lily_mlx.models import embedded
+
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    monkeypatch.setattr(compiled, "COMPILE_BACKENDS", compiled.COMPILE_BACKENDS | {"reference"})
+    model, _ = mlx_lm.load(str(embedded.EMBEDDED_DIR))
+    prompt = mx.random.randint(0, 1000, (250,), key=mx.random.key(7)).tolist()
+    steps = 12  # offsets 250 .. 261: the step at 256 grows the buffer
+
+    def greedy():
+        cache = make_prompt_cache(model)
+        logits = model(mx.array([prompt]), cache=cache)[:, -1:]
+        out = [logits]
+        for _ in range(steps):
+            logits = model(mx.argmax(logits[:, -1], axis=-1)[:, None], cache=cache)
+            out.append(logits)
+        mx.eval(out)
+        return out, cache
+
+    lily_patch.patch(model)
+    try:
+        with switches.overrides(disable=["compiled_decode"]):
+            built, _ = greedy()
+        with switches.overrides(disable=["kv_write_in_trace"]):
+            unbuffered, stock_cache = greedy()
+        traced, cache = greedy()
+        attention_layers = [layer for layer in model.layers if not layer.is_linear]
+        for layer in attention_layers:
+            kept = [k for k in layer.__dict__["_lily_compiled"] if k[0] == "prep_in_buffer"]
+            assert [k[-1] for k in kept] == [512], kept  # the 256-row capacity's trace dropped
+    finally:
+        lily_patch.unpatch(model)
+    for step, (a, b, c) in enumerate(zip(traced, built, unbuffered)):
+        assert mx.array_equal(a, b).item(), f"step {step}"
+        assert mx.array_equal(a, c).item(), f"step {step}"
+    for mine, stock in zip(cache, stock_cache):
+        if hasattr(stock, "offset") and not isinstance(stock.offset, mx.array):
+            assert mine.offset == stock.offset == len(prompt) + steps
+            assert mine.keys.shape == stock.keys.shape
+            live = slice(0, stock.offset)
+            assert mx.array_equal(mine.keys[..., live, :], stock.keys[..., live, :]).item()
+            assert mx.array_equal(mine.values[..., live, :], stock.values[..., live, :]).item()
 
 
 def test_decode_steps_replay_their_resolved_path_until_something_changes(monkeypatch):

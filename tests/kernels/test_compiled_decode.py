@@ -20,13 +20,13 @@ pytestmark = pytest.mark.skipif(
 STEPS = 6
 
 
-def _greedy_logits(model, prompt):
+def _greedy_logits(model, prompt, steps=STEPS):
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     logits = model(mx.array([prompt]), cache=cache)[:, -1:]
     out = [logits]
-    for _ in range(STEPS):
+    for _ in range(steps):
         token = mx.argmax(logits[:, -1], axis=-1)[:, None]
         logits = model(token, cache=cache)
         out.append(logits)
@@ -48,7 +48,8 @@ def test_decode_steps_from_traces_equal_built_steps(embedded_model, monkeypatch)
     # whole layers (compiled_layers): a DeltaNet layer in one trace, an attention layer in two around its cache
     assert kinds and all(k.endswith("DecoderLayer") for k in kinds), kinds
     pieces = {key[0] for m in _traced_modules(model) for key in m.__dict__["_lily_compiled"]}
-    assert pieces == {"layer", "prep", "out"}, pieces
+    # (the attention layers' first trace writes the KV cache where the step attends over its buffer)
+    assert pieces - {"prep", "prep_in_buffer"} == {"layer", "out"} and pieces & {"prep", "prep_in_buffer"}, pieces
     for step, (a, b) in enumerate(zip(traced, built)):
         assert mx.array_equal(a, b).item(), f"step {step}"
     for i, (ca, cb) in enumerate(zip(traced_cache, built_cache)):
@@ -67,3 +68,21 @@ def test_batched_decode_from_traces_equals_built(embedded_model, monkeypatch):  
     for r, (got, want) in enumerate(zip(traced, built)):
         for step, (a, b) in enumerate(zip(got, want)):
             assert mx.array_equal(a, b).item(), f"row {r}, step {step}"
+
+
+def test_decode_over_the_kv_buffer_matches_the_live_rows(embedded_model, monkeypatch):  # noqa: F811
+    """``kv_write_in_trace`` on this backend: attending over the whole KV buffer with the rows past the offset
+    masked computes the attention over the live rows (the switch off) up to the order of the GPU's sums,
+    across the buffer's growth (a 250-token prompt, 12 steps: the step at 256 grows it): the same greedy
+    tokens, logits within bf16 noise."""
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    model, _ = embedded_model
+    prompt = mx.random.randint(0, 1000, (250,), key=mx.random.key(7)).tolist()
+    with switches.overrides(disable=["kv_write_in_trace"]):
+        live, _ = _greedy_logits(model, prompt, steps=12)
+    buffered, _ = _greedy_logits(model, prompt, steps=12)
+    for step, (a, b) in enumerate(zip(buffered, live)):
+        a, b = a.astype(mx.float32), b.astype(mx.float32)
+        assert mx.array_equal(a.argmax(-1), b.argmax(-1)).item(), f"step {step}"
+        rel = (mx.linalg.norm(a - b) / mx.linalg.norm(b)).item()
+        assert rel < 1e-2, (step, rel)

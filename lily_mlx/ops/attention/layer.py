@@ -17,6 +17,7 @@ import functools
 from typing import Any, Callable, Optional, Tuple
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from ...core.dispatch import active_backend, op_backend
 from ...core.log import log_once
@@ -170,6 +171,46 @@ def attention(queries, keys, values, *, scale, mask=None, cache=None):
     return op(queries, keys, values, scale=scale, mask=mask, cache=cache)
 
 
+# --- a decode step's attention over the cache's buffer (switch kv_write_in_trace) ---------------------
+
+NO_LIMIT = 1 << 62
+
+
+def buffer_limit(self, cache: Any) -> int:
+    """Context lengths up to which a decode step writes into ``cache``'s buffer and attends over all of it
+    (switch ``kv_write_in_trace``): a plain ``KVCache`` whose step attention is stock's (the decode op on
+    its reference; up to the fixed-block threshold where the long-context op has a kernel). 0: never."""
+    if not is_enabled("kv_write_in_trace") or type(cache) is not KVCache or cache.keys is None:
+        return 0
+    if op_backend("attention_decode") != "reference":
+        return 0
+    gqa = self.num_attention_heads // self.num_key_value_heads
+    if (decode_path(kernels.FIXED_BLOCK_MIN_CONTEXT, cache.keys.shape[-1], gqa) == "fixed_block"
+            and op_backend("attention_decode_long") != "reference"):
+        return kernels.FIXED_BLOCK_MIN_CONTEXT - 1
+    return NO_LIMIT
+
+
+def in_buffer(cache: Any, mask: Any, limit: int) -> bool:
+    """Whether this one-token step attends over the buffer (``limit`` from ``buffer_limit``): no mask, and
+    the buffer has room for the row (else MLX-LM's ``update_and_fetch`` grows it, built op by op)."""
+    keys = cache.keys
+    return limit > 0 and mask is None and keys is not None and cache.offset < min(keys.shape[2], limit)
+
+
+def attend_in_buffer(queries, keys, values, k_buffer, v_buffer, positions, *, scale):
+    """queries [B, H, 1, D], this step's keys / values [B, Hkv, 1, D], the cache's buffers [B, Hkv, S_cap, D],
+    positions (the offset, an int32 scalar) -> (output [B, H, 1, D], k_buffer, v_buffer): the row written at
+    the offset (``update_and_fetch``'s copy) and stock's attention over the buffer with the rows past it
+    masked (the same function as over the live rows: masked scores weigh exactly 0), so that the shapes hold
+    from token to token until the buffer grows."""
+    start = positions.reshape(1)
+    k_buffer = mx.slice_update(k_buffer, keys, start, axes=(2,))
+    v_buffer = mx.slice_update(v_buffer, values, start, axes=(2,))
+    live = mx.arange(k_buffer.shape[2], dtype=mx.int32) <= positions  # [S_cap]
+    return attention_reference(queries, k_buffer, v_buffer, scale=scale, mask=live), k_buffer, v_buffer
+
+
 # --- the layer ------------------------------------------------------------------------------------
 
 def _qkv_projections(self, x: mx.array) -> Optional[projections.FusedProjection]:
@@ -245,29 +286,54 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
     """``post(x, attention_layer(pre(x, *pre_args)), *post_args)`` for a decode step (switch ``compiled_attention``; with
     ``compiled_layers`` the decoder layer calls it through ``compiled.LAYER_TRACES``, otherwise
     ``attention_forward`` with nothing around the mixer): ``pre`` with the projections and q/k preparation,
-    and the output gate and o_proj with ``post``, replay traces owned by ``owner``; the KV cache update and
-    the attention over it are built in between. A ``compiled.LayerStep`` (with its replay if ``replayable``), or
-    None (nothing done) where the pieces would not be traced."""
+    and the output gate and o_proj with ``post``, replay traces owned by ``owner``. The KV cache update and the
+    attention over it are in the first trace where ``in_buffer`` (switch ``kv_write_in_trace``: that trace is
+    kept for one buffer capacity at a time), else built in between. A ``compiled.LayerStep`` (with its replay if
+    ``replayable``), or None (nothing done) where the pieces would not be traced."""
     if not _traces_on(self, x, cache):
         return None
     fused = _qkv_projections(self, x)  # chosen from x: the caller hands a pre that keeps its shape and dtype
     weights = _weights(fused)
     n_pre, n_post = len(pre_args), len(post_args)
+    limit = buffer_limit(self, cache)
+    buffered = in_buffer(cache, mask, limit)
+
+    def prepared(x, positions, *rest):
+        return _projected_and_prepared(self, pre(x, *rest[:n_pre]), _bound(fused, rest[n_pre:]), positions)
 
     def prep(x, positions, *rest):
         with compiled.inline():
-            return tuple(_projected_and_prepared(self, pre(x, *rest[:n_pre]), _bound(fused, rest[n_pre:]), positions))
+            return tuple(prepared(x, positions, *rest))
+
+    def prep_and_attend(x, positions, k_buffer, v_buffer, *rest):
+        with compiled.inline():
+            queries, keys, values, gate = prepared(x, positions, *rest)
+            output, k_buffer, v_buffer = attend_in_buffer(queries, keys, values, k_buffer, v_buffer, positions,
+                                                          scale=self.scale)
+            return output, gate, k_buffer, v_buffer
 
     def finish(output, gate, x, *extra):
         with compiled.inline():
             return post(x, _gated_output(self, output, gate), *extra)
 
     args = [x, _positions(cache), *pre_args] + weights
-    prep_key = ("prep", key, n_pre) + _prep_key(self, args, fused)
-    prepared = compiled.call(owner, prep_key, prep, args)
-    if prepared is None:
-        return None
-    output, gate = _attend(self, prepared, mask, cache)
+    first_key = ("prep", key, n_pre) + _prep_key(self, args, fused)
+    if buffered:
+        # One trace per capacity: the slot (the key without it) keeps only the latest.
+        kb = cache.keys
+        slot = ("prep_in_buffer",) + first_key[1:] + ((kb.shape[:2], kb.shape[3], kb.dtype),)
+        first_key, capacity = slot + (kb.shape[2],), kb.shape[2]
+        traced_out = compiled.call(owner, first_key, prep_and_attend, [x, args[1], kb, cache.values, *args[2:]],
+                                   slot=slot)
+        if traced_out is None:
+            return None
+        output, gate, cache.keys, cache.values = traced_out
+        cache.offset += 1
+    else:
+        traced_out = compiled.call(owner, first_key, prep, args)
+        if traced_out is None:
+            return None
+        output, gate = _attend(self, traced_out, mask, cache)
 
     def out_key(output):
         return ("out", key, output.shape, output.dtype, gate.shape, gate.dtype, x.shape, x.dtype,
@@ -278,26 +344,49 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
         return compiled.LayerStep(post(x, _gated_output(self, output, gate), *post_args))
     if not replayable:
         return compiled.LayerStep(out)
-    traced_prep, traced_finish = compiled.lookup(owner, prep_key), compiled.lookup(owner, out_key(output))
+    traced_first, traced_finish = compiled.lookup(owner, first_key), compiled.lookup(owner, out_key(output))
+    if traced_first is None or traced_finish is None:
+        return compiled.LayerStep(out)
     shape, dtype = output.shape, output.dtype
+
+    def stale(pre_args, post_args) -> bool:
+        return (len(pre_args) != n_pre or len(post_args) != n_post
+                or (fused is not None and not projections.holds(self, fused.names, fused.pieces)))
 
     def replay(x, mask, cache, pre_args, post_args):
         """The same step for a later call: the two traces called directly, the cache update and the
-        attention over it built as above."""
-        if len(pre_args) != n_pre or len(post_args) != n_post or (fused is not None and not projections.holds(self, fused.names, fused.pieces)):
+        attention over it built as above (None, nothing done, once the step would attend over the buffer)."""
+        if stale(pre_args, post_args) or in_buffer(cache, mask, limit):
             return None
-        output, gate = _attend(self, traced_prep(x, _positions(cache), *pre_args, *weights), mask, cache)
+        output, gate = _attend(self, traced_first(x, _positions(cache), *pre_args, *weights), mask, cache)
         if output.shape != shape or output.dtype != dtype:  # (not for one input shape; then the keyed call)
             return compiled.call(owner, out_key(output), finish, (output, gate, x, *post_args))
         return traced_finish(output, gate, x, *post_args)
 
-    return compiled.LayerStep(out, replay if traced_prep is not None and traced_finish is not None else None)
+    def replay_in_buffer(x, mask, cache, pre_args, post_args):
+        """The same step for a later call while the buffer keeps its capacity and has room: two trace calls,
+        the cache's buffers and offset moved on (None, nothing done, otherwise)."""
+        keys = cache.keys
+        if (stale(pre_args, post_args) or keys is None or keys.shape[2] != capacity
+                or not in_buffer(cache, mask, limit)):
+            return None
+        output, gate, cache.keys, cache.values = traced_first(x, _positions(cache), keys, cache.values, *pre_args,
+                                                              *weights)
+        cache.offset += 1
+        return traced_finish(output, gate, x, *post_args)
+
+    return compiled.LayerStep(out, replay_in_buffer if buffered else replay)
 
 
 def _attend(self, prepared, mask, cache):
-    """(queries, keys, values, gate) of this step -> (attention output [B, H, 1, D], gate): the KV cache
-    updated with the step's keys and values and attended over."""
+    """(queries, keys, values, gate) of this step -> (attention output [B, H, L, D], gate): the KV cache
+    updated with the step's keys and values and attended over (over its whole buffer where ``in_buffer``)."""
     queries, keys, values, gate = prepared
+    if queries.shape[2] == 1 and in_buffer(cache, mask, buffer_limit(self, cache)):
+        output, cache.keys, cache.values = attend_in_buffer(queries, keys, values, cache.keys, cache.values,
+                                                            _positions(cache), scale=self.scale)
+        cache.offset += 1
+        return output, gate
     keys, values = cache.update_and_fetch(keys, values)
     return attention(queries, keys, values, scale=self.scale, mask=mask, cache=cache), gate
 
@@ -323,11 +412,12 @@ def attention_forward(self, x: mx.array, mask: Any = None, cache: Any = None) ->
     step = traced_decode_layer(self, x, mask, cache, owner=self, key="mixer", pre=_unchanged, post=_mixer_output)
     if step is not None:
         return step.out
-    queries, keys, values, gate = _projected_and_prepared(self, x, _qkv_projections(self, x),
-                                                          cache.offset if cache is not None else 0)
+    prepared = _projected_and_prepared(self, x, _qkv_projections(self, x), cache.offset if cache is not None else 0)
     if cache is not None:
-        keys, values = cache.update_and_fetch(keys, values)
-    output = attention(queries, keys, values, scale=self.scale, mask=mask, cache=cache)
+        output, gate = _attend(self, prepared, mask, cache)
+    else:
+        queries, keys, values, gate = prepared
+        output = attention(queries, keys, values, scale=self.scale, mask=mask, cache=cache)
     return _gated_output(self, output, gate)
 
 
