@@ -102,10 +102,8 @@ def test_decode_traces_give_the_bits_of_steps_built_op_by_op(monkeypatch, off):
         traces = [(type(m).__name__, k, v) for _, m in model.named_modules()
                   for k, v in m.__dict__.get("_lily_compiled", {}).items()]
         assert all(v is not compiled._FAILED for _, _, v in traces)
-        # every layer traced whole: DeltaNet layers in one trace, attention layers in two (with the KV cache
-        # written in the first where the plain cache has room, kv_write_in_trace; around the batch cache)
-        assert {k[0] for owner, k, _ in traces if owner.endswith("DecoderLayer")} == {
-            "layer", "prep", "prep_in_buffer", "out"}
+        # every layer traced whole: DeltaNet layers in one trace, attention layers in two around the cache
+        assert {k[0] for owner, k, _ in traces if owner.endswith("DecoderLayer")} == {"layer", "prep", "out"}
         if off == "compiled_decode":  # no piece was ever traced on its own
             assert {owner for owner, _, _ in traces} == {"LilyDecoderLayer"}
     finally:
@@ -148,11 +146,11 @@ def test_decode_across_the_kv_buffers_growth(monkeypatch):
 
     lily_patch.patch(model)
     try:
-        with switches.overrides(disable=["compiled_decode"]):
+        with switches.overrides(disable=["compiled_decode"], enable=["kv_write_in_trace"]):
             built, _ = greedy()
-        with switches.overrides(disable=["kv_write_in_trace"]):
-            unbuffered, stock_cache = greedy()
-        traced, cache = greedy()
+        unbuffered, stock_cache = greedy()
+        with switches.overrides(enable=["kv_write_in_trace"]):
+            traced, cache = greedy()
         attention_layers = [layer for layer in model.layers if not layer.is_linear]
         for layer in attention_layers:
             kept = [k for k in layer.__dict__["_lily_compiled"] if k[0] == "prep_in_buffer"]
