@@ -123,10 +123,10 @@ def test_decode_across_the_kv_buffers_growth(monkeypatch):
     op by op, and the switch off (stock's update and attention over the live rows) gives the same bits on
     the CPU (masked scores weigh exactly 0); the cache ends as MLX-LM's own update leaves it."""
     import mlx_lm
-    from mlx_lm.models.cache import make_prompt_cache
 
     from lily_mlx import patch as lily_patch
     from lily_mlx.models import embedded
+    from tests.kernels.test_compiled_decode import _greedy_logits
 
     monkeypatch.setenv("LILY_BACKEND", "reference")
     monkeypatch.setattr(compiled, "COMPILE_BACKENDS", compiled.COMPILE_BACKENDS | {"reference"})
@@ -135,14 +135,7 @@ def test_decode_across_the_kv_buffers_growth(monkeypatch):
     steps = 12  # offsets 250 .. 261: the step at 256 grows the buffer
 
     def greedy():
-        cache = make_prompt_cache(model)
-        logits = model(mx.array([prompt]), cache=cache)[:, -1:]
-        out = [logits]
-        for _ in range(steps):
-            logits = model(mx.argmax(logits[:, -1], axis=-1)[:, None], cache=cache)
-            out.append(logits)
-        mx.eval(out)
-        return out, cache
+        return _greedy_logits(model, prompt, steps=steps)
 
     lily_patch.patch(model)
     try:

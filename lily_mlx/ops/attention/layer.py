@@ -180,12 +180,12 @@ def buffer_limit(self, cache: Any) -> int:
     """Context lengths up to which a decode step writes into ``cache``'s buffer and attends over all of it
     (switch ``kv_write_in_trace``): a plain ``KVCache`` whose step attention is stock's (the decode op on
     its reference; up to the fixed-block threshold where the long-context op has a kernel). 0: never."""
-    if not is_enabled("kv_write_in_trace") or type(cache) is not KVCache or cache.keys is None:
+    if not is_enabled("kv_write_in_trace") or type(cache) is not KVCache:
         return 0
     if op_backend("attention_decode") != "reference":
         return 0
     gqa = self.num_attention_heads // self.num_key_value_heads
-    if (decode_path(kernels.FIXED_BLOCK_MIN_CONTEXT, cache.keys.shape[-1], gqa) == "fixed_block"
+    if (decode_path(kernels.FIXED_BLOCK_MIN_CONTEXT, self.head_dim, gqa) == "fixed_block"
             and op_backend("attention_decode_long") != "reference"):
         return kernels.FIXED_BLOCK_MIN_CONTEXT - 1
     return NO_LIMIT
@@ -333,7 +333,7 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
         traced_out = compiled.call(owner, first_key, prep, args)
         if traced_out is None:
             return None
-        output, gate = _attend(self, traced_out, mask, cache)
+        output, gate = _attend(self, traced_out, mask, cache, limit)
 
     def out_key(output):
         return ("out", key, output.shape, output.dtype, gate.shape, gate.dtype, x.shape, x.dtype,
@@ -358,7 +358,7 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
         attention over it built as above (None, nothing done, once the step would attend over the buffer)."""
         if stale(pre_args, post_args) or in_buffer(cache, mask, limit):
             return None
-        output, gate = _attend(self, traced_first(x, _positions(cache), *pre_args, *weights), mask, cache)
+        output, gate = _attend(self, traced_first(x, _positions(cache), *pre_args, *weights), mask, cache, limit)
         if output.shape != shape or output.dtype != dtype:  # (not for one input shape; then the keyed call)
             return compiled.call(owner, out_key(output), finish, (output, gate, x, *post_args))
         return traced_finish(output, gate, x, *post_args)
@@ -378,11 +378,12 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
     return compiled.LayerStep(out, replay_in_buffer if buffered else replay)
 
 
-def _attend(self, prepared, mask, cache):
+def _attend(self, prepared, mask, cache, limit: Optional[int] = None):
     """(queries, keys, values, gate) of this step -> (attention output [B, H, L, D], gate): the KV cache
-    updated with the step's keys and values and attended over (over its whole buffer where ``in_buffer``)."""
+    updated with the step's keys and values and attended over (over its whole buffer where ``in_buffer``;
+    ``limit``: ``buffer_limit``'s answer where the caller has it)."""
     queries, keys, values, gate = prepared
-    if queries.shape[2] == 1 and in_buffer(cache, mask, buffer_limit(self, cache)):
+    if queries.shape[2] == 1 and in_buffer(cache, mask, buffer_limit(self, cache) if limit is None else limit):
         output, cache.keys, cache.values = attend_in_buffer(queries, keys, values, cache.keys, cache.values,
                                                             _positions(cache), scale=self.scale)
         cache.offset += 1
