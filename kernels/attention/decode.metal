@@ -33,6 +33,8 @@
 // - attention_decode_block_partials (switch fixed_block_attention): the rows cut into NB blocks of
 //   BR rows (BR chosen by the host from S alone), one threadgroup per (block, GT heads); writes fp32
 //   partials per head and block: max, sum of exp(score - max), unnormalised sum of exp(...) v.
+// - attention_decode_block_partials_live (switch kv_write_in_trace): the same over a buffer's whole
+//   capacity with the live length read from an input array (blocks past it write empty partials).
 // - attention_decode_merge_blocks: per (head, slice of D), warps split the blocks, rescale them to
 //   the global max and sum in a fixed order; divides once.
 //
@@ -328,6 +330,26 @@ inline void attention_decode_rows(
 // Heads whose accumulators fit the threadgroup's 16 KiB merge buffer at once.
 #define ATTENTION_MERGE_HEADS(GT, SG, D) ((GT) * (SG) * (D) <= 4096 ? (GT) : (4096 / ((SG) * (D)) > 0 ? 4096 / ((SG) * (D)) : 1))
 
+// One threadgroup of the fixed-block split: threadgroup z = n * NB + block (n: the (KV head, GT heads)
+// group) over rows [block * BR, min(S, block * BR + BR)) of the S live rows. A block at or past S has no
+// rows and writes an empty partial (max ATTENTION_NO_MAX, sum 0, acc 0), which the merge weighs exactly 0.
+template <typename InT, int D, int GT, int SG, int R, int COALESCED, int HP>
+inline void attention_decode_block(
+    const device InT* q, const device InT* k, const device InT* v, float qk_scale,
+    device float* part_max, device float* part_sum, device float* part_acc,
+    int Hkv, int G, int S, int S_cap, int NB, int BR, int z,
+    threadgroup float* sg_max, threadgroup float* sg_sum, threadgroup float* sg_acc, int lane, int sg) {
+  const int blocks = G / GT;
+  const int part = z % NB;
+  const int n = z / NB;
+  const int bh = n / blocks;
+  const int row_begin = part * BR;
+  attention_decode_rows<InT, D, GT, SG, R, COALESCED, 1, HP>(
+      q, k, v, qk_scale, nullptr, part_max, part_sum, part_acc, Hkv * G, S_cap, bh, bh / Hkv,
+      (bh % Hkv) * G + (n % blocks) * GT, row_begin, min(S, row_begin + BR), part, NB, sg_max, sg_sum,
+      sg_acc, lane, sg);
+}
+
 // @kernel attention_decode
 // q: [B, Hq, 1, D] InT; k, v: [B, Hkv, S_cap, D] InT (rows < S read); scale: [1] fp32; row_start:
 // [B] int32 (if has_row_start: row b's keys are rows row_start[b] .. S - 1, its left padding skipped,
@@ -362,16 +384,28 @@ inline void attention_decode_rows(
   threadgroup float sg_max[GT * SG];
   threadgroup float sg_sum[GT * SG];
   threadgroup float sg_acc[SG * HP * D];
-  const int blocks = G / GT;
-  const int z = static_cast<int>(threadgroup_position_in_grid.x);
-  const int part = z % NB;
-  const int n = z / NB;
-  const int bh = n / blocks;
-  const int row_begin = part * BR;
-  attention_decode_rows<InT, D, GT, SG, R, COALESCED, 1, HP>(
-      q, k, v, scale[0], nullptr, part_max, part_sum, part_acc, Hkv * G, S_cap, bh, bh / Hkv,
-      (bh % Hkv) * G + (n % blocks) * GT, row_begin, min(S, row_begin + BR), part, NB, sg_max, sg_sum,
-      sg_acc, static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
+  attention_decode_block<InT, D, GT, SG, R, COALESCED, HP>(
+      q, k, v, scale[0], part_max, part_sum, part_acc, Hkv, G, S, S_cap, NB, BR,
+      static_cast<int>(threadgroup_position_in_grid.x), sg_max, sg_sum, sg_acc,
+      static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
+}
+
+// @kernel attention_decode_block_partials_live
+// The same blocks over a KV buffer whose live length is an input, not a parameter (switch
+// kv_write_in_trace: one trace serves every step until the buffer grows): the live rows are
+// 0 .. last_row[0] (the row this step wrote); NB = ceil(S_cap / BR) blocks of BR rows cover the whole
+// capacity (the host picks BR from S_cap alone), the blocks past the live rows write empty partials.
+// last_row: [1] int32. Otherwise as attention_decode_block_partials.
+{
+  constexpr int HP = ATTENTION_MERGE_HEADS(GT, SG, D);
+  threadgroup float sg_max[GT * SG];
+  threadgroup float sg_sum[GT * SG];
+  threadgroup float sg_acc[SG * HP * D];
+  const int S = min(S_cap, static_cast<int>(last_row[0]) + 1);
+  attention_decode_block<InT, D, GT, SG, R, COALESCED, HP>(
+      q, k, v, scale[0], part_max, part_sum, part_acc, Hkv, G, S, S_cap, NB, BR,
+      static_cast<int>(threadgroup_position_in_grid.x), sg_max, sg_sum, sg_acc,
+      static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
 }
 
 // @kernel attention_decode_merge_blocks

@@ -263,6 +263,40 @@ def test_embedded_model_decode_matches_stock(monkeypatch, off):
         lily_patch.unpatch(model)
 
 
+@needs_sim
+def test_embedded_model_decode_over_the_kv_buffer_takes_the_live_length_kernels(monkeypatch):
+    """``kv_write_in_trace`` where the long-context op has its kernels: every decode step writes its row into the
+    buffer and attends over the buffer's capacity through the live-length kernels (no mask, at any context);
+    the logits are those of the switch off (the one-pass kernel over the live rows) within bf16 noise."""
+    from mlx_lm import load
+
+    from lily_mlx import patch as lily_patch
+    from lily_mlx.models.embedded import EMBEDDED_DIR
+    from tests.kernels.test_compiled_decode import _greedy_logits
+
+    model, tokenizer = load(str(EMBEDDED_DIR))
+    prompt = tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the")
+    steps = 4
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    monkeypatch.setenv("LILY_REFERENCE_OPS", "moe,deltanet")
+    lily_patch.patch(model)
+    try:
+        live, _ = _greedy_logits(model, prompt, steps=steps)
+        with switches.overrides(enable=["kv_write_in_trace"]), record_launches() as rec:
+            buffered, cache = _greedy_logits(model, prompt, steps=steps)
+    finally:
+        lily_patch.unpatch(model)
+    decode = rec.names()[2:]  # after the prompt's q/k preparation and prefill attention
+    assert decode == ["attention_qk_prep", "attention_decode_block_partials_live",
+                      "attention_decode_merge_blocks"] * steps, decode
+    capacity = next(c.keys.shape[2] for c in cache if type(c) is KVCache)
+    partials = [launch for launch in rec if launch.name == "attention_decode_block_partials_live"]
+    assert {launch.kwargs["grid"][0] for launch in partials} == {  # the capacity's blocks at every step
+        32 * 2 * -(-capacity // ak.fixed_block_rows(capacity))}
+    for step, (a, b) in enumerate(zip(buffered, live)):
+        assert rel_l2(a, b) < LOGIT_TOL, step
+
+
 # ---------------------------------------------------------------------------------------------
 # the CUDA bridge: every switch state translates and compiles (the model's call site is compiled by
 # tests/msl/test_cuda_bridge.py in the default switch state only)
@@ -335,6 +369,36 @@ def test_fixed_block_kernels_with_the_heads_of_a_kv_head_split(G_GT, S, block_ro
     with pytest.raises(ValueError, match="does not divide"):
         ak.decode_attention_fixed_blocks(q, k, v, scale=scale, kv_length=S, backend=KERNEL_BACKEND,
                                          heads_per_threadgroup=3)
+
+
+@needs_sim
+@settings(deadline=None, max_examples=16)
+@given(
+    B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 3, 8]), D=st.sampled_from([64, 256]),
+    capacity=st.sampled_from([1, 64, 300]), fill=st.floats(0.0, 1.0), block_rows=st.sampled_from([None, 16, 48]),
+    dtype=st.sampled_from(["bfloat16", "float32"]), state=st.sampled_from(SWITCH_STATES), sharp=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fixed_block_kernels_with_the_live_length_as_an_array(B, Hkv, G, D, capacity, fill, block_rows, dtype, state,
+                                                              sharp, seed):
+    """The live-length form (switch kv_write_in_trace) over a buffer's whole capacity: rows 0 .. last_row are
+    attended, the rows past them hold NaN (read, they would show) and their blocks write empty partials; the
+    launch geometry is the capacity's whatever the live length. Partials and output poisoned."""
+    rng = np.random.default_rng(seed)
+    q, k, v = _problem(rng, B, Hkv, G, D, capacity, DTYPES[dtype])
+    S = 1 + int(fill * (capacity - 1))
+    dead = mx.arange(capacity).reshape(1, 1, -1, 1) >= S
+    k, v = mx.where(dead, NAN, k).astype(k.dtype), mx.where(dead, NAN, v).astype(v.dtype)
+    packed, coalesced = state
+    scale = 1.0 if sharp else D**-0.5
+    with record_launches() as rec:
+        out = ak.decode_attention_fixed_blocks_live(q, k, v, mx.array([S - 1], dtype=mx.int32), scale=scale,
+                                                    block_rows=block_rows, gqa_packed=packed, coalesced=coalesced,
+                                                    backend=KERNEL_BACKEND, init_value=NAN)
+    assert rec.names() == ["attention_decode_block_partials_live", "attention_decode_merge_blocks"]
+    blocks = -(-capacity // (block_rows or ak.fixed_block_rows(capacity)))  # from the capacity, not S
+    assert rec[0].kwargs["grid"][0] == 32 * B * Hkv * (1 if packed else G) * blocks
+    _check(out, _oracle(q, k, v, S, scale), TOL[dtype])
 
 
 @needs_sim
@@ -423,8 +487,8 @@ def test_fixed_block_kernels_enabled_where_they_passed_on_a_gpu():
 
 
 def test_fixed_block_kernels_compile_for_cuda():
-    """The block-partials kernel in every switch state and rows per step, and the merge kernel at each
-    slice width, translate and compile."""
+    """The block-partials kernel in every switch state and rows per step, its live-length form, and the merge
+    kernel at each slice width, translate and compile."""
     from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
     from lily_dev.compile_check import compile_cuda, compiler_available
     from lily_mlx.core.kernel_registry import kernel_source
@@ -445,6 +509,9 @@ def test_fixed_block_kernels_compile_for_cuda():
                     ("R", rows), ("COALESCED", int(coalesced))]
         units.append(wrap_like_mlx(partials, [q, k, k, mx.zeros((1,)), mx.zeros((6,), mx.int32)],
                                    [mx.float32] * 3, template=template)[1])
+    live = build("attention_decode_block_partials_live")
+    units.append(wrap_like_mlx(live, [q, k, k, mx.zeros((1,)), mx.zeros((1,), mx.int32), mx.zeros((5,), mx.int32)],
+                               [mx.float32] * 3, template=template)[1])
     parts = [mx.zeros((16, 2)), mx.zeros((16, 2)), mx.zeros((16, 2, 256)), mx.zeros((1,), mx.int32)]
     for D, mv in ((256, 4), (64, 2)):
         units.append(wrap_like_mlx(merge, parts, [mx.bfloat16],

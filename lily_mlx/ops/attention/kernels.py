@@ -32,6 +32,8 @@ KERNELS = {
                    params=("Hkv", "G", "S", "S_cap", "has_row_start")),
         KernelSpec("attention_decode_block_partials", _FILE, ("q", "k", "v", "scale", "params"),
                    ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S", "S_cap", "NB", "BR")),
+        KernelSpec("attention_decode_block_partials_live", _FILE, ("q", "k", "v", "scale", "last_row", "params"),
+                   ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S_cap", "NB", "BR")),
         KernelSpec("attention_decode_merge_blocks", _FILE, ("part_max", "part_sum", "part_acc", "params"), ("out",),
                    params=("NB",)),
         KernelSpec("attention_prefill", _PREFILL_FILE, ("q", "k", "v", "scale", "params"), ("out",),
@@ -125,6 +127,18 @@ def supports(queries: mx.array, keys: Any, values: Any, mask: Any = None,
         return "a mask"
     elif type(cache) is not KVCache:  # rotating, quantized, batch caches or none at all
         return f"cache {type(cache).__name__} is not a plain KVCache"
+    problem = shape_problem(queries, keys, values)
+    if problem:
+        return problem
+    live = cache._idx if batched else cache.offset
+    if cache.keys is None or live != keys.shape[2]:
+        return "keys are not the cache's live rows"
+    return None
+
+
+def shape_problem(queries: mx.array, keys: mx.array, values: mx.array) -> Optional[str]:
+    """None when the decode kernels take queries [B, Hq, 1, D] over keys / values [B, Hkv, S, D] (head dims,
+    GQA factor, dtypes); else why not. (``supports`` adds the cache and mask rules.)"""
     B, Hq, L, D = queries.shape
     if L != 1:
         return f"L={L} query rows (decode takes one)"
@@ -141,9 +155,6 @@ def supports(queries: mx.array, keys: Any, values: Any, mask: Any = None,
         return f"dtypes q={queries.dtype}, k={keys.dtype}, v={values.dtype} not supported"
     if keys.shape[2] == 0:
         return "an empty KV cache"
-    live = cache._idx if batched else cache.offset
-    if cache.keys is None or live != keys.shape[2]:
-        return "keys are not the cache's live rows"
     return None
 
 
@@ -251,13 +262,48 @@ def decode_attention_fixed_blocks(
 ) -> mx.array:  # [B, Hq, 1, D]
     """``decode_attention`` with the KV rows cut into blocks of BR rows processed by separate
     threadgroups (fp32 partials), then merged: two launches."""
-    B, Hq, _, D = queries.shape
     g = _geometry(queries, keys, kv_length, gqa_packed, coalesced, simdgroups, rows, heads_per_threadgroup)
-    plan = fixed_block_plan(g.S, D, g.threadgroups, block_rows)
+    plan = fixed_block_plan(g.S, queries.shape[3], g.threadgroups, block_rows)
     partials = KERNELS["attention_decode_block_partials"]
+    return _blocks_then_merge(queries, keys, values, g, plan, partials, [float32_scalar(scale)],
+                              partials.pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap, NB=plan.blocks,
+                                            BR=plan.block_rows), backend, init_value)
+
+
+def decode_attention_fixed_blocks_live(
+    queries: mx.array,  # [B, Hq, 1, D]
+    keys: mx.array,  # [B, Hkv, S_cap, D]: the cache's whole buffer, rows 0 .. last_row live
+    values: mx.array,
+    last_row: mx.array,  # [1] int32: the last live row (this step's position)
+    *,
+    scale: float,
+    block_rows: Optional[int] = None,  # BR (default: the schedule at the capacity, fixed_block_rows(S_cap))
+    gqa_packed: bool = True,
+    coalesced: bool = True,
+    backend: str,
+    init_value=None,
+) -> mx.array:  # [B, Hq, 1, D]
+    """``decode_attention_fixed_blocks`` over a buffer whose live length is an array (switch
+    ``kv_write_in_trace``): the launch depends on the capacity alone, so one trace serves every step until
+    the buffer grows. Blocks and merge cover the capacity (BR from S_cap); blocks past the live rows write
+    empty partials, which the merge weighs 0. Every row of the batch has the same live length (a plain
+    ``KVCache``)."""
+    g = _geometry(queries, keys, None, gqa_packed, coalesced)
+    plan = fixed_block_plan(g.S_cap, queries.shape[3], g.threadgroups, block_rows)
+    partials = KERNELS["attention_decode_block_partials_live"]
+    return _blocks_then_merge(queries, keys, values, g, plan, partials,
+                              [float32_scalar(scale), last_row.astype(mx.int32).reshape(1)],
+                              partials.pack(Hkv=g.Hkv, G=g.G, S_cap=g.S_cap, NB=plan.blocks, BR=plan.block_rows),
+                              backend, init_value)
+
+
+def _blocks_then_merge(queries, keys, values, g: _Geometry, plan: FixedBlockPlan, partials: KernelSpec,
+                       scalars: list, params: mx.array, backend: str, init_value) -> mx.array:
+    """The two launches of the fixed-block split: ``partials`` (inputs q, k, v, then ``scalars``, then
+    ``params``) writes each block's fp32 partials, the merge kernel combines them."""
+    B, Hq, _, D = queries.shape
     part_max, part_sum, part_acc = get_kernel(partials, backend)(
-        inputs=[queries, keys, values, float32_scalar(scale),
-                partials.pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap, NB=plan.blocks, BR=plan.block_rows)],
+        inputs=[queries, keys, values, *scalars, params],
         template=g.template, grid=(32 * plan.partial_threadgroups, g.sg, 1),
         threadgroup=(32, g.sg, 1),
         output_shapes=[(B * Hq, plan.blocks), (B * Hq, plan.blocks), (B * Hq, plan.blocks, D)],

@@ -176,12 +176,23 @@ def attention(queries, keys, values, *, scale, mask=None, cache=None):
 NO_LIMIT = 1 << 62
 
 
+def _live_length_kernel_on() -> bool:
+    """Whether the attention over a buffer (``attend_in_buffer``) is the fixed-block kernels' live-length form:
+    where the long-context op has a kernel on this backend and ``fixed_block_attention`` is on."""
+    return (active_backend() != "reference" and is_enabled("fixed_block_attention")
+            and op_backend("attention_decode_long") != "reference"
+            and ("attention_decode_long", active_backend()) in KERNELS)
+
+
 def buffer_limit(self, cache: Any) -> int:
     """Context lengths up to which a decode step writes into ``cache``'s buffer and attends over all of it
-    (switch ``kv_write_in_trace``): a plain ``KVCache`` whose step attention is stock's (the decode op on
-    its reference; up to the fixed-block threshold where the long-context op has a kernel). 0: never."""
+    (switch ``kv_write_in_trace``), for a plain ``KVCache``: every length where the live-length kernels run;
+    else where the step's attention is stock's (the decode op on its reference; up to the fixed-block
+    threshold where the long-context op has a kernel). 0: never."""
     if not is_enabled("kv_write_in_trace") or type(cache) is not KVCache:
         return 0
+    if _live_length_kernel_on():
+        return NO_LIMIT
     if op_backend("attention_decode") != "reference":
         return 0
     gqa = self.num_attention_heads // self.num_key_value_heads
@@ -201,12 +212,21 @@ def in_buffer(cache: Any, mask: Any, limit: int) -> bool:
 def attend_in_buffer(queries, keys, values, k_buffer, v_buffer, positions, *, scale):
     """queries [B, H, 1, D], this step's keys / values [B, Hkv, 1, D], the cache's buffers [B, Hkv, S_cap, D],
     positions (the offset, an int32 scalar) -> (output [B, H, 1, D], k_buffer, v_buffer): the row written at
-    the offset (``update_and_fetch``'s copy) and stock's attention over the buffer with the rows past it
-    masked (the same function as over the live rows: masked scores weigh exactly 0), so that the shapes hold
-    from token to token until the buffer grows."""
+    the offset (``update_and_fetch``'s copy) and the attention over rows 0 .. offset of the buffer, in a form
+    whose shapes hold from token to token until the buffer grows: the fixed-block kernels reading the live
+    length from ``positions`` (``_live_length_kernel_on``), else stock's attention over the whole buffer with
+    the rows past the offset masked (the same function as over the live rows: masked scores weigh exactly 0)."""
     start = positions.reshape(1)
     k_buffer = mx.slice_update(k_buffer, keys, start, axes=(2,))
     v_buffer = mx.slice_update(v_buffer, values, start, axes=(2,))
+    if _live_length_kernel_on():
+        problem = kernels.shape_problem(queries, k_buffer, v_buffer)
+        if not problem:
+            output = kernels.decode_attention_fixed_blocks_live(
+                queries, k_buffer, v_buffer, start, scale=scale, gqa_packed=is_enabled("gqa_packing"),
+                coalesced=is_enabled("coalesced_kv"), backend=active_backend())
+            return output, k_buffer, v_buffer
+        log_once(f"attention_decode_long:live:{problem}", f"attention_decode_long: {problem}, using the reference")
     live = mx.arange(k_buffer.shape[2], dtype=mx.int32) <= positions  # [S_cap]
     return attention_reference(queries, k_buffer, v_buffer, scale=scale, mask=live), k_buffer, v_buffer
 
@@ -321,7 +341,8 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
     if buffered:
         # One trace per capacity: the slot (the key without it) keeps only the latest.
         kb = cache.keys
-        slot = ("prep_in_buffer",) + first_key[1:] + ((kb.shape[:2], kb.shape[3], kb.dtype),)
+        attention_form = (_live_length_kernel_on(), is_enabled("gqa_packing"), is_enabled("coalesced_kv"))
+        slot = ("prep_in_buffer",) + first_key[1:] + ((kb.shape[:2], kb.shape[3], kb.dtype), attention_form)
         first_key, capacity = slot + (kb.shape[2],), kb.shape[2]
         traced_out = compiled.call(owner, first_key, prep_and_attend, [x, args[1], kb, cache.values, *args[2:]],
                                    slot=slot)
