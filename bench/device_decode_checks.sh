@@ -29,6 +29,8 @@
 #   PART=11 bash bench/device_decode_checks.sh  # kv_write_in_trace (the KV cache written inside the attention
 #                                               # layer's first trace): CUDA tests of the traced steps, decode A/B,
 #                                               # decode profile (build ms, primitives), e2e decode of 256 tokens
+#   PART=12 bash bench/device_decode_checks.sh  # the fixed-block kernels' live-length form: CUDA tests, then kernel
+#                                               # against kernel over a KV buffer with spare rows (4K-128K)
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -150,6 +152,17 @@ case "${PART:-1}" in
       --shared-prefill --lengths 4K --rounds 2 --gen-tokens 256 --out "$W/e2e_kv"
     cat "$W/e2e_kv/e2e.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 or 11" >&2; exit 2 ;;
+  12) # the fixed-block kernels' live-length form (what kv_write_in_trace attends with where the long-context op has
+      # kernels): its CUDA tests, then kernel against kernel over a buffer with 256 spare rows, 4K-128K (against
+      # stock's masked attention over the buffer, the fixed-block kernels over the live rows, stock's SDPA over them)
+    run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+      -o addopts= tests/kernels/test_attention_kernels.py -k "live_length or fixed_block_kernels_match"
+    grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -3
+    run op_cases 240 python -m bench.run --mode kernels --op-cases on \
+      --op-match "attention_in_buffer|attention_fixed_blocks_live|attention_fixed_blocks_auto_x8|attention_stock_sdpa_x8" \
+      --out "$W/live"
+    grep -E "attention_" "$W/op_cases.txt" | tail -24
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 or 12" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"

@@ -15,7 +15,10 @@ then the prefill cases (``prefill_cases``). Decode:
   fewer registers, half the bytes in flight), ``..._sg8_S*`` (8 simdgroups per threadgroup), ``..._gt4_S*``
   (the 8 query heads of a KV head over two threadgroups of 4: ~2/3 of the registers, each row read twice);
 - ``..._x8_S*`` (stock, auto and auto_gt4): 8 independent calls per evaluation, bytes and flops x 8: the
-  kernels' own time with the per-call evaluation round trip (~60-100 us on MLX-CUDA) spread over 8.
+  kernels' own time with the per-call evaluation round trip (~60-100 us on MLX-CUDA) spread over 8;
+- ``attention_in_buffer_masked_sdpa_x8_S*`` / ``attention_fixed_blocks_live_x8_S*`` (``in_buffer_cases``): the
+  attention over a KV buffer with 256 rows of capacity past the S live ones (switch ``kv_write_in_trace``):
+  stock's attention with those rows masked against the fixed-block kernels reading the live length from an array.
 
 Bytes: the live K and V rows once (the floor), plus q and out; flops: 4 * Hq * S * D (two products
 per row and head).
@@ -58,6 +61,7 @@ PREFILL_CACHED = (2048, 8192, 32768)
 # Prefill variants of lily's kernel: name suffix -> keyword arguments of ak.prefill_attention.
 PREFILL_VARIANTS = {"": {}, "_sg8": {"simdgroups": 8}, "_sg2": {"simdgroups": 2}}
 REPEATS = 8  # calls per evaluation in the _x8 cases
+BUFFER_SPARE = 256  # rows of capacity past the live ones in the in-buffer cases (MLX-LM's KVCache.step)
 
 # Fixed-block variants: name suffix -> keyword arguments of a call (rows per block as a function of S).
 FIXED_BLOCK_VARIANTS = {
@@ -174,8 +178,35 @@ def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CO
 
             cases.append((f"attention_fixed_blocks_{variant}_x{REPEATS}_S{label}", blocks_x8, REPEATS * nbytes,
                           REPEATS * flops))
+        cases += in_buffer_cases(q, k, v, scales, backend, label, nbytes, flops)
     return (cases + prefill_cases(backend, prefill_cached, prefill_chunk, B, dtype)
             + qk_prep_cases(backend, qk_prep_chunks, B=B, dtype=dtype))
+
+
+def in_buffer_cases(q, k, v, scales, backend, label, nbytes, flops, spare: int = BUFFER_SPARE) -> List[Case]:
+    """The attention of a decode step over a KV buffer with ``spare`` rows of capacity past the S live rows
+    (switch ``kv_write_in_trace``), 8 calls an evaluation: stock's attention over the buffer with the rows past
+    the live ones masked (``layer.attend_in_buffer`` without the kernels) against the fixed-block kernels'
+    live-length form (the live length an input array)."""
+    B, Hkv, S, D = k.shape
+    pad = mx.zeros((B, Hkv, spare, D), dtype=k.dtype)
+    kb, vb = mx.concatenate([k, pad], axis=2), mx.concatenate([v, pad], axis=2)
+    last_row = mx.array([S - 1], dtype=mx.int32)
+    mx.eval(kb, vb, last_row)
+
+    def masked_x8():
+        live = mx.arange(S + spare, dtype=mx.int32) <= last_row[0]
+        mx.eval([mx.fast.scaled_dot_product_attention(q, kb, vb, scale=s, mask=live) for s in scales])
+
+    def live_x8():
+        mx.eval([ak.decode_attention_fixed_blocks_live(q, kb, vb, last_row, scale=s, backend=backend)
+                 for s in scales])
+
+    cases = [(f"attention_in_buffer_masked_sdpa_x{REPEATS}_S{label}", masked_x8, REPEATS * nbytes, REPEATS * flops)]
+    if backend != "reference":
+        cases.append((f"attention_fixed_blocks_live_x{REPEATS}_S{label}", live_x8, REPEATS * nbytes,
+                      REPEATS * flops))
+    return cases
 
 
 def qk_prep_cases(backend: Optional[str] = None, chunks: Sequence[int] = (1, PREFILL_CHUNK), B: int = 1,
