@@ -136,13 +136,14 @@ _SWITCH_LIST = [
            "q/k preparation; output gate with o_proj) traced once per shape and replayed, the cache offset "
            "an input (Metal and CUDA, with compiled_decode; same primitives, same bits).",
            "Those pieces built op by op in Python each step (the cache update and the attention always are)."),
-    Switch("kv_write_in_trace", "generation", "decode", False,
+    Switch("kv_write_in_trace", "generation", "decode", True,
            "A decode step whose plain KV cache has room writes its keys and values into the cache's buffer at "
-           "the offset and attends over the buffer with the rows past the offset masked (stock's attention, "
-           "same function): with compiled_attention both inside the layer's first trace (one trace per "
-           "capacity: MLX-LM grows the buffer by 256 rows), so nothing is built between the two traces (off by "
-           "default: on the H200 build 3.27 -> 2.86 ms a step but the mask's ~4 extra kernels a layer cost as "
-           "much GPU time; decode 1.01x off/on in bursts, docs/decode.md).",
+           "the offset and attends over rows 0 .. offset of the buffer: through the fixed-block kernels reading "
+           "the live length from an array where the long-context op has kernels, else stock's attention with "
+           "the rows past the offset masked. With compiled_attention both run inside the layer's first trace "
+           "(one trace per capacity; the buffer then grows by 1,024 rows, not MLX-LM's 256), so nothing is "
+           "built between the two traces (H200, 4K: build 3.03 -> 2.36 ms a step, e2e decode 1.17x; "
+           "docs/decode.md).",
            "MLX-LM's update_and_fetch and the attention over the live rows, built op by op between the "
            "attention layer's two traces."),
     Switch("fused_qk_prep", "attention", "both", True,

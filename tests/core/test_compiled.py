@@ -102,8 +102,10 @@ def test_decode_traces_give_the_bits_of_steps_built_op_by_op(monkeypatch, off):
         traces = [(type(m).__name__, k, v) for _, m in model.named_modules()
                   for k, v in m.__dict__.get("_lily_compiled", {}).items()]
         assert all(v is not compiled._FAILED for _, _, v in traces)
-        # every layer traced whole: DeltaNet layers in one trace, attention layers in two around the cache
-        assert {k[0] for owner, k, _ in traces if owner.endswith("DecoderLayer")} == {"layer", "prep", "out"}
+        # every layer traced whole: DeltaNet layers in one trace, attention layers in two around the cache (the
+        # first writing the plain cache's buffer, kv_write_in_trace; the batch cache's update built between them)
+        assert {k[0] for owner, k, _ in traces if owner.endswith("DecoderLayer")} == {
+            "layer", "prep", "prep_in_buffer", "out"}
         if off == "compiled_decode":  # no piece was ever traced on its own
             assert {owner for owner, _, _ in traces} == {"LilyDecoderLayer"}
     finally:
@@ -117,11 +119,13 @@ def test_decode_traces_give_the_bits_of_steps_built_op_by_op(monkeypatch, off):
 
 def test_decode_across_the_kv_buffers_growth(monkeypatch):
     """``kv_write_in_trace``: a decode step writes its keys and values into the plain KV cache's buffer and
-    attends over the whole buffer with the rows past the offset masked. Across MLX-LM's growth of the buffer
-    (256 -> 512 rows: the growth step is built by ``update_and_fetch``, the steps after it trace anew for the
-    new capacity and the old capacity's trace is dropped) the traced steps give the bits of the steps built
-    op by op, and the switch off (stock's update and attention over the live rows) gives the same bits on
-    the CPU (masked scores weigh exactly 0); the cache ends as MLX-LM's own update leaves it."""
+    attends over the whole buffer with the rows past the offset masked (the reference backend: no live-length
+    kernels). Across the buffer's growth (256 -> 256 + ``BUFFER_GROWTH_ROWS`` rows: the growth step is built by
+    MLX-LM's ``update_and_fetch`` with the larger step, the steps after it trace anew for the new capacity and the
+    old capacity's trace is dropped) the traced steps give the bits of the steps built op by op, and the switch
+    off (stock's update and attention over the live rows) gives the same bits on the CPU (masked scores weigh
+    exactly 0); the cache's live rows end as MLX-LM's own update leaves them."""
+    from lily_mlx.ops.attention.layer import BUFFER_GROWTH_ROWS
     import mlx_lm
 
     from lily_mlx import patch as lily_patch
@@ -141,13 +145,14 @@ def test_decode_across_the_kv_buffers_growth(monkeypatch):
     try:
         with switches.overrides(disable=["compiled_decode"], enable=["kv_write_in_trace"]):
             built, _ = greedy()
-        unbuffered, stock_cache = greedy()
+        with switches.overrides(disable=["kv_write_in_trace"]):
+            unbuffered, stock_cache = greedy()
         with switches.overrides(enable=["kv_write_in_trace"]):
             traced, cache = greedy()
         attention_layers = [layer for layer in model.layers if not layer.is_linear]
         for layer in attention_layers:
             kept = [k for k in layer.__dict__["_lily_compiled"] if k[0] == "prep_in_buffer"]
-            assert [k[-1] for k in kept] == [512], kept  # the 256-row capacity's trace dropped
+            assert [k[-1] for k in kept] == [256 + BUFFER_GROWTH_ROWS], kept  # the 256-row capacity's trace dropped
     finally:
         lily_patch.unpatch(model)
     for step, (a, b, c) in enumerate(zip(traced, built, unbuffered)):
@@ -156,7 +161,8 @@ def test_decode_across_the_kv_buffers_growth(monkeypatch):
     for mine, stock in zip(cache, stock_cache):
         if hasattr(stock, "offset") and not isinstance(stock.offset, mx.array):
             assert mine.offset == stock.offset == len(prompt) + steps
-            assert mine.keys.shape == stock.keys.shape
+            assert stock.keys.shape[2] == 512 and mine.keys.shape[2] == 256 + BUFFER_GROWTH_ROWS
+            assert mine.keys.shape[:2] + mine.keys.shape[3:] == stock.keys.shape[:2] + stock.keys.shape[3:]
             live = slice(0, stock.offset)
             assert mx.array_equal(mine.keys[..., live, :], stock.keys[..., live, :]).item()
             assert mx.array_equal(mine.values[..., live, :], stock.values[..., live, :]).item()

@@ -21,6 +21,7 @@ template or geometry:
 | ``fused_conv_step`` | decode: ``deltanet_decode_conv_fused`` alone (with ``fused_recurrent_norm``) | ``deltanet_conv_qk_norm_decode`` + the decode kernel(s) |
 | ``gqa_packing`` | ``attention_decode`` template GT = G, grid B * Hkv threadgroups | GT = 1, B * Hq threadgroups |
 | ``coalesced_kv`` | template COALESCED = 1 | COALESCED = 0 |
+| ``kv_write_in_trace`` | decode: ``attention_decode_block_partials_live`` + ``attention_decode_merge_blocks`` over the KV buffer | ``attention_decode`` over the live rows |
 
 The expected launches are written out here from the documented dispatch rules (README, docs/moe.md,
 ``ops/*/kernels.py`` docstrings), not computed by lily's own schedule code. MoE routings are built
@@ -480,16 +481,15 @@ MODEL_ERROR_FACTOR = 1.25
 # compiled_decode replays the same launches from a trace, on Metal and CUDA only (the simulator runs
 # eagerly): tests/kernels/test_compiled_decode.py; so do compiled_layers (whole DeltaNet layers) and
 # compiled_attention (the attention layers' pieces; tests/core/test_compiled.py traces both on the CPU), and
-# layer_replay calls those traces without choosing the path again (tests/core/test_compiled.py); kv_write_in_trace
-# moves a decode step's KV update and stock's attention (no lily kernel) into the first of them
-# (tests/core/test_compiled.py, tests/kernels/test_compiled_decode.py). bounded_lookahead evaluates the same graph in
+# layer_replay calls those traces without choosing the path again (tests/core/test_compiled.py).
+# bounded_lookahead evaluates the same graph in
 # pieces (when, not what): tests/core/test_lookahead.py. fused_in_proj / fused_qkv_proj merge MLX's own
 # quantised matmuls (no lily kernel; same bits): tests/core/test_projections.py. fused_residual hands the
 # combine kernel one more input (same launches, same bits): tests/kernels/test_moe_model.py. dense_gemv's
 # kernel is a trial kernel on every backend (off unless LILY_TRIAL_OPS names it):
 # tests/kernels/test_linear_kernels.py.
 NO_KERNEL_SWITCHES = ("fixed_block_attention", "chunked_prefill", "compiled_decode", "compiled_layers", "compiled_attention",
-                      "layer_replay", "kv_write_in_trace", "bounded_lookahead", "fused_in_proj", "fused_qkv_proj", "fused_residual", "dense_gemv")
+                      "layer_replay", "bounded_lookahead", "fused_in_proj", "fused_qkv_proj", "fused_residual", "dense_gemv")
 # fused_qk_prep: on, attention_qk_prep before each attention kernel; off, stock's ops
 # (expected_model_launches; tests/kernels/test_attention_qk_prep.py).
 QK_PREP_SWITCHES = ("fused_qk_prep",)
@@ -499,10 +499,16 @@ QK_PREP_SWITCHES = ("fused_qk_prep",)
 # fused_next_norm: on, with that decode path, a one-token call's combine (moe_combine_residual_norm) also computes the
 # next layer's input norm (every layer but the last; tests/kernels/test_moe_kernels.py checks the hand-over).
 ADD_NORM_SWITCHES = ("fused_add_norm", "fused_norm_router", "fused_next_norm")
+# kv_write_in_trace (with fixed_block_attention, where the long-context op has kernels): a decode step writes its
+# row into the KV buffer and attends over it through the fixed-block kernels' live-length form (blocks over the
+# buffer's capacity); off, the decode kernel over the live rows. (Its traces: tests/core/test_compiled.py,
+# tests/kernels/test_compiled_decode.py.)
+KV_BUFFER_SWITCHES = ("kv_write_in_trace",)
 NORM_ROUTER_NEEDS = ("fused_norm_router", "fused_add_norm", "fused_residual", "fused_expert_up", "fused_expert_down",
                      "fused_combine")
 assert set(NO_KERNEL_SWITCHES) | set(MOE_SWITCHES) | set(MOE_BLOCK_SWITCHES) | set(DELTANET_SWITCHES) | set(
-    ATTENTION_SWITCHES) | set(QK_PREP_SWITCHES) | set(ADD_NORM_SWITCHES) | set(REGISTER_BLOCK_SWITCHES) == set(
+    ATTENTION_SWITCHES) | set(QK_PREP_SWITCHES) | set(ADD_NORM_SWITCHES) | set(REGISTER_BLOCK_SWITCHES) | set(
+    KV_BUFFER_SWITCHES) == set(
     switches.SWITCHES), \
     "a new switch needs its expected launches here"
 
@@ -531,7 +537,9 @@ def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Se
             continue
         if state["fused_qk_prep"]:  # q/k norms, RoPE and the gate split in one kernel
             names.append("attention_qk_prep")
-        if tokens == 1:  # decode over a plain KVCache, no mask: the decode attention kernel
+        if tokens == 1 and state["kv_write_in_trace"] and state["fixed_block_attention"]:
+            names += ["attention_decode_block_partials_live", "attention_decode_merge_blocks"]  # over the buffer
+        elif tokens == 1:  # decode over a plain KVCache, no mask: the decode attention kernel
             names.append("attention_decode")
         else:  # a prefill chunk over a plain KVCache, mask "causal": the prefill kernel (no switch)
             names.append("attention_prefill")
