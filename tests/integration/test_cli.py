@@ -211,11 +211,14 @@ def test_cli_switch_flags_reach_the_kernels(model_path, in_process, monkeypatch)
         rc, out, err = in_process(lambda: cli.main(argv))
     assert rc == 0 and generated_text(out)
     names = set(rec.names())
-    assert {"deltanet_scan_blockwise", "deltanet_decode_conv_fused", "moe_router_topk_from_logits", "attention_decode"} <= names, names
+    # (decode attention over the KV buffer, kv_write_in_trace: the live-length block partials)
+    decode_attention = "attention_decode_block_partials_live"
+    assert {"deltanet_scan_blockwise", "deltanet_decode_conv_fused", "moe_router_topk_from_logits",
+            decode_attention} <= names, names
     assert names & {"moe_gemm_gate_up_swiglu_regtile", "moe_gemv_gate_up_swiglu"}, names
     assert not names & {"deltanet_scan_register", "deltanet_scan_staged", "moe_combine_weighted_rows"}, names
-    assert {launch.template["GT"] for launch in rec if launch.name == "attention_decode"} == {1}
-    assert {launch.template["COALESCED"] for launch in rec if launch.name == "attention_decode"} == {1}
+    assert {launch.template["GT"] for launch in rec if launch.name == decode_attention} == {1}
+    assert {launch.template["COALESCED"] for launch in rec if launch.name == decode_attention} == {1}
 
 
 def test_without_lily_mlx_lm_main_runs_stock(model_path, in_process):
