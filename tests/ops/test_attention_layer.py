@@ -172,15 +172,19 @@ def test_sim_backend_unsupported_shapes_fall_back_to_reference(monkeypatch, capl
     module = make_attention(4, 1, 32, seed=7)
     mx.random.seed(8)
     xs = [mx.random.normal((1, t, HIDDEN)) for t in (4, 1)]
-    # (the q/k preparation kernel takes head dim 32: off here, this test is about the attention kernels)
-    with caplog.at_level("INFO", logger="lily_mlx"), switches.overrides(disable=["fused_qk_prep"]):
-        ours = run_chunks(att.attention_forward, module, xs, KVCache())
     stock = run_chunks(stock_forward, module, xs, KVCache())
-    for a, b in zip(ours, stock):
-        assert_identical(a, b)
-    assert "attention_prefill: head dim 32 not in" in caplog.text  # the prefill kernel's shape rules
-    assert "attention_decode: head dim 32 not in" in caplog.text  # the decode kernel's shape rules
-    reset_log_once()
+    # (the q/k preparation kernel takes head dim 32: off here, this test is about the attention kernels; the
+    # decode step over the live rows, then over the KV buffer with kv_write_in_trace)
+    for in_buffer, decode_op in ((False, "attention_decode"), (True, "attention_decode_long")):
+        off = ["fused_qk_prep"] + ([] if in_buffer else ["kv_write_in_trace"])
+        with caplog.at_level("INFO", logger="lily_mlx"), switches.overrides(disable=off):
+            ours = run_chunks(att.attention_forward, module, xs, KVCache())
+        for a, b in zip(ours, stock):
+            assert_identical(a, b)
+        assert "attention_prefill: head dim 32 not in" in caplog.text  # the prefill kernel's shape rules
+        assert f"{decode_op}: head dim 32 not in" in caplog.text  # the decode kernels' shape rules
+        reset_log_once()
+        caplog.clear()
 
 
 @pytest.mark.parametrize("kind", ["kv", "batch", "quantized"])

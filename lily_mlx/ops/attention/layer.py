@@ -174,8 +174,8 @@ def attention(queries, keys, values, *, scale, mask=None, cache=None):
 # --- a decode step's attention over the cache's buffer (switch kv_write_in_trace) ---------------------
 
 NO_LIMIT = 1 << 62
-# Rows a KV buffer grows by once a step writes into it (switch kv_write_in_trace): each growth traces the
-# attention layers' first trace anew, so fewer growths than MLX-LM's 256 rows (~20 KB a row over Qwen3.6's
+# Rows a KV buffer grows by once a step writes into it from a trace (switch kv_write_in_trace, a backend that
+# traces): each growth traces the attention layers' first trace anew, so fewer growths than MLX-LM's 256 rows (~20 KB a row over Qwen3.6's
 # 10 attention layers: 20 MB a growth).
 BUFFER_GROWTH_ROWS = 1024
 
@@ -413,9 +413,9 @@ def _attend(self, prepared, mask, cache, limit: Optional[int] = None):
                                                             _positions(cache), scale=self.scale)
         cache.offset += 1
         return output, gate
-    if queries.shape[2] == 1 and type(cache) is KVCache and cache.step < BUFFER_GROWTH_ROWS and (
-            buffer_limit(self, cache) if limit is None else limit):
-        cache.step = BUFFER_GROWTH_ROWS  # the decode steps to come write into the buffer: grow it less often
+    if (queries.shape[2] == 1 and type(cache) is KVCache and cache.step < BUFFER_GROWTH_ROWS
+            and active_backend() in compiled.COMPILE_BACKENDS and (buffer_limit(self, cache) if limit is None else limit)):
+        cache.step = BUFFER_GROWTH_ROWS  # the steps to come write into the buffer from a trace: retrace less often
     keys, values = cache.update_and_fetch(keys, values)
     return attention(queries, keys, values, scale=self.scale, mask=mask, cache=cache), gate
 
