@@ -374,6 +374,31 @@ def test_fixed_block_kernels_with_the_heads_of_a_kv_head_split(G_GT, S, block_ro
 
 
 @needs_sim
+@settings(deadline=None, max_examples=12)
+@given(S=st.sampled_from([40, 300, 1000]), block_rows=st.sampled_from([None, 16]),
+       merge=st.sampled_from([(1, 1), (4, 2), (8, 4), (32, 1)]), live=st.booleans(), seed=st.integers(0, 2**16))
+def test_fixed_block_merge_geometries_compute_the_attention(S, block_rows, merge, live, seed):
+    """The merge's candidate geometries (at most MW simdgroups a threadgroup, MV fp32 a lane a load: 1 to 32
+    simdgroups, 4- to 16-byte loads, a threadgroup per (head, 32 * MV elements of D)), over the live rows and in
+    the live-length form: the attention, outputs and partials poisoned."""
+    mw, mv = merge
+    rng = np.random.default_rng(seed)
+    q, k, v = _problem(rng, 1, 2, 8, 256, S, mx.bfloat16, spare=37)
+    knobs = dict(block_rows=block_rows, backend=KERNEL_BACKEND, init_value=NAN, merge_max_simdgroups=mw,
+                 merge_lane_floats=mv)
+    with record_launches() as rec:
+        if live:
+            out = ak.decode_attention_fixed_blocks_live(q, k, v, mx.array([S - 1], dtype=mx.int32), scale=0.0625,
+                                                        **knobs)
+        else:
+            out = ak.decode_attention_fixed_blocks(q, k, v, scale=0.0625, kv_length=S, **knobs)
+    merge_launch = rec[1]
+    assert merge_launch.template["MV"] == mv and merge_launch.template["MW"] <= mw
+    assert merge_launch.kwargs["grid"][0] == 32 * 16 * 256 // (32 * mv)
+    _check(out, _oracle(q, k, v, S, 0.0625), TOL["bfloat16"])
+
+
+@needs_sim
 @settings(deadline=None, max_examples=16)
 @given(
     B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 3, 8]), D=st.sampled_from([64, 256]),

@@ -235,13 +235,18 @@ class FixedBlockPlan(NamedTuple):
     merge_lane_floats: int  # MV: fp32 per lane per load (one 8- or 16-byte load)
 
 
-def fixed_block_plan(S: int, D: int, heads_per_kv_group: int, block_rows: Optional[int] = None) -> FixedBlockPlan:
+def fixed_block_plan(S: int, D: int, heads_per_kv_group: int, block_rows: Optional[int] = None,
+                     merge_max_simdgroups: Optional[int] = None,
+                     merge_lane_floats: Optional[int] = None) -> FixedBlockPlan:
     """Blocks and merge geometry for S live rows (``heads_per_kv_group``: B * Hkv * G / GT). BR,
-    NB, MW and MV depend on S and D only, so a row's summation order never depends on the batch."""
+    NB, MW and MV depend on S and D only, so a row's summation order never depends on the batch.
+    ``merge_max_simdgroups`` (a power of two, default MERGE_MAX_SIMDGROUPS) and ``merge_lane_floats`` (MV: 1, 2
+    or 4; default the widest D allows): the merge's geometry, for benchmarks."""
     br = block_rows or fixed_block_rows(S)
     nb = -(-S // br)
-    mw = max(1, min(MERGE_MAX_SIMDGROUPS, _pow2_at_least(-(-nb // MERGE_UNROLL))))
-    return FixedBlockPlan(br, nb, heads_per_kv_group * nb, mw, min(4, D // 32))
+    mw = max(1, min(merge_max_simdgroups or MERGE_MAX_SIMDGROUPS, _pow2_at_least(-(-nb // MERGE_UNROLL))))
+    mv = min(merge_lane_floats or 4, D // 32)
+    return FixedBlockPlan(br, nb, heads_per_kv_group * nb, mw, mv)
 
 
 def decode_attention_fixed_blocks(
@@ -259,11 +264,14 @@ def decode_attention_fixed_blocks(
     simdgroups: Optional[int] = None,  # per partials threadgroup (default DECODE_SIMDGROUPS)
     rows: Optional[int] = None,  # rows per simdgroup step (default DECODE_ROWS_PER_STEP)
     heads_per_threadgroup: Optional[int] = None,  # GT (default: G with gqa_packed, else 1)
+    merge_max_simdgroups: Optional[int] = None,  # the merge's geometry (fixed_block_plan; benchmarks)
+    merge_lane_floats: Optional[int] = None,
 ) -> mx.array:  # [B, Hq, 1, D]
     """``decode_attention`` with the KV rows cut into blocks of BR rows processed by separate
     threadgroups (fp32 partials), then merged: two launches."""
     g = _geometry(queries, keys, kv_length, gqa_packed, coalesced, simdgroups, rows, heads_per_threadgroup)
-    plan = fixed_block_plan(g.S, queries.shape[3], g.threadgroups, block_rows)
+    plan = fixed_block_plan(g.S, queries.shape[3], g.threadgroups, block_rows, merge_max_simdgroups,
+                            merge_lane_floats)
     partials = KERNELS["attention_decode_block_partials"]
     return _blocks_then_merge(queries, keys, values, g, plan, partials, [float32_scalar(scale)],
                               partials.pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap, NB=plan.blocks,
@@ -282,6 +290,8 @@ def decode_attention_fixed_blocks_live(
     coalesced: bool = True,
     backend: str,
     init_value=None,
+    merge_max_simdgroups: Optional[int] = None,  # the merge's geometry (fixed_block_plan; benchmarks)
+    merge_lane_floats: Optional[int] = None,
 ) -> mx.array:  # [B, Hq, 1, D]
     """``decode_attention_fixed_blocks`` over a buffer whose live length is an array (switch
     ``kv_write_in_trace``): the launch depends on the capacity alone, so one trace serves every step until
@@ -289,7 +299,8 @@ def decode_attention_fixed_blocks_live(
     empty partials, which the merge weighs 0. Every row of the batch has the same live length (a plain
     ``KVCache``)."""
     g = _geometry(queries, keys, None, gqa_packed, coalesced)
-    plan = fixed_block_plan(g.S_cap, queries.shape[3], g.threadgroups, block_rows)
+    plan = fixed_block_plan(g.S_cap, queries.shape[3], g.threadgroups, block_rows, merge_max_simdgroups,
+                            merge_lane_floats)
     partials = KERNELS["attention_decode_block_partials_live"]
     return _blocks_then_merge(queries, keys, values, g, plan, partials,
                               [float32_scalar(scale), last_row.astype(mx.int32).reshape(1)],
