@@ -350,6 +350,92 @@ inline void attention_decode_block(
       sg_acc, lane, sg);
 }
 
+// The merge of the block partials of one (head, slice of 32 * MV elements of D): threadgroup `tg` of MW
+// simdgroups (see attention_decode_merge_blocks). GATED: the output times sigmoid(gate) ([B * Hq, D] InT, the
+// layer's output gate), rounded as stock's separate ops round them (attention_decode_merge_blocks_gated).
+// PM, PS: part_max's and part_sum's pointer types (Metal passes inputs of under 8 elements as `constant`).
+template <typename InT, int D, int MV, int MW, int GATED, typename PM, typename PS>
+inline void attention_merge_blocks(
+    PM part_max, PS part_sum, const device float* part_acc,
+    const device InT* gate, device InT* out, int NB, int tg,
+    threadgroup float* tg_red, threadgroup float* tg_sum, threadgroup float* tg_acc, int lane, int w) {
+  constexpr int UNROLL = 4;
+  constexpr int SLICE = 32 * MV;
+  const int tid = w * 32 + lane;
+  const int slices = D / SLICE;
+  const size_t head = static_cast<size_t>(tg / slices);
+  const int d0 = (tg % slices) * SLICE;
+
+  float m_all = ATTENTION_NO_MAX;
+  for (int b = tid; b < NB; b += 32 * MW) {
+    m_all = fmax(m_all, part_max[head * NB + b]);
+  }
+  m_all = simd_max(m_all);
+  if (lane == 0) {
+    tg_red[w] = m_all;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  m_all = tg_red[0];
+  for (int s = 1; s < MW; ++s) {
+    m_all = fmax(m_all, tg_red[s]);
+  }
+
+  float total = 0.0f;
+  float o[MV];
+  for (int j = 0; j < MV; ++j) {
+    o[j] = 0.0f;
+  }
+  for (int b0 = w; b0 < NB; b0 += UNROLL * MW) {  // uniform over the simdgroup
+    uint words[UNROLL][MV];
+    float bmax[UNROLL];
+    float bsum[UNROLL];
+    for (int u = 0; u < UNROLL; ++u) {
+      const int b = b0 + u * MW;
+      if (b < NB) {
+        bmax[u] = part_max[head * NB + b];
+        bsum[u] = part_sum[head * NB + b];
+        AttentionLoad<MV>::load(part_acc + (head * NB + b) * D + d0 + lane * MV, words[u]);
+      } else {
+        bmax[u] = ATTENTION_NO_MAX;
+        bsum[u] = 0.0f;
+        for (int j = 0; j < MV; ++j) {
+          words[u][j] = 0u;
+        }
+      }
+    }
+    for (int u = 0; u < UNROLL; ++u) {
+      const float wt = exp(bmax[u] - m_all);
+      total += bsum[u] * wt;
+      for (int j = 0; j < MV; ++j) {
+        o[j] += as_type<float>(words[u][j]) * wt;
+      }
+    }
+  }
+  for (int j = 0; j < MV; ++j) {
+    tg_acc[w * SLICE + lane * MV + j] = o[j];
+  }
+  if (lane == 0) {
+    tg_sum[w] = total;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int d = tid; d < SLICE; d += 32 * MW) {
+    float sum = 0.0f;
+    float acc = 0.0f;
+    for (int s = 0; s < MW; ++s) {
+      sum += tg_sum[s];
+      acc += tg_acc[s * SLICE + d];
+    }
+    const size_t i = head * D + d0 + d;
+    const InT o = static_cast<InT>(acc / sum);
+    if (GATED) {  // stock's output * sigmoid(gate), each rounded to InT as its two ops round them
+      const InT sg = static_cast<InT>(1.0f / (1.0f + exp(-static_cast<float>(gate[i]))));
+      out[i] = static_cast<InT>(static_cast<float>(o) * static_cast<float>(sg));
+    } else {
+      out[i] = o;
+    }
+  }
+}
+
 // @kernel attention_decode
 // q: [B, Hq, 1, D] InT; k, v: [B, Hkv, S_cap, D] InT (rows < S read); scale: [1] fp32; row_start:
 // [B] int32 (if has_row_start: row b's keys are rows row_start[b] .. S - 1, its left padding skipped,
@@ -417,79 +503,24 @@ inline void attention_decode_block(
 // slice in one 8/16-byte load; the MW partial sums are added in simdgroup order through threadgroup
 // memory. Fixed order for a given NB: deterministic. out: [B, Hq, 1, D] InT.
 {
-  constexpr int UNROLL = 4;
-  constexpr int SLICE = 32 * MV;
   threadgroup float tg_red[MW];
   threadgroup float tg_sum[MW];
-  threadgroup float tg_acc[MW * SLICE];
-  const int lane = static_cast<int>(thread_index_in_simdgroup);
-  const int w = static_cast<int>(thread_position_in_threadgroup.y);
-  const int tid = w * 32 + lane;
-  const int slices = D / SLICE;
-  const int tg = static_cast<int>(threadgroup_position_in_grid.x);
-  const size_t head = static_cast<size_t>(tg / slices);
-  const int d0 = (tg % slices) * SLICE;
-  // part_max / part_sum indexed directly: Metal passes inputs of under 8 elements as `constant`.
+  threadgroup float tg_acc[MW * 32 * MV];
+  attention_merge_blocks<InT, D, MV, MW, 0>(
+      part_max, part_sum, part_acc, nullptr, out, NB, static_cast<int>(threadgroup_position_in_grid.x),
+      tg_red, tg_sum, tg_acc, static_cast<int>(thread_index_in_simdgroup),
+      static_cast<int>(thread_position_in_threadgroup.y));
+}
 
-  float m_all = ATTENTION_NO_MAX;
-  for (int b = tid; b < NB; b += 32 * MW) {
-    m_all = fmax(m_all, part_max[head * NB + b]);
-  }
-  m_all = simd_max(m_all);
-  if (lane == 0) {
-    tg_red[w] = m_all;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  m_all = tg_red[0];
-  for (int s = 1; s < MW; ++s) {
-    m_all = fmax(m_all, tg_red[s]);
-  }
-
-  float total = 0.0f;
-  float o[MV];
-  for (int j = 0; j < MV; ++j) {
-    o[j] = 0.0f;
-  }
-  for (int b0 = w; b0 < NB; b0 += UNROLL * MW) {  // uniform over the simdgroup
-    uint words[UNROLL][MV];
-    float bmax[UNROLL];
-    float bsum[UNROLL];
-    for (int u = 0; u < UNROLL; ++u) {
-      const int b = b0 + u * MW;
-      if (b < NB) {
-        bmax[u] = part_max[head * NB + b];
-        bsum[u] = part_sum[head * NB + b];
-        AttentionLoad<MV>::load(part_acc + (head * NB + b) * D + d0 + lane * MV, words[u]);
-      } else {
-        bmax[u] = ATTENTION_NO_MAX;
-        bsum[u] = 0.0f;
-        for (int j = 0; j < MV; ++j) {
-          words[u][j] = 0u;
-        }
-      }
-    }
-    for (int u = 0; u < UNROLL; ++u) {
-      const float wt = exp(bmax[u] - m_all);
-      total += bsum[u] * wt;
-      for (int j = 0; j < MV; ++j) {
-        o[j] += as_type<float>(words[u][j]) * wt;
-      }
-    }
-  }
-  for (int j = 0; j < MV; ++j) {
-    tg_acc[w * SLICE + lane * MV + j] = o[j];
-  }
-  if (lane == 0) {
-    tg_sum[w] = total;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int d = tid; d < SLICE; d += 32 * MW) {
-    float sum = 0.0f;
-    float acc = 0.0f;
-    for (int s = 0; s < MW; ++s) {
-      sum += tg_sum[s];
-      acc += tg_acc[s * SLICE + d];
-    }
-    out[head * D + d0 + d] = static_cast<InT>(acc / sum);
-  }
+// @kernel attention_decode_merge_blocks_gated
+// attention_decode_merge_blocks with the attention layer's output gate applied (switch fused_output_gate):
+// out = merged * sigmoid(gate), gate: [B, 1, Hq * D] InT (the q/k preparation's gate output).
+{
+  threadgroup float tg_red[MW];
+  threadgroup float tg_sum[MW];
+  threadgroup float tg_acc[MW * 32 * MV];
+  attention_merge_blocks<InT, D, MV, MW, 1>(
+      part_max, part_sum, part_acc, gate, out, NB, static_cast<int>(threadgroup_position_in_grid.x),
+      tg_red, tg_sum, tg_acc, static_cast<int>(thread_index_in_simdgroup),
+      static_cast<int>(thread_position_in_threadgroup.y));
 }

@@ -146,6 +146,11 @@ _SWITCH_LIST = [
            "docs/decode.md).",
            "MLX-LM's update_and_fetch and the attention over the live rows, built op by op between the "
            "attention layer's two traces."),
+    Switch("fused_output_gate", "attention", "decode", True,
+           "Where a decode step attends over the KV buffer through the live-length kernels (kv_write_in_trace), "
+           "their merge also applies the layer's output gate (output * sigmoid(gate), rounded as stock's two ops "
+           "round them) and writes the o-projection's input.",
+           "The gate by MLX's sigmoid and multiply after the attention kernels."),
     Switch("fused_qk_prep", "attention", "both", True,
            "q/k RMSNorm, partial RoPE and output-gate split in one kernel.",
            "Separate norm, RoPE and split ops."),

@@ -290,7 +290,7 @@ def test_embedded_model_decode_over_the_kv_buffer_takes_the_live_length_kernels(
         lily_patch.unpatch(model)
     decode = [name for name in rec.names() if name != "attention_prefill"][1:]  # after the prompt's
     assert decode == ["attention_qk_prep", "attention_decode_block_partials_live",
-                      "attention_decode_merge_blocks"] * steps, decode
+                      "attention_decode_merge_blocks_gated"] * steps, decode  # (the output gate in the merge)
     capacity = next(c.keys.shape[2] for c in cache if type(c) is KVCache)
     partials = [launch for launch in rec if launch.name == "attention_decode_block_partials_live"]
     assert {launch.kwargs["grid"][0] for launch in partials} == {  # the capacity's blocks at every step
@@ -371,6 +371,29 @@ def test_fixed_block_kernels_with_the_heads_of_a_kv_head_split(G_GT, S, block_ro
     with pytest.raises(ValueError, match="does not divide"):
         ak.decode_attention_fixed_blocks(q, k, v, scale=scale, kv_length=S, backend=KERNEL_BACKEND,
                                          heads_per_threadgroup=3)
+
+
+@needs_sim
+@settings(deadline=None, max_examples=10)
+@given(B=st.integers(1, 2), G=st.sampled_from([1, 8]), D=st.sampled_from([64, 256]), S=st.sampled_from([1, 77]),
+       dtype=st.sampled_from(["bfloat16", "float16", "float32"]), seed=st.integers(0, 2**16))
+def test_the_merge_applies_the_output_gate(B, G, D, S, dtype, seed):
+    """``fused_output_gate``: the live form's merge writes attention * sigmoid(gate) in the o-projection's input
+    layout [B, 1, Hq * D], each product rounded as stock's sigmoid and multiply round them: within one rounding of
+    the ungated kernel followed by stock's ops (``layer.gated``), and the attention against the fp32 oracle."""
+    rng = np.random.default_rng(seed)
+    dt = DTYPES[dtype]
+    q, k, v = _problem(rng, B, 2, G, D, S, dt, spare=20)
+    gate = _rand(rng, (B, 1, 2 * G * D), dt) * 3
+    last = mx.array([S - 1], dtype=mx.int32)
+    with record_launches() as rec:
+        fused = ak.decode_attention_fixed_blocks_live(q, k, v, last, scale=D**-0.5, backend=KERNEL_BACKEND,
+                                                      init_value=NAN, gate=gate)
+    assert rec.names() == ["attention_decode_block_partials_live", "attention_decode_merge_blocks_gated"]
+    assert fused.shape == (B, 1, 2 * G * D) and fused.dtype == dt
+    plain = ak.decode_attention_fixed_blocks_live(q, k, v, last, scale=D**-0.5, backend=KERNEL_BACKEND)
+    _check(fused, att.gated(plain, gate), 1e-6 if dtype == "float32" else 4e-3)
+    _check(fused, att.gated(_oracle(q, k, v, S, D**-0.5), gate), TOL[dtype] + 4e-3)
 
 
 @needs_sim
@@ -536,6 +559,10 @@ def test_fixed_block_kernels_compile_for_cuda():
                     ("R", rows), ("COALESCED", int(coalesced))]
         units.append(wrap_like_mlx(partials, [q, k, k, mx.zeros((1,)), mx.zeros((6,), mx.int32)],
                                    [mx.float32] * 3, template=template)[1])
+    gated = build("attention_decode_merge_blocks_gated")
+    units.append(wrap_like_mlx(gated, [mx.zeros((16, 2)), mx.zeros((16, 2)), mx.zeros((16, 2, 256)),
+                                       mx.zeros((1, 1, 16 * 256), mx.bfloat16), mx.zeros((1,), mx.int32)],
+                               [mx.bfloat16], template=[("InT", mx.bfloat16), ("D", 256), ("MV", 4), ("MW", 32)])[1])
     live = build("attention_decode_block_partials_live")
     units.append(wrap_like_mlx(live, [q, k, k, mx.zeros((1,)), mx.zeros((1,), mx.int32), mx.zeros((5,), mx.int32)],
                                [mx.float32] * 3, template=template)[1])

@@ -36,6 +36,8 @@ KERNELS = {
                    ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S_cap", "NB", "BR")),
         KernelSpec("attention_decode_merge_blocks", _FILE, ("part_max", "part_sum", "part_acc", "params"), ("out",),
                    params=("NB",)),
+        KernelSpec("attention_decode_merge_blocks_gated", _FILE, ("part_max", "part_sum", "part_acc", "gate", "params"),
+                   ("out",), params=("NB",)),
         KernelSpec("attention_prefill", _PREFILL_FILE, ("q", "k", "v", "scale", "params"), ("out",),
                    params=("Hkv", "L", "S", "S_cap", "NQ")),
         KernelSpec("attention_qk_prep", _QK_PREP_FILE,
@@ -292,12 +294,14 @@ def decode_attention_fixed_blocks_live(
     init_value=None,
     merge_max_simdgroups: Optional[int] = None,  # the merge's geometry (fixed_block_plan; benchmarks)
     merge_lane_floats: Optional[int] = None,
-) -> mx.array:  # [B, Hq, 1, D]
+    gate: Optional[mx.array] = None,  # [B, 1, Hq * D]: the layer's output gate, applied by the merge
+) -> mx.array:  # [B, Hq, 1, D]; with gate: [B, 1, Hq * D], the attention times sigmoid(gate)
     """``decode_attention_fixed_blocks`` over a buffer whose live length is an array (switch
     ``kv_write_in_trace``): the launch depends on the capacity alone, so one trace serves every step until
     the buffer grows. Blocks and merge cover the capacity (BR from S_cap); blocks past the live rows write
     empty partials, which the merge weighs 0. Every row of the batch has the same live length (a plain
-    ``KVCache``)."""
+    ``KVCache``). With ``gate`` (switch ``fused_output_gate``) the merge also applies the output gate and writes
+    the o-projection's input layout."""
     g = _geometry(queries, keys, None, gqa_packed, coalesced)
     plan = fixed_block_plan(g.S_cap, queries.shape[3], g.threadgroups, block_rows, merge_max_simdgroups,
                             merge_lane_floats)
@@ -305,13 +309,15 @@ def decode_attention_fixed_blocks_live(
     return _blocks_then_merge(queries, keys, values, g, plan, partials,
                               [float32_scalar(scale), last_row.astype(mx.int32).reshape(1)],
                               partials.pack(Hkv=g.Hkv, G=g.G, S_cap=g.S_cap, NB=plan.blocks, BR=plan.block_rows),
-                              backend, init_value)
+                              backend, init_value, gate)
 
 
 def _blocks_then_merge(queries, keys, values, g: _Geometry, plan: FixedBlockPlan, partials: KernelSpec,
-                       scalars: list, params: mx.array, backend: str, init_value) -> mx.array:
+                       scalars: list, params: mx.array, backend: str, init_value,
+                       gate: Optional[mx.array] = None) -> mx.array:
     """The two launches of the fixed-block split: ``partials`` (inputs q, k, v, then ``scalars``, then
-    ``params``) writes each block's fp32 partials, the merge kernel combines them."""
+    ``params``) writes each block's fp32 partials, the merge kernel combines them (and applies ``gate``,
+    [B, 1, Hq * D], writing that shape)."""
     B, Hq, _, D = queries.shape
     part_max, part_sum, part_acc = get_kernel(partials, backend)(
         inputs=[queries, keys, values, *scalars, params],
@@ -321,14 +327,14 @@ def _blocks_then_merge(queries, keys, values, g: _Geometry, plan: FixedBlockPlan
         output_dtypes=[mx.float32] * 3,
         init_value=init_value,
     )
-    merge = KERNELS["attention_decode_merge_blocks"]
+    merge = KERNELS["attention_decode_merge_blocks" if gate is None else "attention_decode_merge_blocks_gated"]
     mv, mw = plan.merge_lane_floats, plan.merge_simdgroups
     (out,) = get_kernel(merge, backend)(
-        inputs=[part_max, part_sum, part_acc, merge.pack(NB=plan.blocks)],
+        inputs=[part_max, part_sum, part_acc, *([] if gate is None else [gate]), merge.pack(NB=plan.blocks)],
         template=[("InT", queries.dtype), ("D", D), ("MV", mv), ("MW", mw)],
         grid=(32 * B * Hq * (D // (32 * mv)), mw, 1),
         threadgroup=(32, mw, 1),
-        output_shapes=[queries.shape],
+        output_shapes=[queries.shape if gate is None else (B, 1, Hq * D)],
         output_dtypes=[queries.dtype],
         init_value=init_value,
     )

@@ -213,12 +213,13 @@ def in_buffer(cache: Any, mask: Any, limit: int) -> bool:
     return limit > 0 and mask is None and keys is not None and cache.offset < min(keys.shape[2], limit)
 
 
-def attend_in_buffer(queries, keys, values, k_buffer, v_buffer, positions, *, scale):
-    """queries [B, H, 1, D], this step's keys / values [B, Hkv, 1, D], the cache's buffers [B, Hkv, S_cap, D],
-    positions (the offset, an int32 scalar) -> (output [B, H, 1, D], k_buffer, v_buffer): the row written at
-    the offset (``update_and_fetch``'s copy) and the attention over rows 0 .. offset of the buffer, in a form
-    whose shapes hold from token to token until the buffer grows: the fixed-block kernels reading the live
-    length from ``positions`` (``_live_length_kernel_on``), else stock's attention over the whole buffer with
+def attend_in_buffer(queries, keys, values, gate, k_buffer, v_buffer, positions, *, scale):
+    """queries [B, H, 1, D], this step's keys / values [B, Hkv, 1, D], its output gate [B, 1, H * D], the cache's
+    buffers [B, Hkv, S_cap, D], positions (the offset, an int32 scalar) -> (gated output [B, 1, H * D], the
+    o-projection's input; k_buffer, v_buffer): the row written at the offset (``update_and_fetch``'s copy) and the
+    attention over rows 0 .. offset of the buffer, in a form whose shapes hold from token to token until the
+    buffer grows: the fixed-block kernels reading the live length from ``positions`` (``_live_length_kernel_on``;
+    their merge applies the gate with ``fused_output_gate``), else stock's attention over the whole buffer with
     the rows past the offset masked (the same function as over the live rows: masked scores weigh exactly 0)."""
     start = positions.reshape(1)
     k_buffer = mx.slice_update(k_buffer, keys, start, axes=(2,))
@@ -226,13 +227,14 @@ def attend_in_buffer(queries, keys, values, k_buffer, v_buffer, positions, *, sc
     if _live_length_kernel_on():
         problem = kernels.shape_problem(queries, k_buffer, v_buffer)
         if not problem:
+            fuse_gate = is_enabled("fused_output_gate") and gate.dtype == queries.dtype
             output = kernels.decode_attention_fixed_blocks_live(
                 queries, k_buffer, v_buffer, start, scale=scale, gqa_packed=is_enabled("gqa_packing"),
-                coalesced=is_enabled("coalesced_kv"), backend=active_backend())
-            return output, k_buffer, v_buffer
+                coalesced=is_enabled("coalesced_kv"), backend=active_backend(), gate=gate if fuse_gate else None)
+            return (output if fuse_gate else gated(output, gate)), k_buffer, v_buffer
         log_once(f"attention_decode_long:live:{problem}", f"attention_decode_long: {problem}, using the reference")
     live = mx.arange(k_buffer.shape[2], dtype=mx.int32) <= positions  # [S_cap]
-    return attention_reference(queries, k_buffer, v_buffer, scale=scale, mask=live), k_buffer, v_buffer
+    return gated(attention_reference(queries, k_buffer, v_buffer, scale=scale, mask=live), gate), k_buffer, v_buffer
 
 
 # --- the layer ------------------------------------------------------------------------------------
@@ -261,11 +263,17 @@ def _projected_and_prepared(self, x: mx.array, fused: Optional[projections.Fused
     return qk_prep(q_proj_out, k_proj_out, v_proj_out, **heads)
 
 
-def _gated_output(self, output: mx.array, gate: mx.array) -> mx.array:
-    """output [B, H, L, D], gate [B, L, H * D] -> o_proj(output * sigmoid(gate)) [B, L, hidden]."""
+def gated(output: mx.array, gate: mx.array) -> mx.array:
+    """output [B, H, L, D], gate [B, L, H * D] -> output * sigmoid(gate) [B, L, H * D] (stock's ops)."""
     B, _, L, _ = output.shape
     output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)  # [B, L, H * D]
-    return self.o_proj(output * mx.sigmoid(gate))
+    return output * mx.sigmoid(gate)
+
+
+def _gated_output(self, output: mx.array, gate: Optional[mx.array]) -> mx.array:
+    """output [B, H, L, D], gate [B, L, H * D] -> o_proj(output * sigmoid(gate)) [B, L, hidden]; gate None:
+    ``output`` is already gated, [B, L, H * D] (``attend_in_buffer``)."""
+    return self.o_proj(output if gate is None else gated(output, gate))
 
 
 def _traces_on(self, x: mx.array, cache: Any) -> bool:
@@ -332,28 +340,34 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
     def prep_and_attend(x, positions, k_buffer, v_buffer, *rest):
         with compiled.inline():
             queries, keys, values, gate = prepared(x, positions, *rest)
-            output, k_buffer, v_buffer = attend_in_buffer(queries, keys, values, k_buffer, v_buffer, positions,
-                                                          scale=self.scale)
-            return output, gate, k_buffer, v_buffer
+            output, k_buffer, v_buffer = attend_in_buffer(queries, keys, values, gate, k_buffer, v_buffer,
+                                                          positions, scale=self.scale)
+            return output, k_buffer, v_buffer
 
     def finish(output, gate, x, *extra):
         with compiled.inline():
             return post(x, _gated_output(self, output, gate), *extra)
+
+    def finish_gated(output, x, *extra):  # (the output gated in the first trace)
+        with compiled.inline():
+            return post(x, self.o_proj(output), *extra)
 
     args = [x, _positions(cache), *pre_args] + weights
     first_key = ("prep", key, n_pre) + _prep_key(self, args, fused)
     if buffered:
         # One trace per capacity: the slot (the key without it) keeps only the latest.
         kb = cache.keys
-        attention_form = (_live_length_kernel_on(), is_enabled("gqa_packing"), is_enabled("coalesced_kv"))
+        attention_form = (_live_length_kernel_on(), is_enabled("gqa_packing"), is_enabled("coalesced_kv"),
+                          is_enabled("fused_output_gate"))
         slot = ("prep_in_buffer",) + first_key[1:] + ((kb.shape[:2], kb.shape[3], kb.dtype), attention_form)
         first_key, capacity = slot + (kb.shape[2],), kb.shape[2]
         traced_out = compiled.call(owner, first_key, prep_and_attend, [x, args[1], kb, cache.values, *args[2:]],
                                    slot=slot)
         if traced_out is None:
             return None
-        output, gate, cache.keys, cache.values = traced_out
+        output, cache.keys, cache.values = traced_out
         cache.offset += 1
+        gate = None  # (applied in the first trace)
     else:
         traced_out = compiled.call(owner, first_key, prep, args)
         if traced_out is None:
@@ -361,10 +375,13 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
         output, gate = _attend(self, traced_out, mask, cache, limit)
 
     def out_key(output):
-        return ("out", key, output.shape, output.dtype, gate.shape, gate.dtype, x.shape, x.dtype,
-                self.o_proj.weight.shape, n_post)
+        return ("out", key, output.shape, output.dtype, None if gate is None else (gate.shape, gate.dtype), x.shape,
+                x.dtype, self.o_proj.weight.shape, n_post)
 
-    out = compiled.call(owner, out_key(output), finish, (output, gate, x, *post_args))
+    if gate is None:
+        out = compiled.call(owner, out_key(output), finish_gated, (output, x, *post_args))
+    else:
+        out = compiled.call(owner, out_key(output), finish, (output, gate, x, *post_args))
     if out is None:
         return compiled.LayerStep(post(x, _gated_output(self, output, gate), *post_args))
     if not replayable:
@@ -395,24 +412,23 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
         if (stale(pre_args, post_args) or keys is None or keys.shape[2] != capacity
                 or not in_buffer(cache, mask, limit)):
             return None
-        output, gate, cache.keys, cache.values = traced_first(x, _positions(cache), keys, cache.values, *pre_args,
-                                                              *weights)
+        output, cache.keys, cache.values = traced_first(x, _positions(cache), keys, cache.values, *pre_args, *weights)
         cache.offset += 1
-        return traced_finish(output, gate, x, *post_args)
+        return traced_finish(output, x, *post_args)
 
     return compiled.LayerStep(out, replay_in_buffer if buffered else replay)
 
 
 def _attend(self, prepared, mask, cache, limit: Optional[int] = None):
     """(queries, keys, values, gate) of this step -> (attention output [B, H, L, D], gate): the KV cache
-    updated with the step's keys and values and attended over (over its whole buffer where ``in_buffer``;
-    ``limit``: ``buffer_limit``'s answer where the caller has it)."""
+    updated with the step's keys and values and attended over (over its whole buffer where ``in_buffer``: then
+    (the gated output [B, 1, H * D], None); ``limit``: ``buffer_limit``'s answer where the caller has it)."""
     queries, keys, values, gate = prepared
     if queries.shape[2] == 1 and in_buffer(cache, mask, buffer_limit(self, cache) if limit is None else limit):
-        output, cache.keys, cache.values = attend_in_buffer(queries, keys, values, cache.keys, cache.values,
+        output, cache.keys, cache.values = attend_in_buffer(queries, keys, values, gate, cache.keys, cache.values,
                                                             _positions(cache), scale=self.scale)
         cache.offset += 1
-        return output, gate
+        return output, None  # (gated already)
     if (queries.shape[2] == 1 and type(cache) is KVCache and cache.step < BUFFER_GROWTH_ROWS
             and active_backend() in compiled.COMPILE_BACKENDS and (buffer_limit(self, cache) if limit is None else limit)):
         cache.step = BUFFER_GROWTH_ROWS  # the steps to come write into the buffer from a trace: retrace less often
