@@ -22,7 +22,7 @@ CALLS = 8
 
 def variants(S: int, spare: int):
     """name -> keyword arguments of ``decode_attention_fixed_blocks_live`` (None: a form over the live rows)."""
-    br = ak.fixed_block_rows(S + spare)
+    br = ak.live_block_rows(S + spare)
     return {
         "stock SDPA, live rows": None,
         "fixed blocks, live rows": None,
@@ -30,8 +30,8 @@ def variants(S: int, spare: int):
         "live, merge MW <= 8": {"merge_max_simdgroups": 8},
         "live, merge MV = 1": {"merge_lane_floats": 1},
         "live, merge MW <= 8, MV = 1": {"merge_max_simdgroups": 8, "merge_lane_floats": 1},
+        "live, half the rows a block": {"block_rows": max(1, br // 2)},
         "live, 2x rows a block": {"block_rows": 2 * br},
-        "live, 4x rows a block": {"block_rows": 4 * br},
     }
 
 

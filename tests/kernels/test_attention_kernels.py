@@ -265,10 +265,12 @@ def test_embedded_model_decode_matches_stock(monkeypatch, off):
 
 
 @needs_sim
-def test_embedded_model_decode_over_the_kv_buffer_takes_the_live_length_kernels(monkeypatch):
+@pytest.mark.parametrize("gate_in_merge", [False, True])
+def test_embedded_model_decode_over_the_kv_buffer_takes_the_live_length_kernels(monkeypatch, gate_in_merge):
     """``kv_write_in_trace`` where the long-context op has its kernels: every decode step writes its row into the
-    buffer and attends over the buffer's capacity through the live-length kernels (no mask, at any context);
-    the logits are those of the switch off (the one-pass kernel over the live rows) within bf16 noise."""
+    buffer and attends over the buffer's capacity through the live-length kernels (no mask, at any context; with
+    ``fused_output_gate`` the merge applies the output gate); the logits are those of the switch off (the one-pass
+    kernel over the live rows) within bf16 noise."""
     from mlx_lm import load
 
     from lily_mlx import patch as lily_patch
@@ -284,17 +286,19 @@ def test_embedded_model_decode_over_the_kv_buffer_takes_the_live_length_kernels(
     try:
         live, _ = _greedy_logits(model, prompt, steps=steps)
         # (every step built, so that each records its launches: a traced backend replays the later ones)
-        with switches.overrides(enable=["kv_write_in_trace"], disable=["compiled_decode"]), record_launches() as rec:
+        on = ["kv_write_in_trace"] + (["fused_output_gate"] if gate_in_merge else [])
+        off = ["compiled_decode"] + ([] if gate_in_merge else ["fused_output_gate"])
+        with switches.overrides(enable=on, disable=off), record_launches() as rec:
             buffered, cache = _greedy_logits(model, prompt, steps=steps)
     finally:
         lily_patch.unpatch(model)
     decode = [name for name in rec.names() if name != "attention_prefill"][1:]  # after the prompt's
-    assert decode == ["attention_qk_prep", "attention_decode_block_partials_live",
-                      "attention_decode_merge_blocks_gated"] * steps, decode  # (the output gate in the merge)
+    merge = "attention_decode_merge_blocks" + ("_gated" if gate_in_merge else "")
+    assert decode == ["attention_qk_prep", "attention_decode_block_partials_live", merge] * steps, decode
     capacity = next(c.keys.shape[2] for c in cache if type(c) is KVCache)
     partials = [launch for launch in rec if launch.name == "attention_decode_block_partials_live"]
     assert {launch.kwargs["grid"][0] for launch in partials} == {  # the capacity's blocks at every step
-        32 * 2 * -(-capacity // ak.fixed_block_rows(capacity))}
+        32 * 2 * -(-capacity // ak.live_block_rows(capacity))}
     for step, (a, b) in enumerate(zip(buffered, live)):
         assert rel_l2(a, b) < LOGIT_TOL, step
 
@@ -446,7 +450,7 @@ def test_fixed_block_kernels_with_the_live_length_as_an_array(B, Hkv, G, D, capa
                                                     block_rows=block_rows, gqa_packed=packed, coalesced=coalesced,
                                                     backend=KERNEL_BACKEND, init_value=NAN)
     assert rec.names() == ["attention_decode_block_partials_live", "attention_decode_merge_blocks"]
-    blocks = -(-capacity // (block_rows or ak.fixed_block_rows(capacity)))  # from the capacity, not S
+    blocks = -(-capacity // (block_rows or ak.live_block_rows(capacity)))  # from the capacity, not S
     assert rec[0].kwargs["grid"][0] == 32 * B * Hkv * (1 if packed else G) * blocks
     _check(out, _oracle(q, k, v, S, scale), TOL[dtype])
 

@@ -80,6 +80,10 @@ FIXED_BLOCK_GQA_FACTOR = 8
 FIXED_BLOCK_TARGET_BLOCKS = 256
 FIXED_BLOCK_MIN_ROWS = 64
 FIXED_BLOCK_MAX_ROWS = 4096
+# The live-length form (over a buffer's capacity, kv_write_in_trace) aims at half as many blocks: on the H200
+# (lily_dev.live_check, 8 calls an evaluation, 1,024 spare rows, 2026-12-04) twice the rows a block took 4K from
+# 733 to 654 us and 128K from 1,362 to 1,314, 32K level (738 / 744).
+LIVE_TARGET_BLOCKS = FIXED_BLOCK_TARGET_BLOCKS // 2
 
 # Simdgroups per threadgroup and rows per simdgroup step (R; with double buffering 2 * R rows of K
 # and V in flight per simdgroup). GT (rounded up to a power of two) * R <= 32. Registers on sm_90a
@@ -107,6 +111,11 @@ def fixed_block_rows(S: int, target_blocks: int = None, min_rows: int = None, ma
     min_rows = min_rows or FIXED_BLOCK_MIN_ROWS
     max_rows = max_rows or FIXED_BLOCK_MAX_ROWS
     return max(min_rows, min(max_rows, _pow2_at_least(-(-S // target_blocks))))
+
+
+def live_block_rows(S_cap: int) -> int:
+    """Rows per block of the live-length form over a buffer of S_cap rows (a function of the capacity alone)."""
+    return fixed_block_rows(S_cap, target_blocks=LIVE_TARGET_BLOCKS)
 
 
 def supports(queries: mx.array, keys: Any, values: Any, mask: Any = None,
@@ -287,7 +296,7 @@ def decode_attention_fixed_blocks_live(
     last_row: mx.array,  # [1] int32: the last live row (this step's position)
     *,
     scale: float,
-    block_rows: Optional[int] = None,  # BR (default: the schedule at the capacity, fixed_block_rows(S_cap))
+    block_rows: Optional[int] = None,  # BR (default: the schedule at the capacity, live_block_rows(S_cap))
     gqa_packed: bool = True,
     coalesced: bool = True,
     backend: str,
@@ -303,8 +312,8 @@ def decode_attention_fixed_blocks_live(
     ``KVCache``). With ``gate`` (switch ``fused_output_gate``) the merge also applies the output gate and writes
     the o-projection's input layout."""
     g = _geometry(queries, keys, None, gqa_packed, coalesced)
-    plan = fixed_block_plan(g.S_cap, queries.shape[3], g.threadgroups, block_rows, merge_max_simdgroups,
-                            merge_lane_floats)
+    plan = fixed_block_plan(g.S_cap, queries.shape[3], g.threadgroups, block_rows or live_block_rows(g.S_cap),
+                            merge_max_simdgroups, merge_lane_floats)
     partials = KERNELS["attention_decode_block_partials_live"]
     return _blocks_then_merge(queries, keys, values, g, plan, partials,
                               [float32_scalar(scale), last_row.astype(mx.int32).reshape(1)],
