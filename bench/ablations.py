@@ -50,6 +50,7 @@ ABLATIONS = (
     ("compiled_attention", "decode", 4 * K, None),
     ("layer_replay", "decode", 4 * K, None),
     ("kv_write_in_trace", "decode", 4 * K, None),
+    ("fused_output_gate", "decode", 4 * K, None),
     ("fused_conv_step", "decode", 4 * K, None),
     ("fused_recurrent_norm", "decode", 4 * K, None),
     ("row_gemv", "decode", 4 * K, None),
@@ -114,8 +115,8 @@ def skip_reason(switch: str, backend: str, time_all: bool = False, length: Optio
         return GENERATION_LEVEL[switch]
     if switch == "bounded_lookahead":  # when the host waits, not which kernel: acts on every backend
         return None
-    if switch == "kv_write_in_trace":  # where a decode step's attention is stock's (not the simulator's kernel)
-        return None if backend != "sim" or time_all else "the simulator's decode steps run its attention kernel"
+    if switch == "kv_write_in_trace":  # the KV write and the attention over the buffer: acts on every backend
+        return None
     if switch in ("compiled_decode", "compiled_layers", "compiled_attention", "layer_replay"):
         if backend in COMPILE_BACKENDS or time_all:
             return None

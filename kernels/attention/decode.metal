@@ -36,7 +36,8 @@
 // - attention_decode_block_partials_live (switch kv_write_in_trace): the same over a buffer's whole
 //   capacity with the live length read from an input array (blocks past it write empty partials).
 // - attention_decode_merge_blocks: per (head, slice of D), warps split the blocks, rescale them to
-//   the global max and sum in a fixed order; divides once.
+//   the global max and sum in a fixed order; divides once. attention_decode_merge_blocks_gated (switch
+//   fused_output_gate): the same, times the layer's output gate sigmoid(gate).
 //
 // Conventions: sizes in an int32 `params` array; InT, D, GT, SG, R, COALESCED as template arguments;
 // threadgroup (32, SG, 1); every lane reaches every simd op and every thread every barrier (loop
@@ -428,8 +429,8 @@ inline void attention_merge_blocks(
     const size_t i = head * D + d0 + d;
     const InT o = static_cast<InT>(acc / sum);
     if (GATED) {  // stock's output * sigmoid(gate), each rounded to InT as its two ops round them
-      const InT sg = static_cast<InT>(1.0f / (1.0f + exp(-static_cast<float>(gate[i]))));
-      out[i] = static_cast<InT>(static_cast<float>(o) * static_cast<float>(sg));
+      const InT sig = static_cast<InT>(1.0f / (1.0f + exp(-static_cast<float>(gate[i]))));
+      out[i] = static_cast<InT>(static_cast<float>(o) * static_cast<float>(sig));
     } else {
       out[i] = o;
     }

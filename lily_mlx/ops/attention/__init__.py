@@ -17,7 +17,8 @@ a kernel:
 - ``long_context_attention``: decode at long context, where the write-up splits the KV cache into
   fixed blocks processed in parallel and merges them (``reference.blockwise_attention`` is that
   algorithm in plain MLX; the reference stays stock's primitive so the reference path is
-  token-identical).
+  token-identical). Its kernels' live-length form serves every context where a decode step attends over
+  the KV buffer (switch ``kv_write_in_trace``; ``fused_output_gate``: its merge applies the output gate).
 
 Kernels: ``attention_decode`` and ``attention_decode_long`` (the fixed-block split: block partials,
 then a merge), ``attention_prefill`` (flash-attention tiles; kernels/attention/prefill.metal),
@@ -56,7 +57,7 @@ DECODE = register_op(Op(
 LONG_CONTEXT = register_op(Op(
     "attention_decode_long", "attention",
     "decode attention at long context: fixed KV blocks in parallel, then merged",
-    switches=("fixed_block_attention", "coalesced_kv", "gqa_packing"),
+    switches=("fixed_block_attention", "coalesced_kv", "gqa_packing", "fused_output_gate"),
     kernel_backends=kernels.LONG_BACKENDS,
     trial_backends=GPU_BACKENDS - kernels.LONG_BACKENDS,
 ))

@@ -175,8 +175,8 @@ def attention(queries, keys, values, *, scale, mask=None, cache=None):
 
 NO_LIMIT = 1 << 62
 # Rows a KV buffer grows by once a step writes into it from a trace (switch kv_write_in_trace, a backend that
-# traces): each growth traces the attention layers' first trace anew, so fewer growths than MLX-LM's 256 rows (~20 KB a row over Qwen3.6's
-# 10 attention layers: 20 MB a growth).
+# traces): each growth traces the attention layers' first trace anew, so fewer growths than MLX-LM's 256 rows
+# (~20 KB a row over Qwen3.6's 10 attention layers: 20 MB a growth).
 BUFFER_GROWTH_ROWS = 1024
 
 
@@ -288,11 +288,24 @@ def _traces_on(self, x: mx.array, cache: Any) -> bool:
     return compiled.enabled(active_backend(), *kernel_backends)
 
 
+# The last offset made an array, and that array: a decode step's attention layers share one (their caches have
+# the same offset), so it is made once a step, not once a layer. One tuple, replaced whole (threads read it safely).
+_last_position: Tuple[int, Optional[mx.array]] = (-1, None)
+
+
 def _positions(cache: Any) -> mx.array:
     """The cache's offset as an int32 array (a [B] or scalar input: the traces are shape-stable from token
     to token)."""
+    global _last_position
     offset = cache.offset
-    return offset.astype(mx.int32) if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
+    if isinstance(offset, mx.array):
+        return offset.astype(mx.int32)
+    last = _last_position
+    if last[0] == offset:
+        return last[1]
+    position = mx.array(offset, dtype=mx.int32)
+    _last_position = (offset, position)
+    return position
 
 
 def _weights(fused: Optional[projections.FusedProjection]) -> list:
@@ -430,7 +443,8 @@ def _attend(self, prepared, mask, cache, limit: Optional[int] = None):
         cache.offset += 1
         return output, None  # (gated already)
     if (queries.shape[2] == 1 and type(cache) is KVCache and cache.step < BUFFER_GROWTH_ROWS
-            and active_backend() in compiled.COMPILE_BACKENDS and (buffer_limit(self, cache) if limit is None else limit)):
+            and active_backend() in compiled.COMPILE_BACKENDS
+            and (buffer_limit(self, cache) if limit is None else limit)):
         cache.step = BUFFER_GROWTH_ROWS  # the steps to come write into the buffer from a trace: retrace less often
     keys, values = cache.update_and_fetch(keys, values)
     return attention(queries, keys, values, scale=self.scale, mask=mask, cache=cache), gate
