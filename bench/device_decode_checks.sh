@@ -31,6 +31,8 @@
 #                                               # decode profile (build ms, primitives), e2e decode of 256 tokens
 #   PART=12 bash bench/device_decode_checks.sh  # the fixed-block kernels' live-length form: CUDA tests, then kernel
 #                                               # against kernel over a KV buffer with spare rows (4K-128K)
+#   PART=13 bash bench/device_decode_checks.sh  # the traced steps with the gate in the merge (CUDA test), then
+#                                               # kv_write_in_trace with the live form's schedule: A/B, e2e
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -163,6 +165,19 @@ case "${PART:-1}" in
       --out "$W/live"
     grep -E "attention_" "$W/op_cases.txt" | tail -24
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 or 12" >&2; exit 2 ;;
+  13) # after the twentieth session (docs/benchmarks.md, item 1): the traced steps over the KV buffer with the output
+      # gate in the merge on the GPU, then kv_write_in_trace (on by default) with the live form's schedule of twice the
+      # rows a block: decode A/B and e2e decode of 512 tokens at 512 / 4K / 32K
+    run tests_cuda 240 env LILY_ENABLE=fused_output_gate LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q \
+      -p no:cacheprovider -o addopts= tests/kernels/test_compiled_decode.py -k kv_buffer
+    grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -3
+    run decode_ab 120 python -m bench.decode_ab --engines lily,lily-off:kv_write_in_trace,stock-kernels \
+      --context 4096 --bursts 6 --out "$W/ab_live"
+    cat "$W/ab_live/decode_ab.md" 2>/dev/null
+    run e2e_decode_512 200 python -m bench.run --mode e2e --size full --engines lily,lily-off:kv_write_in_trace \
+      --shared-prefill --lengths 512,4K,32K --rounds 2 --gen-tokens 512 --out "$W/e2e_live"
+    cat "$W/e2e_live/e2e.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12 or 13" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"
