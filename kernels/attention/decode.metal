@@ -34,10 +34,10 @@
 //   BR rows (BR chosen by the host from S alone), one threadgroup per (block, GT heads); writes fp32
 //   partials per head and block: max, sum of exp(score - max), unnormalised sum of exp(...) v.
 // - attention_decode_block_partials_live (switch kv_write_in_trace): the same over a buffer's whole
-//   capacity with the live length read from an input array (blocks past it write empty partials).
+//   capacity with the live length read from an input array (blocks past it write nothing).
 // - attention_decode_merge_blocks: per (head, slice of D), warps split the blocks, rescale them to
-//   the global max and sum in a fixed order; divides once. attention_decode_merge_blocks_gated (switch
-//   fused_output_gate): the same, times the layer's output gate sigmoid(gate).
+//   the global max and sum in a fixed order; divides once. attention_decode_merge_live_blocks: the same over
+//   the live form's live blocks; ..._gated (switch fused_output_gate): times the layer's output gate.
 //
 // Conventions: sizes in an int32 `params` array; InT, D, GT, SG, R, COALESCED as template arguments;
 // threadgroup (32, SG, 1); every lane reaches every simd op and every thread every barrier (loop
@@ -352,13 +352,14 @@ inline void attention_decode_block(
 }
 
 // The merge of the block partials of one (head, slice of 32 * MV elements of D): threadgroup `tg` of MW
-// simdgroups (see attention_decode_merge_blocks). GATED: the output times sigmoid(gate) ([B * Hq, D] InT, the
-// layer's output gate), rounded as stock's separate ops round them (attention_decode_merge_blocks_gated).
+// simdgroups (see attention_decode_merge_blocks) over the first nb_used of the head's NB blocks. GATED: the output
+// times sigmoid(gate) ([B * Hq, D] InT, the layer's output gate), rounded as stock's separate ops round them
+// (attention_decode_merge_live_blocks_gated).
 // PM, PS: part_max's and part_sum's pointer types (Metal passes inputs of under 8 elements as `constant`).
 template <typename InT, int D, int MV, int MW, int GATED, typename PM, typename PS>
 inline void attention_merge_blocks(
     PM part_max, PS part_sum, const device float* part_acc,
-    const device InT* gate, device InT* out, int NB, int tg,
+    const device InT* gate, device InT* out, int NB, int nb_used, int tg,
     threadgroup float* tg_red, threadgroup float* tg_sum, threadgroup float* tg_acc, int lane, int w) {
   constexpr int UNROLL = 4;
   constexpr int SLICE = 32 * MV;
@@ -368,7 +369,7 @@ inline void attention_merge_blocks(
   const int d0 = (tg % slices) * SLICE;
 
   float m_all = ATTENTION_NO_MAX;
-  for (int b = tid; b < NB; b += 32 * MW) {
+  for (int b = tid; b < nb_used; b += 32 * MW) {
     m_all = fmax(m_all, part_max[head * NB + b]);
   }
   m_all = simd_max(m_all);
@@ -386,13 +387,13 @@ inline void attention_merge_blocks(
   for (int j = 0; j < MV; ++j) {
     o[j] = 0.0f;
   }
-  for (int b0 = w; b0 < NB; b0 += UNROLL * MW) {  // uniform over the simdgroup
+  for (int b0 = w; b0 < nb_used; b0 += UNROLL * MW) {  // uniform over the simdgroup
     uint words[UNROLL][MV];
     float bmax[UNROLL];
     float bsum[UNROLL];
     for (int u = 0; u < UNROLL; ++u) {
       const int b = b0 + u * MW;
-      if (b < NB) {
+      if (b < nb_used) {
         bmax[u] = part_max[head * NB + b];
         bsum[u] = part_sum[head * NB + b];
         AttentionLoad<MV>::load(part_acc + (head * NB + b) * D + d0 + lane * MV, words[u]);
@@ -481,7 +482,8 @@ inline void attention_merge_blocks(
 // The same blocks over a KV buffer whose live length is an input, not a parameter (switch
 // kv_write_in_trace: one trace serves every step until the buffer grows): the live rows are
 // 0 .. last_row[0] (the row this step wrote); NB = ceil(S_cap / BR) blocks of BR rows cover the whole
-// capacity (the host picks BR from S_cap alone), the blocks past the live rows write empty partials.
+// capacity (the host picks BR from S_cap alone); the threadgroups of blocks past the live rows leave at once,
+// writing nothing (attention_decode_merge_live_blocks reads only the live blocks).
 // last_row: [1] int32. Otherwise as attention_decode_block_partials.
 {
   constexpr int HP = ATTENTION_MERGE_HEADS(GT, SG, D);
@@ -489,6 +491,9 @@ inline void attention_merge_blocks(
   threadgroup float sg_sum[GT * SG];
   threadgroup float sg_acc[SG * HP * D];
   const int S = min(S_cap, static_cast<int>(last_row[0]) + 1);
+  if ((static_cast<int>(threadgroup_position_in_grid.x) % NB) * BR >= S) {
+    return;  // a block past the live rows: nothing to write, the merge reads only the live blocks (uniform exit)
+  }
   attention_decode_block<InT, D, GT, SG, R, COALESCED, HP>(
       q, k, v, scale[0], part_max, part_sum, part_acc, Hkv, G, S, S_cap, NB, BR,
       static_cast<int>(threadgroup_position_in_grid.x), sg_max, sg_sum, sg_acc,
@@ -508,20 +513,35 @@ inline void attention_merge_blocks(
   threadgroup float tg_sum[MW];
   threadgroup float tg_acc[MW * 32 * MV];
   attention_merge_blocks<InT, D, MV, MW, 0>(
-      part_max, part_sum, part_acc, nullptr, out, NB, static_cast<int>(threadgroup_position_in_grid.x),
+      part_max, part_sum, part_acc, nullptr, out, NB, NB, static_cast<int>(threadgroup_position_in_grid.x),
       tg_red, tg_sum, tg_acc, static_cast<int>(thread_index_in_simdgroup),
       static_cast<int>(thread_position_in_threadgroup.y));
 }
 
-// @kernel attention_decode_merge_blocks_gated
-// attention_decode_merge_blocks with the attention layer's output gate applied (switch fused_output_gate):
+// @kernel attention_decode_merge_live_blocks
+// attention_decode_merge_blocks over the live-length form's partials: only the blocks that hold live rows,
+// ceil((last_row[0] + 1) / BR) of the NB (the others were left unwritten). last_row: [1] int32.
+{
+  threadgroup float tg_red[MW];
+  threadgroup float tg_sum[MW];
+  threadgroup float tg_acc[MW * 32 * MV];
+  const int used = min(NB, (static_cast<int>(last_row[0]) + BR) / BR);
+  attention_merge_blocks<InT, D, MV, MW, 0>(
+      part_max, part_sum, part_acc, nullptr, out, NB, used, static_cast<int>(threadgroup_position_in_grid.x),
+      tg_red, tg_sum, tg_acc, static_cast<int>(thread_index_in_simdgroup),
+      static_cast<int>(thread_position_in_threadgroup.y));
+}
+
+// @kernel attention_decode_merge_live_blocks_gated
+// attention_decode_merge_live_blocks with the attention layer's output gate applied (switch fused_output_gate):
 // out = merged * sigmoid(gate), gate: [B, 1, Hq * D] InT (the q/k preparation's gate output).
 {
   threadgroup float tg_red[MW];
   threadgroup float tg_sum[MW];
   threadgroup float tg_acc[MW * 32 * MV];
+  const int used = min(NB, (static_cast<int>(last_row[0]) + BR) / BR);
   attention_merge_blocks<InT, D, MV, MW, 1>(
-      part_max, part_sum, part_acc, gate, out, NB, static_cast<int>(threadgroup_position_in_grid.x),
+      part_max, part_sum, part_acc, gate, out, NB, used, static_cast<int>(threadgroup_position_in_grid.x),
       tg_red, tg_sum, tg_acc, static_cast<int>(thread_index_in_simdgroup),
       static_cast<int>(thread_position_in_threadgroup.y));
 }

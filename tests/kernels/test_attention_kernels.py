@@ -293,7 +293,7 @@ def test_embedded_model_decode_over_the_kv_buffer_takes_the_live_length_kernels(
     finally:
         lily_patch.unpatch(model)
     decode = [name for name in rec.names() if name != "attention_prefill"][1:]  # after the prompt's
-    merge = "attention_decode_merge_blocks" + ("_gated" if gate_in_merge else "")
+    merge = "attention_decode_merge_live_blocks" + ("_gated" if gate_in_merge else "")
     assert decode == ["attention_qk_prep", "attention_decode_block_partials_live", merge] * steps, decode
     capacity = next(c.keys.shape[2] for c in cache if type(c) is KVCache)
     partials = [launch for launch in rec if launch.name == "attention_decode_block_partials_live"]
@@ -393,7 +393,7 @@ def test_the_merge_applies_the_output_gate(B, G, D, S, dtype, seed):
     with record_launches() as rec:
         fused = ak.decode_attention_fixed_blocks_live(q, k, v, last, scale=D**-0.5, backend=KERNEL_BACKEND,
                                                       init_value=NAN, gate=gate)
-    assert rec.names() == ["attention_decode_block_partials_live", "attention_decode_merge_blocks_gated"]
+    assert rec.names() == ["attention_decode_block_partials_live", "attention_decode_merge_live_blocks_gated"]
     assert fused.shape == (B, 1, 2 * G * D) and fused.dtype == dt
     plain = ak.decode_attention_fixed_blocks_live(q, k, v, last, scale=D**-0.5, backend=KERNEL_BACKEND)
     _check(fused, att.gated(plain, gate), 1e-6 if dtype == "float32" else 4e-3)
@@ -449,7 +449,7 @@ def test_fixed_block_kernels_with_the_live_length_as_an_array(B, Hkv, G, D, capa
         out = ak.decode_attention_fixed_blocks_live(q, k, v, mx.array([S - 1], dtype=mx.int32), scale=scale,
                                                     block_rows=block_rows, gqa_packed=packed, coalesced=coalesced,
                                                     backend=KERNEL_BACKEND, init_value=NAN)
-    assert rec.names() == ["attention_decode_block_partials_live", "attention_decode_merge_blocks"]
+    assert rec.names() == ["attention_decode_block_partials_live", "attention_decode_merge_live_blocks"]
     blocks = -(-capacity // (block_rows or ak.live_block_rows(capacity)))  # from the capacity, not S
     assert rec[0].kwargs["grid"][0] == 32 * B * Hkv * (1 if packed else G) * blocks
     _check(out, _oracle(q, k, v, S, scale), TOL[dtype])
@@ -563,10 +563,12 @@ def test_fixed_block_kernels_compile_for_cuda():
                     ("R", rows), ("COALESCED", int(coalesced))]
         units.append(wrap_like_mlx(partials, [q, k, k, mx.zeros((1,)), mx.zeros((6,), mx.int32)],
                                    [mx.float32] * 3, template=template)[1])
-    gated = build("attention_decode_merge_blocks_gated")
-    units.append(wrap_like_mlx(gated, [mx.zeros((16, 2)), mx.zeros((16, 2)), mx.zeros((16, 2, 256)),
-                                       mx.zeros((1, 1, 16 * 256), mx.bfloat16), mx.zeros((1,), mx.int32)],
-                               [mx.bfloat16], template=[("InT", mx.bfloat16), ("D", 256), ("MV", 4), ("MW", 32)])[1])
+    live_parts = [mx.zeros((16, 2)), mx.zeros((16, 2)), mx.zeros((16, 2, 256))]
+    merge_template = [("InT", mx.bfloat16), ("D", 256), ("MV", 4), ("MW", 32)]
+    for name, gate in (("attention_decode_merge_live_blocks", []),
+                       ("attention_decode_merge_live_blocks_gated", [mx.zeros((1, 1, 16 * 256), mx.bfloat16)])):
+        units.append(wrap_like_mlx(build(name), live_parts + gate + [mx.zeros((1,), mx.int32), mx.zeros((2,), mx.int32)],
+                                   [mx.bfloat16], template=merge_template)[1])
     live = build("attention_decode_block_partials_live")
     units.append(wrap_like_mlx(live, [q, k, k, mx.zeros((1,)), mx.zeros((1,), mx.int32), mx.zeros((5,), mx.int32)],
                                [mx.float32] * 3, template=template)[1])

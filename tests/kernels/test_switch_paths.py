@@ -21,8 +21,8 @@ template or geometry:
 | ``fused_conv_step`` | decode: ``deltanet_decode_conv_fused`` alone (with ``fused_recurrent_norm``) | ``deltanet_conv_qk_norm_decode`` + the decode kernel(s) |
 | ``gqa_packing`` | ``attention_decode`` template GT = G, grid B * Hkv threadgroups | GT = 1, B * Hq threadgroups |
 | ``coalesced_kv`` | template COALESCED = 1 | COALESCED = 0 |
-| ``kv_write_in_trace`` | decode: ``attention_decode_block_partials_live`` + ``attention_decode_merge_blocks`` over the KV buffer | ``attention_decode`` over the live rows |
-| ``fused_output_gate`` | (with ``kv_write_in_trace``) ``attention_decode_merge_blocks_gated`` | ``attention_decode_merge_blocks`` |
+| ``kv_write_in_trace`` | decode: ``attention_decode_block_partials_live`` + ``attention_decode_merge_live_blocks`` over the KV buffer | ``attention_decode`` over the live rows |
+| ``fused_output_gate`` | (with ``kv_write_in_trace``) ``attention_decode_merge_live_blocks_gated`` | ``attention_decode_merge_live_blocks`` |
 
 The expected launches are written out here from the documented dispatch rules (README, docs/moe.md,
 ``ops/*/kernels.py`` docstrings), not computed by lily's own schedule code. MoE routings are built
@@ -504,7 +504,7 @@ ADD_NORM_SWITCHES = ("fused_add_norm", "fused_norm_router", "fused_next_norm")
 # row into the KV buffer and attends over it through the fixed-block kernels' live-length form (blocks over the
 # buffer's capacity); off, the decode kernel over the live rows. (Its traces: tests/core/test_compiled.py,
 # tests/kernels/test_compiled_decode.py.)
-# fused_output_gate: that merge also applies the layer's output gate (attention_decode_merge_blocks_gated).
+# fused_output_gate: that merge also applies the layer's output gate (attention_decode_merge_live_blocks_gated).
 KV_BUFFER_SWITCHES = ("kv_write_in_trace", "fused_output_gate")
 NORM_ROUTER_NEEDS = ("fused_norm_router", "fused_add_norm", "fused_residual", "fused_expert_up", "fused_expert_down",
                      "fused_combine")
@@ -540,7 +540,7 @@ def expected_model_launches(state: Dict[str, bool], tokens: int, layer_types: Se
         if state["fused_qk_prep"]:  # q/k norms, RoPE and the gate split in one kernel
             names.append("attention_qk_prep")
         if tokens == 1 and state["kv_write_in_trace"] and state["fixed_block_attention"]:
-            merge = "attention_decode_merge_blocks" + ("_gated" if state["fused_output_gate"] else "")
+            merge = "attention_decode_merge_live_blocks" + ("_gated" if state["fused_output_gate"] else "")
             names += ["attention_decode_block_partials_live", merge]  # over the buffer
         elif tokens == 1:  # decode over a plain KVCache, no mask: the decode attention kernel
             names.append("attention_decode")

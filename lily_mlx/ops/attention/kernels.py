@@ -36,8 +36,11 @@ KERNELS = {
                    ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S_cap", "NB", "BR")),
         KernelSpec("attention_decode_merge_blocks", _FILE, ("part_max", "part_sum", "part_acc", "params"), ("out",),
                    params=("NB",)),
-        KernelSpec("attention_decode_merge_blocks_gated", _FILE, ("part_max", "part_sum", "part_acc", "gate", "params"),
-                   ("out",), params=("NB",)),
+        KernelSpec("attention_decode_merge_live_blocks", _FILE, ("part_max", "part_sum", "part_acc", "last_row",
+                                                                 "params"), ("out",), params=("NB", "BR")),
+        KernelSpec("attention_decode_merge_live_blocks_gated", _FILE, ("part_max", "part_sum", "part_acc", "gate",
+                                                                       "last_row", "params"), ("out",),
+                   params=("NB", "BR")),
         KernelSpec("attention_prefill", _PREFILL_FILE, ("q", "k", "v", "scale", "params"), ("out",),
                    params=("Hkv", "L", "S", "S_cap", "NQ")),
         KernelSpec("attention_qk_prep", _QK_PREP_FILE,
@@ -309,24 +312,26 @@ def decode_attention_fixed_blocks_live(
     ``kv_write_in_trace``): the launch depends on the capacity alone, so one trace serves every step until
     the buffer grows. Blocks and merge cover the capacity (BR from S_cap); blocks past the live rows write
     empty partials, which the merge weighs 0. Every row of the batch has the same live length (a plain
-    ``KVCache``). With ``gate`` (switch ``fused_output_gate``) the merge also applies the output gate and writes
-    the o-projection's input layout."""
+    ``KVCache``). The blocks past the live rows are skipped (their threadgroups leave at once, the merge reads
+    only the live blocks). With ``gate`` (switch ``fused_output_gate``) the merge also applies the output gate and
+    writes the o-projection's input layout."""
     g = _geometry(queries, keys, None, gqa_packed, coalesced)
     plan = fixed_block_plan(g.S_cap, queries.shape[3], g.threadgroups, block_rows or live_block_rows(g.S_cap),
                             merge_max_simdgroups, merge_lane_floats)
     partials = KERNELS["attention_decode_block_partials_live"]
-    return _blocks_then_merge(queries, keys, values, g, plan, partials,
-                              [float32_scalar(scale), last_row.astype(mx.int32).reshape(1)],
+    last_row = last_row.astype(mx.int32).reshape(1)
+    return _blocks_then_merge(queries, keys, values, g, plan, partials, [float32_scalar(scale), last_row],
                               partials.pack(Hkv=g.Hkv, G=g.G, S_cap=g.S_cap, NB=plan.blocks, BR=plan.block_rows),
-                              backend, init_value, gate)
+                              backend, init_value, gate, last_row)
 
 
 def _blocks_then_merge(queries, keys, values, g: _Geometry, plan: FixedBlockPlan, partials: KernelSpec,
                        scalars: list, params: mx.array, backend: str, init_value,
-                       gate: Optional[mx.array] = None) -> mx.array:
+                       gate: Optional[mx.array] = None, last_row: Optional[mx.array] = None) -> mx.array:
     """The two launches of the fixed-block split: ``partials`` (inputs q, k, v, then ``scalars``, then
-    ``params``) writes each block's fp32 partials, the merge kernel combines them (and applies ``gate``,
-    [B, 1, Hq * D], writing that shape)."""
+    ``params``) writes each block's fp32 partials, the merge kernel combines them: all NB blocks, or with
+    ``last_row`` (the live-length form) the live ones only, applying ``gate`` ([B, 1, Hq * D], writing that
+    shape) if given."""
     B, Hq, _, D = queries.shape
     part_max, part_sum, part_acc = get_kernel(partials, backend)(
         inputs=[queries, keys, values, *scalars, params],
@@ -336,10 +341,15 @@ def _blocks_then_merge(queries, keys, values, g: _Geometry, plan: FixedBlockPlan
         output_dtypes=[mx.float32] * 3,
         init_value=init_value,
     )
-    merge = KERNELS["attention_decode_merge_blocks" if gate is None else "attention_decode_merge_blocks_gated"]
+    if last_row is None:
+        merge = KERNELS["attention_decode_merge_blocks"]
+        merge_inputs = [merge.pack(NB=plan.blocks)]
+    else:
+        merge = KERNELS["attention_decode_merge_live_blocks" + ("" if gate is None else "_gated")]
+        merge_inputs = [*([] if gate is None else [gate]), last_row, merge.pack(NB=plan.blocks, BR=plan.block_rows)]
     mv, mw = plan.merge_lane_floats, plan.merge_simdgroups
     (out,) = get_kernel(merge, backend)(
-        inputs=[part_max, part_sum, part_acc, *([] if gate is None else [gate]), merge.pack(NB=plan.blocks)],
+        inputs=[part_max, part_sum, part_acc, *merge_inputs],
         template=[("InT", queries.dtype), ("D", D), ("MV", mv), ("MW", mw)],
         grid=(32 * B * Hq * (D // (32 * mv)), mw, 1),
         threadgroup=(32, mw, 1),
