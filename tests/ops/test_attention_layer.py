@@ -200,3 +200,16 @@ def test_qwen3_6_attention_shape(kind):
     stock = run_chunks(stock_forward, module, xs, caches[1])
     for a, b in zip(ours, stock):
         assert_identical(a, b)
+
+
+def test_the_offset_array_is_shared_only_between_equal_offsets():
+    """A decode step's attention layers share one offset array (made once a step): the same array for the same
+    offset, a new one with the new value when the offset moves (never a stale value)."""
+    caches = [KVCache() for _ in range(3)]
+    for cache, offset in zip(caches, (5, 5, 6)):
+        cache.offset = offset
+    first, second, third = (att._positions(c) for c in caches)
+    assert first is second and first.item() == 5
+    assert third.item() == 6
+    caches[0].offset = 5
+    assert att._positions(caches[0]).item() == 5
