@@ -208,8 +208,10 @@ def test_the_offset_array_is_shared_only_between_equal_offsets():
     caches = [KVCache() for _ in range(3)]
     for cache, offset in zip(caches, (5, 5, 6)):
         cache.offset = offset
-    first, second, third = (att._positions(c) for c in caches)
+    from lily_mlx.ops.attention.layer import _positions
+
+    first, second, third = (_positions(c) for c in caches)
     assert first is second and first.item() == 5
     assert third.item() == 6
     caches[0].offset = 5
-    assert att._positions(caches[0]).item() == 5
+    assert _positions(caches[0]).item() == 5
