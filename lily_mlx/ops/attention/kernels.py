@@ -310,10 +310,9 @@ def decode_attention_fixed_blocks_live(
 ) -> mx.array:  # [B, Hq, 1, D]; with gate: [B, 1, Hq * D], the attention times sigmoid(gate)
     """``decode_attention_fixed_blocks`` over a buffer whose live length is an array (switch
     ``kv_write_in_trace``): the launch depends on the capacity alone, so one trace serves every step until
-    the buffer grows. Blocks and merge cover the capacity (BR from S_cap); blocks past the live rows write
-    empty partials, which the merge weighs 0. Every row of the batch has the same live length (a plain
-    ``KVCache``). The blocks past the live rows are skipped (their threadgroups leave at once, the merge reads
-    only the live blocks). With ``gate`` (switch ``fused_output_gate``) the merge also applies the output gate and
+    the buffer grows. Blocks cover the capacity (BR from S_cap); the threadgroups of blocks past the live rows
+    leave at once and the merge reads only the live blocks. Every row of the batch has the same live length (a
+    plain ``KVCache``). With ``gate`` (switch ``fused_output_gate``) the merge also applies the output gate and
     writes the o-projection's input layout."""
     g = _geometry(queries, keys, None, gqa_packed, coalesced)
     plan = fixed_block_plan(g.S_cap, queries.shape[3], g.threadgroups, block_rows or live_block_rows(g.S_cap),

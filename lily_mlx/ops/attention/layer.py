@@ -183,9 +183,7 @@ BUFFER_GROWTH_ROWS = 1024
 def _live_length_kernel_on() -> bool:
     """Whether the attention over a buffer (``attend_in_buffer``) is the fixed-block kernels' live-length form:
     where the long-context op has a kernel on this backend and ``fixed_block_attention`` is on."""
-    return (active_backend() != "reference" and is_enabled("fixed_block_attention")
-            and op_backend("attention_decode_long") != "reference"
-            and ("attention_decode_long", active_backend()) in KERNELS)
+    return is_enabled("fixed_block_attention") and _kernel_for("attention_decode_long") is not None
 
 
 def buffer_limit(self, cache: Any) -> int:
@@ -437,15 +435,16 @@ def _attend(self, prepared, mask, cache, limit: Optional[int] = None):
     updated with the step's keys and values and attended over (over its whole buffer where ``in_buffer``: then
     (the gated output [B, 1, H * D], None); ``limit``: ``buffer_limit``'s answer where the caller has it)."""
     queries, keys, values, gate = prepared
-    if queries.shape[2] == 1 and in_buffer(cache, mask, buffer_limit(self, cache) if limit is None else limit):
-        output, cache.keys, cache.values = attend_in_buffer(queries, keys, values, gate, cache.keys, cache.values,
-                                                            _positions(cache), scale=self.scale)
-        cache.offset += 1
-        return output, None  # (gated already)
-    if (queries.shape[2] == 1 and type(cache) is KVCache and cache.step < BUFFER_GROWTH_ROWS
-            and active_backend() in compiled.COMPILE_BACKENDS
-            and (buffer_limit(self, cache) if limit is None else limit)):
-        cache.step = BUFFER_GROWTH_ROWS  # the steps to come write into the buffer from a trace: retrace less often
+    if queries.shape[2] == 1:
+        limit = buffer_limit(self, cache) if limit is None else limit
+        if in_buffer(cache, mask, limit):
+            output, cache.keys, cache.values = attend_in_buffer(queries, keys, values, gate, cache.keys,
+                                                                cache.values, _positions(cache), scale=self.scale)
+            cache.offset += 1
+            return output, None  # (gated already)
+        if (limit and type(cache) is KVCache and cache.step < BUFFER_GROWTH_ROWS
+                and active_backend() in compiled.COMPILE_BACKENDS):
+            cache.step = BUFFER_GROWTH_ROWS  # the steps to come write into the buffer from a trace: retrace less often
     keys, values = cache.update_and_fetch(keys, values)
     return attention(queries, keys, values, scale=self.scale, mask=mask, cache=cache), gate
 
