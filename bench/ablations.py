@@ -50,6 +50,7 @@ ABLATIONS = (
     ("compiled_attention", "decode", 4 * K, None),
     ("layer_replay", "decode", 4 * K, None),
     ("kv_write_in_trace", "decode", 4 * K, None),
+    ("one_trace_attention", "decode", 4 * K, None),
     ("fused_output_gate", "decode", 4 * K, None),
     ("fused_conv_step", "decode", 4 * K, None),
     ("fused_recurrent_norm", "decode", 4 * K, None),
@@ -117,7 +118,7 @@ def skip_reason(switch: str, backend: str, time_all: bool = False, length: Optio
         return None
     if switch == "kv_write_in_trace":  # the KV write and the attention over the buffer: acts on every backend
         return None
-    if switch in ("compiled_decode", "compiled_layers", "compiled_attention", "layer_replay"):
+    if switch in ("compiled_decode", "compiled_layers", "compiled_attention", "layer_replay", "one_trace_attention"):
         if backend in COMPILE_BACKENDS or time_all:
             return None
         return f"traces Metal/CUDA kernels only ({backend} runs them uncompiled)"

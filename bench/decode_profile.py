@@ -229,9 +229,9 @@ def _trace_call_costs(model, engine: str, context: int, steps: int, vocab: int, 
     inner, inner_replay = compiled.call, moe_layer._replayed
     spent: Dict[str, List[float]] = {}
 
-    def timed(owner, key, fn, args):
+    def timed(owner, key, fn, args, **kw):
         t0 = time.perf_counter()
-        out = inner(owner, key, fn, args)
+        out = inner(owner, key, fn, args, **kw)
         kind = f"{type(owner).__name__}:{key[0] if isinstance(key, tuple) and key else key}"
         spent.setdefault(kind, []).append(time.perf_counter() - t0)
         return out

@@ -33,6 +33,8 @@
 #                                               # against kernel over a KV buffer with spare rows (4K-128K)
 #   PART=13 bash bench/device_decode_checks.sh  # the traced steps with the gate in the merge (CUDA test), then
 #                                               # kv_write_in_trace with the live form's schedule: A/B, e2e
+#   PART=14 bash bench/device_decode_checks.sh  # one_trace_attention: CUDA tests of the traced steps, decode A/B,
+#                                               # decode profile on/off with the host profile's replay anatomy
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -178,6 +180,19 @@ case "${PART:-1}" in
       --shared-prefill --lengths 512,4K,32K --rounds 2 --gen-tokens 512 --out "$W/e2e_live"
     cat "$W/e2e_live/e2e.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12 or 13" >&2; exit 2 ;;
+  14) # one_trace_attention (an attention layer's decode step over the KV buffer in one trace instead of two): CUDA
+      # tests of the traced steps, decode A/B on/off with the fair baseline, then the decode profile on/off with the
+      # host profile's replay anatomy (us a layer's replay by kind)
+    run tests_cuda 200 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+      -o addopts= tests/kernels/test_compiled_decode.py -k equal_built
+    grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -3
+    run decode_ab 150 python -m bench.decode_ab --engines lily,lily-off:one_trace_attention,stock-kernels \
+      --context 4096 --bursts 8 --out "$W/ab_one_trace"
+    cat "$W/ab_one_trace/decode_ab.md" 2>/dev/null
+    run decode_profile 200 python -m bench.run --mode decode-profile --size full --context 4096 --rounds 1 \
+      --profile-steps 12 --engines lily,lily-off:one_trace_attention --host-profile lily --out "$W/dprof_one_trace"
+    head -8 "$W/dprof_one_trace/decode_profile.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13 or 14" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"

@@ -146,6 +146,13 @@ _SWITCH_LIST = [
            "docs/decode.md).",
            "MLX-LM's update_and_fetch and the attention over the live rows, built op by op between the "
            "attention layer's two traces."),
+    Switch("one_trace_attention", "generation", "decode", True,
+           "With kv_write_in_trace: an attention layer's decode step over the KV buffer replays one trace "
+           "(projections, q/k preparation, KV write, attention, o_proj; with compiled_layers the residual adds "
+           "and the MoE block too) instead of two around the attention: one trace call fewer per attention "
+           "layer and step (same primitives, same bits).",
+           "Two traces, the first ending with the attention's output (its owner's weights flattened twice a "
+           "step)."),
     Switch("fused_output_gate", "attention", "decode", False,
            "Where a decode step attends over the KV buffer through the live-length kernels (kv_write_in_trace), "
            "their merge also applies the layer's output gate (output * sigmoid(gate), rounded as stock's two ops "

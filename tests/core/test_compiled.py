@@ -72,11 +72,12 @@ def test_traces_do_not_keep_a_deleted_model_alive():
     assert ref() is None
 
 
-@pytest.mark.parametrize("off", ["compiled_decode", "compiled_layers", "compiled_attention"])
+@pytest.mark.parametrize("off", ["compiled_decode", "compiled_layers", "compiled_attention", "one_trace_attention"])
 def test_decode_traces_give_the_bits_of_steps_built_op_by_op(monkeypatch, off):
     """The embedded model's greedy decode logits and MLX-LM's batched generation (batch cache: offsets and
     masks as arrays) are bitwise the same with every trace on as with ``off`` off: whole decoder layers
-    (compiled_layers: a DeltaNet layer in one trace, an attention layer in two around its KV cache), the
+    (compiled_layers: a DeltaNet layer in one trace, an attention layer in one over its KV buffer or two around
+    its cache: one_trace_attention, batch caches), the
     attention layers' own pieces (compiled_attention, the cache offset an input), and all of them
     (compiled_decode: every step built op by op). Traced on the CPU here (plain MLX ops on the reference
     backend, the traceable backends widened for the test); with the kernels on a GPU:
@@ -102,10 +103,11 @@ def test_decode_traces_give_the_bits_of_steps_built_op_by_op(monkeypatch, off):
         traces = [(type(m).__name__, k, v) for _, m in model.named_modules()
                   for k, v in m.__dict__.get("_lily_compiled", {}).items()]
         assert all(v is not compiled._FAILED for _, _, v in traces)
-        # every layer traced whole: DeltaNet layers in one trace, attention layers in two around the cache (the
-        # first writing the plain cache's buffer, kv_write_in_trace; the batch cache's update built between them)
+        # every layer traced whole: DeltaNet layers in one trace, attention layers over the plain cache's buffer in
+        # one (kv_write_in_trace, one_trace_attention; with the latter off in two, the first writing the buffer),
+        # over the batch cache in two around its update (built between them)
         assert {k[0] for owner, k, _ in traces if owner.endswith("DecoderLayer")} == {
-            "layer", "prep", "prep_in_buffer", "out"}
+            "layer", "prep", "layer_in_buffer", "out"} | ({"prep_in_buffer"} if off == "one_trace_attention" else set())
         if off == "compiled_decode":  # no piece was ever traced on its own
             assert {owner for owner, _, _ in traces} == {"LilyDecoderLayer"}
     finally:
@@ -119,7 +121,8 @@ def test_decode_traces_give_the_bits_of_steps_built_op_by_op(monkeypatch, off):
 
 def test_decode_across_the_kv_buffers_growth(monkeypatch):
     """``kv_write_in_trace``: a decode step writes its keys and values into the plain KV cache's buffer and
-    attends over the whole buffer with the rows past the offset masked (the reference backend: no live-length
+    attends over the whole buffer with the rows past the offset masked (in one trace of the whole layer, or two
+    with ``one_trace_attention`` off) (the reference backend: no live-length
     kernels). Across the buffer's growth (256 -> 256 + ``BUFFER_GROWTH_ROWS`` rows: the growth step is built by
     MLX-LM's ``update_and_fetch`` with the larger step, the steps after it trace anew for the new capacity and the
     old capacity's trace is dropped) the traced steps give the bits of the steps built op by op, and the switch
@@ -147,17 +150,21 @@ def test_decode_across_the_kv_buffers_growth(monkeypatch):
             built, _ = greedy()
         with switches.overrides(disable=["kv_write_in_trace"]):
             unbuffered, stock_cache = greedy()
-        with switches.overrides(enable=["kv_write_in_trace"]):
+        with switches.overrides(enable=["kv_write_in_trace"], disable=["one_trace_attention"]):
+            two_traces, _ = greedy()
+        with switches.overrides(enable=["kv_write_in_trace", "one_trace_attention"]):
             traced, cache = greedy()
         attention_layers = [layer for layer in model.layers if not layer.is_linear]
         for layer in attention_layers:
-            kept = [k for k in layer.__dict__["_lily_compiled"] if k[0] == "prep_in_buffer"]
-            assert [k[-1] for k in kept] == [256 + BUFFER_GROWTH_ROWS], kept  # the 256-row capacity's trace dropped
+            for kind in ("layer_in_buffer", "prep_in_buffer"):  # one trace a step, or two (one_trace_attention off)
+                kept = [k for k in layer.__dict__["_lily_compiled"] if k[0] == kind]
+                assert [k[-1] for k in kept] == [256 + BUFFER_GROWTH_ROWS], (kind, kept)  # 256 rows' trace dropped
     finally:
         lily_patch.unpatch(model)
-    for step, (a, b, c) in enumerate(zip(traced, built, unbuffered)):
+    for step, (a, b, c, d) in enumerate(zip(traced, built, unbuffered, two_traces)):
         assert mx.array_equal(a, b).item(), f"step {step}"
         assert mx.array_equal(a, c).item(), f"step {step}"
+        assert mx.array_equal(a, d).item(), f"step {step}"
     for mine, stock in zip(cache, stock_cache):
         if hasattr(stock, "offset") and not isinstance(stock.offset, mx.array):
             assert mine.offset == stock.offset == len(prompt) + steps

@@ -45,11 +45,12 @@ def test_decode_steps_from_traces_equal_built_steps(embedded_model, monkeypatch)
         built, built_cache = _greedy_logits(model, prompts[2])
     traced, traced_cache = _greedy_logits(model, prompts[2])
     kinds = {type(m).__name__ for m in _traced_modules(model)}
-    # whole layers (compiled_layers): a DeltaNet layer in one trace, an attention layer in two around its cache
+    # whole layers (compiled_layers): a DeltaNet layer in one trace, an attention layer in one where the step
+    # attends over its KV buffer (kv_write_in_trace, one_trace_attention), else in two around its cache
     assert kinds and all(k.endswith("DecoderLayer") for k in kinds), kinds
     pieces = {key[0] for m in _traced_modules(model) for key in m.__dict__["_lily_compiled"]}
-    # (the attention layers' first trace writes the KV cache where the step attends over its buffer)
-    assert pieces - {"prep", "prep_in_buffer"} == {"layer", "out"} and pieces & {"prep", "prep_in_buffer"}, pieces
+    assert "layer" in pieces and pieces <= {"layer", "layer_in_buffer", "prep", "out"}, pieces
+    assert "layer_in_buffer" in pieces or {"prep", "out"} <= pieces, pieces
     for step, (a, b) in enumerate(zip(traced, built)):
         assert mx.array_equal(a, b).item(), f"step {step}"
     for i, (ca, cb) in enumerate(zip(traced_cache, built_cache)):

@@ -363,14 +363,24 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
         with compiled.inline():
             return post(x, self.o_proj(output), *extra)
 
+    def whole_step(x, positions, k_buffer, v_buffer, *rest):  # (one_trace_attention: the layer in one trace)
+        n_in = n_pre + len(weights)
+        output, k_buffer, v_buffer = prep_and_attend(x, positions, k_buffer, v_buffer, *rest[:n_in])
+        return finish_gated(output, x, *rest[n_in:]), k_buffer, v_buffer
+
+    def stale(pre_args, post_args) -> bool:  # (a replay no longer fits the layer)
+        return (len(pre_args) != n_pre or len(post_args) != n_post
+                or (fused is not None and not projections.holds(self, fused.names, fused.pieces)))
+
     args = [x, _positions(cache), *pre_args] + weights
     first_key = ("prep", key, n_pre) + _prep_key(self, args, fused)
+    if buffered and is_enabled("one_trace_attention"):
+        return _one_trace_in_buffer(self, whole_step, first_key[1:], x, pre_args, weights, post_args, mask, cache,
+                                    limit, owner=owner, stale=stale, replayable=replayable)
     if buffered:
         # One trace per capacity: the slot (the key without it) keeps only the latest.
         kb = cache.keys
-        attention_form = (_live_length_kernel_on(), is_enabled("gqa_packing"), is_enabled("coalesced_kv"),
-                          is_enabled("fused_output_gate"))
-        slot = ("prep_in_buffer",) + first_key[1:] + ((kb.shape[:2], kb.shape[3], kb.dtype), attention_form)
+        slot = ("prep_in_buffer",) + first_key[1:] + ((kb.shape[:2], kb.shape[3], kb.dtype), _attention_form())
         first_key, capacity = slot + (kb.shape[2],), kb.shape[2]
         traced_out = compiled.call(owner, first_key, prep_and_attend, [x, args[1], kb, cache.values, *args[2:]],
                                    slot=slot)
@@ -402,10 +412,6 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
         return compiled.LayerStep(out)
     shape, dtype = output.shape, output.dtype
 
-    def stale(pre_args, post_args) -> bool:
-        return (len(pre_args) != n_pre or len(post_args) != n_post
-                or (fused is not None and not projections.holds(self, fused.names, fused.pieces)))
-
     def replay(x, mask, cache, pre_args, post_args):
         """The same step for a later call: the two traces called directly, the cache update and the
         attention over it built as above (None, nothing done, once the step would attend over the buffer)."""
@@ -428,6 +434,49 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
         return traced_finish(output, x, *post_args)
 
     return compiled.LayerStep(out, replay_in_buffer if buffered else replay)
+
+
+def _attention_form() -> tuple:
+    """The switch states that decide how a step attends over the KV buffer (part of its trace's key)."""
+    return (_live_length_kernel_on(), is_enabled("gqa_packing"), is_enabled("coalesced_kv"),
+            is_enabled("fused_output_gate"))
+
+
+def _one_trace_in_buffer(self, whole_step, key, x, pre_args, weights, post_args, mask, cache, limit, *, owner,
+                         stale, replayable):
+    """An attention decoder layer's decode step over the KV buffer as one trace (switch ``one_trace_attention``):
+    ``whole_step(x, positions, k_buffer, v_buffer, *pre_args, *weights, *post_args)`` (projections and q/k
+    preparation, the KV row written into the buffer, the attention over it, o_proj and the decoder layer's
+    ``post``), traced once per buffer capacity (``key`` and the cache's shapes; the slot keeps the latest). A
+    ``compiled.LayerStep`` (with its replay if ``replayable``; ``stale(pre_args, post_args)`` says when a replay
+    no longer fits the layer), or None (nothing done) where it would not be traced."""
+    kb = cache.keys
+    capacity = kb.shape[2]
+    slot = ("layer_in_buffer",) + key + ((kb.shape[:2], kb.shape[3], kb.dtype), _attention_form(), len(post_args),
+                                         self.o_proj.weight.shape)
+    traced_out = compiled.call(owner, slot + (capacity,), whole_step,
+                               [x, _positions(cache), kb, cache.values, *pre_args, *weights, *post_args], slot=slot)
+    if traced_out is None:
+        return None
+    out, cache.keys, cache.values = traced_out
+    cache.offset += 1
+    traced = compiled.lookup(owner, slot + (capacity,)) if replayable else None
+    if traced is None:
+        return compiled.LayerStep(out)
+
+    def replay(x, mask, cache, pre_args, post_args):
+        """The same step for a later call while the buffer keeps its capacity and has room: one trace call, the
+        cache's buffers and offset moved on (None, nothing done, otherwise)."""
+        keys = cache.keys
+        if (stale(pre_args, post_args) or keys is None or keys.shape[2] != capacity
+                or not in_buffer(cache, mask, limit)):
+            return None
+        out, cache.keys, cache.values = traced(x, _positions(cache), keys, cache.values, *pre_args, *weights,
+                                               *post_args)
+        cache.offset += 1
+        return out
+
+    return compiled.LayerStep(out, replay)
 
 
 def _attend(self, prepared, mask, cache, limit: Optional[int] = None):
