@@ -35,6 +35,8 @@
 #                                               # kv_write_in_trace with the live form's schedule: A/B, e2e
 #   PART=14 bash bench/device_decode_checks.sh  # one_trace_attention: CUDA tests of the traced steps, decode A/B,
 #                                               # decode profile on/off with the host profile's replay anatomy
+#   PART=15 bash bench/device_decode_checks.sh  # the down+combine kernel's direct layout against the staged one:
+#                                               # CUDA tests, GPU time a decode step with each (Nsight Compute)
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -193,6 +195,19 @@ case "${PART:-1}" in
       --profile-steps 12 --engines lily,lily-off:one_trace_attention --host-profile lily --out "$W/dprof_one_trace"
     head -8 "$W/dprof_one_trace/decode_profile.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13 or 14" >&2; exit 2 ;;
+  15) # the down+combine kernel's direct layout (every load of a chain's weight row issued before its first sum, no
+      # staging, no barrier a chunk; same bits) against the staged layout by GPU time a decode step: CUDA tests of both,
+      # then Nsight Compute's step time with each (kernels.DOWN_COMBINE_DIRECT, a constant: --set)
+    run tests_cuda 180 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+      -o addopts= tests/kernels/test_moe_kernels.py -k "down_combine or down_gemv_with"
+    grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -3
+    run sgt_staged 200 python -m bench.step_gpu_time --compare lily --out "$W/sgt_staged"
+    grep -E "^\| lily|down_combine" "$W/sgt_staged/step_gpu_time.md" 2>/dev/null | head -4
+    run sgt_direct 200 python -m bench.step_gpu_time --compare lily --out "$W/sgt_direct" \
+      --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_DIRECT=True
+    grep -E "^\| lily|down_combine" "$W/sgt_direct/step_gpu_time.md" 2>/dev/null | head -4
+    rm -f "$W"/sgt_*/*.csv
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14 or 15" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"

@@ -148,7 +148,23 @@ def summarise(path: str, steps: int, unit: str = "decode step") -> str:
     return "\n".join(out)
 
 
-def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", chunk: int = 0) -> str:
+def apply_settings(settings) -> None:
+    """``MODULE.NAME=VALUE`` each (a Python literal): set a module constant before anything runs (kernel layouts
+    that are constants of the product, such as ``lily_mlx.ops.moe.kernels.DOWN_COMBINE_DIRECT=True``)."""
+    import ast
+    import importlib
+
+    for setting in settings:
+        target, _, value = setting.partition("=")
+        module, _, name = target.rpartition(".")
+        mod = importlib.import_module(module)
+        if not hasattr(mod, name):
+            raise SystemExit(f"--set {setting}: {module} has no {name}")
+        setattr(mod, name, ast.literal_eval(value))
+
+
+def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", chunk: int = 0,
+            settings=()) -> str:
     """Profile each engine in its own process under Nsight Compute; Markdown: a comparison table, then
     each engine's kernel table. ``chunk`` > 0: prompt chunks of that length instead of decode steps."""
     unit = f"prompt chunk of {chunk} tokens" if chunk else "decode step"
@@ -159,6 +175,7 @@ def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", c
         cmd = [ncu, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum", "--csv", "--log-file",
                log, sys.executable, "-m", "bench.step_gpu_time", "--engine", engine, "--context", str(context),
                "--steps", str(steps)] + (["--prefill-chunk", str(chunk)] if chunk else [])
+        cmd += [a for setting in settings for a in ("--set", setting)]
         print(f"[step-gpu-time] {engine}: {' '.join(cmd[:8])} ...", flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(log):
@@ -185,7 +202,11 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", metavar="ENGINES", help="comma-separated engines, each profiled under ncu in its "
                     "own process (ncu on the PATH); prints the comparison")
     ap.add_argument("--out", default=None, help="--compare: folder for the ncu logs and step_gpu_time.md")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module constant (a Python literal) before profiling, in every engine's process "
+                         "(repeatable), e.g. lily_mlx.ops.moe.kernels.DOWN_COMBINE_DIRECT=True")
     args = ap.parse_args(argv)
+    apply_settings(args.set)
     if args.summarise:
         unit = f"prompt chunk of {args.prefill_chunk} tokens" if args.prefill_chunk else "decode step"
         print(summarise(args.summarise, args.steps, unit))
@@ -193,7 +214,7 @@ def main(argv=None) -> int:
     if args.compare:
         out_dir = args.out or tempfile.mkdtemp(prefix="step_gpu_time_")
         text = compare([e.strip() for e in args.compare.split(",") if e.strip()], args.context, args.steps, out_dir,
-                       chunk=args.prefill_chunk)
+                       chunk=args.prefill_chunk, settings=args.set)
         with open(os.path.join(out_dir, "step_gpu_time.md"), "w") as f:
             f.write(text + "\n")
         print(text)
