@@ -37,6 +37,8 @@
 #                                               # decode profile on/off with the host profile's replay anatomy
 #   PART=15 bash bench/device_decode_checks.sh  # the down+combine kernel's direct layout against the staged one:
 #                                               # CUDA tests, GPU time a decode step with each (Nsight Compute)
+#   PART=16 bash bench/device_decode_checks.sh  # the KV row written by a scatter: equal to the slice update on the
+#                                               # GPU, GPU time a decode step, e2e decode at 4K / 32K on/off
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -208,6 +210,25 @@ case "${PART:-1}" in
     grep -E "^\| lily|down_combine" "$W/sgt_direct/step_gpu_time.md" 2>/dev/null | head -4
     rm -f "$W"/sgt_*/*.csv
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14 or 15" >&2; exit 2 ;;
+  16) # the KV row written by a scatter (layer.write_row) instead of a dynamic slice update (whose CUDA copy launches
+      # over the whole buffer): the two against each other on this GPU, then GPU time a decode step, then e2e decode at
+      # 4K and 32K against the live rows' path (kv_write_in_trace off)
+    run write_row 60 python -c "
+import mlx.core as mx
+from lily_mlx.ops.attention.layer import write_row
+for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
+    buf = mx.random.normal((1, 2, cap, 256)).astype(mx.bfloat16); row = mx.random.normal((1, 2, 1, 256)).astype(mx.bfloat16)
+    p = mx.array(pos, dtype=mx.int32)
+    want = mx.slice_update(buf, row, p.reshape(1), axes=(2,)); got = write_row(buf, row, p)
+    print(cap, pos, 'equal' if mx.array_equal(got, want).item() else 'DIFFERENT')"
+    cat "$W/write_row.txt"
+    run sgt_scatter 200 python -m bench.step_gpu_time --compare lily --out "$W/sgt_scatter"
+    head -16 "$W/sgt_scatter/step_gpu_time.md" 2>/dev/null | tail -12
+    rm -f "$W"/sgt_*/*.csv
+    run e2e_scatter 240 python -m bench.run --mode e2e --size full --engines lily,lily-off:kv_write_in_trace \
+      --shared-prefill --lengths 4K,32K --rounds 2 --gen-tokens 256 --out "$W/e2e_scatter"
+    cat "$W/e2e_scatter/e2e.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15 or 16" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"
