@@ -39,6 +39,8 @@
 #                                               # CUDA tests, GPU time a decode step with each (Nsight Compute)
 #   PART=16 bash bench/device_decode_checks.sh  # the KV row written by a scatter: equal to the slice update on the
 #                                               # GPU, GPU time a decode step, e2e decode at 4K / 32K on/off
+#   PART=17 bash bench/device_decode_checks.sh  # e2e decode at 32K / 128K: lily, gqa_packing and
+#                                               # fixed_block_attention off, the fair baseline (issue 13's rows)
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -229,6 +231,14 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       --shared-prefill --lengths 4K,32K --rounds 2 --gen-tokens 256 --out "$W/e2e_scatter"
     cat "$W/e2e_scatter/e2e.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15 or 16" >&2; exit 2 ;;
+  17) # issue 13's e2e rows with the KV row written by a scatter: decode at 32K and 128K from one cache prefilled by
+      # lily, lily against gqa_packing and fixed_block_attention off and the fair baseline (those three decode only)
+    run e2e_long 280 python -m bench.run --mode e2e --size full \
+      --engines lily,lily-off:gqa_packing,lily-off:fixed_block_attention,stock-kernels --shared-prefill \
+      --max-prefill-length "lily-off:gqa_packing=1K,lily-off:fixed_block_attention=1K,stock-kernels=1K" \
+      --lengths 32K,128K --rounds 2 --long-from 64K --long-rounds 1 --gen-tokens 256 --out "$W/e2e_long"
+    cat "$W/e2e_long/e2e.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16 or 17" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"
