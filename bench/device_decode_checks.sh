@@ -190,7 +190,7 @@ case "${PART:-1}" in
       # tests of the traced steps, decode A/B on/off with the fair baseline, then the decode profile on/off with the
       # host profile's replay anatomy (us a layer's replay by kind)
     run tests_cuda 200 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
-      -o addopts= tests/kernels/test_compiled_decode.py -k equal_built
+      -o addopts= tests/kernels/test_compiled_decode.py -k "equal_built or equals_built"
     grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -3
     run decode_ab 150 python -m bench.decode_ab --engines lily,lily-off:one_trace_attention,stock-kernels \
       --context 4096 --bursts 8 --out "$W/ab_one_trace"

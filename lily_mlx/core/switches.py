@@ -150,7 +150,8 @@ _SWITCH_LIST = [
            "With kv_write_in_trace: an attention layer's decode step over the KV buffer replays one trace "
            "(projections, q/k preparation, KV write, attention, o_proj; with compiled_layers the residual adds "
            "and the MoE block too) instead of two around the attention: one trace call fewer per attention "
-           "layer and step (same primitives, same bits).",
+           "layer and step (same primitives, same bits; H200, 4K: an attention layer's replay 48 us of host time, "
+           "decode 1.035x in alternating bursts).",
            "Two traces, the first ending with the attention's output (its owner's weights flattened twice a "
            "step)."),
     Switch("fused_output_gate", "attention", "decode", False,

@@ -215,3 +215,23 @@ def test_the_offset_array_is_shared_only_between_equal_offsets():
     assert third.item() == 6
     caches[0].offset = 5
     assert _positions(caches[0]).item() == 5
+
+
+@given(batch=st.integers(1, 3), kv_heads=st.sampled_from([1, 2]), head_dim=st.sampled_from([8, 64, 256]),
+       capacity=st.integers(1, 300), data=st.data(), dtype=st.sampled_from([mx.bfloat16, mx.float16, mx.float32]))
+def test_the_kv_row_written_by_a_scatter_is_the_slice_update(batch, kv_heads, head_dim, capacity, data, dtype):
+    """``write_row`` (a scatter along the rows, the form a decode step writes its KV row with) leaves the buffer as
+    ``mx.slice_update`` at the same dynamic start does: the row at the position, every other row untouched."""
+    from lily_mlx.ops.attention.layer import write_row
+
+    position = data.draw(st.integers(0, capacity - 1))
+    key = mx.random.key(capacity * 7 + position)
+    k1, k2 = mx.random.split(key)
+    buffer = mx.random.normal((batch, kv_heads, capacity, head_dim), key=k1).astype(dtype)
+    row = mx.random.normal((batch, kv_heads, 1, head_dim), key=k2).astype(dtype)
+    at = mx.array(position, dtype=mx.int32)
+    got = write_row(buffer, row, at)
+    want = mx.slice_update(buffer, row, at.reshape(1), axes=(2,))
+    assert got.shape == buffer.shape and got.dtype == dtype
+    assert mx.array_equal(got, want).item()
+    assert mx.array_equal(got[:, :, position], row[:, :, 0]).item()
