@@ -201,6 +201,23 @@ def warm_long_context(model, engines: Sequence[str], lengths: Sequence[int], log
     sw.use("stock")
 
 
+def chunk_warmup_lengths(lengths: Sequence[int], step: int, first: int = 0) -> List[int]:
+    """Prompt lengths whose untimed runs prefill every chunk size the timed ``lengths`` will (MLX-LM prefills all
+    but a prompt's last token in chunks of ``step``: full chunks and one remainder), each as one chunk, plus
+    ``first`` (the plain warm-up length) if given. lily's kernels have variants by chunk size (the MoE tiles adapt
+    to the rows an expert gets), compiled on first use: without these runs round 1's first prefill of each new chunk
+    size carries the compiles (2026-12-04: lily at 4K 2,200 tok/s in round 1, 7,000 in round 2)."""
+    chunks = set()
+    for length in lengths:
+        prefilled = length - 1
+        if prefilled <= 0:
+            continue
+        chunks.add(min(prefilled, step))
+        if prefilled > step and prefilled % step:
+            chunks.add(prefilled % step)
+    return sorted({c + 1 for c in chunks} | ({first} if first else set()))
+
+
 def prefill_step(engine: str, requested: int) -> int:
     """The chunk size ``engine`` prefills with (call under the engine's switch state)."""
     if is_lily(engine):

@@ -344,8 +344,10 @@ def run_sweep(args, setup, done, remaining, model, vocab, results, save, out_dir
                 f"{clock.left():.0f} s left before --stop-at; the next run with this --out continues")
             remaining = []
         else:
-            e2e.sweep(model, [args.warmup_length], [], [args.warmup_length], 1, 4, args.prefill_step_size,
-                      engines, vocab, seed=args.seed + 999, log=lambda m: log("[warmup] " + m))
+            # (then every chunk size the timed lengths prefill, each engine up to what it prefills itself)
+            warm = e2e.chunk_warmup_lengths(remaining, args.prefill_step_size, args.warmup_length)
+            e2e.sweep(model, warm, [], warm, 1, 4, args.prefill_step_size, engines, vocab, seed=args.seed + 999,
+                      log=lambda m: log("[warmup] " + m), max_prefill=setup["max_prefill"])
             e2e.warm_long_context(model, engines, remaining, log=log)
     pending = {}
 

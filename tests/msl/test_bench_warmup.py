@@ -39,3 +39,37 @@ def test_short_lengths_warm_nothing(model):
     with record_launches() as rec:
         e2e.warm_long_context(model, ["lily"], [512, FIXED_BLOCK_MIN_CONTEXT - 1], log=lines.append)
     assert not rec.names() and not lines
+
+
+def _chunk_sizes(model, length: int, step: int) -> set:
+    """The prompt chunk lengths MLX-LM's generate_step feeds the model for a prompt of ``length`` tokens (its
+    prefill loop, then the first decode step), recorded at the model's call."""
+    import mlx.core as mx
+
+    seen = []
+    real = type(model).__call__
+
+    class Recording(type(model)):
+        def __call__(self, inputs, *args, **kwargs):
+            seen.append(inputs.shape[1])
+            return real(self, inputs, *args, **kwargs)
+
+    stock_class = type(model)
+    model.__class__ = Recording
+    try:
+        e2e.run_once(model, mx.arange(length) % 100, 0, step)
+    finally:
+        model.__class__ = stock_class
+    return set(seen)
+
+
+def test_the_chunk_warmup_prefills_every_chunk_size_of_the_timed_lengths(model):
+    """Each warm-up length is prefilled as one chunk, and together they prefill every chunk size the timed lengths'
+    prompts are cut into (so round 1 of a length does not compile lily's per-chunk-size kernel variants)."""
+    step, timed = 16, [10, 16, 17, 40, 64]
+    warm = e2e.chunk_warmup_lengths(timed, step, first=8)
+    assert 8 in warm
+    timed_chunks = set().union(*(_chunk_sizes(model, n, step) for n in timed))
+    warm_chunks = {n: _chunk_sizes(model, n, step) for n in warm}
+    assert all(len(chunks - {1}) <= 1 for chunks in warm_chunks.values()), warm_chunks  # one prefill chunk each
+    assert timed_chunks <= set().union(*warm_chunks.values()), (timed_chunks, warm_chunks)
