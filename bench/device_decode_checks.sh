@@ -233,10 +233,13 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     ;;
   17) # issue 13's e2e rows with the KV row written by a scatter: decode at 32K and 128K from one cache prefilled by
       # lily, lily against gqa_packing and fixed_block_attention off and the fair baseline (those three decode only)
+    # (--stop-at: a length that would not finish is not started and results.json keeps the finished ones; each device
+    # call starts with an empty $OUT, so a second call runs the lengths left, e.g. with --lengths 128K)
     run e2e_long 280 python -m bench.run --mode e2e --size full \
       --engines lily,lily-off:gqa_packing,lily-off:fixed_block_attention,stock-kernels --shared-prefill \
       --max-prefill-length "lily-off:gqa_packing=1K,lily-off:fixed_block_attention=1K,stock-kernels=1K" \
-      --lengths 32K,128K --rounds 2 --long-from 64K --long-rounds 1 --gen-tokens 256 --out "$W/e2e_long"
+      --lengths 32K,128K --rounds 2 --long-from 64K --long-rounds 1 --gen-tokens 256 --out "$W/e2e_long" \
+      --stop-at $(( $(date +%s) + $(left) - 15 ))
     cat "$W/e2e_long/e2e.md" 2>/dev/null
     ;;
   *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16 or 17" >&2; exit 2 ;;
