@@ -362,8 +362,9 @@ DOWN_COMBINE_ROWS = 16
 # read by its thread, no staging; the same bits). A candidate until timed on a GPU: the staged layout's 26.1 us a
 # launch on the H200 is latency-bound (8 chunks, a barrier each; docs/decode.md); op cases down_combine_direct_x8.
 DOWN_COMBINE_DIRECT = False
-# Its register batch: the first of these quantisation groups (64 weights each) dividing a row's groups; a whole
-# row of Qwen3.6's down (8 groups, 256 bytes) is one batch at 8, all its loads issued before the first sum.
+# Its register batch: the first of these quantisation groups (64 weights each) dividing a row's groups. At 4 (Qwen3.6's
+# down: 8 groups, two batches) ptxas issues all 16 of a row's 16-byte loads before the first sum (121 registers); at
+# 8 it spreads them through the sums again (48 registers; sm_90a, 2026-12-04).
 DOWN_COMBINE_BATCH_GROUPS = (4, 2, 1)
 
 
