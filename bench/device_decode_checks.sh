@@ -41,6 +41,8 @@
 #                                               # GPU, GPU time a decode step, e2e decode at 4K / 32K on/off
 #   PART=17 bash bench/device_decode_checks.sh  # e2e decode at 32K / 128K: lily, gqa_packing and
 #                                               # fixed_block_attention off, the fair baseline (issue 13's rows)
+#   PART=18 bash bench/device_decode_checks.sh  # GPU time of a decode step at 32K and 128K (Nsight Compute): the
+#                                               # live-length attention's kernel time against the copy ceiling
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -242,6 +244,14 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       --stop-at $(( $(date +%s) + $(left) - 15 ))
     cat "$W/e2e_long/e2e.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16 or 17" >&2; exit 2 ;;
+  18) # the live-length attention's kernel time at long context (issue 13's 70 % of copy): Nsight Compute's table of
+      # a decode step at 32K and at 128K (bytes a step: 10 layers x K and V x live rows x 2 KV heads x 256 x 2 bytes)
+    run sgt_32k 200 python -m bench.step_gpu_time --compare lily --context 32768 --out "$W/sgt_32k"
+    grep -E "^\| lily|attention_decode" "$W/sgt_32k/step_gpu_time.md" 2>/dev/null | head -4
+    run sgt_128k 280 python -m bench.step_gpu_time --compare lily --context 131072 --out "$W/sgt_128k"
+    grep -E "^\| lily|attention_decode" "$W/sgt_128k/step_gpu_time.md" 2>/dev/null | head -4
+    rm -f "$W"/sgt_*/*.csv
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17 or 18" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"
