@@ -364,7 +364,8 @@ DOWN_COMBINE_ROWS = 16
 DOWN_COMBINE_DIRECT = False
 # Its register batch: the first of these quantisation groups (64 weights each) dividing a row's groups. At 4 (Qwen3.6's
 # down: 8 groups, two batches) ptxas issues all 16 of a row's 16-byte loads before the first sum (121 registers); at
-# 8 it spreads them through the sums again (48 registers; sm_90a, 2026-12-04).
+# 8 it spreads them through the sums again (48 registers; sm_90a, 2026-12-04). Read once per shape (the geometry is
+# cached): benchmarks set it before the first decode call (bench.step_gpu_time --set).
 DOWN_COMBINE_BATCH_GROUPS = (4, 2, 1)
 
 
