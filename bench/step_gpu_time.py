@@ -163,6 +163,24 @@ def apply_settings(settings) -> None:
         setattr(mod, name, ast.literal_eval(value))
 
 
+def attention_bandwidth(total, steps: int, context: int) -> str:
+    """A line: the decode attention kernels' GPU time a step (``total``: us by kernel name over ``steps`` steps) and
+    the K/V bytes a step reads at ``context`` cached rows in the full-size model (every full-attention layer's K and V
+    of every KV head, bf16), as GB/s: issue 13's kernel bandwidth, against the device's copy ceiling (the kernels
+    mode's 1 GiB copy). Empty where no attention kernel ran."""
+    from lily_mlx.models.qwen3_6 import QWEN3_6_35B_A3B_TEXT_CONFIG as cfg
+
+    partials = sum(us for name, us in total.items() if "attention_decode_block_partials" in name) / steps
+    merge = sum(us for name, us in total.items() if "attention_decode_merge" in name) / steps
+    if not partials:
+        return ""
+    layers = cfg["num_hidden_layers"] // cfg["full_attention_interval"]
+    nbytes = layers * 2 * context * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    return (f"attention kernels: partials {partials:.1f} + merge {merge:.1f} us a step for {nbytes / 1e9:.3f} GB of K/V "
+            f"({layers} layers, {context} rows): {nbytes / (partials + merge) / 1e3:.0f} GB/s "
+            f"({nbytes / partials / 1e3:.0f} GB/s for the partials alone)")
+
+
 def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", chunk: int = 0,
             settings=()) -> str:
     """Profile each engine in its own process under Nsight Compute; Markdown: a comparison table, then
@@ -184,7 +202,8 @@ def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", c
             continue
         total, count = kernel_times(log)
         rows.append(f"| {engine} | {sum(total.values()) / steps / 1e3:.3f} | {sum(count.values()) / steps:g} |")
-        tables.append(f"### {engine}\n\n" + summarise(log, steps, unit))
+        bandwidth = "" if chunk else attention_bandwidth(total, steps, context)
+        tables.append(f"### {engine}\n\n" + summarise(log, steps, unit) + (f"\n\n{bandwidth}" if bandwidth else ""))
     head = [f"GPU time per {unit} at context {context} (Nsight Compute, kernels replayed alone, {steps} steps)",
             "", f"| engine | GPU ms per {unit} | kernels per {unit} |", "|---|---|---|"]
     return "\n".join(head + rows) + "\n\n" + "\n\n".join(tables)

@@ -265,3 +265,17 @@ def test_decode_profile_counts_a_step_that_does_not_grow_the_kv_cache():
     assert not decode_profile._grows_kv_cache([cache])  # 255 of 256 rows used
     cache.update_and_fetch(mx.zeros((1, 2, 1, 8)), mx.zeros((1, 2, 1, 8)))
     assert decode_profile._grows_kv_cache([cache, None])  # full: the next token allocates 256 more
+
+
+def test_attention_bandwidth_line_from_a_kernel_table():
+    """``step_gpu_time``'s attention line: the live partials and merge kernels' us a step against the K/V bytes the
+    full-size model reads a step at that context (10 attention layers x K and V x 2 KV heads x 256 x bf16)."""
+    import collections
+
+    from bench.step_gpu_time import attention_bandwidth
+
+    total = collections.Counter({"custom_kernel_attention_decode_block_partials_live_ab": 800.0,
+                                 "custom_kernel_attention_decode_merge_live_blocks_cd": 200.0, "void qmv_kernel": 3e3})
+    line = attention_bandwidth(total, 2, 32768)  # 400 + 100 us a step for 10 * 2 * 32768 * 2 * 256 * 2 bytes
+    assert "partials 400.0 + merge 100.0 us" in line and "0.671 GB" in line and ": 1342 GB/s" in line
+    assert attention_bandwidth(collections.Counter({"void qmv_kernel": 1.0}), 1, 4096) == ""
