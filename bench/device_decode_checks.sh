@@ -247,9 +247,9 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
   18) # the live-length attention's kernel time at long context (issue 13's 70 % of copy): Nsight Compute's table of
       # a decode step at 32K and at 128K (bytes a step: 10 layers x K and V x live rows x 2 KV heads x 256 x 2 bytes)
     run sgt_32k 200 python -m bench.step_gpu_time --compare lily --context 32768 --out "$W/sgt_32k"
-    grep -E "^\| lily|attention_decode" "$W/sgt_32k/step_gpu_time.md" 2>/dev/null | head -4
+    grep -E "^\| lily|attention_decode|attention kernels" "$W/sgt_32k/step_gpu_time.md" 2>/dev/null | head -5
     run sgt_128k 280 python -m bench.step_gpu_time --compare lily --context 131072 --out "$W/sgt_128k"
-    grep -E "^\| lily|attention_decode" "$W/sgt_128k/step_gpu_time.md" 2>/dev/null | head -4
+    grep -E "^\| lily|attention_decode|attention kernels" "$W/sgt_128k/step_gpu_time.md" 2>/dev/null | head -5
     rm -f "$W"/sgt_*/*.csv
     ;;
   *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17 or 18" >&2; exit 2 ;;
