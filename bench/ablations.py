@@ -76,7 +76,6 @@ ABLATIONS = (
     ("fixed_block_attention", "decode", 128 * K, 40.2),
 )
 
-WARMUP_LENGTH = 256
 NO_KERNEL = "no kernel yet"
 # Switches that act without a kernel of their own (not read by an op).
 GENERATION_LEVEL = {
@@ -188,10 +187,11 @@ def rounds_for(args, length: int) -> int:
 
 def run_prefill(model, switch: str, length: int, rounds: int, step: int, vocab: int, log=print) -> Dict:
     engines = ("lily", f"{e2e.ABLATION_PREFIX}{switch}")
-    # One untimed short run per engine first: a switch state's first call compiles its kernels (on a
-    # fresh GPU machine that took seconds and turned one round's tok/s into a compile time).
-    warm = min(length, WARMUP_LENGTH)
-    e2e.sweep(model, [warm], [warm], [warm], 1, 2, step, engines, vocab, seed=999, log=lambda m: None)
+    # Untimed runs per engine first, one per chunk size this length prefills: a switch state's first call of a
+    # chunk size compiles its kernels (on a fresh GPU machine that took seconds and turned one round's tok/s into
+    # a compile time; the MoE tiles have variants by chunk size).
+    warm = e2e.chunk_warmup_lengths([length], step)
+    e2e.sweep(model, warm, warm, warm, 1, 2, step, engines, vocab, seed=999, log=lambda m: None)
     (row,) = e2e.sweep(model, [length], [length], [], rounds, 1, step, engines, vocab, log=log)
     on, off = row["lily"], row[engines[1]]
     return {"on": on["prompt_tps"], "off": off["prompt_tps"], "metric": "prompt_tps",
