@@ -204,6 +204,13 @@ def buffer_limit(self, cache: Any) -> int:
     return NO_LIMIT
 
 
+def _still_in_buffer(cache: Any, mask: Any, limit: int, capacity: int) -> bool:
+    """Whether a replay traced for a buffer of ``capacity`` rows fits this step: the buffer kept that capacity
+    and the step writes into it (``in_buffer``)."""
+    keys = cache.keys
+    return keys is not None and keys.shape[2] == capacity and in_buffer(cache, mask, limit)
+
+
 def in_buffer(cache: Any, mask: Any, limit: int) -> bool:
     """Whether this one-token step attends over the buffer (``limit`` from ``buffer_limit``): no mask, and
     the buffer has room for the row (else MLX-LM's ``update_and_fetch`` grows it, built op by op)."""
@@ -228,14 +235,13 @@ def attend_in_buffer(queries, keys, values, gate, k_buffer, v_buffer, positions,
     buffer grows: the fixed-block kernels reading the live length from ``positions`` (``_live_length_kernel_on``;
     their merge applies the gate with ``fused_output_gate``), else stock's attention over the whole buffer with
     the rows past the offset masked (the same function as over the live rows: masked scores weigh exactly 0)."""
-    start = positions.reshape(1)
     k_buffer, v_buffer = write_row(k_buffer, keys, positions), write_row(v_buffer, values, positions)
     if _live_length_kernel_on():
         problem = kernels.shape_problem(queries, k_buffer, v_buffer)
         if not problem:
             fuse_gate = is_enabled("fused_output_gate") and gate.dtype == queries.dtype
             output = kernels.decode_attention_fixed_blocks_live(
-                queries, k_buffer, v_buffer, start, scale=scale, gqa_packed=is_enabled("gqa_packing"),
+                queries, k_buffer, v_buffer, positions, scale=scale, gqa_packed=is_enabled("gqa_packing"),
                 coalesced=is_enabled("coalesced_kv"), backend=active_backend(), gate=gate if fuse_gate else None)
             return (output if fuse_gate else gated(output, gate)), k_buffer, v_buffer
         log_once(f"attention_decode_long:live:{problem}", f"attention_decode_long: {problem}, using the reference")
@@ -383,8 +389,8 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
     args = [x, _positions(cache), *pre_args] + weights
     first_key = ("prep", key, n_pre) + _prep_key(self, args, fused)
     if buffered and is_enabled("one_trace_attention"):
-        return _one_trace_in_buffer(self, whole_step, first_key[1:], x, pre_args, weights, post_args, mask, cache,
-                                    limit, owner=owner, stale=stale, replayable=replayable)
+        return _one_trace_in_buffer(self, whole_step, first_key[1:], x, pre_args, weights, post_args, cache, limit,
+                                    owner=owner, stale=stale, replayable=replayable)
     if buffered:
         # One trace per capacity: the slot (the key without it) keeps only the latest.
         kb = cache.keys
@@ -433,11 +439,10 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
     def replay_in_buffer(x, mask, cache, pre_args, post_args):
         """The same step for a later call while the buffer keeps its capacity and has room: two trace calls,
         the cache's buffers and offset moved on (None, nothing done, otherwise)."""
-        keys = cache.keys
-        if (stale(pre_args, post_args) or keys is None or keys.shape[2] != capacity
-                or not in_buffer(cache, mask, limit)):
+        if stale(pre_args, post_args) or not _still_in_buffer(cache, mask, limit, capacity):
             return None
-        output, cache.keys, cache.values = traced_first(x, _positions(cache), keys, cache.values, *pre_args, *weights)
+        output, cache.keys, cache.values = traced_first(x, _positions(cache), cache.keys, cache.values, *pre_args,
+                                                        *weights)
         cache.offset += 1
         return traced_finish(output, x, *post_args)
 
@@ -450,8 +455,8 @@ def _attention_form() -> tuple:
             is_enabled("fused_output_gate"))
 
 
-def _one_trace_in_buffer(self, whole_step, key, x, pre_args, weights, post_args, mask, cache, limit, *, owner,
-                         stale, replayable):
+def _one_trace_in_buffer(self, whole_step, key, x, pre_args, weights, post_args, cache, limit, *, owner, stale,
+                         replayable):
     """An attention decoder layer's decode step over the KV buffer as one trace (switch ``one_trace_attention``):
     ``whole_step(x, positions, k_buffer, v_buffer, *pre_args, *weights, *post_args)`` (projections and q/k
     preparation, the KV row written into the buffer, the attention over it, o_proj and the decoder layer's
@@ -475,11 +480,9 @@ def _one_trace_in_buffer(self, whole_step, key, x, pre_args, weights, post_args,
     def replay(x, mask, cache, pre_args, post_args):
         """The same step for a later call while the buffer keeps its capacity and has room: one trace call, the
         cache's buffers and offset moved on (None, nothing done, otherwise)."""
-        keys = cache.keys
-        if (stale(pre_args, post_args) or keys is None or keys.shape[2] != capacity
-                or not in_buffer(cache, mask, limit)):
+        if stale(pre_args, post_args) or not _still_in_buffer(cache, mask, limit, capacity):
             return None
-        out, cache.keys, cache.values = traced(x, _positions(cache), keys, cache.values, *pre_args, *weights,
+        out, cache.keys, cache.values = traced(x, _positions(cache), cache.keys, cache.values, *pre_args, *weights,
                                                *post_args)
         cache.offset += 1
         return out

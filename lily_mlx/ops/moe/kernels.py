@@ -362,11 +362,6 @@ DOWN_COMBINE_ROWS = 16
 # read by its thread, no staging; the same bits). A candidate until timed on a GPU: the staged layout's 26.1 us a
 # launch on the H200 is latency-bound (8 chunks, a barrier each; docs/decode.md); op cases down_combine_direct_x8.
 DOWN_COMBINE_DIRECT = False
-# Its register batch: the first of these quantisation groups (64 weights each) dividing a row's groups. At 4 (Qwen3.6's
-# down: 8 groups, two batches) ptxas issues all 16 of a row's 16-byte loads before the first sum (121 registers); at
-# 8 it spreads them through the sums again (48 registers; sm_90a, 2026-12-04). Read once per shape (the geometry is
-# cached): benchmarks set it before the first decode call (bench.step_gpu_time --set).
-DOWN_COMBINE_BATCH_GROUPS = (4, 2, 1)
 
 
 def _down_combine_groups(blocks_per_token: int, width: int, rows: int) -> Optional[int]:
@@ -393,9 +388,11 @@ def down_combine_geometry(blocks_per_token: int, width: int, k: int, rows: int =
     return None
 
 
+# batch_groups: at 4 (Qwen3.6's down: 8 groups, two batches) ptxas issues all 16 of a row's 16-byte loads before the
+# first sum (121 registers); at 8 it spreads them through the sums again (48 registers; sm_90a, 2026-12-04).
 @lru_cache(maxsize=None)
 def down_combine_direct_geometry(blocks_per_token: int, width: int, k: int, rows: int = DOWN_COMBINE_ROWS,
-                                 batch_groups: Optional[tuple] = None) -> Optional[tuple]:
+                                 batch_groups: tuple = (4, 2, 1)) -> Optional[tuple]:
     """(R, KB, NG) of ``moe_gemv_down_combine_direct`` (each chain's weight row read by its thread from device
     memory): R and NG as ``down_combine_geometry``, KB the first of ``batch_groups`` quantisation groups a register
     batch dividing k / 64; None where k is no multiple of 64, R does not divide the width, or the NG activation
@@ -403,7 +400,7 @@ def down_combine_direct_geometry(blocks_per_token: int, width: int, k: int, rows
     groups = _down_combine_groups(blocks_per_token, width, rows)
     if groups is None or k % 64 or groups * (k + rows) * 4 > GEMV_THREADGROUP_BYTES:
         return None
-    kb = next(b for b in (batch_groups or DOWN_COMBINE_BATCH_GROUPS) if (k // 64) % b == 0)
+    kb = next(b for b in batch_groups if (k // 64) % b == 0)
     return rows, kb, groups
 
 
