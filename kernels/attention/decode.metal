@@ -167,10 +167,15 @@ inline void attention_decode_rows(
   float qr[GT][EPL];   // scaled query elements of this lane
   float acc[GT][EPL];  // unnormalised output elements of this lane
   for (int g = 0; g < GT; ++g) {
-    const device InT* q_h = q + (static_cast<size_t>(b_idx) * Hq + h0 + g) * D;
-    for (int i = 0; i < EPL; ++i) {
-      qr[g][i] = static_cast<float>(q_h[attention_element<D, Shape::W, COALESCED>(lane, i)]) * qk_scale;
-      acc[g][i] = 0.0f;
+    // A query row is read like a K row (16-byte loads when coalesced: 8 a lane at D = 256 and 8 heads, not 64
+    // scalar ones, each a strided access over 16 sectors).
+    uint qw[WPL];
+    attention_load_row<InT, D, GT, R, COALESCED>(q + (static_cast<size_t>(b_idx) * Hq + h0 + g) * D, 0, 1, lane, qw);
+    for (int j = 0; j < WPL; ++j) {
+      for (int h = 0; h < PER; ++h) {
+        qr[g][j * PER + h] = AttentionWords<InT>::get(qw[j], h) * qk_scale;
+        acc[g][j * PER + h] = 0.0f;
+      }
     }
   }
   // This lane's (head, row) pair after the transposing reduction: head g_l, row r_l of each step.

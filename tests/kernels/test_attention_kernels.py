@@ -431,13 +431,14 @@ def test_fixed_block_merge_geometries_compute_the_attention(S, block_rows, merge
     B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 3, 8]), D=st.sampled_from([64, 256]),
     capacity=st.sampled_from([1, 64, 300]), fill=st.floats(0.0, 1.0), block_rows=st.sampled_from([None, 16, 48]),
     dtype=st.sampled_from(["bfloat16", "float32"]), state=st.sampled_from(SWITCH_STATES), sharp=st.booleans(),
-    seed=st.integers(0, 2**16),
+    simdgroups=st.sampled_from([None, ak.LIVE_WIDE_SIMDGROUPS]), seed=st.integers(0, 2**16),
 )
 def test_fixed_block_kernels_with_the_live_length_as_an_array(B, Hkv, G, D, capacity, fill, block_rows, dtype, state,
-                                                              sharp, seed):
+                                                              sharp, simdgroups, seed):
     """The live-length form (switch kv_write_in_trace) over a buffer's whole capacity: rows 0 .. last_row are
     attended, the rows past them hold NaN (read, they would show) and their blocks write empty partials; the
-    launch geometry is the capacity's whatever the live length. Partials and output poisoned."""
+    launch geometry is the capacity's whatever the live length; 4 or 8 simdgroups a threadgroup (the latter what
+    CUDA runs from 32K rows of capacity). Partials and output poisoned."""
     rng = np.random.default_rng(seed)
     q, k, v = _problem(rng, B, Hkv, G, D, capacity, DTYPES[dtype])
     S = 1 + int(fill * (capacity - 1))
@@ -448,11 +449,22 @@ def test_fixed_block_kernels_with_the_live_length_as_an_array(B, Hkv, G, D, capa
     with record_launches() as rec:
         out = ak.decode_attention_fixed_blocks_live(q, k, v, mx.array([S - 1], dtype=mx.int32), scale=scale,
                                                     block_rows=block_rows, gqa_packed=packed, coalesced=coalesced,
-                                                    backend=KERNEL_BACKEND, init_value=NAN)
+                                                    backend=KERNEL_BACKEND, init_value=NAN, simdgroups=simdgroups)
     assert rec.names() == ["attention_decode_block_partials_live", "attention_decode_merge_live_blocks"]
     blocks = -(-capacity // (block_rows or ak.live_block_rows(capacity)))  # from the capacity, not S
-    assert rec[0].kwargs["grid"][0] == 32 * B * Hkv * (1 if packed else G) * blocks
+    assert rec[0].kwargs["grid"] == (32 * B * Hkv * (1 if packed else G) * blocks, simdgroups or ak.DECODE_SIMDGROUPS, 1)
     _check(out, _oracle(q, k, v, S, scale), TOL[dtype])
+
+
+def test_the_live_form_widens_its_threadgroups_on_cuda_from_32k_rows_of_capacity():
+    """The live form's simdgroups a threadgroup are a function of the buffer's capacity and the backend alone:
+    8 on CUDA from LIVE_WIDE_MIN_CAPACITY rows (where it was timed faster), else the default 4 (Metal and the
+    simulator keep the form they always ran)."""
+    wide, narrow = ak.LIVE_WIDE_SIMDGROUPS, ak.DECODE_SIMDGROUPS
+    assert (wide, narrow, ak.LIVE_WIDE_MIN_CAPACITY) == (8, 4, 32 * 1024)
+    assert [ak.live_simdgroups(cap, "cuda") for cap in (1024, 32 * 1024 - 1, 32 * 1024, 128 * 1024 + 1024)] == \
+        [narrow, narrow, wide, wide]
+    assert {ak.live_simdgroups(128 * 1024, b) for b in ("metal", "sim", "reference")} == {narrow}
 
 
 @needs_sim
@@ -570,8 +582,10 @@ def test_fixed_block_kernels_compile_for_cuda():
         units.append(wrap_like_mlx(build(name), live_parts + gate + [mx.zeros((1,), mx.int32), mx.zeros((2,), mx.int32)],
                                    [mx.bfloat16], template=merge_template)[1])
     live = build("attention_decode_block_partials_live")
-    units.append(wrap_like_mlx(live, [q, k, k, mx.zeros((1,)), mx.zeros((1,), mx.int32), mx.zeros((5,), mx.int32)],
-                               [mx.float32] * 3, template=template)[1])
+    for sg in (ak.DECODE_SIMDGROUPS, ak.LIVE_WIDE_SIMDGROUPS):
+        live_template = [(name, sg if name == "SG" else value) for name, value in template]
+        units.append(wrap_like_mlx(live, [q, k, k, mx.zeros((1,)), mx.zeros((1,), mx.int32), mx.zeros((5,), mx.int32)],
+                                   [mx.float32] * 3, template=live_template)[1])
     parts = [mx.zeros((16, 2)), mx.zeros((16, 2)), mx.zeros((16, 2, 256)), mx.zeros((1,), mx.int32)]
     for D, mv in ((256, 4), (64, 2)):
         units.append(wrap_like_mlx(merge, parts, [mx.bfloat16],

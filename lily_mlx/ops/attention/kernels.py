@@ -87,6 +87,14 @@ FIXED_BLOCK_MAX_ROWS = 4096
 # (lily_dev.live_check, 8 calls an evaluation, 1,024 spare rows, 2026-12-04) twice the rows a block took 4K from
 # 733 to 654 us and 128K from 1,362 to 1,314, 32K level (738 / 744).
 LIVE_TARGET_BLOCKS = FIXED_BLOCK_TARGET_BLOCKS // 2
+# From 32K rows of capacity the live form's threadgroups on CUDA hold 8 simdgroups, not 4: there the blocks give
+# ~1 threadgroup an SM (132 at 32K on the H200), one warp a scheduler, and a warp issues an instruction every ~2.7
+# cycles (Nsight Compute, 2026-12-04); 8 simdgroups put two on each scheduler over the same blocks. Partials per
+# decode step 613.7 -> 569.9 us at 32K (same call) and 1,602.6 -> 1,366.2 at 128K (another machine, same day):
+# docs/results/2026-12-04-h200-long-context-decode/. Not timed below 32K, nor on Apple GPUs (Metal keeps 4).
+LIVE_WIDE_MIN_CAPACITY = 32 * 1024
+LIVE_WIDE_SIMDGROUPS = 8
+LIVE_WIDE_BACKENDS = frozenset({"cuda"})
 
 # Simdgroups per threadgroup and rows per simdgroup step (R; with double buffering 2 * R rows of K
 # and V in flight per simdgroup). GT (rounded up to a power of two) * R <= 32. Registers on sm_90a
@@ -119,6 +127,13 @@ def fixed_block_rows(S: int, target_blocks: int = None, min_rows: int = None, ma
 def live_block_rows(S_cap: int) -> int:
     """Rows per block of the live-length form over a buffer of S_cap rows (a function of the capacity alone)."""
     return fixed_block_rows(S_cap, target_blocks=LIVE_TARGET_BLOCKS)
+
+
+def live_simdgroups(S_cap: int, backend: str) -> int:
+    """Simdgroups per partials threadgroup of the live-length form over a buffer of S_cap rows on ``backend``
+    (a function of the capacity and backend alone, so never of the batch)."""
+    wide = backend in LIVE_WIDE_BACKENDS and S_cap >= LIVE_WIDE_MIN_CAPACITY
+    return LIVE_WIDE_SIMDGROUPS if wide else DECODE_SIMDGROUPS
 
 
 def supports(queries: mx.array, keys: Any, values: Any, mask: Any = None,
@@ -307,6 +322,7 @@ def decode_attention_fixed_blocks_live(
     merge_max_simdgroups: Optional[int] = None,  # the merge's geometry (fixed_block_plan; benchmarks)
     merge_lane_floats: Optional[int] = None,
     gate: Optional[mx.array] = None,  # [B, 1, Hq * D]: the layer's output gate, applied by the merge
+    simdgroups: Optional[int] = None,  # per partials threadgroup (default live_simdgroups(S_cap, backend))
 ) -> mx.array:  # [B, Hq, 1, D]; with gate: [B, 1, Hq * D], the attention times sigmoid(gate)
     """``decode_attention_fixed_blocks`` over a buffer whose live length is an array (switch
     ``kv_write_in_trace``): the launch depends on the capacity alone, so one trace serves every step until
@@ -314,7 +330,7 @@ def decode_attention_fixed_blocks_live(
     leave at once and the merge reads only the live blocks. Every row of the batch has the same live length (a
     plain ``KVCache``). With ``gate`` (switch ``fused_output_gate``) the merge also applies the output gate and
     writes the o-projection's input layout."""
-    g = _geometry(queries, keys, None, gqa_packed, coalesced)
+    g = _geometry(queries, keys, None, gqa_packed, coalesced, simdgroups or live_simdgroups(keys.shape[2], backend))
     plan = fixed_block_plan(g.S_cap, queries.shape[3], g.threadgroups, block_rows or live_block_rows(g.S_cap),
                             merge_max_simdgroups, merge_lane_floats)
     partials = KERNELS["attention_decode_block_partials_live"]
