@@ -51,6 +51,7 @@ ABLATIONS = (
     ("layer_replay", "decode", 4 * K, None),
     ("kv_write_in_trace", "decode", 4 * K, None),
     ("one_trace_attention", "decode", 4 * K, None),
+    ("device_positions", "decode", 4 * K, None),
     ("fused_output_gate", "decode", 4 * K, None),
     ("fused_conv_step", "decode", 4 * K, None),
     ("fused_recurrent_norm", "decode", 4 * K, None),
@@ -115,8 +116,8 @@ def skip_reason(switch: str, backend: str, time_all: bool = False, length: Optio
         return GENERATION_LEVEL[switch]
     if switch == "bounded_lookahead":  # when the host waits, not which kernel: acts on every backend
         return None
-    if switch == "kv_write_in_trace":  # the KV write and the attention over the buffer: acts on every backend
-        return None
+    if switch in ("kv_write_in_trace", "device_positions"):  # the KV write, the attention over the buffer and the
+        return None                                           # step's position array: act on every backend
     if switch in ("compiled_decode", "compiled_layers", "compiled_attention", "layer_replay", "one_trace_attention"):
         if backend in COMPILE_BACKENDS or time_all:
             return None

@@ -181,8 +181,19 @@ def attention_bandwidth(total, steps: int, context: int) -> str:
             f"({nbytes / partials / 1e3:.0f} GB/s for the partials alone)")
 
 
+def ncu_command(engine: str, context: int, steps: int, log: str, ncu: str = "ncu", chunk: int = 0, settings=(),
+                clock_control: str = "base") -> list:
+    """The Nsight Compute command that profiles one engine's process (``clock_control``: ncu's ``--clock-control``,
+    "base" locks the SM clock to its base, 1.5 GHz on the H200, as every table before 2026-12-04 was measured;
+    "none" leaves the clocks as the e2e runs find them)."""
+    cmd = [ncu, "--clock-control", clock_control, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum",
+           "--csv", "--log-file", log, sys.executable, "-m", "bench.step_gpu_time", "--engine", engine, "--context",
+           str(context), "--steps", str(steps)] + (["--prefill-chunk", str(chunk)] if chunk else [])
+    return cmd + [a for setting in settings for a in ("--set", setting)]
+
+
 def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", chunk: int = 0,
-            settings=()) -> str:
+            settings=(), clock_control: str = "base") -> str:
     """Profile each engine in its own process under Nsight Compute; Markdown: a comparison table, then
     each engine's kernel table. ``chunk`` > 0: prompt chunks of that length instead of decode steps."""
     unit = f"prompt chunk of {chunk} tokens" if chunk else "decode step"
@@ -190,10 +201,7 @@ def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", c
     rows, tables = [], []
     for engine in engines:
         log = os.path.join(out_dir, f"ncu_{engine.replace(':', '_').replace('+', '_')}.csv")
-        cmd = [ncu, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum", "--csv", "--log-file",
-               log, sys.executable, "-m", "bench.step_gpu_time", "--engine", engine, "--context", str(context),
-               "--steps", str(steps)] + (["--prefill-chunk", str(chunk)] if chunk else [])
-        cmd += [a for setting in settings for a in ("--set", setting)]
+        cmd = ncu_command(engine, context, steps, log, ncu, chunk, settings, clock_control)
         print(f"[step-gpu-time] {engine}: {' '.join(cmd[:8])} ...", flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(log):
@@ -204,7 +212,9 @@ def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", c
         rows.append(f"| {engine} | {sum(total.values()) / steps / 1e3:.3f} | {sum(count.values()) / steps:g} |")
         bandwidth = "" if chunk else attention_bandwidth(total, steps, context)
         tables.append(f"### {engine}\n\n" + summarise(log, steps, unit) + (f"\n\n{bandwidth}" if bandwidth else ""))
-    head = [f"GPU time per {unit} at context {context} (Nsight Compute, kernels replayed alone, {steps} steps)",
+    clocks = "SM clock locked to base" if clock_control == "base" else f"clock control {clock_control}"
+    head = [f"GPU time per {unit} at context {context} (Nsight Compute, kernels replayed alone, {steps} steps, "
+            f"{clocks})",
             "", f"| engine | GPU ms per {unit} | kernels per {unit} |", "|---|---|---|"]
     return "\n".join(head + rows) + "\n\n" + "\n\n".join(tables)
 
@@ -221,6 +231,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", metavar="ENGINES", help="comma-separated engines, each profiled under ncu in its "
                     "own process (ncu on the PATH); prints the comparison")
     ap.add_argument("--out", default=None, help="--compare: folder for the ncu logs and step_gpu_time.md")
+    ap.add_argument("--clock-control", choices=("base", "none"), default="base",
+                    help="--compare: ncu's clock control; base (its default, as the tables before 2026-12-04) locks "
+                         "the SM clock to its base, none leaves it as the e2e runs find it")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="set a module constant (a Python literal) before profiling, in every engine's process "
                          "(repeatable), e.g. lily_mlx.ops.moe.kernels.DOWN_COMBINE_DIRECT=True")
@@ -233,7 +246,7 @@ def main(argv=None) -> int:
     if args.compare:
         out_dir = args.out or tempfile.mkdtemp(prefix="step_gpu_time_")
         text = compare([e.strip() for e in args.compare.split(",") if e.strip()], args.context, args.steps, out_dir,
-                       chunk=args.prefill_chunk, settings=args.set)
+                       chunk=args.prefill_chunk, settings=args.set, clock_control=args.clock_control)
         with open(os.path.join(out_dir, "step_gpu_time.md"), "w") as f:
             f.write(text + "\n")
         print(text)

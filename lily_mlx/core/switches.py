@@ -154,6 +154,13 @@ _SWITCH_LIST = [
            "decode 1.035x in alternating bursts).",
            "Two traces, the first ending with the attention's output (its owner's weights flattened twice a "
            "step)."),
+    Switch("device_positions", "generation", "decode", False,
+           "A decode step's position (the cache's offset, read by the KV row write, the rotary embedding and the "
+           "live-length attention kernels) is made on the GPU from the last step's, 4 int32 wide, instead of written "
+           "by the host each step. MLX's CUDA allocator keeps arrays of at most 8 bytes in one pool of managed "
+           "memory that every host-made scalar shares; under Nsight Compute (H200, 4K) the live partials kernel spent "
+           "42 % of its warps' time waiting on that load. Same bits; off until timed end to end.",
+           "A scalar int32 array written by the host once a step (shared by the step's attention layers)."),
     Switch("fused_output_gate", "attention", "decode", False,
            "Where a decode step attends over the KV buffer through the live-length kernels (kv_write_in_trace), "
            "their merge also applies the layer's output gate (output * sigmoid(gate), rounded as stock's two ops "

@@ -303,6 +303,34 @@ def test_embedded_model_decode_over_the_kv_buffer_takes_the_live_length_kernels(
         assert rel_l2(a, b) < LOGIT_TOL, step
 
 
+@needs_sim
+def test_embedded_model_decode_with_device_positions_is_unchanged(monkeypatch):
+    """``device_positions`` with the live-length kernels: the KV row write, the rotary embedding and the kernels read
+    the position through a view of a wide array made from the last step's; the logits are the host scalar's, bit
+    for bit."""
+    from mlx_lm import load
+
+    from lily_mlx import patch as lily_patch
+    from lily_mlx.models.embedded import EMBEDDED_DIR
+    from tests.kernels.test_compiled_decode import _greedy_logits
+
+    model, tokenizer = load(str(EMBEDDED_DIR))
+    prompt = tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the")
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    monkeypatch.setenv("LILY_REFERENCE_OPS", "moe,deltanet")
+    lily_patch.patch(model)
+    try:
+        with switches.overrides(enable=["kv_write_in_trace"]):
+            host, _ = _greedy_logits(model, prompt, steps=3)
+            with switches.overrides(enable=["device_positions"]), record_launches() as rec:
+                device, _ = _greedy_logits(model, prompt, steps=3)
+    finally:
+        lily_patch.unpatch(model)
+    assert rec.names().count("attention_decode_block_partials_live") == 3
+    for step, (a, b) in enumerate(zip(device, host)):
+        assert mx.array_equal(a, b).item(), step
+
+
 # ---------------------------------------------------------------------------------------------
 # the CUDA bridge: every switch state translates and compiles (the model's call site is compiled by
 # tests/msl/test_cuda_bridge.py in the default switch state only)

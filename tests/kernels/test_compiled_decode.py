@@ -59,6 +59,23 @@ def test_decode_steps_from_traces_equal_built_steps(embedded_model, monkeypatch)
                 assert mx.array_equal(a, b).item(), f"cache {i}"
 
 
+def test_device_positions_give_the_same_traced_steps(embedded_model, monkeypatch):  # noqa: F811
+    """``device_positions``: the traced steps read the step's position from a wide array made on the GPU from the
+    last step's (a view of its element 0); the logits and caches are those of the host-made scalar, bit for bit."""
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    model, prompts = embedded_model
+    host, host_cache = _greedy_logits(model, prompts[2])
+    with switches.overrides(enable=["device_positions"]):
+        device, device_cache = _greedy_logits(model, prompts[2])
+    for step, (a, b) in enumerate(zip(device, host)):
+        assert mx.array_equal(a, b).item(), f"step {step}"
+    for i, (ca, cb) in enumerate(zip(device_cache, host_cache)):
+        assert ca.offset == cb.offset
+        for a, b in zip(ca.state, cb.state):
+            if isinstance(a, mx.array):
+                assert mx.array_equal(a, b).item(), f"cache {i}"
+
+
 def test_batched_decode_from_traces_equals_built(embedded_model, monkeypatch):  # noqa: F811
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     model, prompts = embedded_model

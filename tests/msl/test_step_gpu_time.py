@@ -34,3 +34,12 @@ def test_summary_of_an_ncu_log(tmp_path):
     text = step_gpu_time.summarise(str(log), steps=2)
     assert text.startswith("GPU time per decode step: 0.037 ms over 3 kernels")  # (22.656 + 11.5 + 3) us
     assert "| void mlx::qmv_kernel | 1 | 22.7 | 61.0 % |" in text
+
+
+def test_the_ncu_command_names_its_clock_control_and_the_settings():
+    """The profiled process runs under the clock control asked for (base: ncu's default, the earlier tables' clocks;
+    none: the clocks the e2e runs find) with every module setting passed on."""
+    cmd = step_gpu_time.ncu_command("lily", 32768, 2, "log.csv", settings=["m.A=1", "m.B=2"], clock_control="none")
+    assert cmd[:3] == ["ncu", "--clock-control", "none"]
+    assert cmd[cmd.index("--context") + 1] == "32768" and cmd[-4:] == ["--set", "m.A=1", "--set", "m.B=2"]
+    assert step_gpu_time.ncu_command("lily", 4096, 2, "log.csv")[1:3] == ["--clock-control", "base"]

@@ -217,6 +217,30 @@ def test_the_offset_array_is_shared_only_between_equal_offsets():
     assert _positions(caches[0]).item() == 5
 
 
+def test_device_positions_follow_the_last_step_without_a_host_write(monkeypatch):
+    """switch ``device_positions``: the position of offset n + 1 is the last step's wide array plus one (made on the
+    GPU; no host-made array), a jump in the offset (a new prompt) makes a fresh one from the host; the step's
+    layers share one; every value is the offset, read through a scalar view of a POSITION_WIDTH-wide array."""
+    from lily_mlx.ops.attention import layer
+
+    host_made = []
+    full = mx.full
+    monkeypatch.setattr(mx, "full", lambda *a, **k: host_made.append(a) or full(*a, **k))
+    monkeypatch.setattr(layer, "_last_position", (-1, None, None))
+    cache = KVCache()
+    with switches.overrides(enable=["device_positions"]):
+        for offset in (7, 8, 9, 20, 21):
+            cache.offset = offset
+            position = layer._positions(cache)
+            assert layer._positions(cache) is position  # one a step
+            wide = layer._last_position[2]
+            assert position.shape == () and position.dtype == mx.int32 and position.item() == offset
+            assert wide.shape == (layer.POSITION_WIDTH,) and wide.tolist() == [offset] * layer.POSITION_WIDTH
+    assert [a[1] for a in host_made] == [7, 20]
+    cache.offset = 22  # switch off: the host's scalar
+    assert layer._positions(cache).item() == 22 and layer._last_position[2] is None
+
+
 @given(batch=st.integers(1, 3), kv_heads=st.sampled_from([1, 2]), head_dim=st.sampled_from([8, 64, 256]),
        capacity=st.integers(1, 300), data=st.data(), dtype=st.sampled_from([mx.bfloat16, mx.float16, mx.float32]))
 def test_the_kv_row_written_by_a_scatter_is_the_slice_update(batch, kv_heads, head_dim, capacity, data, dtype):

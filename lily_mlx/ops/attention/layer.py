@@ -300,9 +300,15 @@ def _traces_on(self, x: mx.array, cache: Any) -> bool:
     return compiled.enabled(active_backend(), *kernel_backends)
 
 
-# The last offset made an array, and that array: a decode step's attention layers share one (their caches have
-# the same offset), so it is made once a step, not once a layer. One tuple, replaced whole (threads read it safely).
-_last_position: Tuple[int, Optional[mx.array]] = (-1, None)
+# The last offset made an array, that array, and (switch device_positions) the wide array it is a view of: a decode
+# step's attention layers share one (their caches have the same offset), so it is made once a step, not once a
+# layer. One tuple, replaced whole (threads read it safely).
+_last_position: Tuple[int, Optional[mx.array], Optional[mx.array]] = (-1, None, None)
+
+# With device_positions the position is element 0 of an int32 array this wide, made by a kernel (the last step's
+# plus one): wider than 8 bytes, MLX's CUDA allocator places it in device memory, not in the managed pool of small
+# arrays that the host writes its scalars into.
+POSITION_WIDTH = 4
 
 
 def _positions(cache: Any) -> mx.array:
@@ -315,8 +321,14 @@ def _positions(cache: Any) -> mx.array:
     last = _last_position
     if last[0] == offset:
         return last[1]
-    position = mx.array(offset, dtype=mx.int32)
-    _last_position = (offset, position)
+    wide = None
+    if is_enabled("device_positions"):
+        follows = last[0] == offset - 1 and last[2] is not None
+        wide = last[2] + 1 if follows else mx.full((POSITION_WIDTH,), offset, dtype=mx.int32)
+        position = wide[0]  # a view: the kernels read the wide array's memory
+    else:
+        position = mx.array(offset, dtype=mx.int32)
+    _last_position = (offset, position, wide)
     return position
 
 
