@@ -46,7 +46,8 @@
 #   PART=19 bash bench/device_decode_checks.sh  # device_positions (the step's position made on the GPU): CUDA tests,
 #                                               # GPU time a step at 4K on/off (clocks left alone), decode A/B
 #   PART=20 bash bench/device_decode_checks.sh  # the live form's 8-simdgroup threadgroups: CUDA tests, GPU time a
-#                                               # step at 4K / 16K wide and 128K narrow against the default
+#                                               # step (clocks left alone) at 4K wide and 128K narrow against the
+#                                               # default, and 32K
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -258,7 +259,7 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     ;;
   19) # device_positions: the step's position array made on the GPU from the last step's, 16 bytes (device memory),
       # instead of a 4-byte scalar the host writes (MLX's managed pool of small arrays); Nsight Compute saw the live
-      # partials wait on that load (docs/results/2026-12-04-h200-long-context-decode/, call 5)
+      # partials wait on that load (docs/results/2026-12-04-h200-long-context-decode/, part 5)
     run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
       tests/kernels/test_compiled_decode.py -k "device_positions or equal_built"
     tail -3 "$W/tests_cuda.txt"
@@ -272,20 +273,20 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     tail -8 "$W/decode_ab.txt"
     ;;
   20) # the live form's partials in 8-simdgroup threadgroups on CUDA from 32K rows of capacity (kernels.live_simdgroups,
-      # timed at 32K and 128K only): the kernel tests on the GPU, then below 32K wide and at 128K narrow
+      # timed at 32K and 128K only, SM clock at base): the kernel tests on the GPU, then GPU time a step with the clocks
+      # left alone (the copy ceiling is measured at them too): 4K wide against default, 32K, 128K default against narrow
     run tests_cuda 200 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
-      tests/kernels/test_attention_kernels.py -k "live or fixed_block"
+      tests/kernels/test_attention_kernels.py -k "live"
     tail -3 "$W/tests_cuda.txt"
     K=lily_mlx.ops.attention.kernels
-    for c in 4096 16384; do
-      run sgt_default_$c 120 python -m bench.step_gpu_time --compare lily --context $c --out "$W/sgt_default_$c"
-      run sgt_wide_$c 90 python -m bench.step_gpu_time --compare lily --context $c --set $K.LIVE_WIDE_MIN_CAPACITY=0 \
-        --out "$W/sgt_wide_$c"
-    done
-    run sgt_default_131072 150 python -m bench.step_gpu_time --compare lily --context 131072 --out "$W/sgt_default_131072"
-    run sgt_narrow_131072 120 python -m bench.step_gpu_time --compare lily --context 131072 \
-      --set $K.LIVE_WIDE_MIN_CAPACITY=1000000000 --out "$W/sgt_narrow_131072"
-    for f in "$W"/sgt_*/step_gpu_time.md; do echo "$f"; grep -E "partials|merge" "$f" | head -2; done
+    sgt() { local name=$1 need=$2; shift 2; run "sgt_$name" "$need" python -m bench.step_gpu_time --compare lily \
+      --clock-control none --out "$W/sgt_$name" "$@"; }
+    sgt default_4k 90 --context 4096
+    sgt wide_4k 80 --context 4096 --set $K.LIVE_WIDE_MIN_CAPACITY=0
+    sgt default_128k 110 --context 131072
+    sgt narrow_128k 100 --context 131072 --set $K.LIVE_WIDE_MIN_CAPACITY=1000000000
+    sgt default_32k 80 --context 32768
+    for f in "$W"/sgt_*/step_gpu_time.md; do echo "$f"; grep -E "partials|merge|attention kernels" "$f" | head -3; done
     rm -f "$W"/sgt_*/*.csv
     ;;
   *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19 or 20" >&2; exit 2 ;;

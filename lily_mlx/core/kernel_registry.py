@@ -257,11 +257,20 @@ def clear_cache() -> None:
 # Small constant inputs (sizes, flags, epsilons) recur with the same values on every layer and token.
 # Building a fresh mx.array per call costs a host allocation and an upload per kernel launch on a GPU;
 # these caches hand back one concrete (already materialised) array per distinct value instead.
+# Constant kernel inputs are at least this many 4-byte elements (zeros after the values; kernels read theirs by
+# index). MLX's CUDA allocator keeps arrays of at most 8 bytes in one pool of managed memory that every host-made
+# scalar shares, where host writes keep moving the pool's pages to the host; an array of 16 bytes is a managed
+# allocation of its own, which moves to the GPU at its first use there and stays (these are written once). On Apple
+# GPUs memory is unified: the width changes nothing there (still under MLX's 8-element `constant` inputs).
+CONSTANT_MIN_ELEMENTS = 4
+
+
 @lru_cache(maxsize=1024)
 def _int32_params(values: Tuple[int, ...]):
     import mlx.core as mx
 
-    return mx.array(list(values), dtype=mx.int32)
+    padding = [0] * max(0, CONSTANT_MIN_ELEMENTS - len(values))
+    return mx.array(list(values) + padding, dtype=mx.int32)
 
 
 def int32_params(*values: int):
@@ -272,7 +281,7 @@ def int32_params(*values: int):
 
 @lru_cache(maxsize=64)
 def float32_scalar(value: float):
-    """A cached one-element float32 input (e.g. a norm's epsilon)."""
+    """A cached float32 input holding ``value`` at index 0 (e.g. a norm's epsilon; CONSTANT_MIN_ELEMENTS wide)."""
     import mlx.core as mx
 
-    return mx.array([float(value)], dtype=mx.float32)
+    return mx.array([float(value)] + [0.0] * (CONSTANT_MIN_ELEMENTS - 1), dtype=mx.float32)

@@ -211,14 +211,18 @@ def test_sim_kernel_built_cached_and_correct(kernel_dir):
     assert mx.allclose(out, 2 * a + b).item()
 
 
-def test_small_constant_inputs_are_cached():
+def test_small_constant_inputs_are_cached_and_wider_than_8_bytes():
+    """Cached, and at least CONSTANT_MIN_ELEMENTS wide (the values first, zeros after): MLX's CUDA allocator keeps
+    arrays of at most 8 bytes in its managed pool of small arrays."""
     import mlx.core as mx
 
     a, b = kr.int32_params(2, 3, 1), kr.int32_params(2, 3, True)
-    assert a is b and a.dtype == mx.int32 and a.tolist() == [2, 3, 1]
+    assert a is b and a.dtype == mx.int32 and a.tolist() == [2, 3, 1, 0]
     assert kr.int32_params(2, 3, 0) is not a
+    assert kr.int32_params(*range(6)).tolist() == list(range(6))
     eps = kr.float32_scalar(1e-6)
-    assert eps is kr.float32_scalar(1e-6) and eps.dtype == mx.float32 and eps.shape == (1,)
+    assert eps is kr.float32_scalar(1e-6) and eps.dtype == mx.float32 and eps.shape == (kr.CONSTANT_MIN_ELEMENTS,)
+    assert eps[0].item() == mx.array(1e-6, dtype=mx.float32).item() and eps.nbytes > 8
 
 
 def test_nested_launch_records_each_see_their_launches():

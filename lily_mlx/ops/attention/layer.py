@@ -307,8 +307,16 @@ _last_position: Tuple[int, Optional[mx.array], Optional[mx.array]] = (-1, None, 
 
 # With device_positions the position is element 0 of an int32 array this wide, made by a kernel (the last step's
 # plus one): wider than 8 bytes, MLX's CUDA allocator places it in device memory, not in the managed pool of small
-# arrays that the host writes its scalars into.
+# arrays that the host writes its scalars into. The one added is as wide and made once (a Python 1 would be a new
+# host-made scalar in that pool every step).
 POSITION_WIDTH = 4
+_ONES: list = []  # [the int32 ones of POSITION_WIDTH], made at first use
+
+
+def _ones() -> mx.array:
+    if not _ONES:
+        _ONES.append(mx.ones((POSITION_WIDTH,), dtype=mx.int32))
+    return _ONES[0]
 
 
 def _positions(cache: Any) -> mx.array:
@@ -324,7 +332,7 @@ def _positions(cache: Any) -> mx.array:
     wide = None
     if is_enabled("device_positions"):
         follows = last[0] == offset - 1 and last[2] is not None
-        wide = last[2] + 1 if follows else mx.full((POSITION_WIDTH,), offset, dtype=mx.int32)
+        wide = last[2] + _ones() if follows else mx.full((POSITION_WIDTH,), offset, dtype=mx.int32)
         position = wide[0]  # a view: the kernels read the wide array's memory
     else:
         position = mx.array(offset, dtype=mx.int32)
