@@ -44,7 +44,8 @@
 #   PART=18 bash bench/device_decode_checks.sh  # GPU time of a decode step at 32K and 128K (Nsight Compute): the
 #                                               # live-length attention's kernel time against the copy ceiling
 #   PART=19 bash bench/device_decode_checks.sh  # device_positions (the step's position made on the GPU): CUDA tests,
-#                                               # GPU time a step at 4K on/off (clocks left alone), decode A/B
+#                                               # GPU time a step at 4K on/off and with the constant inputs narrow
+#                                               # again (clocks left alone), decode A/B
 #   PART=20 bash bench/device_decode_checks.sh  # the live form's 8-simdgroup threadgroups: CUDA tests, GPU time a
 #                                               # step (clocks left alone) at 4K wide and 128K narrow against the
 #                                               # default, and 32K
@@ -266,7 +267,11 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     run sgt_positions_off 150 python -m bench.step_gpu_time --compare lily --clock-control none --out "$W/sgt_positions_off"
     run sgt_positions_on 120 env LILY_ENABLE=device_positions python -m bench.step_gpu_time --compare lily \
       --clock-control none --out "$W/sgt_positions_on"
-    for f in "$W"/sgt_positions_*/step_gpu_time.md; do grep -E "^\| lily|partials|merge|scatter" "$f" | head -5; done
+    # the constant kernel inputs as they were before (1 element: in MLX's managed pool of small arrays)
+    run sgt_constants_narrow 120 python -m bench.step_gpu_time --compare lily --clock-control none \
+      --set lily_mlx.core.kernel_registry.CONSTANT_MIN_ELEMENTS=1 --out "$W/sgt_constants_narrow"
+    for f in "$W"/sgt_positions_*/step_gpu_time.md "$W"/sgt_constants_narrow/step_gpu_time.md; do
+      echo "$f"; grep -E "^\| lily|partials|merge|scatter|router|down_combine|gate_up" "$f" | head -8; done
     rm -f "$W"/sgt_*/*.csv
     run decode_ab 150 env LILY_ENABLE=device_positions python -m bench.decode_ab \
       --engines lily,lily-off:device_positions,stock-kernels --context 4096 --bursts 8 --out "$W/decode_ab"
