@@ -16,7 +16,8 @@ chunk of the same length on a throwaway cache that compiles every kernel.
 The second prints the sum per step and a table by kernel name. The third runs the first for each engine
 in turn (``ncu`` on the PATH) and prints one table of GPU ms per step and kernels per step by engine,
 then each engine's table. Compare the sum with the step's pipelined time from ``--mode decode-profile``:
-a sum well below it means the GPU waits on the host.
+a sum well below it means the GPU waits on the host. Before the engines it profiles a 1 GiB copy the same way
+(``--copy-probe``), so that the decode attention kernels' GB/s line gives their share of a copy at the same clocks.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ import csv
 import ctypes
 import glob
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Optional
 
 
 def _profiler():
@@ -127,13 +130,17 @@ def kernel_times(path: str):
     for row in csv.DictReader(lines):
         if row.get("Metric Name") != "gpu__time_duration.sum":
             continue
-        value = float(row["Metric Value"].replace(",", ""))
-        unit = row.get("Metric Unit", "nsecond")
-        us = value / 1e3 if unit.startswith("n") else value if unit.startswith("u") else value * 1e3
         name = row["Kernel Name"].split("(")[0].split("<")[0].strip()
-        total[name] += us
+        total[name] += _us(row)
         count[name] += 1
     return total, count
+
+
+def _us(row: dict) -> float:
+    """A ``gpu__time_duration.sum`` row's value in microseconds (ncu writes ns, us or ms)."""
+    value = float(row["Metric Value"].replace(",", ""))
+    unit = row.get("Metric Unit", "nsecond")
+    return value / 1e3 if unit.startswith("n") else value if unit.startswith("u") else value * 1e3
 
 
 def summarise(path: str, steps: int, unit: str = "decode step") -> str:
@@ -163,11 +170,11 @@ def apply_settings(settings) -> None:
         setattr(mod, name, ast.literal_eval(value))
 
 
-def attention_bandwidth(total, steps: int, context: int) -> str:
+def attention_bandwidth(total, steps: int, context: int, copy_gbs: Optional[float] = None) -> str:
     """A line: the decode attention kernels' GPU time a step (``total``: us by kernel name over ``steps`` steps) and
     the K/V bytes a step reads at ``context`` cached rows in the full-size model (every full-attention layer's K and V
-    of every KV head, bf16), as GB/s: issue 13's kernel bandwidth, against the device's copy ceiling (the kernels
-    mode's 1 GiB copy). Empty where no attention kernel ran."""
+    of every KV head, bf16), as GB/s: issue 13's kernel bandwidth, against the device's copy ceiling (``copy_gbs``:
+    the copy probe profiled the same way, else left out). Empty where no attention kernel ran."""
     from lily_mlx.models.qwen3_6 import QWEN3_6_35B_A3B_TEXT_CONFIG as cfg
 
     partials = sum(us for name, us in total.items() if "attention_decode_block_partials" in name) / steps
@@ -176,20 +183,63 @@ def attention_bandwidth(total, steps: int, context: int) -> str:
         return ""
     layers = cfg["num_hidden_layers"] // cfg["full_attention_interval"]
     nbytes = layers * 2 * context * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
-    return (f"attention kernels: partials {partials:.1f} + merge {merge:.1f} us a step for {nbytes / 1e9:.3f} GB of K/V "
-            f"({layers} layers, {context} rows): {nbytes / (partials + merge) / 1e3:.0f} GB/s "
-            f"({nbytes / partials / 1e3:.0f} GB/s for the partials alone)")
+    both, alone = nbytes / (partials + merge) / 1e3, nbytes / partials / 1e3
+    line = (f"attention kernels: partials {partials:.1f} + merge {merge:.1f} us a step for {nbytes / 1e9:.3f} GB of K/V "
+            f"({layers} layers, {context} rows): {both:.0f} GB/s ({alone:.0f} GB/s for the partials alone)")
+    if copy_gbs:
+        line += (f"; {100 * both / copy_gbs:.0f} % ({100 * alone / copy_gbs:.0f} %) of the copy ceiling, "
+                 f"{copy_gbs:.0f} GB/s (a 1 GiB copy profiled the same way)")
+    return line
 
 
 def ncu_command(engine: str, context: int, steps: int, log: str, ncu: str = "ncu", chunk: int = 0, settings=(),
                 clock_control: str = "base") -> list:
     """The Nsight Compute command that profiles one engine's process (``clock_control``: ncu's ``--clock-control``,
     "base" locks the SM clock to its base, 1.5 GHz on the H200, as every table before 2026-12-04 was measured;
-    "none" leaves the clocks as the e2e runs find them)."""
+    "none" leaves the clocks as the e2e runs find them). ``engine`` None: the copy probe's process instead."""
     cmd = [ncu, "--clock-control", clock_control, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum",
-           "--csv", "--log-file", log, sys.executable, "-m", "bench.step_gpu_time", "--engine", engine, "--context",
-           str(context), "--steps", str(steps)] + (["--prefill-chunk", str(chunk)] if chunk else [])
+           "--csv", "--log-file", log, sys.executable, "-m", "bench.step_gpu_time"]
+    if engine is None:
+        return cmd + ["--copy-probe"]
+    cmd += ["--engine", engine, "--context", str(context), "--steps", str(steps)]
+    cmd += ["--prefill-chunk", str(chunk)] if chunk else []
     return cmd + [a for setting in settings for a in ("--set", setting)]
+
+
+# The copy ceiling beside the kernel table: the kernels mode's copy (``x * 1.0`` over 1 GiB of fp32: read and write
+# each byte once), profiled by the same ncu settings, so that the attention kernels' GB/s are held against a copy at
+# the same clocks.
+COPY_PROBE_ELEMENTS = 256 * 1024 * 1024
+COPY_PROBE_REPEATS = 3
+
+
+def profile_copy() -> None:
+    import mlx.core as mx
+
+    x = mx.random.uniform(shape=(COPY_PROBE_ELEMENTS,))
+    mx.eval(x)
+    mx.eval(x * 1.0)  # compiled and warm before the profiled range
+    start, stop, lib = _profiler()
+    mx.synchronize()
+    start()
+    for _ in range(COPY_PROBE_REPEATS):
+        mx.eval(x * 1.0)
+    mx.synchronize()
+    stop()
+    print(f"[step-gpu-time] profiled {COPY_PROBE_REPEATS} copies of {x.nbytes / 2**30:.0f} GiB", flush=True)
+
+
+def copy_ceiling(path: str, nbytes: int = 4 * COPY_PROBE_ELEMENTS) -> Optional[float]:
+    """GB/s (read + write) of the copy probe's log: its median launch, or None when the log holds none."""
+    rows = []
+    with open(path) as f:
+        lines = [line for line in f if line.startswith('"')]
+    for row in csv.DictReader(lines):
+        if row.get("Metric Name") == "gpu__time_duration.sum":
+            rows.append(_us(row))
+    if not rows:
+        return None
+    return 2 * nbytes / statistics.median(rows) / 1e3
 
 
 def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", chunk: int = 0,
@@ -199,6 +249,13 @@ def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", c
     unit = f"prompt chunk of {chunk} tokens" if chunk else "decode step"
     os.makedirs(out_dir, exist_ok=True)
     rows, tables = [], []
+    copy_gbs = None
+    if not chunk:
+        log = os.path.join(out_dir, "ncu_copy_probe.csv")
+        proc = subprocess.run(ncu_command(None, 0, 0, log, ncu, clock_control=clock_control), capture_output=True,
+                              text=True)
+        copy_gbs = copy_ceiling(log) if proc.returncode == 0 and os.path.exists(log) else None
+        print(f"[step-gpu-time] copy probe: {copy_gbs or 0:.0f} GB/s", flush=True)
     for engine in engines:
         log = os.path.join(out_dir, f"ncu_{engine.replace(':', '_').replace('+', '_')}.csv")
         cmd = ncu_command(engine, context, steps, log, ncu, chunk, settings, clock_control)
@@ -210,7 +267,7 @@ def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", c
             continue
         total, count = kernel_times(log)
         rows.append(f"| {engine} | {sum(total.values()) / steps / 1e3:.3f} | {sum(count.values()) / steps:g} |")
-        bandwidth = "" if chunk else attention_bandwidth(total, steps, context)
+        bandwidth = "" if chunk else attention_bandwidth(total, steps, context, copy_gbs)
         tables.append(f"### {engine}\n\n" + summarise(log, steps, unit) + (f"\n\n{bandwidth}" if bandwidth else ""))
     clocks = "SM clock locked to base" if clock_control == "base" else f"clock control {clock_control}"
     head = [f"GPU time per {unit} at context {context} (Nsight Compute, kernels replayed alone, {steps} steps, "
@@ -228,6 +285,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=0, metavar="L",
                     help="profile --steps prompt chunks of L tokens after --context cached ones, not decode steps")
     ap.add_argument("--summarise", metavar="CSV", help="print the table from an ncu --csv log instead")
+    ap.add_argument("--copy-probe", action="store_true",
+                    help="profile a 1 GiB copy instead of decode steps (--compare runs it to hold the attention "
+                         "kernels' GB/s against a copy at the same clocks)")
     ap.add_argument("--compare", metavar="ENGINES", help="comma-separated engines, each profiled under ncu in its "
                     "own process (ncu on the PATH); prints the comparison")
     ap.add_argument("--out", default=None, help="--compare: folder for the ncu logs and step_gpu_time.md")
@@ -251,7 +311,9 @@ def main(argv=None) -> int:
             f.write(text + "\n")
         print(text)
         return 0
-    if args.prefill_chunk:
+    if args.copy_probe:
+        profile_copy()
+    elif args.prefill_chunk:
         profile_prefill(args.engine, args.context, args.prefill_chunk, args.steps)
     else:
         profile(args.engine, args.context, args.steps, args.warmup)

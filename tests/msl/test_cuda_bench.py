@@ -279,3 +279,5 @@ def test_attention_bandwidth_line_from_a_kernel_table():
     line = attention_bandwidth(total, 2, 32768)  # 400 + 100 us a step for 10 * 2 * 32768 * 2 * 256 * 2 bytes
     assert "partials 400.0 + merge 100.0 us" in line and "0.671 GB" in line and ": 1342 GB/s" in line
     assert attention_bandwidth(collections.Counter({"void qmv_kernel": 1.0}), 1, 4096) == ""
+    with_copy = attention_bandwidth(total, 2, 32768, copy_gbs=2684.0)
+    assert with_copy.startswith(line) and "; 50 % (63 %) of the copy ceiling, 2684 GB/s" in with_copy

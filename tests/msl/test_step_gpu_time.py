@@ -43,3 +43,18 @@ def test_the_ncu_command_names_its_clock_control_and_the_settings():
     assert cmd[:3] == ["ncu", "--clock-control", "none"]
     assert cmd[cmd.index("--context") + 1] == "32768" and cmd[-4:] == ["--set", "m.A=1", "--set", "m.B=2"]
     assert step_gpu_time.ncu_command("lily", 4096, 2, "log.csv")[1:3] == ["--clock-control", "base"]
+
+
+def test_the_copy_probe_gives_the_ceiling_of_its_median_launch(tmp_path):
+    """``--compare`` profiles a 1 GiB copy first, under the same clock control: GB/s (read + write) from its median
+    launch; none from a log without launches."""
+    log = tmp_path / "copy.csv"
+    rows = [_row(i, "void binary_ss<float>(const float *)", "usecond", us) for i, us in enumerate(("700", "720", "1000"))]
+    log.write_text(HEADER + "\n" + "\n".join(rows) + "\n")
+    gbs = step_gpu_time.copy_ceiling(str(log))
+    assert abs(gbs - 2 * 4 * step_gpu_time.COPY_PROBE_ELEMENTS / 720.0 / 1e3) < 1e-6  # 2 GiB moved in 720 us
+    empty = tmp_path / "empty.csv"
+    empty.write_text("==PROF== Disconnected\n")
+    assert step_gpu_time.copy_ceiling(str(empty)) is None
+    cmd = step_gpu_time.ncu_command(None, 0, 0, "copy.csv", clock_control="none")
+    assert cmd[1:3] == ["--clock-control", "none"] and cmd[-1] == "--copy-probe" and "--engine" not in cmd
