@@ -281,3 +281,34 @@ def test_attention_bandwidth_line_from_a_kernel_table():
     assert attention_bandwidth(collections.Counter({"void qmv_kernel": 1.0}), 1, 4096) == ""
     with_copy = attention_bandwidth(total, 2, 32768, copy_gbs=2684.0)
     assert with_copy.startswith(line) and "; 50 % (63 %) of the copy ceiling, 2684 GB/s" in with_copy
+
+
+def test_kernel_caches_survive_a_save_and_restore_in_parts(tmp_path):
+    """``bench/device_kernel_cache.sh``: the compile caches saved as xz parts under 15 MiB (what a device call brings
+    back) and restored elsewhere give the same files, byte for byte; ``env`` points both compilers at them."""
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("xz") is None:
+        pytest.skip("xz not installed")
+    script = str(REPO / "bench" / "device_kernel_cache.sh")
+    kc, out, again = tmp_path / "kc", tmp_path / "out", tmp_path / "again"
+    (kc / "ptx" / "sub").mkdir(parents=True)
+    (kc / "nv").mkdir()
+    files = {"ptx/a.ptx": b"// ptx\n" * 1000, "ptx/sub/b.ptx": b"x", "nv/index": os.urandom(16 * 2**20)}  # 2 parts
+    for name, data in files.items():
+        (kc / name).write_bytes(data)
+    subprocess.run(["bash", script, "save", str(out)], env={**os.environ, "KC": str(kc), "KC_XZ_LEVEL": "-0"},
+                   check=True, capture_output=True)
+    parts = sorted(p.name for p in out.iterdir())
+    assert parts == ["kcache.tar.xz.part-aa", "kcache.tar.xz.part-ab"], parts
+    assert all((out / p).stat().st_size <= 15 * 2**20 for p in parts)
+    subprocess.run(["bash", script, "restore", str(out)], env={**os.environ, "KC": str(again)}, check=True,
+                   capture_output=True)
+    for name, data in files.items():
+        assert (again / name).read_bytes() == data, name
+    env = subprocess.run(["bash", script, "env"], env={**os.environ, "KC": "/k"}, check=True, capture_output=True,
+                         text=True).stdout
+    assert "MLX_PTX_CACHE_DIR=/k/ptx" in env and "CUDA_CACHE_PATH=/k/nv" in env
+    assert subprocess.run(["bash", script, "restore", str(tmp_path / "none")], capture_output=True).returncode != 0
