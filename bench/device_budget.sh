@@ -3,6 +3,8 @@
 # TAG (the log prefix), W (its output folder, created here) and BUDGET (seconds, default 540).
 mkdir -p "$W"
 export LILY_TUNE=off PYTHONUNBUFFERED=1 LILY_BACKEND=${LILY_BACKEND:-cuda}
+# compiled kernels under $KC (bench/device_kernel_cache.sh: saved at the end of a call, restored on the next machine)
+[ -n "${MLX_PTX_CACHE_DIR:-}" ] || eval "$(bash "$(dirname "${BASH_SOURCE[0]}")/device_kernel_cache.sh" env)"
 BUDGET=${BUDGET:-540}
 T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
