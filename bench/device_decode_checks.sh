@@ -45,10 +45,10 @@
 #                                               # live-length attention's kernel time against the copy ceiling
 #   PART=19 bash bench/device_decode_checks.sh  # device_positions (the step's position made on the GPU): CUDA tests,
 #                                               # GPU time a step at 4K on/off and with the constant inputs narrow
-#                                               # again (clocks left alone), decode A/B
+#                                               # again (clocks and caches left alone), decode A/B
 #   PART=20 bash bench/device_decode_checks.sh  # the live form's 8-simdgroup threadgroups: CUDA tests, GPU time a
-#                                               # step (clocks left alone) at 4K wide and 128K narrow against the
-#                                               # default, and 32K
+#                                               # step (clocks and caches left alone) at 4K wide and 128K narrow
+#                                               # against the default, and 32K
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -264,11 +264,11 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
       tests/kernels/test_compiled_decode.py -k "device_positions or equal_built"
     tail -3 "$W/tests_cuda.txt"
-    run sgt_positions_off 150 python -m bench.step_gpu_time --compare lily --clock-control none --out "$W/sgt_positions_off"
+    run sgt_positions_off 150 python -m bench.step_gpu_time --compare lily --clock-control none --cache-control none --out "$W/sgt_positions_off"
     run sgt_positions_on 120 env LILY_ENABLE=device_positions python -m bench.step_gpu_time --compare lily \
-      --clock-control none --out "$W/sgt_positions_on"
+      --clock-control none --cache-control none --out "$W/sgt_positions_on"
     # the constant kernel inputs as they were before (1 element: in MLX's managed pool of small arrays)
-    run sgt_constants_narrow 120 python -m bench.step_gpu_time --compare lily --clock-control none \
+    run sgt_constants_narrow 120 python -m bench.step_gpu_time --compare lily --clock-control none --cache-control none \
       --set lily_mlx.core.kernel_registry.CONSTANT_MIN_ELEMENTS=1 --out "$W/sgt_constants_narrow"
     for f in "$W"/sgt_positions_*/step_gpu_time.md "$W"/sgt_constants_narrow/step_gpu_time.md; do
       echo "$f"; grep -E "^\| lily|partials|merge|scatter|router|down_combine|gate_up" "$f" | head -8; done
@@ -285,7 +285,7 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     tail -3 "$W/tests_cuda.txt"
     K=lily_mlx.ops.attention.kernels
     sgt() { local name=$1 need=$2; shift 2; run "sgt_$name" "$need" python -m bench.step_gpu_time --compare lily \
-      --clock-control none --out "$W/sgt_$name" "$@"; }
+      --clock-control none --cache-control none --out "$W/sgt_$name" "$@"; }
     sgt default_4k 90 --context 4096
     sgt wide_4k 80 --context 4096 --set $K.LIVE_WIDE_MIN_CAPACITY=0
     sgt default_128k 110 --context 131072

@@ -193,12 +193,15 @@ def attention_bandwidth(total, steps: int, context: int, copy_gbs: Optional[floa
 
 
 def ncu_command(engine: str, context: int, steps: int, log: str, ncu: str = "ncu", chunk: int = 0, settings=(),
-                clock_control: str = "base") -> list:
+                clock_control: str = "base", cache_control: str = "all") -> list:
     """The Nsight Compute command that profiles one engine's process (``clock_control``: ncu's ``--clock-control``,
     "base" locks the SM clock to its base, 1.5 GHz on the H200, as every table before 2026-12-04 was measured;
-    "none" leaves the clocks as the e2e runs find them). ``engine`` None: the copy probe's process instead."""
-    cmd = [ncu, "--clock-control", clock_control, "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum",
-           "--csv", "--log-file", log, sys.executable, "-m", "bench.step_gpu_time"]
+    "none" leaves the clocks as the e2e runs find them; ``cache_control``: ncu's ``--cache-control``, "all"
+    flushes the caches before each kernel, as every table before 2026-12-04 was measured, "none" leaves in L2 what
+    the kernels before left there, as a step runs). ``engine`` None: the copy probe's process instead."""
+    cmd = [ncu, "--clock-control", clock_control, "--cache-control", cache_control, "--profile-from-start", "off",
+           "--metrics", "gpu__time_duration.sum", "--csv", "--log-file", log, sys.executable, "-m",
+           "bench.step_gpu_time"]
     if engine is None:
         return cmd + ["--copy-probe"]
     cmd += ["--engine", engine, "--context", str(context), "--steps", str(steps)]
@@ -243,7 +246,7 @@ def copy_ceiling(path: str, nbytes: int = 4 * COPY_PROBE_ELEMENTS) -> Optional[f
 
 
 def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", chunk: int = 0,
-            settings=(), clock_control: str = "base") -> str:
+            settings=(), clock_control: str = "base", cache_control: str = "all") -> str:
     """Profile each engine in its own process under Nsight Compute; Markdown: a comparison table, then
     each engine's kernel table. ``chunk`` > 0: prompt chunks of that length instead of decode steps."""
     unit = f"prompt chunk of {chunk} tokens" if chunk else "decode step"
@@ -252,13 +255,13 @@ def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", c
     copy_gbs = None
     if not chunk:
         log = os.path.join(out_dir, "ncu_copy_probe.csv")
-        proc = subprocess.run(ncu_command(None, 0, 0, log, ncu, clock_control=clock_control), capture_output=True,
-                              text=True)
+        proc = subprocess.run(ncu_command(None, 0, 0, log, ncu, clock_control=clock_control,
+                                          cache_control=cache_control), capture_output=True, text=True)
         copy_gbs = copy_ceiling(log) if proc.returncode == 0 and os.path.exists(log) else None
         print(f"[step-gpu-time] copy probe: {copy_gbs or 0:.0f} GB/s", flush=True)
     for engine in engines:
         log = os.path.join(out_dir, f"ncu_{engine.replace(':', '_').replace('+', '_')}.csv")
-        cmd = ncu_command(engine, context, steps, log, ncu, chunk, settings, clock_control)
+        cmd = ncu_command(engine, context, steps, log, ncu, chunk, settings, clock_control, cache_control)
         print(f"[step-gpu-time] {engine}: {' '.join(cmd[:8])} ...", flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(log):
@@ -270,6 +273,7 @@ def compare(engines, context: int, steps: int, out_dir: str, ncu: str = "ncu", c
         bandwidth = "" if chunk else attention_bandwidth(total, steps, context, copy_gbs)
         tables.append(f"### {engine}\n\n" + summarise(log, steps, unit) + (f"\n\n{bandwidth}" if bandwidth else ""))
     clocks = "SM clock locked to base" if clock_control == "base" else f"clock control {clock_control}"
+    clocks += ", caches flushed before each kernel" if cache_control == "all" else f", cache control {cache_control}"
     head = [f"GPU time per {unit} at context {context} (Nsight Compute, kernels replayed alone, {steps} steps, "
             f"{clocks})",
             "", f"| engine | GPU ms per {unit} | kernels per {unit} |", "|---|---|---|"]
@@ -294,6 +298,9 @@ def main(argv=None) -> int:
     ap.add_argument("--clock-control", choices=("base", "none"), default="base",
                     help="--compare: ncu's clock control; base (its default, as the tables before 2026-12-04) locks "
                          "the SM clock to its base, none leaves it as the e2e runs find it")
+    ap.add_argument("--cache-control", choices=("all", "none"), default="all",
+                    help="--compare: ncu's cache control; all (its default, as the tables before 2026-12-04) flushes "
+                         "the caches before each kernel, none leaves in L2 what the kernels before left there")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="set a module constant (a Python literal) before profiling, in every engine's process "
                          "(repeatable), e.g. lily_mlx.ops.moe.kernels.DOWN_COMBINE_DIRECT=True")
@@ -306,7 +313,8 @@ def main(argv=None) -> int:
     if args.compare:
         out_dir = args.out or tempfile.mkdtemp(prefix="step_gpu_time_")
         text = compare([e.strip() for e in args.compare.split(",") if e.strip()], args.context, args.steps, out_dir,
-                       chunk=args.prefill_chunk, settings=args.set, clock_control=args.clock_control)
+                       chunk=args.prefill_chunk, settings=args.set, clock_control=args.clock_control,
+                       cache_control=args.cache_control)
         with open(os.path.join(out_dir, "step_gpu_time.md"), "w") as f:
             f.write(text + "\n")
         print(text)

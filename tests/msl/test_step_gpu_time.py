@@ -39,10 +39,12 @@ def test_summary_of_an_ncu_log(tmp_path):
 def test_the_ncu_command_names_its_clock_control_and_the_settings():
     """The profiled process runs under the clock control asked for (base: ncu's default, the earlier tables' clocks;
     none: the clocks the e2e runs find) with every module setting passed on."""
-    cmd = step_gpu_time.ncu_command("lily", 32768, 2, "log.csv", settings=["m.A=1", "m.B=2"], clock_control="none")
-    assert cmd[:3] == ["ncu", "--clock-control", "none"]
+    cmd = step_gpu_time.ncu_command("lily", 32768, 2, "log.csv", settings=["m.A=1", "m.B=2"], clock_control="none",
+                                    cache_control="none")
+    assert cmd[:5] == ["ncu", "--clock-control", "none", "--cache-control", "none"]
     assert cmd[cmd.index("--context") + 1] == "32768" and cmd[-4:] == ["--set", "m.A=1", "--set", "m.B=2"]
-    assert step_gpu_time.ncu_command("lily", 4096, 2, "log.csv")[1:3] == ["--clock-control", "base"]
+    assert step_gpu_time.ncu_command("lily", 4096, 2, "log.csv")[1:5] == ["--clock-control", "base", "--cache-control",
+                                                                          "all"]
 
 
 def test_the_copy_probe_gives_the_ceiling_of_its_median_launch(tmp_path):
