@@ -16,7 +16,7 @@ then the prefill cases (``prefill_cases``). Decode:
   (the 8 query heads of a KV head over two threadgroups of 4: ~2/3 of the registers, each row read twice);
 - ``..._x8_S*`` (stock, auto and auto_gt4): 8 independent calls per evaluation, bytes and flops x 8: the
   kernels' own time with the per-call evaluation round trip (~60-100 us on MLX-CUDA) spread over 8;
-- ``attention_in_buffer_masked_sdpa_x8_S*`` / ``attention_fixed_blocks_live_x8_S*`` (``in_buffer_cases``): the
+- ``attention_in_buffer_masked_sdpa_x8_S*`` / ``attention_fixed_blocks_live[_sg4|_sg8]_x8_S*`` (``in_buffer_cases``): the
   attention over a KV buffer with 256 rows of capacity past the S live ones (switch ``kv_write_in_trace``):
   stock's attention with those rows masked against the fixed-block kernels reading the live length from an array.
 
@@ -198,14 +198,17 @@ def in_buffer_cases(q, k, v, scales, backend, label, nbytes, flops, spare: int =
         live = mx.arange(S + spare, dtype=mx.int32) <= last_row[0]
         mx.eval([mx.fast.scaled_dot_product_attention(q, kb, vb, scale=s, mask=live) for s in scales])
 
-    def live_x8():
-        mx.eval([ak.decode_attention_fixed_blocks_live(q, kb, vb, last_row, scale=s, backend=backend)
-                 for s in scales])
+    def live_x8(simdgroups=None):
+        mx.eval([ak.decode_attention_fixed_blocks_live(q, kb, vb, last_row, scale=s, backend=backend,
+                                                       simdgroups=simdgroups) for s in scales])
 
     cases = [(f"attention_in_buffer_masked_sdpa_x{REPEATS}_S{label}", masked_x8, REPEATS * nbytes, REPEATS * flops)]
     if backend != "reference":
-        cases.append((f"attention_fixed_blocks_live_x{REPEATS}_S{label}", live_x8, REPEATS * nbytes,
-                      REPEATS * flops))
+        # the product's form (its simdgroups from the capacity and backend: kernels.live_simdgroups), then 4 and 8
+        # simdgroups a threadgroup whatever the capacity
+        for name, sg in (("", None), ("_sg4", ak.DECODE_SIMDGROUPS), ("_sg8", ak.LIVE_WIDE_SIMDGROUPS)):
+            cases.append((f"attention_fixed_blocks_live{name}_x{REPEATS}_S{label}",
+                          lambda sg=sg: live_x8(sg), REPEATS * nbytes, REPEATS * flops))
     return cases
 
 

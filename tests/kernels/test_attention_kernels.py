@@ -640,7 +640,8 @@ def test_microbench_cases_for_the_bench_harness():
                      "attention_fixed_blocks_auto_small_r2_S100", "attention_fixed_blocks_auto_per_head_S100",
                      "attention_fixed_blocks_auto_gt4_S100", "attention_fixed_blocks_auto_x8_S100",
                      "attention_fixed_blocks_auto_gt4_x8_S100", "attention_in_buffer_masked_sdpa_x8_S100",
-                     "attention_fixed_blocks_live_x8_S100"]
+                     "attention_fixed_blocks_live_x8_S100", "attention_fixed_blocks_live_sg4_x8_S100",
+                     "attention_fixed_blocks_live_sg8_x8_S100"]
     one = (2 * 2 * 100 * 256 + 2 * 16 * 256) * 2, 4 * 16 * 100 * 256
     for name, run_once, nbytes, flops in cases:
         run_once()
