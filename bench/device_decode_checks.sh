@@ -49,6 +49,9 @@
 #   PART=20 bash bench/device_decode_checks.sh  # the live form's 8-simdgroup threadgroups: CUDA tests, GPU time a
 #                                               # step (clocks and caches left alone) at 4K wide and 128K narrow
 #                                               # against the default, and 32K
+#   PART=21 bash bench/device_decode_checks.sh  # e2e decode at 32K / 64K / 128K with stock on CUDA ops too (issue
+#                                               # 13's rows: lily, gqa_packing and fixed_block_attention off, both
+#                                               # stocks), one round
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -294,6 +297,14 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     for f in "$W"/sgt_*/step_gpu_time.md; do echo "$f"; grep -E "partials|merge|attention kernels" "$f" | head -3; done
     rm -f "$W"/sgt_*/*.csv
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19 or 20" >&2; exit 2 ;;
+  21) # issue 13's e2e rows left by PART=17: 64K, and stock MLX-LM on CUDA ops beside the fair baseline (decode only:
+      # its prefill of these lengths takes minutes), with the wide threadgroups of 2026-12-04
+    run e2e_64k 400 python -m bench.run --mode e2e --size full \
+      --engines lily,lily-off:gqa_packing,lily-off:fixed_block_attention,stock-kernels,stock --shared-prefill \
+      --max-prefill-length "lily-off:gqa_packing=1K,lily-off:fixed_block_attention=1K,stock-kernels=1K,stock=1K" \
+      --lengths 32K,64K,128K --rounds 1 --gen-tokens 256 --out "$W/e2e_64k" --stop-at $(( $(date +%s) + $(left) - 15 ))
+    cat "$W/e2e_64k/e2e.md" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20 or 21" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"
