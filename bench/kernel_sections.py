@@ -114,11 +114,12 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def commands(kernel: str, context: int, engine: str, details: str, source: str, ncu: str = "ncu",
-             clock_control: str = "base", settings=()) -> List[List[str]]:
-    """The two ncu commands (their output goes to ``details`` / ``source``, the caller's redirection)."""
-    child = [sys.executable, "-m", "bench.step_gpu_time", "--engine", engine, "--context", str(context), "--steps", "1"]
-    child += [a for setting in settings for a in ("--set", setting)]
+def commands(kernel: str, context: int, engine: str, ncu: str = "ncu", clock_control: str = "base",
+             settings=()) -> List[List[str]]:
+    """The two ncu commands, the details print's and the source print's (each to standard output)."""
+    from bench.step_gpu_time import child_command
+
+    child = child_command(engine, context, 1, settings=settings)
     base = [ncu, "--clock-control", clock_control, "--profile-from-start", "off", "--set", "full",
             "-k", f"regex:{kernel}", "-c", "1"]
     return [base + ["--page", "details"] + child,
@@ -143,8 +144,8 @@ def main(argv=None) -> int:
             ap.error("--kernel is required unless --details / --source name saved prints")
         os.makedirs(args.out, exist_ok=True)
         args.details, args.source = os.path.join(args.out, "details.txt"), os.path.join(args.out, "source.csv")
-        for cmd, path in zip(commands(args.kernel, args.context, args.engine, args.details, args.source,
-                                      clock_control=args.clock_control, settings=args.set),
+        for cmd, path in zip(commands(args.kernel, args.context, args.engine, clock_control=args.clock_control,
+                                      settings=args.set),
                              (args.details, args.source)):
             print(f"[kernel-sections] {' '.join(cmd[:12])} ... > {path}", flush=True)
             with open(path, "w") as f:

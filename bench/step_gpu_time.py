@@ -123,24 +123,26 @@ def profile_prefill(engine: str, context: int, chunk: int, steps: int) -> None:
 def kernel_times(path: str):
     """(us by kernel name, launches by kernel name) summed over an ``ncu --csv`` log's
     ``gpu__time_duration.sum`` rows (other lines of the log are skipped)."""
-    with open(path) as f:
-        lines = [line for line in f if line.startswith('"')]
     total = collections.Counter()
     count = collections.Counter()
-    for row in csv.DictReader(lines):
-        if row.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        name = row["Kernel Name"].split("(")[0].split("<")[0].strip()
-        total[name] += _us(row)
+    for name, us in _durations(path):
+        total[name] += us
         count[name] += 1
     return total, count
 
 
-def _us(row: dict) -> float:
-    """A ``gpu__time_duration.sum`` row's value in microseconds (ncu writes ns, us or ms)."""
-    value = float(row["Metric Value"].replace(",", ""))
-    unit = row.get("Metric Unit", "nsecond")
-    return value / 1e3 if unit.startswith("n") else value if unit.startswith("u") else value * 1e3
+def _durations(path: str):
+    """(kernel name cut at its arguments, microseconds) of each ``gpu__time_duration.sum`` row of an ``ncu --csv``
+    log, in launch order (ncu writes ns, us or ms; other lines of the log are skipped)."""
+    with open(path) as f:
+        lines = [line for line in f if line.startswith('"')]
+    for row in csv.DictReader(lines):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        value = float(row["Metric Value"].replace(",", ""))
+        unit = row.get("Metric Unit", "nsecond")
+        us = value / 1e3 if unit.startswith("n") else value if unit.startswith("u") else value * 1e3
+        yield row["Kernel Name"].split("(")[0].split("<")[0].strip(), us
 
 
 def summarise(path: str, steps: int, unit: str = "decode step") -> str:
@@ -200,12 +202,17 @@ def ncu_command(engine: str, context: int, steps: int, log: str, ncu: str = "ncu
     flushes the caches before each kernel, as every table before 2026-12-04 was measured, "none" leaves in L2 what
     the kernels before left there, as a step runs). ``engine`` None: the copy probe's process instead."""
     cmd = [ncu, "--clock-control", clock_control, "--cache-control", cache_control, "--profile-from-start", "off",
-           "--metrics", "gpu__time_duration.sum", "--csv", "--log-file", log, sys.executable, "-m",
-           "bench.step_gpu_time"]
+           "--metrics", "gpu__time_duration.sum", "--csv", "--log-file", log]
     if engine is None:
-        return cmd + ["--copy-probe"]
-    cmd += ["--engine", engine, "--context", str(context), "--steps", str(steps)]
-    cmd += ["--prefill-chunk", str(chunk)] if chunk else []
+        return cmd + [sys.executable, "-m", "bench.step_gpu_time", "--copy-probe"]
+    return cmd + child_command(engine, context, steps, chunk, settings)
+
+
+def child_command(engine: str, context: int, steps: int, chunk: int = 0, settings=()) -> list:
+    """The profiled process: this module's decode steps (or prompt chunks) of ``engine`` at ``context``, with the
+    module constants ``settings`` set in it."""
+    cmd = [sys.executable, "-m", "bench.step_gpu_time", "--engine", engine, "--context", str(context), "--steps",
+           str(steps)] + (["--prefill-chunk", str(chunk)] if chunk else [])
     return cmd + [a for setting in settings for a in ("--set", setting)]
 
 
@@ -234,12 +241,7 @@ def profile_copy() -> None:
 
 def copy_ceiling(path: str, nbytes: int = 4 * COPY_PROBE_ELEMENTS) -> Optional[float]:
     """GB/s (read + write) of the copy probe's log: its median launch, or None when the log holds none."""
-    rows = []
-    with open(path) as f:
-        lines = [line for line in f if line.startswith('"')]
-    for row in csv.DictReader(lines):
-        if row.get("Metric Name") == "gpu__time_duration.sum":
-            rows.append(_us(row))
+    rows = [us for _, us in _durations(path)]
     if not rows:
         return None
     return 2 * nbytes / statistics.median(rows) / 1e3

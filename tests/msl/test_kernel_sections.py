@@ -31,8 +31,7 @@ def test_the_source_print_gives_the_instructions_the_samples_sit_on():
 
 
 def test_the_two_ncu_commands_profile_one_launch_of_one_step():
-    details, source = ks.commands("block_partials_live", 32768, "lily", "d.txt", "s.csv", clock_control="none",
-                                  settings=["m.A=1"])
+    details, source = ks.commands("block_partials_live", 32768, "lily", clock_control="none", settings=["m.A=1"])
     for cmd in (details, source):
         assert cmd[:3] == ["ncu", "--clock-control", "none"]
         assert cmd[cmd.index("-k") + 1] == "regex:block_partials_live" and cmd[cmd.index("-c") + 1] == "1"

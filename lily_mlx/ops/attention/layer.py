@@ -310,13 +310,11 @@ _last_position: Tuple[int, Optional[mx.array], Optional[mx.array]] = (-1, None, 
 # arrays that the host writes its scalars into. The one added is as wide and made once (a Python 1 would be a new
 # host-made scalar in that pool every step).
 POSITION_WIDTH = 4
-_ONES: list = []  # [the int32 ones of POSITION_WIDTH], made at first use
 
 
+@functools.lru_cache(maxsize=None)
 def _ones() -> mx.array:
-    if not _ONES:
-        _ONES.append(mx.ones((POSITION_WIDTH,), dtype=mx.int32))
-    return _ONES[0]
+    return mx.ones((POSITION_WIDTH,), dtype=mx.int32)
 
 
 def _positions(cache: Any) -> mx.array:
