@@ -1,0 +1,87 @@
+"""A decode step of lily's CUDA path as a graph, on any machine (``lily_dev.graph_only``: the kernels as
+placeholders): its launches by kernel, its primitives by kind (built op by op and through the layer traces),
+the Python calls of a replayed step and the host's build time of it here.
+
+    python -m bench.decode_graph                       # Qwen3.6's 40 layers at the tiny random model's widths
+    python -m bench.decode_graph --layers 4 --steps 50
+
+For issue 12's structure (<= 250 non-view primitives a step) without a GPU. On a CPU MLX computes its fused
+ops from their parts, so ``RMSNorm`` shows as ``Square``, ``Sum``, ``Rsqrt``, ... and the embedding's
+dequantisation as shifts and a concatenation: the GPU's count has one ``RMSNorm`` (a layer's input norm)
+and one ``Quantize`` where this shows those. The build time is this host's, for comparing changes in one
+run; the GPU machine's is measured by ``bench.run --mode decode-profile``."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import mlx.core as mx
+
+VOCAB = 1024
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=40, help="decoder layers (every 4th attends; default 40)")
+    p.add_argument("--steps", type=int, default=30, help="decode steps timed for the build time (median)")
+    p.add_argument("--context", type=int, default=40, help="prompt tokens before the decode steps")
+    args = p.parse_args(argv)
+
+    import lily_mlx
+    from lily_dev.graph_only import count_step, cuda_graph_only
+    from lily_mlx.core import switches
+    from lily_mlx.core.kernel_registry import record_launches
+
+    from .decode_profile import VIEW_PRIMITIVES, _prefill, _step
+    from .model_setup import build_random_model, model_config
+
+    model = build_random_model(model_config("tiny", args.layers), seed=0, log=None)
+    with cuda_graph_only():
+        lily_mlx.patch(model)
+        y, cache = _prefill(model, args.context, VOCAB, 0)
+        for _ in range(3):
+            y = _step(model, y, cache)
+            mx.eval(y)
+        with switches.overrides(disable=["compiled_decode"]), record_launches() as launches:
+            nxt = _step(model, y, cache)
+        built = count_step(nxt)
+        mx.eval(nxt)
+        traced = count_step(_step(model, nxt, cache))
+        y = nxt = _step(model, nxt, cache)  # (the graph counted above is dropped unevaluated)
+        mx.eval(y)
+        profile = cProfile.Profile()
+        profile.enable()
+        y = _step(model, y, cache)
+        profile.disable()
+        mx.eval(y)
+        builds = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            nxt = _step(model, y, cache)
+            builds.append(time.perf_counter() - t0)
+            mx.eval(nxt)
+            y = nxt
+
+    print(f"decode step of {args.layers} layers (lily's CUDA path, kernels as placeholders)")
+    print("\n| kernel | launches a step |\n|---|---|")
+    for name, n in sorted(launches.counts().items(), key=lambda t: -t[1]):
+        print(f"| {name} | {n} |")
+    print("\n| primitive | built | traced |\n|---|---|---|")
+    kinds = sorted(set(built) | set(traced), key=lambda k: (k in VIEW_PRIMITIVES, -built.get(k, 0)))
+    for kind in kinds:
+        view = " (view)" if kind in VIEW_PRIMITIVES else ""
+        print(f"| {kind}{view} | {built.get(kind, 0)} | {traced.get(kind, 0)} |")
+    non_view = lambda c: sum(n for k, n in c.items() if k not in VIEW_PRIMITIVES)  # noqa: E731
+    print(f"| non-view, in all | {non_view(built)} | {non_view(traced)} |")
+    print(f"\nPython calls of a replayed step: {pstats.Stats(profile).total_calls}")
+    print(f"graph build on this host: {statistics.median(builds) * 1e3:.3f} ms a step (median of {args.steps})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""A decode step's graph on lily's CUDA path, checked on any machine (``lily_dev.graph_only``: every kernel a
+placeholder, everything else as the GPU builds it): which kernels a step launches, which MLX ops it builds
+besides, that the layer traces hold the same launches as a step built op by op, and how much Python a
+replayed step runs. These are issue 12's structure (launches and primitives per step, host work per step)
+as tests that fail when a change adds work to every decode step; the numbers themselves are measured on
+the GPU (``bench.run --mode decode-profile``)."""
+
+import cProfile
+import pstats
+
+import mlx.core as mx
+import pytest
+
+import lily_mlx
+from bench.decode_profile import VIEW_PRIMITIVES, _prefill, _step
+from bench.model_setup import build_random_model, model_config
+from lily_dev.graph_only import count_step, cuda_graph_only
+from lily_mlx.core import switches
+from lily_mlx.core.kernel_registry import record_launches
+
+LAYERS = 4  # three DeltaNet layers and one attention layer (Qwen3.6 attends every 4th layer)
+VOCAB = 1024
+
+# The launches of one decoder layer's decode step, by its mixer (the MoE block's three are in both).
+MOE = {"moe_residual_norm_router_logits_q": 1, "moe_gemv_gate_up_swiglu_routed": 1, "moe_gemv_down_combine": 1}
+DELTANET = {"deltanet_decode_conv_fused": 1, **MOE}
+ATTENTION = {"attention_qk_prep": 1, "attention_decode_block_partials_live": 1, "attention_decode_merge_live_blocks": 1,
+             **MOE}
+# What a step must not build on the kernels' path: stock's attention, the MoE block's gathered matmuls, the
+# KV cache's whole-buffer update.
+STOCK_ONLY = ("Softmax", "Matmul", "ScaledDotProductAttention", "GatherQMM", "GatherMM", "SliceUpdate",
+              "DynamicSliceUpdate")
+# Python calls of one replayed decode step at LAYERS layers, measured 2026-12-04: 210 (lily's own code and MLX-LM's
+# model loop): a bound with room for noise-free small changes, not a target. Raise it only for a reason.
+PYTHON_CALLS_PER_STEP = 250
+
+
+@pytest.fixture
+def decoding():
+    """(model, last token, cache) a few decode steps in, lily's CUDA path with placeholder kernels."""
+    model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
+    with cuda_graph_only():
+        lily_mlx.patch(model)
+        y, cache = _prefill(model, 40, VOCAB, 0)
+        for _ in range(3):  # traced, then replayed
+            y = _step(model, y, cache)
+            mx.eval(y)
+        yield model, y, cache
+
+
+def _expected_launches(model):
+    layers = model.language_model.model.layers
+    counts = {}
+    for layer in layers:
+        for name, n in (DELTANET if layer.is_linear else ATTENTION).items():
+            counts[name] = counts.get(name, 0) + n
+    return counts, sum(layer.is_linear for layer in layers), sum(not layer.is_linear for layer in layers)
+
+
+def _built_step(model, y, cache):
+    """One step built op by op (no traces), its launches recorded, its graph counted before evaluation."""
+    with switches.overrides(disable=["compiled_decode"]), record_launches() as launches:
+        nxt = _step(model, y, cache)
+    kinds = count_step(nxt)
+    mx.eval(nxt)
+    return nxt, launches.counts(), kinds
+
+
+def test_a_decode_step_runs_the_kernels_and_builds_little_else(decoding):
+    model, y, cache = decoding
+    expected, n_deltanet, n_attention = _expected_launches(model)
+    _, launches, kinds = _built_step(model, y, cache)
+    assert launches == expected
+    assert kinds.get("CustomKernel") == sum(expected.values())
+    # DeltaNet: fused in-projection and out_proj; attention: fused q/k/v and o_proj; the lm_head.
+    assert kinds.get("QuantizedMatmul") == 2 * n_deltanet + 2 * n_attention + 1
+    assert kinds.get("ScatterAxis") == 2 * n_attention  # the step's K and V rows into the cache's buffer
+    assert not [k for k in STOCK_ONLY if k in kinds], kinds
+
+
+def test_the_traced_step_holds_the_built_steps_launches(decoding):
+    model, y, cache = decoding
+    y, _, built = _built_step(model, y, cache)
+    traced = count_step(_step(model, y, cache))  # through the layers' traces (replayed)
+    for kind in ("CustomKernel", "QuantizedMatmul", "ScatterAxis"):
+        assert traced.get(kind) == built.get(kind), kind
+    non_view = lambda counts: sum(n for k, n in counts.items() if k not in VIEW_PRIMITIVES)  # noqa: E731
+    assert non_view(traced) <= non_view(built)  # a trace fuses elementwise chains, never adds
+
+
+def test_a_replayed_step_runs_little_python(decoding):
+    model, y, cache = decoding
+    profile = cProfile.Profile()
+    profile.enable()
+    nxt = _step(model, y, cache)
+    profile.disable()
+    mx.eval(nxt)
+    calls = pstats.Stats(profile).total_calls
+    assert calls <= PYTHON_CALLS_PER_STEP, (
+        f"a replayed decode step of {LAYERS} layers made {calls} Python calls (bound {PYTHON_CALLS_PER_STEP}): "
+        "something now runs per call that could be resolved once")
