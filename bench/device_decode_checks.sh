@@ -52,6 +52,8 @@
 #   PART=21 bash bench/device_decode_checks.sh  # e2e decode at 32K / 64K / 128K with stock on CUDA ops too (issue
 #                                               # 13's rows: lily, gqa_packing and fixed_block_attention off, both
 #                                               # stocks), one round
+#   PART=22 bash bench/device_decode_checks.sh  # the dense projections by lily's row GEMV (trial linear_gemv)
+#                                               # against MLX's qmv: CUDA tests, GPU time a step, decode A/B
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -305,6 +307,20 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       --lengths 32K,64K,128K --rounds 1 --gen-tokens 256 --out "$W/e2e_64k" --stop-at $(( $(date +%s) + $(left) - 15 ))
     cat "$W/e2e_64k/e2e.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20 or 21" >&2; exit 2 ;;
+  22) # the dense decode projections by lily's row GEMV (trial kernel linear_gemv) against MLX's qmv, which took 1.28 ms
+      # of a 4.0 ms step at 4K on 2026-12-04 (the GEMV was 1.5-2.7x faster a projection on 2026-12-01, when the step
+      # was host-bound); first the CUDA tests of the GEMV and of device_positions (its test mended after PART=19)
+    run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
+      tests/kernels/test_compiled_decode.py tests/kernels/test_linear_kernels.py -k "device_positions or gemv"
+    tail -3 "$W/tests_cuda.txt"
+    run sgt_gemv 200 python -m bench.step_gpu_time --compare lily,lily-trial:linear_gemv --clock-control none \
+      --cache-control none --out "$W/sgt_gemv"
+    grep -E "^\| lily|qmv|gemv" "$W/sgt_gemv/step_gpu_time.md" 2>/dev/null | head -8
+    rm -f "$W"/sgt_*/*.csv
+    run decode_ab 150 python -m bench.decode_ab --engines lily,lily-trial:linear_gemv,stock-kernels --context 4096 \
+      --bursts 8 --out "$W/decode_ab"
+    tail -8 "$W/decode_ab.txt"
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21 or 22" >&2; exit 2 ;;
 esac
 say "part ${PART:-1} done"

@@ -466,7 +466,7 @@ def test_fixed_block_kernels_with_the_live_length_as_an_array(B, Hkv, G, D, capa
     """The live-length form (switch kv_write_in_trace) over a buffer's whole capacity: rows 0 .. last_row are
     attended, the rows past them hold NaN (read, they would show) and their blocks write empty partials; the
     launch geometry is the capacity's whatever the live length; 4 or 8 simdgroups a threadgroup (the latter what
-    CUDA runs from 32K rows of capacity). Partials and output poisoned."""
+    CUDA runs). Partials and output poisoned."""
     rng = np.random.default_rng(seed)
     q, k, v = _problem(rng, B, Hkv, G, D, capacity, DTYPES[dtype])
     S = 1 + int(fill * (capacity - 1))
@@ -484,15 +484,17 @@ def test_fixed_block_kernels_with_the_live_length_as_an_array(B, Hkv, G, D, capa
     _check(out, _oracle(q, k, v, S, scale), TOL[dtype])
 
 
-def test_the_live_form_widens_its_threadgroups_on_cuda_from_32k_rows_of_capacity():
+def test_the_live_form_widens_its_threadgroups_on_cuda():
     """The live form's simdgroups a threadgroup are a function of the buffer's capacity and the backend alone:
-    8 on CUDA from LIVE_WIDE_MIN_CAPACITY rows (where it was timed faster), else the default 4 (Metal and the
-    simulator keep the form they always ran)."""
+    8 on CUDA from LIVE_WIDE_MIN_CAPACITY rows (0: timed faster at 4K, 32K and 128K), else the default 4 (Metal
+    and the simulator keep the form they always ran); a threshold, where one is set, is a capacity."""
     wide, narrow = ak.LIVE_WIDE_SIMDGROUPS, ak.DECODE_SIMDGROUPS
-    assert (wide, narrow, ak.LIVE_WIDE_MIN_CAPACITY) == (8, 4, 32 * 1024)
-    assert [ak.live_simdgroups(cap, "cuda") for cap in (1024, 32 * 1024 - 1, 32 * 1024, 128 * 1024 + 1024)] == \
-        [narrow, narrow, wide, wide]
+    assert (wide, narrow, ak.LIVE_WIDE_MIN_CAPACITY) == (8, 4, 0)
+    assert {ak.live_simdgroups(cap, "cuda") for cap in (1024, 5120, 32 * 1024, 128 * 1024 + 1024)} == {wide}
     assert {ak.live_simdgroups(128 * 1024, b) for b in ("metal", "sim", "reference")} == {narrow}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ak, "LIVE_WIDE_MIN_CAPACITY", 32 * 1024)
+        assert [ak.live_simdgroups(cap, "cuda") for cap in (32 * 1024 - 1, 32 * 1024)] == [narrow, wide]
 
 
 @needs_sim

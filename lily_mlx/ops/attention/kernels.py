@@ -87,12 +87,14 @@ FIXED_BLOCK_MAX_ROWS = 4096
 # (lily_dev.live_check, 8 calls an evaluation, 1,024 spare rows, 2026-12-04) twice the rows a block took 4K from
 # 733 to 654 us and 128K from 1,362 to 1,314, 32K level (738 / 744).
 LIVE_TARGET_BLOCKS = FIXED_BLOCK_TARGET_BLOCKS // 2
-# From 32K rows of capacity the live form's threadgroups on CUDA hold 8 simdgroups, not 4: there the blocks give
-# ~1 threadgroup an SM (132 at 32K on the H200), one warp a scheduler, and a warp issues an instruction every ~2.7
-# cycles (Nsight Compute, 2026-12-04); 8 simdgroups put two on each scheduler over the same blocks. Partials per
-# decode step 613.7 -> 569.9 us at 32K (same call) and 1,602.6 -> 1,366.2 at 128K (another machine, same day):
-# docs/results/2026-12-04-h200-long-context-decode/. Not timed below 32K, nor on Apple GPUs (Metal keeps 4).
-LIVE_WIDE_MIN_CAPACITY = 32 * 1024
+# On CUDA the live form's threadgroups hold 8 simdgroups, not 4: at 32K the blocks give ~1 threadgroup an SM (132
+# on the H200), one warp a scheduler, and a warp issues an instruction every ~2.7 cycles (Nsight Compute,
+# 2026-12-04); 8 simdgroups put two on each scheduler over the same blocks. Partials per decode step, one machine,
+# clocks and caches as a run leaves them (docs/results/2026-12-04-h200-positions-wide-threadgroups/): 1,194.1 ->
+# 1,024.5 us at 128K; at base clock 613.7 -> 569.9 at 32K. At 4K (capacity 5,120) 258.8 us against 256.6-286.6 in
+# three runs of the 4-simdgroup form: no worse. From 0 rows, so that one template serves every context (a decode
+# at a new capacity compiles nothing). Not timed below 4K, nor on Apple GPUs (Metal keeps 4).
+LIVE_WIDE_MIN_CAPACITY = 0
 LIVE_WIDE_SIMDGROUPS = 8
 LIVE_WIDE_BACKENDS = frozenset({"cuda"})
 
