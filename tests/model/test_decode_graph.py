@@ -99,3 +99,65 @@ def test_a_replayed_step_runs_little_python(decoding):
     assert calls <= PYTHON_CALLS_PER_STEP, (
         f"a replayed decode step of {LAYERS} layers made {calls} Python calls (bound {PYTHON_CALLS_PER_STEP}): "
         "something now runs per call that could be resolved once")
+
+
+def _without_attention_kernels(counts):
+    return {k: n for k, n in counts.items() if not k.startswith("attention_decode")}
+
+
+def test_a_quantized_kv_cache_keeps_every_other_kernel(decoding):
+    """``--kv-bits``: MLX-LM swaps an attention layer's cache for a ``QuantizedKVCache``, which lily's decode
+    attention kernels do not read: that layer attends with stock's quantised attention (its own primitives), and
+    every other launch of the step stays, traced or built."""
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    model, y, cache = decoding
+    expected, _, _ = _expected_launches(model)
+    maybe_quantize_kv_cache(cache, 0, 64, 4)
+    assert any(type(c).__name__ == "QuantizedKVCache" for c in cache)
+    for _ in range(3):  # traced and replayed with the new cache type
+        y = _step(model, y, cache)
+        mx.eval(y)
+    _, launches, kinds = _built_step(model, y, cache)
+    assert launches == _without_attention_kernels(expected)
+    assert "ScatterAxis" not in kinds  # the quantised cache writes its rows itself
+    traced = count_step(_step(model, y, cache))
+    assert traced.get("CustomKernel") == kinds.get("CustomKernel")
+
+
+def test_batched_generation_runs_one_launch_per_kernel_for_all_rows():
+    """MLX-LM's batched generation (the server's path: rows of different lengths, left-padded ``BatchKVCache``):
+    each MoE and DeltaNet kernel takes every row in one launch, as a single row's step does; the attention of a
+    batch is stock's (lily's decode kernels take one sequence's cache; docs/attention.md), the same traced or
+    built."""
+    from mlx_lm.generate import PromptProcessingBatch
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
+    counted = []
+
+    class Counting:  # what the generator calls the model with, its step's graph counted first
+        def __call__(self, inputs, cache=None):
+            out = model(inputs, cache=cache)
+            counted.append(count_step(out))
+            mx.eval(out)
+            return out
+
+    with cuda_graph_only():
+        lily_mlx.patch(model)
+        prompts = [list(range(5, 5 + n)) for n in (30, 12, 21)]
+        batch = PromptProcessingBatch(Counting(), list(range(len(prompts))),
+                                      [make_prompt_cache(model) for _ in prompts])
+        batch.prompt([p[:-1] for p in prompts])
+        generation = batch.generate([[p[-1]] for p in prompts])
+        for _ in range(3):
+            generation.next()
+        traced = counted[-1]
+        with switches.overrides(disable=["compiled_decode"]), record_launches() as launches:
+            generation.next()
+        built = counted[-1]
+    expected, _, _ = _expected_launches(model)
+    assert launches.counts() == _without_attention_kernels(expected)
+    assert built.get("Softmax") == 1 and "ScatterAxis" not in built  # stock's attention and cache update
+    for kind in ("CustomKernel", "QuantizedMatmul", "Softmax"):
+        assert traced.get(kind) == built.get(kind), kind
