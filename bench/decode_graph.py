@@ -5,11 +5,11 @@ the Python calls of a replayed step and the host's build time of it here.
     python -m bench.decode_graph                       # Qwen3.6's 40 layers at the tiny random model's widths
     python -m bench.decode_graph --layers 4 --steps 50
 
-For issue 12's structure (<= 250 non-view primitives a step) without a GPU. On a CPU MLX computes its fused
-ops from their parts, so ``RMSNorm`` shows as ``Square``, ``Sum``, ``Rsqrt``, ... and the embedding's
-dequantisation as shifts and a concatenation: the GPU's count has one ``RMSNorm`` (a layer's input norm)
-and one ``Quantize`` where this shows those. The build time is this host's, for comparing changes in one
-run; the GPU machine's is measured by ``bench.run --mode decode-profile``."""
+For issue 12's structure (<= 250 non-view primitives a step) without a GPU: the kinds and the count are the
+GPU's (MLX's fused ``rms_norm`` and ``dequantize``, which a CPU computes from their parts, are placeholders
+too, counted by their GPU names). The build time is this host's, for comparing changes in one run (the
+placeholders cost less to build than the kernels they stand for); the GPU machine's is measured by
+``bench.run --mode decode-profile``."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import lily_mlx
-    from lily_dev.graph_only import count_step, cuda_graph_only
+    from lily_dev.graph_only import count_step, cuda_graph_only, fast_op_calls
     from lily_mlx.core import switches
     from lily_mlx.core.kernel_registry import record_launches
 
@@ -47,11 +47,11 @@ def main(argv=None) -> int:
         for _ in range(3):
             y = _step(model, y, cache)
             mx.eval(y)
-        with switches.overrides(disable=["compiled_decode"]), record_launches() as launches:
+        with switches.overrides(disable=["compiled_decode"]), record_launches() as launches, fast_op_calls() as fast:
             nxt = _step(model, y, cache)
-        built = count_step(nxt)
+        built = count_step(nxt, fast)
         mx.eval(nxt)
-        traced = count_step(_step(model, nxt, cache))
+        traced = count_step(_step(model, nxt, cache), fast)  # (the trace holds the same fused ops: tests)
         y = nxt = _step(model, nxt, cache)  # (the graph counted above is dropped unevaluated)
         mx.eval(y)
         profile = cProfile.Profile()

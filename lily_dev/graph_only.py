@@ -6,8 +6,9 @@ placeholder: zero outputs of the launch's shapes tied to its array inputs by ``m
 layer replays, fused projections, the live-length attention), MLX's own ops, the host code around them.
 So on the development CPU one can
 
-- count a step's primitives by kind exactly as the H200's decode profile counts them (a placeholder is
-  counted as the ``CustomKernel`` it stands for: :func:`count_step`);
+- count a step's primitives by kind as the H200's decode profile counts them (a placeholder is counted as
+  the ``CustomKernel`` it stands for: :func:`count_step`; MLX's fused ops that a CPU would compute from their
+  parts, ``mx.fast.rms_norm`` and ``mx.dequantize``, are placeholders too, counted by their GPU names);
 - time the host's graph build of that step (the kernels then evaluate in no time; MLX's quantised
   matmuls and norms still compute on the CPU).
 
@@ -26,6 +27,10 @@ from lily_mlx.core import backend as lily_backend
 from lily_mlx.core import dispatch, kernel_registry
 
 PLACEHOLDER = "Depends"  # the primitive a placeholder launch adds to the graph
+# MLX's fused ops that a CPU computes from their parts (a GPU runs each as one primitive): placeholders too, so
+# that a step's graph has the GPU's kinds; their calls are counted by the GPU's primitive name while a
+# :func:`fast_op_calls` block is open.
+_fast_calls: list = []
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,6 +53,23 @@ class _PlaceholderKernel:
         return mx.depends(outs, deps) if deps else [mx.array(o) for o in outs]
 
 
+def _fast_op(kind: str):
+    """A stand-in for one of MLX's fused ops: zeros of its output, one ``Depends`` node, the call counted."""
+
+    def op(x, *args, **kwargs):
+        for calls in _fast_calls:
+            calls[kind] = calls.get(kind, 0) + 1
+        shape, dtype = tuple(x.shape), kwargs.get("dtype") or x.dtype
+        if kind == "Quantize":  # mx.dequantize(w, scales, biases, group_size, bits): [..., N * 32 / bits]
+            bits = kwargs.get("bits", args[3] if len(args) > 3 else 4)
+            scales = kwargs["scales"] if "scales" in kwargs else args[0]
+            shape, dtype = (*shape[:-1], shape[-1] * 32 // bits), kwargs.get("dtype") or scales.dtype
+        deps = [a for a in (x, *args, *kwargs.values()) if isinstance(a, mx.array)]
+        return mx.depends([_zeros(shape, dtype)], deps)[0]
+
+    return op
+
+
 def _placeholder_factory(backend: str):
     if backend != "cuda":
         raise ValueError(f"the graph-only harness stands in for cuda, not {backend!r}")
@@ -59,9 +81,11 @@ def cuda_graph_only(monkeypatch=None) -> Iterator[None]:
     """lily's CUDA path with placeholder kernels, for the block (pytest's ``monkeypatch`` if given)."""
     import os
 
-    saved = (lily_backend._cuda_available, kernel_registry._factory, os.environ.get("LILY_BACKEND"))
+    saved = (lily_backend._cuda_available, kernel_registry._factory, os.environ.get("LILY_BACKEND"),
+             mx.fast.rms_norm, mx.dequantize)
     lily_backend._cuda_available = lambda: True
     kernel_registry._factory = _placeholder_factory
+    mx.fast.rms_norm, mx.dequantize = _fast_op("RMSNorm"), _fast_op("Quantize")
     os.environ["LILY_BACKEND"] = "cuda"
     kernel_registry.clear_cache()
     dispatch.invalidate()
@@ -69,6 +93,7 @@ def cuda_graph_only(monkeypatch=None) -> Iterator[None]:
         yield
     finally:
         lily_backend._cuda_available, kernel_registry._factory = saved[0], saved[1]
+        mx.fast.rms_norm, mx.dequantize = saved[3], saved[4]
         if saved[2] is None:
             os.environ.pop("LILY_BACKEND", None)
         else:
@@ -77,12 +102,29 @@ def cuda_graph_only(monkeypatch=None) -> Iterator[None]:
         dispatch.invalidate()
 
 
-def count_step(outputs) -> Dict[str, int]:
-    """Primitive kind -> nodes in the graph of ``outputs`` (unevaluated), a placeholder launch counted as
-    the ``CustomKernel`` it stands for."""
+@contextlib.contextmanager
+def fast_op_calls() -> Iterator[Dict[str, int]]:
+    """The calls of MLX's fused ops made in the block, by the GPU's primitive name (``RMSNorm``, ``Quantize``:
+    what a step built op by op holds; a replayed trace calls no Python)."""
+    calls: Dict[str, int] = {}
+    _fast_calls.append(calls)
+    try:
+        yield calls
+    finally:
+        _fast_calls.remove(calls)
+
+
+def count_step(outputs, fast_ops: Dict[str, int] = None) -> Dict[str, int]:
+    """Primitive kind -> nodes in the graph of ``outputs`` (unevaluated), as the GPU's graph counts them: the
+    placeholders are the ``CustomKernel`` launches they stand for, less the fused ops ``fast_ops`` says they
+    include (:func:`fast_op_calls` of the step's build), which are counted by their own names."""
     from bench.decode_profile import count_primitives
 
     counts = count_primitives(outputs)
-    if PLACEHOLDER in counts:
-        counts["CustomKernel"] = counts.get("CustomKernel", 0) + counts.pop(PLACEHOLDER)
+    placeholders = counts.pop(PLACEHOLDER, 0)
+    for kind, n in (fast_ops or {}).items():
+        counts[kind] = counts.get(kind, 0) + n
+        placeholders -= n
+    if placeholders:
+        counts["CustomKernel"] = counts.get("CustomKernel", 0) + placeholders
     return counts
