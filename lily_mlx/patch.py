@@ -68,7 +68,7 @@ _TARGETS: Dict[str, List[Tuple[Tuple[str, str], Tuple[str, str]]]] = {
 _TARGETS["qwen3_5_moe"] = _TARGETS["qwen3_5"]  # same layer classes; MoE vs dense MLP per config
 
 # (stock class, forward or None) -> lily subclass; one subclass per pair for the whole process.
-_LILY_CLASSES: Dict[Tuple[type, Optional[Callable]], type] = {}
+_LILY_CLASSES: Dict[Tuple[type, object, bool, bool], type] = {}
 
 # "Whole prompt in one chunk": larger than any prompt; MLX-LM takes min(step, remaining).
 UNCHUNKED_PREFILL_STEP = sys.maxsize
@@ -176,25 +176,73 @@ def _op_forward(module_name: str, func_name: str) -> Optional[Callable]:
     return forward
 
 
-def _lily_class(stock_cls: type, forward: Optional[Callable]) -> type:
-    key = (stock_cls, forward)
+class _ReportsWeights:
+    """Base of the lily module classes of a model patched with switch ``constant_weights`` on: an array or a module
+    set into the module, or an item removed from it, is a change of the model's weights
+    (``generation.weights_changed``), after which the decode traces, which hold the weights as constants, are made
+    again. A module set in reports its own changes from then on. MLX's ``load_weights``, ``update``,
+    ``update_modules`` and attribute assignment all set items."""
+
+    _lily_reports_weights = True
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        if hasattr(value, "modules") and hasattr(value, "parameters"):  # an nn.Module
+            _report_weights(value)
+        generation.weights_changed()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        generation.weights_changed()
+
+    def pop(self, key, *default):  # (nn.Module.__setattr__ pops an item a non-array value replaces)
+        present = key in self
+        value = super().pop(key, *default)
+        if present:
+            generation.weights_changed()
+        return value
+
+
+def _lily_class(stock_cls: type, forward: Optional[Callable], reports: bool = False,
+                watch_only: bool = False) -> type:
+    """The lily class of ``stock_cls``: a subclass whose call is ``forward`` (stock's where None); with ``reports``
+    one that also reports its weight changes (``_ReportsWeights``); ``watch_only``: one that does nothing else
+    (stock's code in a patched layer's tree; not counted as patched)."""
+    reports = reports or watch_only
+    key = (stock_cls, forward, reports, watch_only)
     cls = _LILY_CLASSES.get(key)
     if cls is None:
         attrs = {
             "__module__": __name__,
             "__doc__": f"lily-mlx version of {stock_cls.__module__}.{stock_cls.__qualname__}.",
             "_lily_stock_class": stock_cls,
+            "_lily_watch_only": watch_only,
         }
         name = f"Lily{stock_cls.__name__}"
         if forward is not None:
             attrs["__call__"] = forward
-        else:
+        elif not watch_only:
             name += "StockCall"
+        name += "Watched" if watch_only else "Reporting" if reports else ""
         attrs["__qualname__"] = name
-        cls = type(name, (stock_cls,), attrs)
+        cls = type(name, (_ReportsWeights, stock_cls) if reports else (stock_cls,), attrs)
         _LILY_CLASSES[key] = cls
         globals().setdefault(name, cls)  # importable by name, so patched models pickle
     return cls
+
+
+def _report_weights(module) -> None:
+    """Every module of ``module``'s tree reports its weight changes: its lily class, or stock's own code under a
+    lily class that only reports (``_lily_watch_only``: not counted as patched)."""
+    for m in module.modules():
+        cls = type(m)
+        if getattr(cls, "_lily_reports_weights", False):
+            continue
+        stock = cls.__dict__.get("_lily_stock_class")
+        if stock is None:
+            m.__class__ = _lily_class(cls, None, watch_only=True)
+        else:
+            m.__class__ = _lily_class(stock, cls.__dict__.get("__call__"), reports=True)
 
 
 def _target_classes(arch: str) -> Dict[type, Optional[Callable]]:
@@ -256,7 +304,8 @@ def _report(model, arch: str) -> PatchReport:
     forced = reference_ops()
     profile = active_profile()
     pinned = profile.reference_ops if profile is not None else {}
-    layers = Counter(_stock_class(m).__name__ for m in model.modules() if _stock_class(m) is not None)
+    layers = Counter(_stock_class(m).__name__ for m in model.modules()
+                     if _stock_class(m) is not None and not type(m).__dict__.get("_lily_watch_only"))
     op_backends = {name: op_backend(name, backend) for name in OPS}
     reasons = {}
     if backend != "reference":
@@ -346,7 +395,11 @@ def patch(model, strict: bool = True):
 
     for layers in _layer_lists(model):
         link_successors(layers)  # a layer may compute the next one's input norm (switch fused_next_norm)
-    generation.bump()  # decode paths resolved before (replays of decode steps) are chosen again
+        if switches.is_enabled("constant_weights"):  # a decoder layer owns its decode traces: with weights as
+            for layer in layers:                       # their constants, its whole tree reports weight changes
+                if _stock_class(layer) is not None:
+                    _report_weights(layer)
+    generation.weights_changed()  # decode paths resolved before (replays of decode steps) are chosen again
     if swapped == 0 and not is_patched(model):
         msg = f"lily-mlx found no patchable layers in this {_describe(model)} model"
         if strict:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from . import switches
+from . import generation, switches
 from .log import log_once
 
 COMPILE_BACKENDS = frozenset({"metal", "cuda"})
@@ -76,15 +76,62 @@ def enabled(*backends: str) -> bool:
     return switches.is_enabled("compiled_decode") and all(b in COMPILE_BACKENDS for b in backends)
 
 
+def stock_type(module) -> type:
+    """The class whose code ``module`` runs: a lily class that only reports weight changes (given to the stock
+    modules of a patched layer's tree) stands for its stock class."""
+    cls = type(module)
+    return cls.__dict__["_lily_stock_class"] if cls.__dict__.get("_lily_watch_only") else cls
+
+
+def _weights_watched(owner) -> bool:
+    """Whether every array ``owner``'s traces may read is held where a change is seen (``generation.weights_epoch``):
+    each module of its tree is of a class that reports what is set into it (``lily_mlx.patch``), and none holds
+    arrays in a plain list, tuple or dict, whose items can change unseen."""
+    for module in owner.modules():
+        if not getattr(type(module), "_lily_reports_weights", False):
+            return False
+        for value in module.values():
+            if isinstance(value, (list, tuple)) or (isinstance(value, dict) and not hasattr(value, "modules")):
+                return False
+    return True
+
+
+def _constant_weights(owner) -> bool:
+    """Whether ``owner``'s traces hold its weights as constants (switch ``constant_weights``; once per owner and
+    weights epoch)."""
+    if not switches.is_enabled("constant_weights"):
+        return False
+    cached = owner.__dict__.get("_lily_constant_weights")
+    epoch = generation.weights_epoch()
+    if cached is None or cached[0] != epoch:
+        cached = owner.__dict__["_lily_constant_weights"] = (epoch, _weights_watched(owner))
+    return cached[1]
+
+
+def _traces(owner) -> Dict:
+    """``owner``'s traces, dropped when the weights epoch has moved since they were made (a trace may hold the
+    weights it was made with as constants)."""
+    epoch = generation.weights_epoch()
+    if owner.__dict__.get("_lily_compiled_epoch") != epoch:
+        owner.__dict__["_lily_compiled"] = {}
+        owner.__dict__.pop("_lily_compiled_slots", None)
+        owner.__dict__["_lily_compiled_epoch"] = epoch
+    return owner.__dict__["_lily_compiled"]
+
+
 def call(owner, key: Hashable, fn: Callable, args: Sequence[mx.array], slot: Optional[Hashable] = None):
     """``fn(*args)`` through a trace cached on ``owner`` per ``key``, or None when it cannot be traced
     (the caller then runs ``fn`` itself). ``key`` must hold everything besides the args' shapes and
     dtypes that changes what ``fn`` builds (switch states, backends, weight shapes). ``slot``: the traces
     of one slot replace each other (a KV buffer's capacity grows: the last capacity's trace is dropped).
-    Inside :func:`inline`, ``fn(*args)`` itself (traced as part of the larger piece)."""
+    Inside :func:`inline`, ``fn(*args)`` itself (traced as part of the larger piece).
+
+    The owner's weights are the trace's implicit inputs (read at every call), or with switch
+    ``constant_weights`` and an owner whose weight changes are seen (a patched decoder layer) constants of it,
+    the traces made again after any change."""
     if inlining():
         return fn(*args)
-    traces = owner.__dict__.setdefault("_lily_compiled", {})
+    traces = _traces(owner)
     traced = traces.get(key)
     if traced is _FAILED:
         return None
@@ -94,20 +141,23 @@ def call(owner, key: Hashable, fn: Callable, args: Sequence[mx.array], slot: Opt
             traces.pop(slots[slot], None)
         slots[slot] = key
     if traced is None:
-        traced = mx.compile(fn, inputs=owner)
+        constants = _constant_weights(owner)
+        traced = mx.compile(fn) if constants else mx.compile(fn, inputs=owner)
         saved = tree_flatten(owner.parameters())
-        try:
-            out = traced(*args)
-        except Exception as e:  # an op that cannot be traced: run this piece eagerly from now on
-            owner.update(tree_unflatten(saved))  # the trace swaps placeholders in; put the weights back
-            traces[key] = _FAILED
-            log_once(f"compiled:{type(owner).__name__}:{type(e).__name__}",
-                     f"compiled_decode: {type(owner).__name__} cannot be traced ({type(e).__name__}: {e}); "
-                     "running it uncompiled")
-            return None
-        # MLX puts the weights back after tracing as new array objects; the owner keeps its own (identity
-        # tells a module's arrays from replaced ones: the fused projections would be prepared again).
-        owner.update(tree_unflatten(saved))
+        with generation.weights_kept():  # (tracing with inputs swaps placeholders in and back: no change)
+            try:
+                out = traced(*args)
+            except Exception as e:  # an op that cannot be traced: run this piece eagerly from now on
+                owner.update(tree_unflatten(saved))  # the trace swaps placeholders in; put the weights back
+                traces[key] = _FAILED
+                log_once(f"compiled:{type(owner).__name__}:{type(e).__name__}",
+                         f"compiled_decode: {type(owner).__name__} cannot be traced ({type(e).__name__}: {e}); "
+                         "running it uncompiled")
+                return None
+            # MLX puts the weights back after tracing as new array objects; the owner keeps its own (identity
+            # tells a module's arrays from replaced ones: the fused projections would be prepared again).
+            if not constants:
+                owner.update(tree_unflatten(saved))
         traces[key] = traced
         return out
     return traced(*args)
@@ -115,5 +165,5 @@ def call(owner, key: Hashable, fn: Callable, args: Sequence[mx.array], slot: Opt
 
 def lookup(owner, key: Hashable):
     """The trace :func:`call` keeps for ``owner`` and ``key`` (None: none yet, or it could not trace)."""
-    traced = owner.__dict__.get("_lily_compiled", {}).get(key)
+    traced = _traces(owner).get(key)
     return None if traced is _FAILED else traced

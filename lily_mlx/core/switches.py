@@ -131,6 +131,15 @@ _SWITCH_LIST = [
            "and the fused projections' weights are still held (same primitives, same bits).",
            "Every decode step chooses each layer's path again in Python (switches, backends, fused "
            "projections, trace keys) before calling its traces."),
+    Switch("constant_weights", "generation", "decode", False,
+           "With compiled_decode: a patched decoder layer's decode traces hold its weights as constants instead "
+           "of taking them as implicit inputs, which MLX flattens (~45 arrays a layer) at every call (graph build "
+           "1.08-1.18x faster on the development CPU; off until timed on a GPU). Needs the switch on when the "
+           "model is patched: every module of a decoder layer then reports what is set into it, and a weight or "
+           "module set into a patched layer (load_weights, update, update_modules, attribute or item "
+           "assignment) makes the traces again; a write into an array in place (w[...] = v) is not seen. Same "
+           "primitives, same bits.",
+           "The traces read the layer's current weights at every call (its arrays flattened per call)."),
     Switch("compiled_attention", "generation", "decode", True,
            "An attention layer's decode pieces before and after the KV cache (q/k/v projections with the "
            "q/k preparation; output gate with o_proj) traced once per shape and replayed, the cache offset "

@@ -328,3 +328,93 @@ def test_traces_of_the_other_architectures(monkeypatch, tmp_path, model_type, ow
     assert got == owners
     for step, (a, b) in enumerate(zip(traced, built)):
         assert mx.array_equal(a, b).item(), f"step {step}"
+
+
+def _fresh_like(module):
+    """A quantised projection of ``module``'s shape and quantisation with new random weights."""
+    out_dims, in_dims = module.weight.shape[0], module.weight.shape[1] * 32 // module.bits
+    linear = nn.Linear(in_dims, out_dims, bias=False)
+    linear.set_dtype(module.scales.dtype)
+    return nn.QuantizedLinear.from_linear(linear, group_size=module.group_size, bits=module.bits)
+
+
+def test_constant_weights_give_the_built_bits_and_follow_replaced_weights(monkeypatch):
+    """Switch ``constant_weights`` on when the model is patched: the decoder layers' traces hold their weights as
+    constants. Decode steps through them have the bits of steps built op by op and make nothing again from step to
+    step; weights replaced through the modules (a projection's ``update``; a module set in, then its weights
+    updated) are followed as the built steps follow them; the patch report counts what it did without the switch;
+    ``unpatch`` gives every module its stock class back."""
+    import mlx_lm
+
+    from lily_mlx import patch as lily_patch
+    from lily_mlx.core import generation
+    from lily_mlx.models import embedded
+    from tests.kernels.test_compiled_decode import _greedy_logits
+
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    monkeypatch.setattr(compiled, "COMPILE_BACKENDS", compiled.COMPILE_BACKENDS | {"reference"})
+    model, tokenizer = mlx_lm.load(str(embedded.EMBEDDED_DIR))
+    prompt = tokenizer.encode("Return the value of the parameter named in the request")
+    stock_classes = [type(m) for m in model.modules()]
+    lily_patch.patch(model)
+    report = lily_patch.patch_report(model).layers
+    lily_patch.unpatch(model)
+    mx.random.seed(11)
+
+    def both():
+        with switches.overrides(disable=["compiled_decode"]):
+            built, _ = _greedy_logits(model, prompt)
+        traced, _ = _greedy_logits(model, prompt)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(traced, built))
+        return traced
+
+    with switches.overrides(enable=["constant_weights"]):
+        lily_patch.patch(model)
+        try:
+            assert lily_patch.patch_report(model).layers == report
+            before = both()
+            epoch = generation.weights_epoch()
+            owners = [m for m in model.modules() if m.__dict__.get("_lily_compiled")]
+            assert owners and all(m.__dict__["_lily_constant_weights"] == (epoch, True) for m in owners)
+            again, _ = _greedy_logits(model, prompt)
+            assert generation.weights_epoch() == epoch  # decoding sets nothing into the modules
+            assert all(mx.array_equal(a, b).item() for a, b in zip(again, before))
+
+            deltanet = next(layer for layer in model.layers if layer.is_linear).linear_attn
+            deltanet.out_proj.update(_fresh_like(deltanet.out_proj).parameters())
+            after_update = both()
+            assert not mx.array_equal(after_update[-1], before[-1]).item()
+
+            attention = next(layer for layer in model.layers if not layer.is_linear).self_attn
+            attention.o_proj = _fresh_like(attention.o_proj)  # a module set in reports its own changes after
+            after_module = both()
+            attention.o_proj.update(_fresh_like(attention.o_proj).parameters())
+            after_its_update = both()
+            assert not mx.array_equal(after_its_update[-1], after_module[-1]).item()
+        finally:
+            lily_patch.unpatch(model)
+    assert [type(m) for m in model.modules()] == stock_classes
+
+
+def test_weights_held_in_a_plain_list_stay_trace_inputs():
+    """An owner whose tree holds arrays or modules in a plain list (whose items change unseen) keeps its weights as
+    the traces' implicit inputs with ``constant_weights`` on: a replaced list item is read at the next call."""
+    from lily_mlx import patch as lily_patch
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.parts = [nn.Linear(8, 8)]
+            self.norm = nn.RMSNorm(8)
+
+    holder = Holder()
+    lily_patch._report_weights(holder)
+    assert getattr(type(holder.norm), "_lily_reports_weights", False)
+    assert compiled._weights_watched(holder.norm) and not compiled._weights_watched(holder)
+    fn = lambda x: holder.norm(holder.parts[0](x))  # noqa: E731
+    x = mx.random.normal((1, 8))
+    with switches.overrides(enable=["constant_weights"]):
+        first = compiled.call(holder, "k", fn, (x,))
+        holder.parts[0] = nn.Linear(8, 8)  # a list item: no module sees it
+        second = compiled.call(holder, "k", fn, (x,))
+    assert mx.array_equal(second, fn(x)).item() and not mx.array_equal(first, second).item()

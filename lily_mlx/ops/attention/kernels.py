@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from ...core.compiled import stock_type
 from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel
 
 # Placeholder for the decode kernel's row_start input when every row starts at 0 (never read).
@@ -545,10 +546,10 @@ def qk_prep_supports(q_proj_out: mx.array, k_proj_out: mx.array, n_heads: int, n
         return f"dtype {q_proj_out.dtype}"
     if q_proj_out.shape[-1] != 2 * n_heads * D or k_proj_out.shape[-1] != n_kv_heads * D or D % 32:
         return f"head dim {D} (a multiple of 32 is needed)"
-    if type(rope) is not nn.RoPE or rope.traditional or rope.dims % 2 or rope.dims > D:
+    if stock_type(rope) is not nn.RoPE or rope.traditional or rope.dims % 2 or rope.dims > D:
         return f"rotary embedding {type(rope).__name__} (plain non-traditional nn.RoPE only)"
     for norm in (q_norm, k_norm):
-        if type(norm) is not nn.RMSNorm or norm.weight.shape != (D,):
+        if stock_type(norm) is not nn.RMSNorm or norm.weight.shape != (D,):
             return f"norm {type(norm).__name__} (nn.RMSNorm over the head dim only)"
         if norm.weight.dtype != q_proj_out.dtype:  # stock would promote the output's dtype
             return f"norm weight dtype {norm.weight.dtype} differs from the activations' {q_proj_out.dtype}"

@@ -617,7 +617,7 @@ def norm_per_thread(d: int) -> int:
 
 def residual_norm_reason(norm, x: mx.array, y: mx.array) -> Optional[str]:
     """None when the residual-norm kernel computes ``x + y`` and ``norm`` of it; else why not."""
-    if type(norm) is not nn.RMSNorm:
+    if compiled.stock_type(norm) is not nn.RMSNorm:
         return f"post-attention norm {type(norm).__name__} (nn.RMSNorm only)"
     if x.dtype not in (mx.bfloat16, mx.float16, mx.float32) or y.dtype != x.dtype or x.shape != y.shape:
         return f"residual {x.dtype} {x.shape} and mixer output {y.dtype} {y.shape}"
