@@ -49,6 +49,7 @@ ABLATIONS = (
     ("compiled_layers", "decode", 4 * K, None),
     ("compiled_attention", "decode", 4 * K, None),
     ("layer_replay", "decode", 4 * K, None),
+    ("constant_weights", "decode", 4 * K, None),
     ("kv_write_in_trace", "decode", 4 * K, None),
     ("one_trace_attention", "decode", 4 * K, None),
     ("device_positions", "decode", 4 * K, None),
@@ -81,6 +82,8 @@ NO_KERNEL = "no kernel yet"
 # Switches that act without a kernel of their own (not read by an op).
 GENERATION_LEVEL = {
     "chunked_prefill": "no kernel: MLX-LM's prompt chunk size (caps peak memory, not a speed switch)",
+    "constant_weights": ("acts only if on when the model is patched: time it in a process with "
+                         "LILY_ENABLE=constant_weights (bench.decode_ab --engines lily,lily-off:constant_weights)"),
 }
 
 

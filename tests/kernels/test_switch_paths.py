@@ -485,6 +485,8 @@ MODEL_ERROR_FACTOR = 1.25
 # layer_replay calls those traces without choosing the path again, one_trace_attention makes an attention layer's
 # two traces over its KV buffer one (tests/core/test_compiled.py). device_positions makes the step's position
 # array on the GPU (same launches, same bits: tests/ops/test_attention_layer.py, test_attention_kernels.py).
+# constant_weights holds the layers' weights as their traces' constants (same launches, same bits:
+# tests/core/test_compiled.py).
 # bounded_lookahead evaluates the same graph in
 # pieces (when, not what): tests/core/test_lookahead.py. fused_in_proj / fused_qkv_proj merge MLX's own
 # quantised matmuls (no lily kernel; same bits): tests/core/test_projections.py. fused_residual hands the
@@ -492,7 +494,8 @@ MODEL_ERROR_FACTOR = 1.25
 # kernel is a trial kernel on every backend (off unless LILY_TRIAL_OPS names it):
 # tests/kernels/test_linear_kernels.py.
 NO_KERNEL_SWITCHES = ("fixed_block_attention", "chunked_prefill", "compiled_decode", "compiled_layers", "compiled_attention",
-                      "layer_replay", "one_trace_attention", "device_positions", "bounded_lookahead", "fused_in_proj", "fused_qkv_proj", "fused_residual", "dense_gemv")
+                      "layer_replay", "one_trace_attention", "device_positions", "constant_weights", "bounded_lookahead",
+                      "fused_in_proj", "fused_qkv_proj", "fused_residual", "dense_gemv")
 # fused_qk_prep: on, attention_qk_prep before each attention kernel; off, stock's ops
 # (expected_model_launches; tests/kernels/test_attention_qk_prep.py).
 QK_PREP_SWITCHES = ("fused_qk_prep",)
