@@ -67,7 +67,7 @@ _TARGETS: Dict[str, List[Tuple[Tuple[str, str], Tuple[str, str]]]] = {
 }
 _TARGETS["qwen3_5_moe"] = _TARGETS["qwen3_5"]  # same layer classes; MoE vs dense MLP per config
 
-# (stock class, forward or None) -> lily subclass; one subclass per pair for the whole process.
+# (stock class, forward or None, reports weight changes, watch only) -> lily subclass; one per key for the process.
 _LILY_CLASSES: Dict[Tuple[type, object, bool, bool], type] = {}
 
 # "Whole prompt in one chunk": larger than any prompt; MLX-LM takes min(step, remaining).
