@@ -176,3 +176,31 @@ def test_batched_generation_runs_one_launch_per_kernel_for_all_rows():
     assert built.get("Softmax") == 1 and "ScatterAxis" not in built  # stock's attention and cache update
     for kind in ("CustomKernel", "QuantizedMatmul", "Softmax"):
         assert traced.get(kind) == built.get(kind), kind
+
+
+def test_constant_weights_on_the_cuda_path():
+    """``constant_weights`` on at patch time, on the CUDA path: every decoder layer's traces hold its weights as
+    constants, the traced step holds the built step's launches and primitives, and decoding moves no weights epoch
+    (nothing is set into a module, so nothing is traced again)."""
+    from lily_mlx.core import generation
+
+    model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
+    with switches.overrides(enable=["constant_weights"]), cuda_graph_only():
+        lily_mlx.patch(model)
+        y, cache = _prefill(model, 40, VOCAB, 0)
+        for _ in range(3):
+            y = _step(model, y, cache)
+            mx.eval(y)
+        epoch = generation.weights_epoch()
+        y, _, built, fast = _built_step(model, y, cache)
+        traced = count_step(_step(model, y, cache), fast)
+        for _ in range(3):
+            y = _step(model, y, cache)
+            mx.eval(y)
+        assert generation.weights_epoch() == epoch
+        layers = model.language_model.model.layers
+        assert all(layer.__dict__.get("_lily_constant_weights") == (epoch, True) for layer in layers)
+    non_view = lambda counts: sum(n for k, n in counts.items() if k not in VIEW_PRIMITIVES)  # noqa: E731
+    for kind in ("CustomKernel", "RMSNorm", "QuantizedMatmul", "ScatterAxis"):
+        assert traced.get(kind) == built.get(kind), kind
+    assert non_view(traced) <= non_view(built)
