@@ -18,17 +18,14 @@ Writes ``decode_profile.json``: ``{"environment": ..., "context": N, "engines": 
 
 from __future__ import annotations
 
-import collections
-import os
-import re
 import statistics
-import tempfile
 import time
 from typing import Dict, List, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from lily_dev.graph_only import count_primitives
 from lily_mlx.core import switches
 from lily_mlx.core.kernel_registry import record_launches
 
@@ -39,16 +36,6 @@ VIEW_PRIMITIVES = frozenset({
     "Reshape", "Slice", "Transpose", "Broadcast", "AsStrided", "ExpandDims", "Squeeze", "Flatten",
     "Unflatten", "StopGradient", "Depends", "AsType_view", "BroadcastAxes",
 })
-_LABEL = re.compile(r'\[label ="([A-Za-z_]+)[^"]*", shape=rectangle\]')
-
-
-def count_primitives(outputs) -> Dict[str, int]:
-    """Primitive name -> number of nodes in the graph that computes ``outputs`` (nothing evaluated)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "step.dot")
-        mx.export_to_dot(path, outputs)
-        text = open(path).read()
-    return dict(collections.Counter(_LABEL.findall(text)))
 
 
 def _prefill(model, context: int, vocab: int, seed: int, step: int = 2048):

@@ -17,8 +17,12 @@ numerics (the simulator does those)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import os
+import re
+import tempfile
 from typing import Dict, Iterator
 
 import mlx.core as mx
@@ -27,6 +31,7 @@ from lily_mlx.core import backend as lily_backend
 from lily_mlx.core import dispatch, kernel_registry
 
 PLACEHOLDER = "Depends"  # the primitive a placeholder launch adds to the graph
+_LABEL = re.compile(r'\[label ="([A-Za-z_]+)[^"]*", shape=rectangle\]')
 # MLX's fused ops that a CPU computes from their parts (a GPU runs each as one primitive): placeholders too, so
 # that a step's graph has the GPU's kinds; their calls are counted by the GPU's primitive name while a
 # :func:`fast_op_calls` block is open.
@@ -77,10 +82,8 @@ def _placeholder_factory(backend: str):
 
 
 @contextlib.contextmanager
-def cuda_graph_only(monkeypatch=None) -> Iterator[None]:
-    """lily's CUDA path with placeholder kernels, for the block (pytest's ``monkeypatch`` if given)."""
-    import os
-
+def cuda_graph_only() -> Iterator[None]:
+    """lily's CUDA path with placeholder kernels, for the block."""
     saved = (lily_backend._cuda_available, kernel_registry._factory, os.environ.get("LILY_BACKEND"),
              mx.fast.rms_norm, mx.dequantize)
     lily_backend._cuda_available = lambda: True
@@ -110,16 +113,26 @@ def fast_op_calls() -> Iterator[Dict[str, int]]:
     _fast_calls.append(calls)
     try:
         yield calls
-    finally:
-        _fast_calls.remove(calls)
+    finally:  # by identity: two open blocks' counts may be equal dicts
+        for i, c in enumerate(_fast_calls):
+            if c is calls:
+                del _fast_calls[i]
+                break
+
+
+def count_primitives(outputs) -> Dict[str, int]:
+    """Primitive name -> number of nodes in the graph that computes ``outputs`` (nothing evaluated)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "step.dot")
+        mx.export_to_dot(path, outputs)
+        text = open(path).read()
+    return dict(collections.Counter(_LABEL.findall(text)))
 
 
 def count_step(outputs, fast_ops: Dict[str, int] = None) -> Dict[str, int]:
     """Primitive kind -> nodes in the graph of ``outputs`` (unevaluated), as the GPU's graph counts them: the
     placeholders are the ``CustomKernel`` launches they stand for, less the fused ops ``fast_ops`` says they
     include (:func:`fast_op_calls` of the step's build), which are counted by their own names."""
-    from bench.decode_profile import count_primitives
-
     counts = count_primitives(outputs)
     placeholders = counts.pop(PLACEHOLDER, 0)
     for kind, n in (fast_ops or {}).items():

@@ -186,8 +186,10 @@ class _ReportsWeights:
     _lily_reports_weights = True
 
     def __setitem__(self, key, value):
+        import mlx.nn as nn
+
         super().__setitem__(key, value)
-        if hasattr(value, "modules") and hasattr(value, "parameters"):  # an nn.Module
+        if isinstance(value, nn.Module):
             _report_weights(value)
         generation.weights_changed()
 
@@ -419,7 +421,7 @@ def unpatch(model):
         stock_cls = _stock_class(module)
         if stock_cls is not None:
             module.__class__ = stock_cls
-    generation.bump()
+    generation.weights_changed()  # (classes changed: other patched models check what their modules report again)
     vars(model).pop("_lily_report", None)
     return model
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import generation, switches
@@ -91,7 +92,7 @@ def _weights_watched(owner) -> bool:
         if not getattr(type(module), "_lily_reports_weights", False):
             return False
         for value in module.values():
-            if isinstance(value, (list, tuple)) or (isinstance(value, dict) and not hasattr(value, "modules")):
+            if isinstance(value, (list, tuple)) or (isinstance(value, dict) and not isinstance(value, nn.Module)):
                 return False
     return True
 

@@ -5,6 +5,7 @@ replayed step runs. These are issue 12's structure (launches and primitives per 
 as tests that fail when a change adds work to every decode step; the numbers themselves are measured on
 the GPU (``bench.run --mode decode-profile``)."""
 
+import contextlib
 import cProfile
 import pstats
 
@@ -45,12 +46,23 @@ PRIMITIVES_OUTSIDE_LAYERS = 7
 PYTHON_CALLS_PER_STEP = 270
 
 
+@contextlib.contextmanager
+def _on_the_cuda_path(model):
+    """``model`` patched on lily's CUDA path with placeholder kernels, unpatched after (a patch may touch modules that
+    models share, such as MLX-LM's default SwiGLU activation: no test leaves it changed for the next)."""
+    with cuda_graph_only():
+        lily_mlx.patch(model)
+        try:
+            yield
+        finally:
+            lily_mlx.unpatch(model)
+
+
 @pytest.fixture
 def decoding():
     """(model, last token, cache) a few decode steps in, lily's CUDA path with placeholder kernels."""
     model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
-    with cuda_graph_only():
-        lily_mlx.patch(model)
+    with _on_the_cuda_path(model):
         y, cache = _prefill(model, 40, VOCAB, 0)
         for _ in range(3):  # traced, then replayed
             y = _step(model, y, cache)
@@ -158,8 +170,7 @@ def test_batched_generation_runs_one_launch_per_kernel_for_all_rows():
             mx.eval(out)
             return out
 
-    with cuda_graph_only():
-        lily_mlx.patch(model)
+    with _on_the_cuda_path(model):
         prompts = [list(range(5, 5 + n)) for n in (30, 12, 21)]
         batch = PromptProcessingBatch(Counting(), list(range(len(prompts))),
                                       [make_prompt_cache(model) for _ in prompts])
@@ -185,8 +196,7 @@ def test_constant_weights_on_the_cuda_path():
     from lily_mlx.core import generation
 
     model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
-    with switches.overrides(enable=["constant_weights"]), cuda_graph_only():
-        lily_mlx.patch(model)
+    with switches.overrides(enable=["constant_weights"]), _on_the_cuda_path(model):
         y, cache = _prefill(model, 40, VOCAB, 0)
         for _ in range(3):
             y = _step(model, y, cache)
