@@ -55,6 +55,7 @@ _TARGETS: Dict[str, List[Tuple[Tuple[str, str], Tuple[str, str]]]] = {
         ((_QWEN3_NEXT, "Qwen3NextAttention"), ("attention", "attention_forward")),
         ((_QWEN3_NEXT, "Qwen3NextSparseMoeBlock"), ("moe", "sparse_moe_forward")),
         ((_QWEN3_NEXT, "Qwen3NextDecoderLayer"), ("moe", "decoder_layer_forward")),
+        ((_QWEN3_NEXT, "Model"), ("moe", "text_model_forward")),
         _QUANTIZED_LINEAR,
     ],
     "qwen3_5": [
@@ -62,6 +63,7 @@ _TARGETS: Dict[str, List[Tuple[Tuple[str, str], Tuple[str, str]]]] = {
         ((_QWEN3_NEXT, "Qwen3NextAttention"), ("attention", "attention_forward")),
         ((_QWEN3_NEXT, "Qwen3NextSparseMoeBlock"), ("moe", "sparse_moe_forward")),
         ((_QWEN3_5, "DecoderLayer"), ("moe", "decoder_layer_forward")),
+        ((_QWEN3_5, "TextModel"), ("moe", "text_model_forward")),
         _QUANTIZED_LINEAR,
     ],
 }
@@ -401,6 +403,10 @@ def patch(model, strict: bool = True):
             for layer in layers:                       # their constants, its whole tree reports weight changes
                 if _stock_class(layer) is not None:
                     _report_weights(layer)
+    if switches.is_enabled("step_trace"):  # a text model's step trace holds all its weights as constants
+        for module in model.modules():
+            if getattr(type(module), "__call__", None) is _op_forward("moe", "text_model_forward"):
+                _report_weights(module)
     generation.weights_changed()  # decode paths resolved before (replays of decode steps) are chosen again
     if swapped == 0 and not is_patched(model):
         msg = f"lily-mlx found no patchable layers in this {_describe(model)} model"
@@ -415,8 +421,11 @@ def unpatch(model):
     """Restore stock MLX-LM classes on ``model`` (same weights, same caches). Returns ``model``."""
     from .ops.moe.layer import unlink_successors
 
+    from .core.step_trace import forget_step
+
     for layers in _layer_lists(model):
         unlink_successors(layers)
+    forget_step(model)
     for module in model.modules():
         stock_cls = _stock_class(module)
         if stock_cls is not None:

@@ -72,6 +72,34 @@ def inlining() -> bool:
     return getattr(_local, "inline", 0) > 0
 
 
+class NotReplayed(Exception):
+    """Raised inside a whole step's trace (:func:`replays_only`) by a decoder layer that cannot replay a
+    shape-stable step: the step trace is given up and the step built layer by layer."""
+
+
+@contextlib.contextmanager
+def replays_only():
+    """While a whole decode step is traced (switch ``step_trace``): every decoder layer must replay a stored
+    step whose inputs are all arrays (``shape_stable``), else it raises :class:`NotReplayed` before doing
+    anything (a trace must not bake a host value, such as a cache length, into the step)."""
+    _local.replays_only = getattr(_local, "replays_only", 0) + 1
+    try:
+        yield
+    finally:
+        _local.replays_only -= 1
+
+
+def replaying_only() -> bool:
+    return getattr(_local, "replays_only", 0) > 0
+
+
+def shape_stable(replay: Callable) -> Callable:
+    """Marks a ``LayerStep`` replay whose step depends on no host value but its cache's shapes: a whole step's
+    trace may hold it (:func:`replays_only`)."""
+    replay.shape_stable = True
+    return replay
+
+
 def enabled(*backends: str) -> bool:
     """Whether a piece whose kernels run on ``backends`` is compiled (switch on, every backend traceable)."""
     return switches.is_enabled("compiled_decode") and all(b in COMPILE_BACKENDS for b in backends)

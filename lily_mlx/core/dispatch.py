@@ -160,6 +160,12 @@ def invalidate() -> None:
         generation.bump()
 
 
+def plan_key() -> tuple:
+    """The resolved plan as a hashable value: the backend, the tune profile in use, each op's backend."""
+    with _lock:
+        return _backend, id(_profile), tuple(sorted(_plan.items()))
+
+
 def active_backend() -> str:
     """The backend the plan was resolved for (resolving it if needed)."""
     return _backend if _backend is not None else resolve()

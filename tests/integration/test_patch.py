@@ -91,7 +91,7 @@ def test_patch_swaps_only_target_layers_and_unpatch_restores(model):
     swapped = {type(x).__name__ for x in m.modules() if type(x) not in before_classes}
     assert swapped <= {"LilyGatedDeltaNet", "LilyQwen3NextGatedDeltaNet", "LilyQwen3NextAttention",
                        "LilyQwen3NextSparseMoeBlock", "LilyDecoderLayer", "LilyQwen3NextDecoderLayer",
-                       "LilyQuantizedLinear"}
+                       "LilyQuantizedLinear", "LilyTextModel", "LilyModel"}
     assert "LilyQwen3NextAttention" in swapped
     for mod in m.modules():  # a lily class is a subclass of the stock one: isinstance still holds
         if type(mod).__name__.startswith("Lily"):

@@ -12,6 +12,7 @@ and ``attention_prefill`` (kernels/attention/prefill.metal), ``attention_qk_prep
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, Optional, Tuple
@@ -22,7 +23,7 @@ from mlx_lm.models.cache import KVCache
 from ...core.dispatch import active_backend, op_backend
 from ...core.log import log_once
 from ...core.switches import is_enabled
-from ...core import compiled, projections
+from ...core import compiled, projections, step_trace
 from . import kernels
 from .reference import attention_reference, qk_prep_reference
 
@@ -338,6 +339,28 @@ def _positions(cache: Any) -> mx.array:
     return position
 
 
+def step_position(cache: Any) -> mx.array:
+    """The position array a decode step over ``cache`` reads (the cache's offset; shared by the step's attention
+    layers): an input of a whole step's trace (``core.step_trace``)."""
+    return _positions(cache)
+
+
+@contextlib.contextmanager
+def position_held(offset: int, position: mx.array):
+    """While a whole decode step is traced: the attention layers read ``position`` (the trace's input) as the
+    position of offset ``offset``, instead of an array made from the host's value (which the trace would hold
+    as a constant)."""
+    global _last_position
+    _last_position = (offset, position, None)
+    try:
+        yield
+    finally:
+        _last_position = (-1, None, None)  # (the trace's placeholder must not outlive it)
+
+
+step_trace.POSITION.update(make=step_position, hold=position_held)
+
+
 def _weights(fused: Optional[projections.FusedProjection]) -> list:
     """The fused q/k/v arrays as trace inputs (a re-prepared record is never replayed stale)."""
     return [] if fused is None else [a for a in (fused.weight, fused.scales, fused.biases) if a is not None]
@@ -464,7 +487,7 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
         cache.offset += 1
         return traced_finish(output, x, *post_args)
 
-    return compiled.LayerStep(out, replay_in_buffer if buffered else replay)
+    return compiled.LayerStep(out, compiled.shape_stable(replay_in_buffer) if buffered else replay)
 
 
 def _attention_form() -> tuple:
@@ -505,7 +528,7 @@ def _one_trace_in_buffer(self, whole_step, key, x, pre_args, weights, post_args,
         cache.offset += 1
         return out
 
-    return compiled.LayerStep(out, replay)
+    return compiled.LayerStep(out, compiled.shape_stable(replay))
 
 
 def _attend(self, prepared, mask, cache, limit: Optional[int] = None):

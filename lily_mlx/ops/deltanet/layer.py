@@ -343,7 +343,7 @@ def _step_replay(self, parts: DecodeStepParts, traced, n_pre: int, n_post: int):
         extra = [a for a in (mask, lengths) if a is not None]  # (as _step_parts orders them)
         return _stepped(traced(x, *pre_args, *post_args, conv_state, state, *extra, *weights), cache)
 
-    return replay
+    return compiled.shape_stable(replay)
 
 
 def _traced_decode(self, mixer, inputs: mx.array, mask, cache, fused=None) -> Optional[mx.array]:

@@ -25,7 +25,7 @@ Ops, each with a plain-MLX reference and, where written, kernels:
 from __future__ import annotations
 
 from ...core.dispatch import Op, register_op
-from .layer import decoder_layer_forward, sparse_moe_forward  # noqa: F401
+from .layer import decoder_layer_forward, sparse_moe_forward, text_model_forward  # noqa: F401
 
 KERNEL_BACKENDS = frozenset({"metal", "sim", "cuda"})
 

@@ -14,7 +14,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx.nn.layers.distributed import sum_gradients
 
-from ...core import compiled, generation, lookahead, switches
+from ...core import compiled, generation, lookahead, step_trace, switches
 from ...core.dispatch import op_backend
 from ...core.log import log_once
 from .reference import (
@@ -258,8 +258,15 @@ def _replayed(self, x: mx.array, mask, cache, normed, next_weight):
     replay found the cache or the weights changed: nothing was done)."""
     stored = self.__dict__.get(_REPLAY)
     if stored is None or stored[0] != _replay_signature(x, cache, normed, next_weight):
-        return None  # (a switch change moves the generation: layer_replay off never gets here)
-    return stored[1](x, mask, cache, () if normed is None else (normed,), () if next_weight is None else (next_weight,))
+        out = None  # (a switch change moves the generation: layer_replay off never gets here)
+    elif compiled.replaying_only() and not getattr(stored[1], "shape_stable", False):
+        out = None
+    else:
+        out = stored[1](x, mask, cache, () if normed is None else (normed,),
+                        () if next_weight is None else (next_weight,))
+    if out is None and compiled.replaying_only():
+        raise compiled.NotReplayed(f"{type(self).__name__}: no shape-stable replay for this step")
+    return out
 
 
 def _use_handed(x: mx.array, normed: mx.array) -> mx.array:
@@ -287,3 +294,14 @@ def decoder_layer_forward(self, x: mx.array, mask=None, cache=None) -> mx.array:
     mixer = self.linear_attn if self.is_linear else self.self_attn
     mixed = mixer(normed if normed is not None else self.input_layernorm(x), mask, cache)
     return _hand_over(self, post_mixer(self, x, mixed, next_weight))
+
+
+def text_model_forward(self, inputs: mx.array, cache=None, input_embeddings=None) -> mx.array:
+    """A Qwen3.5/3.6/Next text model (``TextModel`` / ``Qwen3Next Model.__call__``: embedding, decoder layers, final
+    norm, lm_head): stock's code, except that a one-token decode step may replay one trace of the whole step
+    (switch ``step_trace``, ``lily_mlx.core.step_trace``). inputs [B, L] token ids -> logits [B, L, vocab]."""
+    if step_trace.applies(self, inputs, cache, input_embeddings):
+        out = step_trace.decode_step(self, inputs, cache)
+        if out is not None:
+            return out
+    return step_trace.stock_call(self, inputs, cache, input_embeddings)
