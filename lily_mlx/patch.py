@@ -399,8 +399,10 @@ def patch(model, strict: bool = True):
 
     for layers in _layer_lists(model):
         link_successors(layers)  # a layer may compute the next one's input norm (switch fused_next_norm)
-        if switches.is_enabled("constant_weights"):  # a decoder layer owns its decode traces: with weights as
-            for layer in layers:                       # their constants, its whole tree reports weight changes
+        # A decoder layer owns its decode traces: with its weights as their constants, its whole tree reports
+        # weight changes.
+        if switches.is_enabled("constant_weights") or switches.is_enabled("step_trace"):
+            for layer in layers:
                 if _stock_class(layer) is not None:
                     _report_weights(layer)
     if switches.is_enabled("step_trace"):  # a text model's step trace holds all its weights as constants

@@ -126,9 +126,10 @@ def _weights_watched(owner) -> bool:
 
 
 def _constant_weights(owner) -> bool:
-    """Whether ``owner``'s traces hold its weights as constants (switch ``constant_weights``; once per owner and
-    weights epoch)."""
-    if not switches.is_enabled("constant_weights"):
+    """Whether ``owner``'s traces hold its weights as constants (switch ``constant_weights``, or ``step_trace``, whose
+    trace of a whole step holds them so: a layer trace taking its owner's weights as inputs would swap them out and
+    back as new array objects while the step is traced; once per owner and weights epoch)."""
+    if not (switches.is_enabled("constant_weights") or switches.is_enabled("step_trace")):
         return False
     cached = owner.__dict__.get("_lily_constant_weights")
     epoch = generation.weights_epoch()

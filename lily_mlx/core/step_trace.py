@@ -48,7 +48,8 @@ def stock_call(self, inputs, cache, input_embeddings=None):
 def applies(self, inputs: mx.array, cache, input_embeddings) -> bool:
     """Whether this call is a one-token decode step the switch may take (checked before :func:`decode_step`)."""
     return (cache is not None and input_embeddings is None and inputs.ndim == 2 and inputs.shape[1] == 1
-            and not self.training and switches.is_enabled("step_trace"))
+            and not self.training and switches.is_enabled("step_trace") and switches.is_enabled("layer_replay")
+            and switches.is_enabled("compiled_layers") and switches.is_enabled("compiled_decode"))
 
 
 def forget_step(model) -> None:

@@ -145,9 +145,9 @@ _SWITCH_LIST = [
            "replay, final norm, lm_head) replays one trace of it, the KV caches' position and every cache's "
            "state arrays its inputs, while the caches keep their shapes (the KV buffers their capacity, with room "
            "for the row) and nothing chosen from has changed: one trace call a step instead of one a layer "
-           "(graph build 1.7x faster on the development CPU; off until timed on a GPU). Needs the switch on when "
-           "the model is patched (every module of the model then reports what is set into it, as with "
-           "constant_weights). Same primitives, same bits.",
+           "(graph build 1.5x faster on the development CPU; off until timed on a GPU). The layers' traces then "
+           "hold their weights as constants (as with constant_weights). Needs the switch on when the model is "
+           "patched (every module of the model then reports what is set into it). Same primitives, same bits.",
            "Each decoder layer replays its own traces (one trace call a layer)."),
     Switch("compiled_attention", "generation", "decode", True,
            "An attention layer's decode pieces before and after the KV cache (q/k/v projections with the "

@@ -111,3 +111,36 @@ def test_decode_over_the_kv_buffer_matches_the_live_rows(embedded_model, monkeyp
         assert mx.array_equal(a.argmax(-1), b.argmax(-1)).item(), f"step {step}"
         rel = (mx.linalg.norm(a - b) / mx.linalg.norm(b)).item()
         assert rel < 1e-2, (step, rel)
+
+
+def test_step_trace_gives_the_layer_steps_bits(embedded_model, monkeypatch):  # noqa: F811
+    """``step_trace`` on this backend (on when the model is patched): greedy decode from a 250-token prompt across
+    the KV buffers' growth replays one trace of the whole step at each capacity, bit for bit the steps of the layers'
+    own replays and of the steps built launch by launch, caches included."""
+    from lily_mlx import patch as lily_patch
+    from lily_mlx.core import step_trace
+
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    model, _ = embedded_model
+    prompt = mx.random.randint(0, 1000, (250,), key=mx.random.key(7)).tolist()
+    with switches.overrides(disable=["compiled_decode"]):
+        built, _ = _greedy_logits(model, prompt, steps=12)
+    replayed, replayed_cache = _greedy_logits(model, prompt, steps=12)
+    lily_patch.unpatch(model)
+    try:
+        with switches.overrides(enable=["step_trace"]):
+            lily_patch.patch(model)
+            traced, cache = _greedy_logits(model, prompt, steps=12)
+            made = [v[1] is not None for v in model.language_model.__dict__[step_trace._TRACES].values()]
+    finally:
+        lily_patch.unpatch(model)
+        lily_patch.patch(model)  # (the module's fixture: patched as before)
+    assert made == [True, True], made
+    for step, (a, b, c) in enumerate(zip(traced, replayed, built)):
+        assert mx.array_equal(a, b).item(), f"step {step}"
+        assert mx.array_equal(a, c).item(), f"step {step}"
+    for i, (ca, cb) in enumerate(zip(cache, replayed_cache)):
+        assert getattr(ca, "offset", None) == getattr(cb, "offset", None), f"cache {i}"
+        for a, b in zip(ca.state, cb.state):
+            if isinstance(a, mx.array):
+                assert mx.array_equal(a, b).item(), f"cache {i}"

@@ -214,3 +214,37 @@ def test_constant_weights_on_the_cuda_path():
     for kind in ("CustomKernel", "RMSNorm", "QuantizedMatmul", "ScatterAxis"):
         assert traced.get(kind) == built.get(kind), kind
     assert non_view(traced) <= non_view(built)
+
+
+# Python calls of a decode step replayed from the whole step's trace (switch step_trace) at LAYERS layers: the cache
+# states gathered and set back, one trace call; measured 2026-12-04: 61 (the harness's step and MLX-LM's outer model
+# call included), against 230 a step of layer replays. A bound, not a target.
+PYTHON_CALLS_PER_TRACED_STEP = 80
+
+
+def test_step_trace_on_the_cuda_path():
+    """``step_trace`` on at patch time, on the CUDA path: a decode step replays one trace of the whole model, which
+    holds the built step's launches and primitives, in a few dozen Python calls (no decoder layer runs)."""
+    model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
+    with switches.overrides(enable=["step_trace"]), _on_the_cuda_path(model):
+        y, cache = _prefill(model, 40, VOCAB, 0)
+        for _ in range(3):  # built (the layers' replays made), traced whole, replayed whole
+            y = _step(model, y, cache)
+            mx.eval(y)
+        y, launches, built, fast = _built_step(model, y, cache)
+        for _ in range(2):  # (the built step moved the switch generation: made again, then replayed)
+            y = _step(model, y, cache)
+            mx.eval(y)
+        profile = cProfile.Profile()
+        profile.enable()
+        nxt = _step(model, y, cache)
+        profile.disable()
+        traced = count_step(nxt, fast)
+        made = model.language_model.__dict__["_lily_step_traces"]
+        assert [v[1] is not None for v in made.values()] == [True]
+    calls = pstats.Stats(profile).total_calls
+    assert calls <= PYTHON_CALLS_PER_TRACED_STEP, calls
+    non_view = lambda counts: sum(n for k, n in counts.items() if k not in VIEW_PRIMITIVES)  # noqa: E731
+    for kind in ("CustomKernel", "RMSNorm", "QuantizedMatmul", "ScatterAxis", "Gather", "ArgReduce"):
+        assert traced.get(kind) == built.get(kind), kind
+    assert non_view(traced) <= non_view(built)
