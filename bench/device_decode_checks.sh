@@ -56,6 +56,9 @@
 #                                               # against MLX's qmv: CUDA tests, GPU time a step, decode A/B
 #   PART=23 bash bench/device_decode_checks.sh  # constant_weights (layer weights as trace constants): CUDA
 #                                               # tests, decode A/B, decode profile, all with it on at patch time
+#   PART=24 bash bench/device_decode_checks.sh  # step_trace (the whole decode step as one trace) with
+#                                               # constant_weights: CUDA tests (with the GEMV's), decode A/B
+#   PART=25 bash bench/device_decode_checks.sh  # step_trace: decode profile (build / eval), e2e decode 4K / 32K
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -337,6 +340,30 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       --engines lily,lily-off:constant_weights --out "$W/dprof"
     head -8 "$W/dprof/decode_profile.md" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22 or 23" >&2; exit 2 ;;
+  24) # step_trace (a one-token decode step of the whole model replays one trace; 1.5x faster graph build on the
+      # development CPU) with constant_weights: first the CUDA tests of the traced steps (step_trace's own, the mended
+      # device_positions test) and of the row GEMV (PART=22's); then decode in alternating bursts with both switches on
+      # at patch time (LILY_ENABLE) and turned off per engine: lily-off:step_trace+constant_weights is today's default
+    run tests_cuda 300 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
+      tests/kernels/test_compiled_decode.py tests/kernels/test_linear_kernels.py
+    grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -4
+    export LILY_ENABLE=constant_weights,step_trace
+    run decode_ab 200 python -m bench.decode_ab --engines \
+      lily,lily-off:step_trace,lily-off:step_trace+constant_weights,stock-kernels --context 4096 --bursts 10 \
+      --out "$W/decode_ab"
+    tail -9 "$W/decode_ab.txt"
+    ;;
+  25) # step_trace's build and eval split (decode profile, 2 rounds) and e2e decode at 4K and 32K, the switches on at
+      # patch time as in PART=24
+    export LILY_ENABLE=constant_weights,step_trace
+    run decode_profile 260 python -m bench.run --mode decode-profile --size full --context 4096 --rounds 2 \
+      --engines lily,lily-off:step_trace,lily-off:step_trace+constant_weights --out "$W/dprof"
+    head -9 "$W/dprof/decode_profile.md" 2>/dev/null
+    run e2e 260 python -m bench.run --mode e2e --size full --engines lily,lily-off:step_trace+constant_weights \
+      --shared-prefill --lengths 4K,32K --rounds 2 --gen-tokens 256 --out "$W/e2e"
+    cat "$W/e2e/e2e.md" 2>/dev/null | head -12
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24 or 25" >&2
+     exit 2 ;;
 esac
 say "part ${PART:-1} done"
