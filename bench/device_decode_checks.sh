@@ -344,6 +344,7 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       # development CPU) with constant_weights: first the CUDA tests of the traced steps (step_trace's own, the mended
       # device_positions test) and of the row GEMV (PART=22's); then decode in alternating bursts with both switches on
       # at patch time (LILY_ENABLE) and turned off per engine: lily-off:step_trace+constant_weights is today's default
+      # (no stock engine here: switching to one unpatches the model, which drops every trace at each burst)
     run tests_cuda 300 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
       tests/kernels/test_compiled_decode.py tests/kernels/test_linear_kernels.py
     grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -4
