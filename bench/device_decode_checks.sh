@@ -350,7 +350,7 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -4
     export LILY_ENABLE=constant_weights,step_trace
     run decode_ab 200 python -m bench.decode_ab --engines \
-      lily,lily-off:step_trace,lily-off:step_trace+constant_weights,stock-kernels --context 4096 --bursts 10 \
+      lily,lily-off:step_trace,lily-off:step_trace+constant_weights --context 4096 --bursts 10 \
       --out "$W/decode_ab"
     tail -9 "$W/decode_ab.txt"
     ;;
