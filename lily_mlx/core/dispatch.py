@@ -47,17 +47,19 @@ _plan: Dict[str, str] = {}  # op name -> backend it runs on
 _profile: Optional[tune_profile.Profile] = None  # the tune profile the plan applies
 _profile_off: FrozenSet[str] = frozenset()  # switches that profile turned off
 _all_trials = False  # every trial kernel on (while ``python -m lily_mlx tune`` measures them)
-# Moves whenever an op's backend may change (the plan resolved again or forgotten, an op registered again); filling
-# the plan lazily does not move it (a choice, once made, stays until then).
-_plan_version = 0
+# What the plan's choices are made from (``plan_key``), set when it is resolved: equal keys, equal choices. Filling the
+# plan lazily does not change it (a choice, once made, stays until the plan is resolved again); registering an op again
+# does (``_registered``).
+_plan_inputs: Optional[tuple] = None
+_registered = 0
 
 
 def register_op(op: Op) -> Op:
-    global _plan_version
+    global _registered
     OPS[op.name] = op
     with _lock:
         _plan.pop(op.name, None)
-        _plan_version += 1
+        _registered += 1
         generation.bump()
     return op
 
@@ -109,7 +111,7 @@ def _apply_profile_switches(profile: Optional[tune_profile.Profile]) -> None:
 def resolve() -> str:
     """Read ``LILY_BACKEND``, ``LILY_REFERENCE_OPS``, ``LILY_TRIAL_OPS`` and the tune profile now and rebuild the plan
     (and apply the profile's switch choices); returns the backend."""
-    global _backend, _profile, _plan_version
+    global _backend, _profile, _plan_inputs
     backend = resolve_backend()
     forced = reference_ops()
     profile = tune_profile.load(backend)
@@ -119,7 +121,7 @@ def resolve() -> str:
         _backend, _profile = backend, profile
         _plan.clear()
         _plan.update({name: _choose(op, backend, forced, pinned, trials) for name, op in OPS.items()})
-        _plan_version += 1
+        _plan_inputs = (backend, repr(profile), forced, frozenset(trials), _all_trials)
         generation.bump()
     _apply_profile_switches(profile)
     return backend
@@ -159,17 +161,18 @@ def all_trial_kernels():
 
 def invalidate() -> None:
     """Forget the plan: the next dispatch resolves it again from the environment."""
-    global _backend, _profile, _plan_version
+    global _backend, _profile, _plan_inputs
     with _lock:
-        _backend, _profile = None, None
+        _backend, _profile, _plan_inputs = None, None, None
         _plan.clear()
-        _plan_version += 1
         generation.bump()
 
 
 def plan_key() -> tuple:
-    """What the ops' backends are chosen from, as a hashable value: equal keys, equal choices."""
-    return _backend, id(_profile), _plan_version
+    """What the ops' backends are chosen from, as a hashable value: equal keys, equal choices (a plan resolved again
+    from the same environment and profile has the key it had)."""
+    active_backend()
+    return _plan_inputs, _registered
 
 
 def active_backend() -> str:

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from lily_mlx import patch as lily_patch
-from lily_mlx.core import compiled, step_trace, switches
+from lily_mlx.core import compiled, dispatch, step_trace, switches
 from lily_mlx.models import embedded
 from tests.kernels.test_compiled_decode import _greedy_logits
 
@@ -97,7 +97,8 @@ def test_step_trace_gives_the_built_bits_across_the_kv_buffers_growth(model, mon
 
 def test_step_trace_follows_replaced_weights_and_comes_back_after_a_toggle(model):
     """Weights set into the model (the lm_head's, the final norm's, a DeltaNet projection's) make the step traces
-    again, so the steps keep the built steps' bits; a switch turned off and on again finds its trace kept."""
+    again, so the steps keep the built steps' bits; a switch turned off and on again, and the dispatch plan resolved
+    again from the same environment, find the trace kept."""
     prompt = list(range(3, 40))
     with _patched_with_step_trace(model):
         def both():
@@ -112,6 +113,7 @@ def test_step_trace_follows_replaced_weights_and_comes_back_after_a_toggle(model
         assert True in made.values()
         with switches.overrides(disable=["gqa_packing"]):
             pass
+        dispatch.invalidate()  # (the plan resolved again from the same environment: the same choices)
         again, _ = _greedy_logits(model, prompt)
         assert _traces(model) == made  # the same state: the kept trace, none made
         _assert_same(again, before)
