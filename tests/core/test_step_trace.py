@@ -163,3 +163,28 @@ def test_batched_generation_keeps_its_layer_by_layer_steps(model):
     for r, (a_row, b_row) in enumerate(zip(got, want)):
         for step, (a, b) in enumerate(zip(a_row, b_row)):
             assert mx.array_equal(a, b).item(), f"row {r}, step {step}"
+
+
+def test_step_traces_keep_neither_the_model_nor_the_caches_alive(monkeypatch):
+    """A step trace's function refers to its model (a cycle the garbage collector must free, or a deleted 20 GB model
+    would stay in memory) and reads the caches only while it is traced (a request's caches are freed with it)."""
+    import gc
+    import weakref
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    monkeypatch.setattr(compiled, "COMPILE_BACKENDS", compiled.COMPILE_BACKENDS | {"reference"})
+    model, _ = mlx_lm.load(str(embedded.EMBEDDED_DIR))  # (not the fixture's: it holds its model until teardown)
+    with switches.overrides(enable=["step_trace"]):
+        lily_patch.patch(model)
+        cache = make_prompt_cache(model)
+        logits = model(mx.array([list(range(3, 20))]), cache=cache)
+        for _ in range(4):
+            logits = model(mx.argmax(logits[:, -1], axis=-1)[:, None], cache=cache)
+        mx.eval(logits)
+        assert list(_traces(model).values()) == [True]
+    text_model, first_cache = weakref.ref(model.language_model), weakref.ref(cache[0])
+    del model, cache, logits
+    gc.collect()
+    assert text_model() is None and first_cache() is None
