@@ -1,6 +1,6 @@
 """Swap lily-mlx forwards into an MLX-LM Qwen3.5/3.6-family model, per instance, and back.
 
-``patch(model)`` changes the ``__class__`` of each DeltaNet, attention, sparse-MoE, decoder-layer and
+``patch(model)`` changes the ``__class__`` of each DeltaNet, attention, sparse-MoE, decoder-layer, text-model and
 quantised linear module of the model to a lily subclass of the stock class whose ``__call__`` is the op forward of
 ``lily_mlx.ops`` (see docs/design.md). Nothing else changes: submodules, caches and cache formats stay
 stock's, and so do the weights' names, shapes and values (a layer's input projections become views of

@@ -52,18 +52,22 @@ class LayerStep:
     replay: Optional[Callable] = None
 
 
-_local = threading.local()  # .inline: depth of inline() (a larger piece is being traced)
+_local = threading.local()  # .inline, .replays_only: depths of inline() and replays_only() on this thread
 
 
 @contextlib.contextmanager
-def inline():
-    """While a larger piece is traced (a whole decoder layer): the pieces it calls run their functions
-    directly, as part of that trace, instead of tracing (or recording) themselves."""
-    _local.inline = getattr(_local, "inline", 0) + 1
+def _deeper(name: str):
+    setattr(_local, name, getattr(_local, name, 0) + 1)
     try:
         yield
     finally:
-        _local.inline -= 1
+        setattr(_local, name, getattr(_local, name) - 1)
+
+
+def inline():
+    """While a larger piece is traced (a whole decoder layer): the pieces it calls run their functions
+    directly, as part of that trace, instead of tracing (or recording) themselves."""
+    return _deeper("inline")
 
 
 def inlining() -> bool:
@@ -77,16 +81,11 @@ class NotReplayed(Exception):
     shape-stable step: the step trace is given up and the step built layer by layer."""
 
 
-@contextlib.contextmanager
 def replays_only():
     """While a whole decode step is traced (switch ``step_trace``): every decoder layer must replay a stored
     step whose inputs are all arrays (``shape_stable``), else it raises :class:`NotReplayed` before doing
     anything (a trace must not bake a host value, such as a cache length, into the step)."""
-    _local.replays_only = getattr(_local, "replays_only", 0) + 1
-    try:
-        yield
-    finally:
-        _local.replays_only -= 1
+    return _deeper("replays_only")
 
 
 def replaying_only() -> bool:

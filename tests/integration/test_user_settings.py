@@ -229,7 +229,8 @@ def test_patch_report_names_each_op_backend_and_why_reference(loaded_model, monk
         assert report.reference_reasons["moe_routing"] == "LILY_REFERENCE_OPS"
         assert "deltanet_scan" not in report.reference_reasons
         assert report.layers == {"Qwen3NextSparseMoeBlock": 4, "Qwen3NextAttention": 1, "GatedDeltaNet": 3,
-                                 "DecoderLayer": 4, "QuantizedLinear": 40}  # 3 x 5 + 4 projections, 4 x 5 in the MoE blocks, lm_head
+                                 "DecoderLayer": 4, "QuantizedLinear": 40,  # 3 x 5 + 4 projections, 4 x 5 in the MoE
+                                 "TextModel": 1}  # blocks, lm_head; the text model (its decode step: step_trace)
         assert "reference path:" in report.summary()
     finally:
         lily_mlx.unpatch(model)

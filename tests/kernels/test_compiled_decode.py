@@ -39,6 +39,15 @@ def _class_name(module) -> str:
     return type(module).__name__.removesuffix("Reporting")
 
 
+def _assert_same_caches(got, want):
+    """The caches' offsets (a KV cache's; a DeltaNet layer's ArraysCache has none) and state arrays, bit for bit."""
+    for i, (ca, cb) in enumerate(zip(got, want)):
+        assert getattr(ca, "offset", None) == getattr(cb, "offset", None), f"cache {i}"
+        for a, b in zip(ca.state, cb.state):
+            if isinstance(a, mx.array):
+                assert mx.array_equal(a, b).item(), f"cache {i}"
+
+
 def _traced_modules(model):
     return [m for _, m in model.named_modules() if m.__dict__.get("_lily_compiled")]
 
@@ -58,10 +67,7 @@ def test_decode_steps_from_traces_equal_built_steps(embedded_model, monkeypatch)
     assert "layer_in_buffer" in pieces or {"prep", "out"} <= pieces, pieces
     for step, (a, b) in enumerate(zip(traced, built)):
         assert mx.array_equal(a, b).item(), f"step {step}"
-    for i, (ca, cb) in enumerate(zip(traced_cache, built_cache)):
-        for a, b in zip(ca.state, cb.state):
-            if isinstance(a, mx.array):
-                assert mx.array_equal(a, b).item(), f"cache {i}"
+    _assert_same_caches(traced_cache, built_cache)
 
 
 def test_device_positions_give_the_same_traced_steps(embedded_model, monkeypatch):  # noqa: F811
@@ -74,12 +80,7 @@ def test_device_positions_give_the_same_traced_steps(embedded_model, monkeypatch
         device, device_cache = _greedy_logits(model, prompts[2])
     for step, (a, b) in enumerate(zip(device, host)):
         assert mx.array_equal(a, b).item(), f"step {step}"
-    for i, (ca, cb) in enumerate(zip(device_cache, host_cache)):
-        # (a KV cache's offset; a DeltaNet layer's ArraysCache has none)
-        assert getattr(ca, "offset", None) == getattr(cb, "offset", None), f"cache {i}"
-        for a, b in zip(ca.state, cb.state):
-            if isinstance(a, mx.array):
-                assert mx.array_equal(a, b).item(), f"cache {i}"
+    _assert_same_caches(device_cache, host_cache)
 
 
 def test_batched_decode_from_traces_equals_built(embedded_model, monkeypatch):  # noqa: F811
@@ -139,8 +140,4 @@ def test_step_trace_gives_the_layer_steps_bits(embedded_model, monkeypatch):  # 
     for step, (a, b, c) in enumerate(zip(traced, replayed, built)):
         assert mx.array_equal(a, b).item(), f"step {step}"
         assert mx.array_equal(a, c).item(), f"step {step}"
-    for i, (ca, cb) in enumerate(zip(cache, replayed_cache)):
-        assert getattr(ca, "offset", None) == getattr(cb, "offset", None), f"cache {i}"
-        for a, b in zip(ca.state, cb.state):
-            if isinstance(a, mx.array):
-                assert mx.array_equal(a, b).item(), f"cache {i}"
+    _assert_same_caches(cache, replayed_cache)
