@@ -50,6 +50,7 @@ ABLATIONS = (
     ("compiled_attention", "decode", 4 * K, None),
     ("layer_replay", "decode", 4 * K, None),
     ("constant_weights", "decode", 4 * K, None),
+    ("step_trace", "decode", 4 * K, None),
     ("kv_write_in_trace", "decode", 4 * K, None),
     ("one_trace_attention", "decode", 4 * K, None),
     ("device_positions", "decode", 4 * K, None),
@@ -84,6 +85,8 @@ GENERATION_LEVEL = {
     "chunked_prefill": "no kernel: MLX-LM's prompt chunk size (caps peak memory, not a speed switch)",
     "constant_weights": ("acts only if on when the model is patched: time it in a process with "
                          "LILY_ENABLE=constant_weights (bench.decode_ab --engines lily,lily-off:constant_weights)"),
+    "step_trace": ("acts only if on when the model is patched: time it in a process with LILY_ENABLE=step_trace "
+                   "(bench.decode_ab --engines lily,lily-off:step_trace)"),
 }
 
 

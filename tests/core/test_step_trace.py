@@ -184,7 +184,13 @@ def test_step_traces_keep_neither_the_model_nor_the_caches_alive(monkeypatch):
             logits = model(mx.argmax(logits[:, -1], axis=-1)[:, None], cache=cache)
         mx.eval(logits)
         assert list(_traces(model).values()) == [True]
+    # (modules models share, such as MLX-LM's default SwiGLU, get their stock class back after: unpatch would drop the
+    # traces this test is about)
+    watched = {id(m): m for m in model.modules() if type(m).__dict__.get("_lily_watch_only")}.values()
     text_model, first_cache = weakref.ref(model.language_model), weakref.ref(cache[0])
     del model, cache, logits
     gc.collect()
-    assert text_model() is None and first_cache() is None
+    alive = text_model() is not None or first_cache() is not None
+    for module in watched:
+        module.__class__ = type(module)._lily_stock_class
+    assert not alive

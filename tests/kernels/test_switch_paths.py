@@ -486,7 +486,8 @@ MODEL_ERROR_FACTOR = 1.25
 # two traces over its KV buffer one (tests/core/test_compiled.py). device_positions makes the step's position
 # array on the GPU (same launches, same bits: tests/ops/test_attention_layer.py, test_attention_kernels.py).
 # constant_weights holds the layers' weights as their traces' constants (same launches, same bits:
-# tests/core/test_compiled.py).
+# tests/core/test_compiled.py); step_trace replays a whole decode step from one trace of the layers' replays (same
+# launches, same bits: tests/core/test_step_trace.py, tests/model/test_decode_graph.py).
 # bounded_lookahead evaluates the same graph in
 # pieces (when, not what): tests/core/test_lookahead.py. fused_in_proj / fused_qkv_proj merge MLX's own
 # quantised matmuls (no lily kernel; same bits): tests/core/test_projections.py. fused_residual hands the
@@ -494,7 +495,8 @@ MODEL_ERROR_FACTOR = 1.25
 # kernel is a trial kernel on every backend (off unless LILY_TRIAL_OPS names it):
 # tests/kernels/test_linear_kernels.py.
 NO_KERNEL_SWITCHES = ("fixed_block_attention", "chunked_prefill", "compiled_decode", "compiled_layers", "compiled_attention",
-                      "layer_replay", "one_trace_attention", "device_positions", "constant_weights", "bounded_lookahead",
+                      "layer_replay", "one_trace_attention", "device_positions", "constant_weights", "step_trace",
+                      "bounded_lookahead",
                       "fused_in_proj", "fused_qkv_proj", "fused_residual", "dense_gemv")
 # fused_qk_prep: on, attention_qk_prep before each attention kernel; off, stock's ops
 # (expected_model_launches; tests/kernels/test_attention_qk_prep.py).
