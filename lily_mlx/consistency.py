@@ -11,6 +11,11 @@ reference tokens, the relative perplexity delta (%), and the largest |logit diff
 Modes: ``decode`` feeds one token per step through a prompt cache (the generation path, where the
 decode kernels run); ``prefill`` scores the whole sequence in one forward pass (the prefill kernels).
 The default model is the embedded one; the default text its held-out docstrings (never trained on).
+
+``--oracle`` also scores both engines against an fp32 oracle: stock MLX-LM on the same quantised weights with
+every floating-point parameter (scales, biases, norms, embeddings) in float32, so activations and sums are fp32.
+Stock itself is not that oracle: MLX's CPU quantised matmul accumulates in the activation type (bf16), so on the
+CPU a more exact kernel agrees less with stock while agreeing more with the oracle.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -41,16 +47,59 @@ class ConsistencyResult:
     perplexity_stock: float
     perplexity_delta_pct: float  # (lily - stock) / stock * 100
     max_abs_logit_diff: float
+    oracle_lily: Optional["OracleScores"] = None  # with --oracle: each engine against the fp32 oracle
+    oracle_stock: Optional["OracleScores"] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def summary(self) -> str:
-        return (
+        line = (
             f"{self.mode:7s} positions {self.positions}  top-1 agreement {self.top1_agreement_pct:.2f} %  "
             f"perplexity lily {self.perplexity_lily:.4f} / stock {self.perplexity_stock:.4f} "
             f"({self.perplexity_delta_pct:+.4f} %)  max |logit diff| {self.max_abs_logit_diff:.6g}"
         )
+        if self.oracle_lily is not None:
+            line += (f"\n{'':7s} fp32 oracle: lily {self.oracle_lily.summary()}; "
+                     f"stock {self.oracle_stock.summary()}")
+        return line
+
+
+@dataclass(frozen=True)
+class OracleScores:
+    """One engine's logits against the fp32 oracle's."""
+
+    top1_agreement_pct: float
+    mean_abs_logit_diff: float
+    max_abs_logit_diff: float
+    perplexity_oracle: float
+
+    def summary(self) -> str:
+        return (f"top-1 {self.top1_agreement_pct:.2f} %, mean |logit diff| {self.mean_abs_logit_diff:.4g}, "
+                f"max {self.max_abs_logit_diff:.4g}")
+
+
+def oracle_scores(logits: np.ndarray, oracle: np.ndarray, targets: np.ndarray) -> OracleScores:
+    return OracleScores(
+        top1_agreement_pct=float(100.0 * np.mean(logits.argmax(-1) == oracle.argmax(-1))),
+        mean_abs_logit_diff=float(np.abs(logits - oracle).mean()),
+        max_abs_logit_diff=float(np.abs(logits - oracle).max()),
+        perplexity_oracle=_perplexity(oracle, targets),
+    )
+
+
+def fp32_oracle_logits(model, tokens: np.ndarray, mode: str) -> np.ndarray:
+    """Stock's logits with the model's floating-point parameters in float32 (the quantised weights as they are);
+    the model's own arrays are put back after."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    saved = tree_flatten(model.parameters())
+    try:
+        model.set_dtype(mx.float32)
+        return _engine_logits(model, tokens, mode)
+    finally:
+        model.update(tree_unflatten(saved))
 
 
 def teacher_forced_logits(model, prompt, tokens):
@@ -92,8 +141,10 @@ def _perplexity(logits: np.ndarray, targets: np.ndarray) -> float:
     return float(math.exp(nll.mean()))
 
 
-def compare_engines(model, tokens, *, positions: int = 192, mode: str = "decode", name: str = "") -> ConsistencyResult:
-    """Teacher-forced lily vs stock on an already loaded MLX-LM model; restores its patch state."""
+def compare_engines(model, tokens, *, positions: int = 192, mode: str = "decode", name: str = "",
+                    oracle: bool = False) -> ConsistencyResult:
+    """Teacher-forced lily vs stock on an already loaded MLX-LM model (``oracle``: both against the fp32 oracle
+    too); restores its patch state."""
     import lily_mlx
     from lily_mlx.core.backend import resolve_backend
 
@@ -105,10 +156,15 @@ def compare_engines(model, tokens, *, positions: int = 192, mode: str = "decode"
     was_patched = lily_mlx.is_patched(model)
     try:
         stock = _engine_logits(lily_mlx.unpatch(model), tokens, mode)
+        exact = fp32_oracle_logits(model, tokens, mode) if oracle else None
         lily = _engine_logits(lily_mlx.patch(model), tokens, mode)
     finally:
         (lily_mlx.patch if was_patched else lily_mlx.unpatch)(model)
-    return metrics_from_logits(lily, stock, targets, model=name, mode=mode, backend=resolve_backend())
+    result = metrics_from_logits(lily, stock, targets, model=name, mode=mode, backend=resolve_backend())
+    if exact is None:
+        return result
+    return replace(result, oracle_lily=oracle_scores(lily, exact, targets),
+                   oracle_stock=oracle_scores(stock, exact, targets))
 
 
 def metrics_from_logits(lily, stock, targets, *, model="", mode="decode", backend="") -> ConsistencyResult:
@@ -164,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode: one token per step with a cache; prefill: one forward pass (default both)")
     parser.add_argument("--backend", default=None, choices=BACKEND_CHOICES,
                         help="lily-mlx backend for the lily engine (default: LILY_BACKEND or auto)")
+    parser.add_argument("--oracle", action="store_true",
+                        help="also score both engines against an fp32 oracle (stock with every floating-point "
+                        "parameter in float32): top-1 agreement and |logit difference| of each")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     if args.backend is not None:
@@ -181,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = tokenizer.encode(text)
     modes = MODES if args.mode == "both" else (args.mode,)
     results = [
-        compare_engines(model, tokens, positions=args.positions, mode=m, name=str(model_path))
+        compare_engines(model, tokens, positions=args.positions, mode=m, name=str(model_path), oracle=args.oracle)
         for m in modes
     ]
     if args.json:

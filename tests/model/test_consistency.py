@@ -103,3 +103,25 @@ def test_readme_figures_are_what_the_command_prints():
     expected = readme_consistency_sentence(results["decode"], results["prefill"])
     readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
     assert expected in readme, f"README.md should say: {expected!r}"
+
+
+def test_oracle_scores_both_engines_and_puts_the_weights_back(monkeypatch, embedded_dir):
+    """``--oracle``: each engine against stock with every floating-point parameter in float32. On the reference
+    backend lily is stock, so both score alike; the oracle differs from stock (MLX's CPU quantised matmul sums in
+    bf16) yet agrees on most tokens; the model's own arrays are back after (stock's logits unchanged)."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx.utils import tree_flatten
+
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    model, tokenizer = mlx_lm.load(str(embedded_dir))
+    tokens = np.asarray(tokenizer.encode(consistency.default_text()), dtype=np.int64)[:33]
+    before = consistency._engine_logits(model, tokens, "decode")
+    arrays = {k: v for k, v in tree_flatten(model.parameters())}
+    r = consistency.compare_engines(model, tokens, positions=32, mode="decode", oracle=True)
+    assert r.oracle_lily == r.oracle_stock
+    assert 0 < r.oracle_stock.mean_abs_logit_diff < 0.5 and r.oracle_stock.top1_agreement_pct >= 80
+    for k, v in tree_flatten(model.parameters()):  # (patching may hand a projection a view of the same values)
+        assert v.dtype == arrays[k].dtype and bool(mx.array_equal(v, arrays[k]).item()), k
+    assert np.array_equal(consistency._engine_logits(model, tokens, "decode"), before)
+    assert "fp32 oracle: lily top-1" in r.summary() and r.to_dict()["oracle_lily"]["top1_agreement_pct"] > 0
