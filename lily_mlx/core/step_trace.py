@@ -3,14 +3,15 @@
 :func:`decode_step`).
 
 Why: after ``layer_replay`` a decode step is ~50 trace calls from Python (one per decoder layer), each
-flattening its inputs and rebuilding its part of the graph; the host's build of the step (2.16 ms on the
-H200's host at 4K, docs/decode.md) is part of what bounds decode. Traced whole, a step is one call.
+flattening its inputs and rebuilding its part of the graph. Traced whole, a step is one call: on the H200's host
+at 4K the graph build went 1.23 -> 0.73 ms a step, though decode did not move (the step is bound by its
+evaluation there; docs/decode.md), hence off by default.
 
 How: the step is traced from the decoder layers' own replays (``compiled.replays_only``: a layer without a
 shape-stable replay gives the trace up), with every cache's state arrays and the KV caches' position as the
 trace's inputs and the new states among its outputs. A later step replays it while what it was made for holds:
-the same switch states, dispatch plan and weights (``generation.current()``; with the switch on at patch time
-every module of the model reports what is set into it), the same decoder layers, an input of the same shape,
+the same switch states, dispatch plan and weights (``_state_key``: with the switch on at patch time every module of
+the model reports what is set into it, which moves the weights epoch), the same decoder layers, an input of the same shape,
 caches of the plain types with the same shapes (the KV buffers' capacity, with room for this step's row) and one
 offset. Then the caches are moved on as the layers would move them: new state arrays, offsets + 1. Otherwise the
 step is built layer by layer; the first step with a new signature always is (it makes the layers' replays), the
@@ -25,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from . import compiled, generation, switches
+from . import compiled, dispatch, generation, switches
 from .log import log_once
 
 _TRACES = "_lily_step_traces"  # signature -> (the layers it was made with, (trace, binding) or None: given up)
@@ -49,7 +50,7 @@ def applies(self, inputs: mx.array, cache, input_embeddings) -> bool:
     """Whether this call is a one-token decode step the switch may take (checked before :func:`decode_step`)."""
     return (cache is not None and input_embeddings is None and inputs.ndim == 2 and inputs.shape[1] == 1
             and not self.training and switches.is_enabled("step_trace") and switches.is_enabled("layer_replay")
-            and switches.is_enabled("compiled_layers") and switches.is_enabled("compiled_decode"))
+            and switches.is_enabled("compiled_layers") and compiled.enabled(dispatch.active_backend()))
 
 
 def forget_step(model) -> None:
@@ -183,8 +184,6 @@ _state_memo: list = [None, None]
 
 
 def _state_key() -> tuple:
-    from ..core import dispatch
-
     current = generation.current()
     if _state_memo[0] != current:
         _state_memo[:] = [current, (switches.key(), dispatch.plan_key(), generation.weights_epoch())]
