@@ -194,3 +194,31 @@ def test_step_traces_keep_neither_the_model_nor_the_caches_alive(monkeypatch):
     for module in watched:
         module.__class__ = type(module)._lily_stock_class
     assert not alive
+
+
+def test_a_prompt_cache_carried_across_requests(model):
+    """A conversation on one prompt cache through MLX-LM's ``generate_step`` (as the server reuses a cache: a second
+    request continues the first's), then a fresh cache of another length: every step's log-probabilities are the
+    layers' own replays', bit for bit, while the step traces carry over between requests with the same KV capacity."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    requests = [list(range(5, 40)), list(range(60, 75)), list(range(100, 190))]
+
+    def conversation():
+        out, cache = [], make_prompt_cache(model)
+        for i, prompt in enumerate(requests):
+            if i == 2:
+                cache = make_prompt_cache(model)  # (a new request with its own cache)
+            for _, logprobs in generate_step(mx.array(prompt), model, max_tokens=6, prompt_cache=cache,
+                                             sampler=lambda lp: mx.argmax(lp, axis=-1)):
+                out.append(logprobs)
+        return out
+
+    with _patched_with_step_trace(model):
+        with switches.overrides(disable=["step_trace"]):
+            want = conversation()
+        got = conversation()
+        assert True in _traces(model).values()
+    _assert_same(got, want)
+    assert len(got) == len(want) == 18
