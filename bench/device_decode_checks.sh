@@ -59,6 +59,8 @@
 #   PART=24 bash bench/device_decode_checks.sh  # step_trace (the whole decode step as one trace) with
 #                                               # constant_weights: CUDA tests (with the GEMV's), decode A/B
 #   PART=25 bash bench/device_decode_checks.sh  # step_trace: decode profile (build / eval), e2e decode 4K / 32K
+#   PART=26 bash bench/device_decode_checks.sh  # gqa_packing at 32K: the attention kernels' GPU time packed
+#                                               # and unpacked (issue 13's 1.15x)
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -364,7 +366,16 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       --shared-prefill --lengths 4K,32K --rounds 2 --gen-tokens 256 --out "$W/e2e"
     cat "$W/e2e/e2e.md" 2>/dev/null | head -12
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24 or 25" >&2
+  26) # issue 13's gqa_packing at 32K (1.109x end to end over two rounds on 2026-12-04, 1.381 before the live kernel's
+      # 8-simdgroup threadgroups on CUDA): the attention kernels' GPU time a step at 32K packed and unpacked, the clocks
+      # and caches left alone, to see which form moved
+    run sgt_gqa 400 python -m bench.step_gpu_time --compare lily,lily-off:gqa_packing --context 32768 \
+      --clock-control none --cache-control none --out "$W/sgt_gqa"
+    grep -E "^\| lily|attention_decode" "$W/sgt_gqa/step_gpu_time.md" 2>/dev/null | head -8
+    rm -f "$W"/sgt_gqa/*.csv
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25 or 26" \
+       >&2
      exit 2 ;;
 esac
 say "part ${PART:-1} done"
