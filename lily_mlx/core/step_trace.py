@@ -111,17 +111,6 @@ def _moved_on(cache) -> None:
             c.offset += 1
 
 
-def _snapshot(cache):
-    return [(c, dict(vars(c)), list(c.cache) if type(c) is ArraysCache else None) for c in cache]
-
-
-def _restore(snapshot) -> None:
-    for c, attrs, arrays in snapshot:
-        vars(c).update(attrs)
-        if arrays is not None:
-            c.cache[:] = arrays
-
-
 # --- the trace ----------------------------------------------------------------------------------------------
 
 def _layers(self) -> tuple:
@@ -197,48 +186,51 @@ def decode_step(self, inputs: mx.array, cache) -> Optional[mx.array]:
     """The step through the model's step trace for this signature (made here on the second step with it), or
     None: the caller builds it layer by layer."""
     found = _cache_states(cache)
-    if found is None:
+    if found is None or not POSITION:
         return None
     states, capacities, offset = found
     signature = (_state_key(), inputs.shape, inputs.dtype, capacities)
     traces = self.__dict__.setdefault(_TRACES, {})
     layers = _layers(self)
     stored = traces.get(signature)
-    if stored is not None and all(a is b for a, b in zip(stored[0], layers)) and POSITION:
+    if stored is not None and len(stored[0]) == len(layers) and all(a is b for a, b in zip(stored[0], layers)):
         if stored[1] is None:
             return None  # (given up for this signature)
         traced, binding = stored[1]
-        return _run(traced, binding, inputs, cache, states, offset)
-    if self.__dict__.get(_SEEN) != signature:
+    elif self.__dict__.get(_SEEN) != signature:
         self.__dict__[_SEEN] = signature  # this step makes the layers' replays; the next one traces them
         return None
-    while len(traces) >= KEPT_TRACES:
-        traces.pop(next(iter(traces)))
-    reason = _model_problem(self)
-    if reason is not None:
-        log_once(f"step_trace:{reason}", f"step_trace: not used for this model ({reason})")
-        traces[signature] = (layers, None)
-        return None
-    traced, binding = _make_trace(self)
-    snapshot = _snapshot(cache)
+    else:
+        while len(traces) >= KEPT_TRACES:
+            traces.pop(next(iter(traces)))
+        reason = _model_problem(self)
+        if reason is not None:
+            log_once(f"step_trace:{reason}", f"step_trace: not used for this model ({reason})")
+            traces[signature] = (layers, None)
+            return None
+        traced, binding = _make_trace(self)
+        traces[signature] = (layers, (traced, binding))
     try:
-        out = _run(traced, binding, inputs, cache, states, offset)
-    except compiled.NotReplayed as e:
-        _restore(snapshot)
+        return _run(traced, binding, inputs, cache, states, offset)
+    except compiled.NotReplayed as e:  # (while tracing: MLX traces again for inputs of other dtypes, too)
         log_once(f"step_trace:{e}", f"step_trace: a step could not be traced whole ({e}); building it layer by layer")
         traces[signature] = (layers, None)
         return None
-    traces[signature] = (layers, (traced, binding))
-    return out
 
 
 def _run(traced, binding, inputs, cache, states, offset) -> mx.array:
     """One call of the step trace: the caches' new states set, their offsets moved on (by the layers themselves
-    when the call traced: MLX runs the function only then)."""
+    when the call traced: MLX runs the function only then). A trace given up leaves the caches as they were."""
     position = POSITION["make"](next(c for c in cache if type(c) is KVCache))
     binding.cache, binding.offset, binding.ran = cache, offset, False
     try:
         logits, *new_states = traced(inputs, position, *states)
+    except compiled.NotReplayed:
+        _set_states(cache, states)  # (the layers set the trace's placeholders and moved the offsets on)
+        for c in cache:
+            if type(c) is KVCache:
+                c.offset = offset
+        raise
     finally:
         binding.cache = None
     _set_states(cache, new_states)

@@ -222,3 +222,21 @@ def test_a_prompt_cache_carried_across_requests(model):
         assert True in _traces(model).values()
     _assert_same(got, want)
     assert len(got) == len(want) == 18
+
+
+def test_a_step_that_cannot_be_traced_whole_leaves_the_caches_as_they_were(model, monkeypatch, caplog):
+    """With no layer replay marked shape-stable, tracing the whole step stops at the first decoder layer: the caches
+    get their states and offsets back, the step is built layer by layer (said once), and decoding keeps the built
+    steps' bits."""
+    prompt = list(range(3, 40))
+    with _patched_with_step_trace(model):
+        with switches.overrides(disable=["compiled_decode"]):
+            built, built_cache = _greedy_logits(model, prompt)
+        monkeypatch.setattr(compiled, "shape_stable", lambda replay: replay)
+        with caplog.at_level("INFO", logger="lily_mlx"):
+            got, cache = _greedy_logits(model, prompt)
+        assert set(_traces(model).values()) == {False}
+    _assert_same(got, built)
+    assert "could not be traced whole" in caplog.text
+    for mine, want in zip(cache, built_cache):
+        assert getattr(mine, "offset", None) == getattr(want, "offset", None)
