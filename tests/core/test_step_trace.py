@@ -240,3 +240,27 @@ def test_a_step_that_cannot_be_traced_whole_leaves_the_caches_as_they_were(model
     assert "could not be traced whole" in caplog.text
     for mine, want in zip(cache, built_cache):
         assert getattr(mine, "offset", None) == getattr(want, "offset", None)
+
+
+@pytest.mark.parametrize("model_type, traced", [("qwen3_next", True), ("qwen3_5", False)])
+def test_step_trace_on_the_other_architectures(monkeypatch, tmp_path, model_type, traced):
+    """Qwen3-Next (its ``Model`` patched, MoE layers traced whole: the step is traced whole) and dense Qwen3.5 (a dense
+    MLP: its layers are not traced whole, so neither is the step): the built steps' bits either way."""
+    from tests.integration.tiny_models import build_random_model
+
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    monkeypatch.setattr(compiled, "COMPILE_BACKENDS", compiled.COMPILE_BACKENDS | {"reference"})
+    model, tokenizer = mlx_lm.load(str(build_random_model(tmp_path, model_type, seed=1)))
+    prompt = tokenizer.encode("hello world test")
+    with switches.overrides(enable=["step_trace"]):
+        lily_patch.patch(model)
+        try:
+            with switches.overrides(disable=["compiled_decode"]):
+                built, _ = _greedy_logits(model, prompt)
+            got, _ = _greedy_logits(model, prompt)
+            text_model = next(m for m in model.modules() if step_trace._TRACES in m.__dict__)
+            made = [v[1] is not None for v in text_model.__dict__[step_trace._TRACES].values()]
+        finally:
+            lily_patch.unpatch(model)
+    assert made == [traced], made
+    _assert_same(got, built)
