@@ -406,8 +406,9 @@ def patch(model, strict: bool = True):
                 if _stock_class(layer) is not None:
                     _report_weights(layer)
     if switches.is_enabled("step_trace"):  # a text model's step trace holds all its weights as constants
+        text_model_forward = _op_forward("moe", "text_model_forward")
         for module in model.modules():
-            if getattr(type(module), "__call__", None) is _op_forward("moe", "text_model_forward"):
+            if getattr(type(module), "__call__", None) is text_model_forward:
                 _report_weights(module)
     generation.weights_changed()  # decode paths resolved before (replays of decode steps) are chosen again
     if swapped == 0 and not is_patched(model):

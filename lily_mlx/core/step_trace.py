@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from . import compiled, dispatch, generation, switches
@@ -126,14 +125,9 @@ def _model_problem(self) -> Optional[str]:
     if getattr(self, "sharding_group", None) is not None or any(
             getattr(m, "sharding_group", None) is not None or hasattr(m, "group") for m in self.modules()):
         return "sharded model (its collectives stay out of traces)"
-    for module in self.modules():
-        if not getattr(type(module), "_lily_reports_weights", False):
-            return "its modules do not report weight changes (switch step_trace was off when it was patched)"
-        for value in module.values():
-            if isinstance(value, list) and all(isinstance(v, nn.Module) for v in value):
-                continue  # (the decoder layers: checked by identity at every step)
-            if isinstance(value, (list, tuple)) or (isinstance(value, dict) and not isinstance(value, nn.Module)):
-                return "it holds arrays in a plain list or dict (changes there are not seen)"
+    if not compiled._weights_watched(self, module_lists=True):  # (the decoder layers: compared at every step)
+        return ("a weight change would go unseen (switch step_trace was off when the model was patched, or arrays "
+                "are held in a plain list or dict)")
     return None
 
 

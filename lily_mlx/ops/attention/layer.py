@@ -339,12 +339,6 @@ def _positions(cache: Any) -> mx.array:
     return position
 
 
-def step_position(cache: Any) -> mx.array:
-    """The position array a decode step over ``cache`` reads (the cache's offset; shared by the step's attention
-    layers): an input of a whole step's trace (``core.step_trace``)."""
-    return _positions(cache)
-
-
 @contextlib.contextmanager
 def position_held(offset: int, position: mx.array):
     """While a whole decode step is traced: the attention layers read ``position`` (the trace's input) as the
@@ -358,7 +352,7 @@ def position_held(offset: int, position: mx.array):
         _last_position = (-1, None, None)  # (the trace's placeholder must not outlive it)
 
 
-step_trace.POSITION.update(make=step_position, hold=position_held)
+step_trace.POSITION.update(make=_positions, hold=position_held)  # (a whole step's trace: its position input)
 
 
 def _weights(fused: Optional[projections.FusedProjection]) -> list:
