@@ -61,6 +61,8 @@
 #   PART=25 bash bench/device_decode_checks.sh  # step_trace: decode profile (build / eval), e2e decode 4K / 32K
 #   PART=26 bash bench/device_decode_checks.sh  # gqa_packing at 32K: the attention kernels' GPU time packed
 #                                               # and unpacked (issue 13's 1.15x)
+#   PART=27 bash bench/device_decode_checks.sh  # prompt chunks of 4,096 tokens against 2,048 in one process
+#                                               # (lily@chunk-4096), prefill and peak memory with the fair baseline
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -374,7 +376,15 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     grep -E "^\| lily|attention_decode" "$W/sgt_gqa/step_gpu_time.md" 2>/dev/null | head -8
     rm -f "$W"/sgt_gqa/*.csv
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25 or 26" \
+  27) # issue 14's 8,000 tok/s at 4K: lily prefilling in chunks of 4,096 tokens against MLX-LM's 2,048, alternating in
+      # one process, with the fair baseline's peak memory beside them (2026-12-04: 6,963 / 7,337 tok/s at 4K / 16K
+      # with 4,096, one engine a process, no baseline on that machine)
+    run e2e_chunks 480 python -m bench.run --mode e2e --size full --engines stock-kernels,lily,lily@chunk-4096 \
+      --lengths 4K,8K,16K,32K --rounds 2 --long-from 32K --long-rounds 1 --prefill-only --out "$W/e2e_chunks" \
+      --stop-at $(( $(date +%s) + $(left) - 15 ))
+    cat "$W/e2e_chunks/e2e.md" 2>/dev/null | head -24
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26 or 27" \
        >&2
      exit 2 ;;
 esac

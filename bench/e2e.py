@@ -53,15 +53,47 @@ TRIAL_PREFIX = "lily-trial:"
 # The fair baseline: stock MLX-LM running its own Gated DeltaNet Metal kernels (through the bridge on
 # CUDA, the simulator on sim), as it does on a Mac. Plain "stock" on CUDA runs a per-token op loop.
 STOCK_KERNELS = "stock-kernels"
-# Engine modifier: evaluate after every decoder layer of a prefill chunk (one host wait per layer).
-# A diagnostic, not an optimisation: it tests whether peak memory comes from the host encoding a whole
-# chunk ahead of the GPU (docs/moe.md, "Peak memory"). ``stock@eval-per-layer``, ``lily@eval-per-layer``.
+# Engine modifiers, after the engine's name:
+# - ``@eval-per-layer``: evaluate after every decoder layer of a prefill chunk (one host wait per layer). A
+#   diagnostic, not an optimisation: it tests whether peak memory comes from the host encoding a whole chunk ahead of
+#   the GPU (docs/moe.md, "Peak memory"). ``stock@eval-per-layer``, ``lily@eval-per-layer``.
+# - ``@chunk-N``: prefill in chunks of N tokens instead of the run's ``--prefill-step-size``, so that two chunk sizes
+#   are timed in one process, alternating (``lily,lily@chunk-4096``). Both may be given, in either order.
 EVAL_PER_LAYER = "@eval-per-layer"
+CHUNK_MODIFIER = "@chunk-"
+
+
+def _split_modifiers(engine: str) -> Tuple[str, bool, Optional[int]]:
+    """``engine`` -> (base engine, eval per layer, chunk size or None). Raises ValueError on a bad chunk size."""
+    base, per_layer, chunk = engine, False, None
+    while True:
+        if base.endswith(EVAL_PER_LAYER):
+            base, per_layer = base[: -len(EVAL_PER_LAYER)], True
+            continue
+        at = base.rfind(CHUNK_MODIFIER)
+        if at >= 0 and "@" not in base[at + len(CHUNK_MODIFIER):]:
+            text = base[at + len(CHUNK_MODIFIER):]
+            if not text.isdigit() or int(text) < 1:
+                raise ValueError(f"engine {engine!r}: {CHUNK_MODIFIER}N needs a positive whole number of tokens, "
+                                 f"not {text!r}")
+            base, chunk = base[:at], int(text)
+            continue
+        return base, per_layer, chunk
 
 
 def base_engine(engine: str) -> str:
-    """The engine without its modifier: ``lily@eval-per-layer`` -> ``lily``."""
-    return engine[: -len(EVAL_PER_LAYER)] if engine.endswith(EVAL_PER_LAYER) else engine
+    """The engine without its modifiers: ``lily@eval-per-layer`` -> ``lily``, ``lily@chunk-4096`` -> ``lily``."""
+    return _split_modifiers(engine)[0]
+
+
+def evaluates_per_layer(engine: str) -> bool:
+    return _split_modifiers(engine)[1]
+
+
+def chunk_size(engine: str, requested: int) -> int:
+    """The prompt chunk size ``engine`` asks for: its ``@chunk-N`` modifier, else the run's ``requested``."""
+    chunk = _split_modifiers(engine)[2]
+    return requested if chunk is None else chunk
 
 
 def switches_off(engine: str) -> Tuple[str, ...]:
@@ -90,12 +122,12 @@ def is_lily(engine: str) -> bool:
 
 def validate_engine(engine: str) -> None:
     """Raise ValueError unless ``engine`` is stock, lily, lily-off:<switches> or lily-trial:<ops>,
-    optionally with the @eval-per-layer modifier (unknown switch names are reported by ``switches_off``)."""
+    optionally with the @eval-per-layer and @chunk-N modifiers (unknown switch names are reported by ``switches_off``)."""
     base = base_engine(engine)
     if base not in ("stock", STOCK_KERNELS, "lily") and not base.startswith((ABLATION_PREFIX, TRIAL_PREFIX)):
         raise ValueError(f"unknown engine {engine!r}: use stock, {STOCK_KERNELS}, lily, "
                          f"{ABLATION_PREFIX}<switch>[+<switch>] or {TRIAL_PREFIX}<op>[+<op>], each optionally "
-                         f"followed by {EVAL_PER_LAYER}")
+                         f"followed by {EVAL_PER_LAYER} and/or {CHUNK_MODIFIER}N")
     switches_off(engine)
     ops = trial_ops(engine)
     if base.startswith(TRIAL_PREFIX):
@@ -150,7 +182,7 @@ class Engines:
             lily_mlx.unpatch(self.model)
         if base_engine(engine) == STOCK_KERNELS:
             set_stock_kernels(True)
-        set_eval_per_layer(self.model, engine.endswith(EVAL_PER_LAYER))
+        set_eval_per_layer(self.model, evaluates_per_layer(engine))
 
 
     _user_trials = None  # LILY_TRIAL_OPS as the user set it, while an engine overrides it
@@ -219,12 +251,19 @@ def chunk_warmup_lengths(lengths: Sequence[int], step: int, first: int = 0) -> L
 
 
 def prefill_step(engine: str, requested: int) -> int:
-    """The chunk size ``engine`` prefills with (call under the engine's switch state)."""
+    """The chunk size ``engine`` prefills with (call under the engine's switch state): its ``@chunk-N`` or
+    ``requested``, through lily's ``chunked_prefill`` switch for lily engines."""
+    step = chunk_size(engine, requested)
     if is_lily(engine):
         from lily_mlx.patch import prefill_step_size
 
-        return prefill_step_size(requested)
-    return requested
+        return prefill_step_size(step)
+    return step
+
+
+def chunk_sizes(engines: Sequence[str], requested: int) -> List[int]:
+    """Every chunk size the engines ask for (sorted, distinct): what the warm-up has to compile for."""
+    return sorted({chunk_size(e, requested) for e in engines})
 
 
 def run_once(model, prompt: mx.array, gen_tokens: int, prefill_step_size: int) -> Dict:
@@ -415,7 +454,7 @@ def sweep(model, lengths: Sequence[int], prefill_lengths: Sequence[int], decode_
             row["prefill_ratio_vs_stock_kernels"] = _ratio(l_["prompt_tps"], s["prompt_tps"])
             row["decode_ratio_vs_stock_kernels"] = _ratio(l_["generation_tps"], s["generation_tps"]) if gen > 1 else None
         for engine in per_engine:
-            if engine.startswith(ABLATION_PREFIX) and "lily" in per_engine:
+            if (engine.startswith(ABLATION_PREFIX) or is_variant(engine)) and "lily" in per_engine:
                 a, l_ = row[engine], row["lily"]
                 row[engine]["prefill_vs_lily"] = _ratio(l_["prompt_tps"], a["prompt_tps"])
                 row[engine]["decode_vs_lily"] = _ratio(l_["generation_tps"], a["generation_tps"]) if gen > 1 else None
@@ -576,6 +615,38 @@ def ablation_markdown(rows: List[Dict]) -> str:
                          f"{f(a.get('generation_tps') if dec else None)} | "
                          f"{f(l_.get('generation_tps') if dec else None)} | "
                          f"{f(a.get('decode_vs_lily') if dec else None, 3)} |")
+    return "\n".join(lines)
+
+
+def is_variant(engine: str) -> bool:
+    """An engine with a modifier (``lily@chunk-4096``, ``stock@eval-per-layer``): compared with lily in its own
+    table."""
+    return engine != base_engine(engine)
+
+
+def variant_markdown(rows: List[Dict]) -> str:
+    """Per engine with a modifier: its prefill, decode and peak memory next to lily's, and lily / it."""
+    engines = sorted({e for r in rows for e in r if isinstance(e, str) and is_variant(e)})
+    if not engines:
+        return ""
+    lines = ["| length | engine | prefill tok/s | lily prefill tok/s | it / lily | decode tok/s | lily decode tok/s | "
+             "it / lily | peak GB it / lily |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def f(x, nd=1):
+        return "-" if x is None else f"{x:,.{nd}f}"
+
+    for r in rows:
+        for e in engines:
+            a, l_ = r.get(e), r.get("lily")
+            if not a or not l_:
+                continue
+            dec = r["decode"]
+            lines.append(f"| {r['label']} | {e} | {f(a.get('prompt_tps'))} | {f(l_.get('prompt_tps'))} | "
+                         f"{f(_ratio(a.get('prompt_tps'), l_.get('prompt_tps')), 3)} | "
+                         f"{f(a.get('generation_tps') if dec else None)} | "
+                         f"{f(l_.get('generation_tps') if dec else None)} | "
+                         f"{f(_ratio(a.get('generation_tps'), l_.get('generation_tps')) if dec else None, 3)} | "
+                         f"{f(a.get('peak_memory'), 2)} / {f(l_.get('peak_memory'), 2)} |")
     return "\n".join(lines)
 
 

@@ -82,8 +82,10 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated: stock, stock-kernels (stock running MLX-LM's own Gated DeltaNet "
                         "kernels on this backend, as on a Mac: the fair baseline), lily, "
                         "lily-off:<switch>[+<switch>] (lily with switches off); "
+                        "lily-trial:<op>[+<op>] (lily with trial kernels on); "
                         "any of them + '@eval-per-layer' evaluates after every layer of a prefill chunk "
-                        "(a peak-memory diagnostic)")
+                        "(a peak-memory diagnostic), + '@chunk-N' prefills in chunks of N tokens instead of "
+                        "--prefill-step-size (e.g. lily,lily@chunk-4096: two chunk sizes alternating in one process)")
     p.add_argument("--warmup-length", type=int, default=256, help="one untimed run per engine first")
     p.add_argument("--kernel-prefill-tokens", type=int, default=2048)
     p.add_argument("--op-cases", default="auto", choices=("auto", "on", "off"),
@@ -345,7 +347,8 @@ def run_sweep(args, setup, done, remaining, model, vocab, results, save, out_dir
             remaining = []
         else:
             # (then every chunk size the timed lengths prefill, each engine up to what it prefills itself)
-            warm = e2e.chunk_warmup_lengths(remaining, args.prefill_step_size, args.warmup_length)
+            warm = sorted({n for step in e2e.chunk_sizes(engines, args.prefill_step_size)
+                           for n in e2e.chunk_warmup_lengths(remaining, step, args.warmup_length)})
             e2e.sweep(model, warm, [], warm, 1, 4, args.prefill_step_size, engines, vocab, seed=args.seed + 999,
                       log=lambda m: log("[warmup] " + m), max_prefill=setup["max_prefill"])
             e2e.warm_long_context(model, engines, remaining, log=log)
@@ -383,6 +386,9 @@ def run_sweep(args, setup, done, remaining, model, vocab, results, save, out_dir
     ablations = e2e.ablation_markdown(rows)
     if ablations:
         table += "\n\nSwitch ablations (lily with the switch on / off):\n\n" + ablations
+    variants = e2e.variant_markdown(rows)
+    if variants:
+        table += "\n\nEngines with a modifier against lily:\n\n" + variants
     if not complete:
         missing = [e2e.length_label(n) for n in lengths if e2e.length_label(n) not in by_label]
         table += (f"\n\nIncomplete: {', '.join(missing)} not measured yet; the same command with this --out "

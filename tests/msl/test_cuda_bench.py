@@ -232,7 +232,7 @@ def test_decode_profile_shared_prefill_decodes_every_engine_from_one_cache(monke
     assert set(profile["engines"]) == {"stock", "lily"}
 
 
-@pytest.mark.parametrize("name, parts", [("device_decode_checks.sh", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25 or 26"),
+@pytest.mark.parametrize("name, parts", [("device_decode_checks.sh", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26 or 27"),
                                          ("device_register_tiles.sh", "1, 2, 3, 4, 5, 6, 7 or 8")])
 def test_device_scripts_are_valid_bash_and_refuse_an_unknown_part(tmp_path, name, parts):
     script = str(REPO / "bench" / name)
@@ -312,3 +312,35 @@ def test_kernel_caches_survive_a_save_and_restore_in_parts(tmp_path):
                          text=True).stdout
     assert "MLX_PTX_CACHE_DIR=/k/ptx" in env and "CUDA_CACHE_PATH=/k/nv" in env
     assert subprocess.run(["bash", script, "restore", str(tmp_path / "none")], capture_output=True).returncode != 0
+
+
+def test_chunk_modifier_engines(monkeypatch):
+    """``<engine>@chunk-N`` prefills in chunks of N tokens (the others keep the run's step) in the same
+    alternating sweep, computes the same tokens, is compared with lily in its own table, and asks the
+    warm-up for its chunk sizes; bad sizes are refused."""
+    monkeypatch.setenv("LILY_BACKEND", "reference")
+    from bench.model_setup import load_model
+
+    steps = []
+    real_run_once = e2e.run_once
+
+    def spy(model, prompt, gen, step):
+        steps.append(step)
+        return real_run_once(model, prompt, gen, step)
+
+    monkeypatch.setattr(e2e, "run_once", spy)
+    model, _ = load_model(None, "tiny", log=None)
+    engines = ("lily", "lily@chunk-8", "stock@chunk-8@eval-per-layer")
+    rows = e2e.sweep(model, [24], [24], [24], rounds=2, gen_tokens=2, prefill_step_size=16,
+                     engines=engines, vocab_size=1024, log=lambda m: None)
+    assert steps == [16, 8, 8, 8, 8, 16]  # round 1 in order, round 2 reversed
+    row = rows[0]
+    assert row["lily"]["tokens"] == row["lily@chunk-8"]["tokens"] == row["stock@chunk-8@eval-per-layer"]["tokens"]
+    table = e2e.variant_markdown(rows)
+    assert "| 24 | lily@chunk-8 |" in table and "| 24 | stock@chunk-8@eval-per-layer |" in table
+    assert e2e.variant_markdown([{k: v for k, v in row.items() if "@" not in k}]) == ""
+    assert e2e.chunk_sizes(engines, 16) == [8, 16]
+    assert e2e.base_engine("lily-off:gqa_packing@chunk-4096") == "lily-off:gqa_packing"
+    for bad in ("lily@chunk-0", "lily@chunk-x", "lily@chunk-"):
+        with pytest.raises(ValueError, match="positive whole number"):
+            e2e.validate_engine(bad)
