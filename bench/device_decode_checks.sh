@@ -63,6 +63,9 @@
 #                                               # and unpacked (issue 13's 1.15x)
 #   PART=27 bash bench/device_decode_checks.sh  # prompt chunks of 4,096 tokens against 2,048 in one process
 #                                               # (lily@chunk-4096), prefill and peak memory with the fair baseline
+#   PART=28 bash bench/device_decode_checks.sh  # the matrix-tile decode attention partials (candidate): CUDA
+#                                               # tests, then lily_dev.live_check at 4K / 32K / 128K against the
+#                                               # live form
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -384,7 +387,15 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       --stop-at $(( $(date +%s) + $(left) - 15 ))
     cat "$W/e2e_chunks/e2e.md" 2>/dev/null | head -24
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26 or 27" \
+  28) # issue 13's kernel rate (>= 70 % of copy at 32K-128K): the G = 8 heads as a matrix tile's rows, one simdgroup a
+      # block (kernels.decode_attention_tiles_live), against the live form the product runs, kernel time only
+    run tests_cuda 200 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+      -o addopts= tests/kernels/test_attention_kernels.py -k "matrix_tile or live_length"
+    tail -3 "$W/tests_cuda.txt" 2>/dev/null
+    run live_check 300 python -m lily_dev.live_check --contexts 4096,32768,131072 --rounds 12
+    tail -17 "$W/live_check.txt" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27 or 28" \
        >&2
      exit 2 ;;
 esac

@@ -1,6 +1,7 @@
 """Device check of the fixed-block decode attention's geometry, over a KV buffer with spare rows (switch
 kv_write_in_trace): stock's SDPA and the fixed blocks over the live rows, the live-length form as the product runs
-it, and candidates for its schedule (rows per block) and its merge (simdgroups a threadgroup, fp32 a lane a load).
+it, candidates for its schedule (rows per block) and its merge (simdgroups a threadgroup, fp32 a lane a load), and the
+matrix-tile partials (``kernels.decode_attention_tiles_live``, a candidate) at several rows a block.
 8 calls an evaluation, variants rotating each round, medians. Prints a Markdown table (us per 8 calls).
 
     LILY_BACKEND=cuda python -m lily_dev.live_check [--contexts 4096,32768,131072] [--spare 1024] [--rounds 20]
@@ -32,7 +33,11 @@ def variants(S: int, spare: int):
         "live, merge MW <= 8, MV = 1": {"merge_max_simdgroups": 8, "merge_lane_floats": 1},
         "live, half the rows a block": {"block_rows": max(1, br // 2)},
         "live, 2x rows a block": {"block_rows": 2 * br},
+        **{f"tiles, {rows} rows a block": {"tiles": True, "block_rows": rows} for rows in TILE_BLOCK_ROWS},
     }
+
+
+TILE_BLOCK_ROWS = (64, 128, 256, 512)
 
 
 def main(argv=None):
@@ -59,6 +64,10 @@ def main(argv=None):
             elif kw is None:
                 runs[name] = lambda: [ak.decode_attention_fixed_blocks(q, k, v, scale=s, kv_length=S, backend=backend)
                                       for s in scales]
+            elif kw.get("tiles"):
+                runs[name] = lambda kw=kw: [ak.decode_attention_tiles_live(q, k, v, last, scale=s, backend=backend,
+                                                                           block_rows=kw["block_rows"])
+                                            for s in scales]
             else:
                 runs[name] = lambda kw=kw: [ak.decode_attention_fixed_blocks_live(q, k, v, last, scale=s,
                                                                                   backend=backend, **kw)

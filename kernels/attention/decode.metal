@@ -443,6 +443,153 @@ inline void attention_merge_blocks(
   }
 }
 
+// The matrix-tile form of the live-length block partials (attention_decode_block_partials_live_tiles, a
+// candidate): the G = 8 query heads of a KV head are the 8 rows of a simdgroup_matrix tile, so one simdgroup
+// takes 8 K/V rows at a time as products of 8 x 8 tiles (16-bit operands, fp32 accumulators):
+//   scores S [8 heads x 8 rows] = sum over D / 8 tiles of Q [8 x 8] K^T [8 x 8]   (D / 8 products)
+//   O [8 heads x D] += P [8 x 8] V [8 rows x 8 columns]                            (D / 8 products)
+// against the scalar form's 2 G FMAs per K/V element and lane. Each simdgroup is a block of its own (BRM rows,
+// partials in the same layout, so attention_decode_merge_live_blocks merges them unchanged); a threadgroup is just
+// SG such blocks side by side (no threadgroup barrier). Two passes over a block, so that the output tiles are never
+// rescaled (rescaling needs each lane's row in a tile, i.e. a lane layout, which thread_elements() would fix to
+// Apple's): pass 1 stores every row's 8 scores into threadgroup memory and the lanes find each head's maximum
+// there; the weights p = exp(score * scale - max) are rounded to InT once (the tile operand) and summed as rounded,
+// so the output is the weighted mean with the weights the product used (as the prefill kernel); pass 2 adds P V.
+// Rows past the live length are never multiplied in: a last chunk of fewer than 8 live rows reads the 8 rows
+// ending at the last live row (scores of rows already taken are overwritten with the same rows' scores; their
+// weights in that chunk's P tile are 0), and with fewer than 8 live rows in all, V is staged with zeros.
+// The bits are this form's own (another summation order than the scalar form's).
+#define ATTENTION_TILE_PAD 8  // columns before a block's first row in the score / weight rows (a window's start)
+
+template <typename InT, int D, int BRM>
+struct AttentionTileScratch {
+  static constant constexpr int LD = BRM + 2 * ATTENTION_TILE_PAD;                 // score / weight row stride
+  static constant constexpr int SCORE_FLOATS = 8 * LD;
+  static constant constexpr int V_FLOATS = 8 * D * sizeof(InT) / 4;                // a zero-filled V chunk
+  static constant constexpr int FLOATS = (SCORE_FLOATS > V_FLOATS ? SCORE_FLOATS : V_FLOATS) +
+                                         (8 * LD + 64) * sizeof(InT) / 4 + 1;      // + weights, window weights
+};
+
+template <typename InT, int D, int BRM>
+inline void attention_decode_block_tiles(
+    const device InT* q, const device InT* k, const device InT* v, float scale,
+    device float* part_max, device float* part_sum, device float* part_acc,
+    int Hkv, int S, int S_cap, int NB, int gb, threadgroup float* scratch, int lane) {
+  typedef AttentionTileScratch<InT, D, BRM> Scr;
+  constexpr int LD = Scr::LD;
+  constexpr int DC = D / 8;
+  const int bh = gb / NB;  // b * Hkv + hkv
+  const int blk = gb % NB;
+  const int r_begin = blk * BRM;
+  if (r_begin >= S) {
+    return;  // past the live rows: the merge reads only the live blocks (uniform over the simdgroup)
+  }
+  const int nrows = min(S, r_begin + BRM) - r_begin;
+  const int nchunks = (nrows + 7) / 8;
+  const int b = bh / Hkv;
+  const int hkv = bh % Hkv;
+  const int head0 = (b * Hkv + hkv) * 8;  // first query head of the tile, b * Hq + hkv * G
+  const device InT* kb = k + size_t(bh) * S_cap * D;
+  const device InT* vb = v + size_t(bh) * S_cap * D;
+  threadgroup float* sc = scratch;  // [8][LD] scores (fp32), later a zero-filled V chunk
+  threadgroup InT* pw = reinterpret_cast<threadgroup InT*>(scratch + (Scr::SCORE_FLOATS > Scr::V_FLOATS
+                                                                      ? Scr::SCORE_FLOATS : Scr::V_FLOATS));
+  threadgroup InT* pwin = pw + 8 * LD;  // [8][8]: the weights of a last, partial chunk's window
+
+  simdgroup_matrix<InT, 8, 8> qf[DC];  // (head, d) = q[head0 + head][8 dc + d]
+  #pragma unroll
+  for (int dc = 0; dc < DC; ++dc) {
+    simdgroup_load(qf[dc], q + size_t(head0) * D + dc * 8, D);
+  }
+  // Pass 1: scores of every row of the block, column ATTENTION_TILE_PAD + (row - r_begin).
+  for (int c = 0; c < nchunks; ++c) {
+    const int r = r_begin + 8 * c;
+    const int w = r + 8 <= S ? r : max(S - 8, 0);  // the 8 rows read: the chunk, or the 8 ending at S - 1
+    simdgroup_matrix<float, 8, 8> s = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    #pragma unroll
+    for (int dc = 0; dc < DC; ++dc) {
+      simdgroup_matrix<InT, 8, 8> kf;  // (d, row) = K[w + row][8 dc + d]
+      simdgroup_load(kf, kb + size_t(w) * D + dc * 8, D, ulong2(0, 0), true);
+      simdgroup_multiply_accumulate(s, qf[dc], kf, s);
+    }
+    simdgroup_store(s, sc + ATTENTION_TILE_PAD + (w - r_begin), LD);
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  // Each head's maximum and weights: lane l takes head l / 4, rows l % 4, l % 4 + 4, ...
+  const int h = lane / 4;
+  float m = ATTENTION_NO_MAX;
+  for (int i = lane % 4; i < nrows; i += 4) {
+    m = fmax(m, sc[h * LD + ATTENTION_TILE_PAD + i] * scale);
+  }
+  m = fmax(m, simd_shuffle_xor(m, 1));
+  m = fmax(m, simd_shuffle_xor(m, 2));
+  float total = 0.0f;
+  for (int i = lane % 4; i < LD; i += 4) {  // every column: zeros outside the live rows (the windows read them)
+    const int row = i - ATTENTION_TILE_PAD;
+    InT p = InT(0.0f);
+    if (row >= 0 && row < nrows) {
+      p = static_cast<InT>(exp(sc[h * LD + i] * scale - m));
+      total += static_cast<float>(p);
+    }
+    pw[h * LD + i] = p;
+  }
+  total += simd_shuffle_xor(total, 1);
+  total += simd_shuffle_xor(total, 2);
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  // Pass 2: O += P V, chunk by chunk.
+  simdgroup_matrix<float, 8, 8> of[DC];
+  #pragma unroll
+  for (int dc = 0; dc < DC; ++dc) {
+    of[dc] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  for (int c = 0; c < nchunks; ++c) {
+    const int r = r_begin + 8 * c;
+    simdgroup_matrix<InT, 8, 8> pf;  // (head, row)
+    const device InT* vsrc;
+    const threadgroup InT* vstage = nullptr;
+    if (r + 8 <= S) {
+      simdgroup_load(pf, pw + ATTENTION_TILE_PAD + 8 * c, LD);
+      vsrc = vb + size_t(r) * D;
+    } else {
+      // The last, partial chunk: rows w .. w + 7 with weight 0 for the rows before r (taken already) and past S.
+      const int w = max(S - 8, 0);
+      for (int e = lane; e < 64; e += 32) {
+        const int row = w + e % 8;
+        pwin[e] = row >= r && row < S ? pw[(e / 8) * LD + ATTENTION_TILE_PAD + (row - r_begin)] : InT(0.0f);
+      }
+      vsrc = vb + size_t(w) * D;
+      if (S < 8) {  // rows S .. 7 are not live (may hold anything): stage the chunk with zeros there
+        threadgroup InT* vz = reinterpret_cast<threadgroup InT*>(sc);
+        for (int e = lane; e < 8 * D; e += 32) {
+          vz[e] = e / D < S ? vsrc[e] : InT(0.0f);
+        }
+        vstage = vz;
+      }
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+      simdgroup_load(pf, pwin, 8);
+    }
+    #pragma unroll
+    for (int dc = 0; dc < DC; ++dc) {
+      simdgroup_matrix<InT, 8, 8> vf;  // (row, d) = V[w + row][8 dc + d]
+      if (vstage != nullptr) {
+        simdgroup_load(vf, vstage + dc * 8, D);
+      } else {
+        simdgroup_load(vf, vsrc + dc * 8, D);
+      }
+      simdgroup_multiply_accumulate(of[dc], pf, vf, of[dc]);
+    }
+  }
+  // The block's partials: rows of the output tiles are the 8 heads (stride NB * D in part_acc).
+  #pragma unroll
+  for (int dc = 0; dc < DC; ++dc) {
+    simdgroup_store(of[dc], part_acc + (size_t(head0) * NB + blk) * D + dc * 8, ulong(NB) * D);
+  }
+  if (lane % 4 == 0) {
+    part_max[size_t(head0 + h) * NB + blk] = m;
+    part_sum[size_t(head0 + h) * NB + blk] = total;
+  }
+}
+
 // @kernel attention_decode
 // q: [B, Hq, 1, D] InT; k, v: [B, Hkv, S_cap, D] InT (rows < S read); scale: [1] fp32; row_start:
 // [B] int32 (if has_row_start: row b's keys are rows row_start[b] .. S - 1, its left padding skipped,
@@ -503,6 +650,25 @@ inline void attention_merge_blocks(
       q, k, v, scale[0], part_max, part_sum, part_acc, Hkv, G, S, S_cap, NB, BR,
       static_cast<int>(threadgroup_position_in_grid.x), sg_max, sg_sum, sg_acc,
       static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
+}
+
+// @kernel attention_decode_block_partials_live_tiles
+// The live-length block partials as matrix tiles (attention_decode_block_tiles; a candidate, G = 8 only): block
+// gb = threadgroup x * SG + simdgroup covers rows (gb % NB) * BRM .. + BRM of KV head gb / NB; grid
+// (32 * ceil(B * Hkv * NB / SG), SG, 1), threadgroup (32, SG, 1). Inputs, params and outputs as
+// attention_decode_block_partials_live with BR = BRM (template, with InT, D, SG); params B, Hkv, S_cap, NB.
+{
+  typedef AttentionTileScratch<InT, D, BRM> Scr;
+  threadgroup float scratch[SG * Scr::FLOATS];
+  const int sg = static_cast<int>(thread_position_in_threadgroup.y);
+  const int gb = static_cast<int>(threadgroup_position_in_grid.x) * SG + sg;
+  if (gb >= B * Hkv * NB) {
+    return;  // a slot past the last block (uniform over the simdgroup)
+  }
+  const int S = min(S_cap, static_cast<int>(last_row[0]) + 1);
+  attention_decode_block_tiles<InT, D, BRM>(
+      q, k, v, scale[0], part_max, part_sum, part_acc, Hkv, S, S_cap, NB, gb, scratch + sg * Scr::FLOATS,
+      static_cast<int>(thread_index_in_simdgroup));
 }
 
 // @kernel attention_decode_merge_blocks

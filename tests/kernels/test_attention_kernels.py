@@ -484,6 +484,103 @@ def test_fixed_block_kernels_with_the_live_length_as_an_array(B, Hkv, G, D, capa
     _check(out, _oracle(q, k, v, S, scale), TOL[dtype])
 
 
+# The matrix-tile form of the live partials (a candidate; kernels/attention/decode.metal, attention_decode_block_tiles):
+# its weights are rounded to the input type for the second product (as the prefill kernel's), so its bound is the
+# prefill kernel's 2u (u = 2^-9 bf16, 2^-11 fp16) against the fp32 oracle.
+TILE_TOL = {"bfloat16": 2 * 2.0**-9, "float16": 2 * 2.0**-11}
+
+
+@needs_sim
+@settings(deadline=None, max_examples=16)
+@given(
+    B=st.integers(1, 2), Hkv=st.integers(1, 2), D=st.sampled_from([64, 128, 256]),
+    capacity=st.sampled_from([8, 37, 300]), fill=st.floats(0.0, 1.0), block_rows=st.sampled_from([8, 16, 64]),
+    simdgroups=st.sampled_from([1, 2, 4]), dtype=st.sampled_from(["bfloat16", "float16"]), sharp=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_matrix_tile_partials_match_reference(B, Hkv, D, capacity, fill, block_rows, simdgroups, dtype, sharp, seed):
+    """The matrix-tile partials over a buffer's capacity: the G = 8 heads of a KV head as a tile's rows, one
+    simdgroup a block; rows past the live length hold NaN (a product that read them would show it: the last
+    partial chunk, fewer than 8 live rows in all), partials and output poisoned, the merge unchanged."""
+    rng = np.random.default_rng(seed)
+    q, k, v = _problem(rng, B, Hkv, 8, D, capacity, DTYPES[dtype])
+    S = 1 + int(fill * (capacity - 1))
+    dead = mx.arange(capacity).reshape(1, 1, -1, 1) >= S
+    k, v = mx.where(dead, NAN, k).astype(k.dtype), mx.where(dead, NAN, v).astype(v.dtype)
+    scale = 1.0 if sharp else D**-0.5
+    with record_launches() as rec:
+        out = ak.decode_attention_tiles_live(q, k, v, mx.array([S - 1], dtype=mx.int32), scale=scale,
+                                             backend=KERNEL_BACKEND, block_rows=block_rows, simdgroups=simdgroups,
+                                             init_value=NAN)
+    assert rec.names() == ["attention_decode_block_partials_live_tiles", "attention_decode_merge_live_blocks"]
+    blocks = -(-capacity // block_rows)  # from the capacity, not S
+    assert rec[0].kwargs["grid"] == (32 * -(-(B * Hkv * blocks) // simdgroups), simdgroups, 1)
+    _check(out, _oracle(q, k, v, S, scale), TILE_TOL[dtype])
+
+
+@needs_sim
+def test_matrix_tile_partials_at_qwen36_shape_with_a_moving_max():
+    """Qwen3.6's shape (16 heads over 2 KV heads, D 256) at 1,000 live rows of 1,280, scores rising along the rows
+    (each block's maximum is its last rows'), the product's block rows and simdgroups; a row's bits the same
+    alone and in a batch of 3."""
+    rng = np.random.default_rng(7)
+    q, k, v = _problem(rng, 1, 2, 8, 256, 1280, mx.bfloat16)
+    ramp = mx.linspace(0.0, 3.0, 1280).reshape(1, 1, -1, 1)
+    k = (k.astype(mx.float32) + ramp * q.astype(mx.float32).reshape(1, 2, 8, 256).mean(axis=2, keepdims=True)
+         ).astype(mx.bfloat16)
+    last = mx.array([999], dtype=mx.int32)
+    out = ak.decode_attention_tiles_live(q, k, v, last, scale=256**-0.5, backend=KERNEL_BACKEND, init_value=NAN)
+    _check(out, _oracle(q, k, v, 1000, 256**-0.5), TILE_TOL["bfloat16"])
+    q3, k3, v3 = (mx.concatenate([x, _rand(rng, x.shape, x.dtype), _rand(rng, x.shape, x.dtype)]) for x in (q, k, v))
+    out3 = ak.decode_attention_tiles_live(q3, k3, v3, last, scale=256**-0.5, backend=KERNEL_BACKEND)
+    assert bool(mx.array_equal(out3[:1], out).item())
+
+
+@needs_sim
+@pytest.mark.skipif(KERNEL_BACKEND != "sim", reason="the race check is the simulator's")
+@pytest.mark.parametrize("capacity, S", [(64, 61), (40, 5)], ids=["partial-last-chunk", "under-8-rows"])
+def test_matrix_tile_partials_race_check(monkeypatch, capacity, S):
+    """The simulator's race check on the per-simdgroup scores, weights and staged V (simdgroup barriers only)."""
+    monkeypatch.setenv("LILY_MSL_RACE", "1")
+    rng = np.random.default_rng(3)
+    q, k, v = _problem(rng, 1, 1, 8, 64, capacity, mx.bfloat16)
+    out = ak.decode_attention_tiles_live(q, k, v, mx.array([S - 1], dtype=mx.int32), scale=0.125,
+                                         backend=KERNEL_BACKEND, block_rows=16, simdgroups=2, init_value=NAN)
+    _check(out, _oracle(q, k, v, S, 0.125), TILE_TOL["bfloat16"])
+
+
+def test_matrix_tile_partials_refuse_other_shapes():
+    q, k = mx.zeros((1, 12, 1, 64), mx.bfloat16), mx.zeros((1, 2, 16, 64), mx.bfloat16)  # G = 6
+    assert not ak.tiles_supported(q, k)
+    assert not ak.tiles_supported(q.astype(mx.float32)[:, :8], k[:, :1].astype(mx.float32))
+    assert not ak.tiles_supported(mx.zeros((1, 8, 1, 64), mx.bfloat16), mx.zeros((1, 1, 7, 64), mx.bfloat16))
+    with pytest.raises(ValueError, match="G = 8"):
+        ak.decode_attention_tiles_live(q, k, k, mx.array([3], dtype=mx.int32), scale=1.0, backend="sim")
+    q8, k8 = mx.zeros((1, 8, 1, 256), mx.bfloat16), mx.zeros((1, 1, 16, 256), mx.bfloat16)
+    with pytest.raises(ValueError, match="32 KiB"):  # Apple's limit: 8 simdgroups at D = 256
+        ak.decode_attention_tiles_live(q8, k8, k8, mx.array([3], dtype=mx.int32), scale=1.0, backend="sim",
+                                       simdgroups=8)
+
+
+def test_matrix_tile_partials_compile_for_cuda():
+    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
+    from lily_dev.compile_check import compile_cuda, compiler_available
+    from lily_mlx.core.kernel_registry import kernel_source
+
+    if compiler_available() is None:
+        pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
+    spec = ak.KERNELS["attention_decode_block_partials_live_tiles"]
+    header, body = kernel_source(spec)
+    kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
+    q, k = mx.zeros((1, 16, 1, 256), mx.bfloat16), mx.zeros((1, 2, 64, 256), mx.bfloat16)
+    for sg, brm in ((4, 128), (2, 64)):
+        template = [("InT", mx.bfloat16), ("D", 256), ("SG", sg), ("BRM", brm)]
+        _, unit = wrap_like_mlx(kernel, [q, k, k, mx.zeros((1,)), mx.zeros((1,), mx.int32), mx.zeros((4,), mx.int32)],
+                                [mx.float32] * 3, template=template)
+        ok, log = compile_cuda(unit)
+        assert ok, log
+
+
 def test_the_live_form_widens_its_threadgroups_on_cuda():
     """The live form's simdgroups a threadgroup are a function of the buffer's capacity and the backend alone:
     8 on CUDA from LIVE_WIDE_MIN_CAPACITY rows (0: timed faster at 4K, 32K and 128K), else the default 4 (Metal

@@ -35,6 +35,8 @@ KERNELS = {
                    ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S", "S_cap", "NB", "BR")),
         KernelSpec("attention_decode_block_partials_live", _FILE, ("q", "k", "v", "scale", "last_row", "params"),
                    ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S_cap", "NB", "BR")),
+        KernelSpec("attention_decode_block_partials_live_tiles", _FILE, ("q", "k", "v", "scale", "last_row", "params"),
+                   ("part_max", "part_sum", "part_acc"), params=("B", "Hkv", "S_cap", "NB")),
         KernelSpec("attention_decode_merge_blocks", _FILE, ("part_max", "part_sum", "part_acc", "params"), ("out",),
                    params=("NB",)),
         KernelSpec("attention_decode_merge_live_blocks", _FILE, ("part_max", "part_sum", "part_acc", "last_row",
@@ -343,6 +345,69 @@ def decode_attention_fixed_blocks_live(
                               backend, init_value, gate, last_row)
 
 
+# The matrix-tile form of the live partials (kernels/attention/decode.metal, attention_decode_block_tiles): a
+# candidate, not a product path (benchmarks and tests call it by name). One simdgroup per block of TILE_BLOCK_ROWS
+# rows, TILE_SIMDGROUPS blocks a threadgroup. Needs G = 8 (the heads are a tile's rows), D % 8 == 0 and a buffer of
+# at least 8 rows.
+TILE_SIMDGROUPS = 4
+TILE_BLOCK_ROWS = 128
+
+
+def tile_scratch_bytes(D: int, block_rows: int, dtype) -> int:
+    """Threadgroup memory a simdgroup of the matrix-tile partials uses (AttentionTileScratch in decode.metal)."""
+    ld = block_rows + 16
+    size = dtype.size
+    return 4 * (max(8 * ld, 8 * D * size // 4) + (8 * ld + 64) * size // 4 + 1)
+
+
+def tiles_supported(queries: mx.array, keys: mx.array) -> bool:
+    B, Hq, L, D = queries.shape
+    return (L == 1 and Hq == 8 * keys.shape[1] and D % 8 == 0 and D <= 256 and keys.shape[2] >= 8
+            and queries.dtype in (mx.bfloat16, mx.float16))
+
+
+def decode_attention_tiles_live(
+    queries: mx.array,  # [B, Hq, 1, D], Hq = 8 Hkv
+    keys: mx.array,  # [B, Hkv, S_cap, D]: the cache's whole buffer, rows 0 .. last_row live
+    values: mx.array,
+    last_row: mx.array,  # [1] int32
+    *,
+    scale: float,
+    backend: str,
+    block_rows: Optional[int] = None,  # BRM, a multiple of 8 (default TILE_BLOCK_ROWS)
+    simdgroups: Optional[int] = None,  # blocks per threadgroup (default TILE_SIMDGROUPS, fewer if over 32 KiB)
+    init_value=None,
+) -> mx.array:  # [B, Hq, 1, D]
+    """``decode_attention_fixed_blocks_live`` with matrix-tile partials (one simdgroup a block), then the same
+    merge. Its own bits (another summation order, weights rounded to the input type as the prefill kernel's)."""
+    if not tiles_supported(queries, keys):
+        raise ValueError(f"matrix-tile decode attention needs G = 8, D % 8 == 0, a 16-bit type and >= 8 rows: "
+                         f"q {queries.shape} {queries.dtype}, k {keys.shape}")
+    B, Hq, _, D = queries.shape
+    Hkv, S_cap = keys.shape[1], keys.shape[2]
+    brm = block_rows or TILE_BLOCK_ROWS
+    sg = simdgroups or TILE_SIMDGROUPS
+    while simdgroups is None and sg > 1 and sg * tile_scratch_bytes(D, brm, queries.dtype) > 32 * 1024:
+        sg //= 2  # long blocks: fewer of them a threadgroup (Apple's 32 KiB)
+    if brm % 8:
+        raise ValueError(f"block rows {brm} is not a multiple of 8")
+    if sg * tile_scratch_bytes(D, brm, queries.dtype) > 32 * 1024:
+        raise ValueError(f"{sg} simdgroups of {brm} block rows at D = {D} need more than 32 KiB of threadgroup memory")
+    plan = fixed_block_plan(S_cap, D, B * Hkv, brm)
+    partials = KERNELS["attention_decode_block_partials_live_tiles"]
+    last_row = last_row.astype(mx.int32).reshape(1)
+    part_max, part_sum, part_acc = get_kernel(partials, backend)(
+        inputs=[queries, keys, values, float32_scalar(scale), last_row,
+                partials.pack(B=B, Hkv=Hkv, S_cap=S_cap, NB=plan.blocks)],
+        template=[("InT", queries.dtype), ("D", D), ("SG", sg), ("BRM", brm)],
+        grid=(32 * (-(-(B * Hkv * plan.blocks) // sg)), sg, 1), threadgroup=(32, sg, 1),
+        output_shapes=[(B * Hq, plan.blocks), (B * Hq, plan.blocks), (B * Hq, plan.blocks, D)],
+        output_dtypes=[mx.float32] * 3,
+        init_value=init_value,
+    )
+    return _merge_partials(queries, part_max, part_sum, part_acc, plan, backend, init_value, None, last_row)
+
+
 def _blocks_then_merge(queries, keys, values, g: _Geometry, plan: FixedBlockPlan, partials: KernelSpec,
                        scalars: list, params: mx.array, backend: str, init_value,
                        gate: Optional[mx.array] = None, last_row: Optional[mx.array] = None) -> mx.array:
@@ -359,6 +424,13 @@ def _blocks_then_merge(queries, keys, values, g: _Geometry, plan: FixedBlockPlan
         output_dtypes=[mx.float32] * 3,
         init_value=init_value,
     )
+    return _merge_partials(queries, part_max, part_sum, part_acc, plan, backend, init_value, gate, last_row)
+
+
+def _merge_partials(queries, part_max, part_sum, part_acc, plan: FixedBlockPlan, backend: str, init_value,
+                    gate: Optional[mx.array], last_row: Optional[mx.array]) -> mx.array:
+    """The merge launch of the fixed-block split (see ``_blocks_then_merge``)."""
+    B, Hq, _, D = queries.shape
     if last_row is None:
         merge = KERNELS["attention_decode_merge_blocks"]
         merge_inputs = [merge.pack(NB=plan.blocks)]
