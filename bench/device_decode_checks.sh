@@ -389,11 +389,11 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     ;;
   28) # issue 13's kernel rate (>= 70 % of copy at 32K-128K): the G = 8 heads as a matrix tile's rows, one simdgroup a
       # block (kernels.decode_attention_tiles_live), against the live form the product runs, kernel time only
-    run tests_cuda 200 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+    run live_check 150 python -m lily_dev.live_check --contexts 4096,32768,131072 --rounds 12
+    tail -23 "$W/live_check.txt" 2>/dev/null
+    run tests_cuda 300 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
       -o addopts= tests/kernels/test_attention_kernels.py -k "matrix_tile or live_length"
     tail -3 "$W/tests_cuda.txt" 2>/dev/null
-    run live_check 300 python -m lily_dev.live_check --contexts 4096,32768,131072 --rounds 12
-    tail -17 "$W/live_check.txt" 2>/dev/null
     ;;
   *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27 or 28" \
        >&2

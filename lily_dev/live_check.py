@@ -34,6 +34,8 @@ def variants(S: int, spare: int):
         "live, half the rows a block": {"block_rows": max(1, br // 2)},
         "live, 2x rows a block": {"block_rows": 2 * br},
         **{f"tiles, {rows} rows a block": {"tiles": True, "block_rows": rows} for rows in TILE_BLOCK_ROWS},
+        **{f"tiles staged, {rows} rows a block": {"tiles": True, "block_rows": rows, "staged": True}
+           for rows in TILE_BLOCK_ROWS},
     }
 
 
@@ -66,7 +68,8 @@ def main(argv=None):
                                       for s in scales]
             elif kw.get("tiles"):
                 runs[name] = lambda kw=kw: [ak.decode_attention_tiles_live(q, k, v, last, scale=s, backend=backend,
-                                                                           block_rows=kw["block_rows"])
+                                                                           block_rows=kw["block_rows"],
+                                                                           staged=kw.get("staged", False))
                                             for s in scales]
             else:
                 runs[name] = lambda kw=kw: [ak.decode_attention_fixed_blocks_live(q, k, v, last, scale=s,

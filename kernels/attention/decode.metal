@@ -461,22 +461,42 @@ inline void attention_merge_blocks(
 // The bits are this form's own (another summation order than the scalar form's).
 #define ATTENTION_TILE_PAD 8  // columns before a block's first row in the score / weight rows (a window's start)
 
-template <typename InT, int D, int BRM>
+template <typename InT, int D, int BRM, int STAGED>
 struct AttentionTileScratch {
   static constant constexpr int LD = BRM + 2 * ATTENTION_TILE_PAD;                 // score / weight row stride
   static constant constexpr int SCORE_FLOATS = 8 * LD;
   static constant constexpr int V_FLOATS = 8 * D * sizeof(InT) / 4;                // a zero-filled V chunk
-  static constant constexpr int FLOATS = (SCORE_FLOATS > V_FLOATS ? SCORE_FLOATS : V_FLOATS) +
-                                         (8 * LD + 64) * sizeof(InT) / 4 + 1;      // + weights, window weights
+  static constant constexpr int WEIGHTS_AT = SCORE_FLOATS > V_FLOATS ? SCORE_FLOATS : V_FLOATS;
+  static constant constexpr int SLD = D + 8;                                        // staged row stride (InT)
+  static constant constexpr int STAGE_AT = WEIGHTS_AT + (8 * LD + 64) * sizeof(InT) / 4 + 1;
+  static constant constexpr int FLOATS = STAGE_AT + (STAGED ? 8 * SLD * sizeof(InT) / 4 : 0);
 };
 
-template <typename InT, int D, int BRM>
+// STAGED: 8 rows of K or V (rows row0 ..; those at or past `live` as zeros) copied into threadgroup memory with
+// 16-byte loads, adjacent lanes reading adjacent bytes (the 8 rows are 8 D contiguous elements), rows padded by
+// 8 elements so that a fragment's 8 rows fall on different banks. Then loaded as tiles from there.
+template <typename InT, int D>
+inline void attention_stage_rows(const device InT* rows, threadgroup InT* stage, int lane, int live) {
+  constexpr int PER = 16 / sizeof(InT);  // elements a 16-byte piece
+  for (int i = lane; i < 8 * D / PER; i += 32) {
+    const int row = (i * PER) / D;
+    const int col = (i * PER) % D;
+    attention_u4 piece = attention_u4(0u);
+    if (row < live) {
+      piece = *reinterpret_cast<const device attention_u4*>(rows + row * D + col);
+    }
+    *reinterpret_cast<threadgroup attention_u4*>(stage + row * (D + 8) + col) = piece;
+  }
+}
+
+template <typename InT, int D, int BRM, int STAGED>
 inline void attention_decode_block_tiles(
     const device InT* q, const device InT* k, const device InT* v, float scale,
     device float* part_max, device float* part_sum, device float* part_acc,
     int Hkv, int S, int S_cap, int NB, int gb, threadgroup float* scratch, int lane) {
-  typedef AttentionTileScratch<InT, D, BRM> Scr;
+  typedef AttentionTileScratch<InT, D, BRM, STAGED> Scr;
   constexpr int LD = Scr::LD;
+  constexpr int SLD = Scr::SLD;
   constexpr int DC = D / 8;
   const int bh = gb / NB;  // b * Hkv + hkv
   const int blk = gb % NB;
@@ -492,9 +512,9 @@ inline void attention_decode_block_tiles(
   const device InT* kb = k + size_t(bh) * S_cap * D;
   const device InT* vb = v + size_t(bh) * S_cap * D;
   threadgroup float* sc = scratch;  // [8][LD] scores (fp32), later a zero-filled V chunk
-  threadgroup InT* pw = reinterpret_cast<threadgroup InT*>(scratch + (Scr::SCORE_FLOATS > Scr::V_FLOATS
-                                                                      ? Scr::SCORE_FLOATS : Scr::V_FLOATS));
+  threadgroup InT* pw = reinterpret_cast<threadgroup InT*>(scratch + Scr::WEIGHTS_AT);
   threadgroup InT* pwin = pw + 8 * LD;  // [8][8]: the weights of a last, partial chunk's window
+  threadgroup InT* stage = reinterpret_cast<threadgroup InT*>(scratch + Scr::STAGE_AT);  // [8][SLD] if STAGED
 
   simdgroup_matrix<InT, 8, 8> qf[DC];  // (head, d) = q[head0 + head][8 dc + d]
   #pragma unroll
@@ -506,13 +526,24 @@ inline void attention_decode_block_tiles(
     const int r = r_begin + 8 * c;
     const int w = r + 8 <= S ? r : max(S - 8, 0);  // the 8 rows read: the chunk, or the 8 ending at S - 1
     simdgroup_matrix<float, 8, 8> s = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    if (STAGED) {
+      attention_stage_rows<InT, D>(kb + size_t(w) * D, stage, lane, 8);  // rows past S: their own columns only
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+    }
     #pragma unroll
     for (int dc = 0; dc < DC; ++dc) {
       simdgroup_matrix<InT, 8, 8> kf;  // (d, row) = K[w + row][8 dc + d]
-      simdgroup_load(kf, kb + size_t(w) * D + dc * 8, D, ulong2(0, 0), true);
+      if (STAGED) {
+        simdgroup_load(kf, stage + dc * 8, SLD, ulong2(0, 0), true);
+      } else {
+        simdgroup_load(kf, kb + size_t(w) * D + dc * 8, D, ulong2(0, 0), true);
+      }
       simdgroup_multiply_accumulate(s, qf[dc], kf, s);
     }
     simdgroup_store(s, sc + ATTENTION_TILE_PAD + (w - r_begin), LD);
+    if (STAGED) {
+      simdgroup_barrier(mem_flags::mem_threadgroup);  // every lane done with the staged rows
+    }
   }
   simdgroup_barrier(mem_flags::mem_threadgroup);
   // Each head's maximum and weights: lane l takes head l / 4, rows l % 4, l % 4 + 4, ...
@@ -547,9 +578,16 @@ inline void attention_decode_block_tiles(
     simdgroup_matrix<InT, 8, 8> pf;  // (head, row)
     const device InT* vsrc;
     const threadgroup InT* vstage = nullptr;
+    int vld = D;
     if (r + 8 <= S) {
       simdgroup_load(pf, pw + ATTENTION_TILE_PAD + 8 * c, LD);
       vsrc = vb + size_t(r) * D;
+      if (STAGED) {
+        attention_stage_rows<InT, D>(vsrc, stage, lane, 8);
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+        vstage = stage;
+        vld = SLD;
+      }
     } else {
       // The last, partial chunk: rows w .. w + 7 with weight 0 for the rows before r (taken already) and past S.
       const int w = max(S - 8, 0);
@@ -558,7 +596,11 @@ inline void attention_decode_block_tiles(
         pwin[e] = row >= r && row < S ? pw[(e / 8) * LD + ATTENTION_TILE_PAD + (row - r_begin)] : InT(0.0f);
       }
       vsrc = vb + size_t(w) * D;
-      if (S < 8) {  // rows S .. 7 are not live (may hold anything): stage the chunk with zeros there
+      if (STAGED) {
+        attention_stage_rows<InT, D>(vsrc, stage, lane, S - w);  // rows S .. (S < 8) as zeros
+        vstage = stage;
+        vld = SLD;
+      } else if (S < 8) {  // rows S .. 7 are not live (may hold anything): stage the chunk with zeros there
         threadgroup InT* vz = reinterpret_cast<threadgroup InT*>(sc);
         for (int e = lane; e < 8 * D; e += 32) {
           vz[e] = e / D < S ? vsrc[e] : InT(0.0f);
@@ -572,11 +614,14 @@ inline void attention_decode_block_tiles(
     for (int dc = 0; dc < DC; ++dc) {
       simdgroup_matrix<InT, 8, 8> vf;  // (row, d) = V[w + row][8 dc + d]
       if (vstage != nullptr) {
-        simdgroup_load(vf, vstage + dc * 8, D);
+        simdgroup_load(vf, vstage + dc * 8, vld);
       } else {
         simdgroup_load(vf, vsrc + dc * 8, D);
       }
       simdgroup_multiply_accumulate(of[dc], pf, vf, of[dc]);
+    }
+    if (STAGED) {
+      simdgroup_barrier(mem_flags::mem_threadgroup);  // every lane done with the staged rows
     }
   }
   // The block's partials: rows of the output tiles are the 8 heads (stride NB * D in part_acc).
@@ -656,9 +701,10 @@ inline void attention_decode_block_tiles(
 // The live-length block partials as matrix tiles (attention_decode_block_tiles; a candidate, G = 8 only): block
 // gb = threadgroup x * SG + simdgroup covers rows (gb % NB) * BRM .. + BRM of KV head gb / NB; grid
 // (32 * ceil(B * Hkv * NB / SG), SG, 1), threadgroup (32, SG, 1). Inputs, params and outputs as
-// attention_decode_block_partials_live with BR = BRM (template, with InT, D, SG); params B, Hkv, S_cap, NB.
+// attention_decode_block_partials_live with BR = BRM (template, with InT, D, SG, STAGED: K and V rows through
+// threadgroup memory with 16-byte loads, or tiles loaded from device memory); params B, Hkv, S_cap, NB.
 {
-  typedef AttentionTileScratch<InT, D, BRM> Scr;
+  typedef AttentionTileScratch<InT, D, BRM, STAGED> Scr;
   threadgroup float scratch[SG * Scr::FLOATS];
   const int sg = static_cast<int>(thread_position_in_threadgroup.y);
   const int gb = static_cast<int>(threadgroup_position_in_grid.x) * SG + sg;
@@ -666,7 +712,7 @@ inline void attention_decode_block_tiles(
     return;  // a slot past the last block (uniform over the simdgroup)
   }
   const int S = min(S_cap, static_cast<int>(last_row[0]) + 1);
-  attention_decode_block_tiles<InT, D, BRM>(
+  attention_decode_block_tiles<InT, D, BRM, STAGED>(
       q, k, v, scale[0], part_max, part_sum, part_acc, Hkv, S, S_cap, NB, gb, scratch + sg * Scr::FLOATS,
       static_cast<int>(thread_index_in_simdgroup));
 }

@@ -496,13 +496,15 @@ TILE_TOL = {"bfloat16": 2 * 2.0**-9, "float16": 2 * 2.0**-11}
 @given(
     B=st.integers(1, 2), Hkv=st.integers(1, 2), D=st.sampled_from([64, 128, 256]),
     capacity=st.sampled_from([8, 37, 300]), fill=st.floats(0.0, 1.0), block_rows=st.sampled_from([8, 16, 64]),
-    simdgroups=st.sampled_from([1, 2, 4]), dtype=st.sampled_from(["bfloat16", "float16"]), sharp=st.booleans(),
-    seed=st.integers(0, 2**16),
+    simdgroups=st.sampled_from([None, 1, 2]), staged=st.booleans(), dtype=st.sampled_from(["bfloat16", "float16"]),
+    sharp=st.booleans(), seed=st.integers(0, 2**16),
 )
-def test_matrix_tile_partials_match_reference(B, Hkv, D, capacity, fill, block_rows, simdgroups, dtype, sharp, seed):
+def test_matrix_tile_partials_match_reference(B, Hkv, D, capacity, fill, block_rows, simdgroups, staged, dtype, sharp,
+                                              seed):
     """The matrix-tile partials over a buffer's capacity: the G = 8 heads of a KV head as a tile's rows, one
-    simdgroup a block; rows past the live length hold NaN (a product that read them would show it: the last
-    partial chunk, fewer than 8 live rows in all), partials and output poisoned, the merge unchanged."""
+    simdgroup a block, tiles loaded from device memory or K/V rows staged through threadgroup memory; rows past the
+    live length hold NaN (a product that read them would show it: the last partial chunk, fewer than 8 live rows in
+    all), partials and output poisoned, the merge unchanged."""
     rng = np.random.default_rng(seed)
     q, k, v = _problem(rng, B, Hkv, 8, D, capacity, DTYPES[dtype])
     S = 1 + int(fill * (capacity - 1))
@@ -512,10 +514,12 @@ def test_matrix_tile_partials_match_reference(B, Hkv, D, capacity, fill, block_r
     with record_launches() as rec:
         out = ak.decode_attention_tiles_live(q, k, v, mx.array([S - 1], dtype=mx.int32), scale=scale,
                                              backend=KERNEL_BACKEND, block_rows=block_rows, simdgroups=simdgroups,
-                                             init_value=NAN)
+                                             staged=staged, init_value=NAN)
     assert rec.names() == ["attention_decode_block_partials_live_tiles", "attention_decode_merge_live_blocks"]
     blocks = -(-capacity // block_rows)  # from the capacity, not S
-    assert rec[0].kwargs["grid"] == (32 * -(-(B * Hkv * blocks) // simdgroups), simdgroups, 1)
+    sg = rec[0].kwargs["threadgroup"][1]
+    assert sg == (simdgroups or (2 if staged and D == 256 else ak.TILE_SIMDGROUPS))  # 32 KiB
+    assert rec[0].kwargs["grid"] == (32 * -(-(B * Hkv * blocks) // sg), sg, 1)
     _check(out, _oracle(q, k, v, S, scale), TILE_TOL[dtype])
 
 
@@ -532,6 +536,8 @@ def test_matrix_tile_partials_at_qwen36_shape_with_a_moving_max():
     last = mx.array([999], dtype=mx.int32)
     out = ak.decode_attention_tiles_live(q, k, v, last, scale=256**-0.5, backend=KERNEL_BACKEND, init_value=NAN)
     _check(out, _oracle(q, k, v, 1000, 256**-0.5), TILE_TOL["bfloat16"])
+    staged = ak.decode_attention_tiles_live(q, k, v, last, scale=256**-0.5, backend=KERNEL_BACKEND, staged=True)
+    assert bool(mx.array_equal(staged, out).item())  # the same products on the same values: the same bits
     q3, k3, v3 = (mx.concatenate([x, _rand(rng, x.shape, x.dtype), _rand(rng, x.shape, x.dtype)]) for x in (q, k, v))
     out3 = ak.decode_attention_tiles_live(q3, k3, v3, last, scale=256**-0.5, backend=KERNEL_BACKEND)
     assert bool(mx.array_equal(out3[:1], out).item())
@@ -539,14 +545,16 @@ def test_matrix_tile_partials_at_qwen36_shape_with_a_moving_max():
 
 @needs_sim
 @pytest.mark.skipif(KERNEL_BACKEND != "sim", reason="the race check is the simulator's")
+@pytest.mark.parametrize("staged", [False, True], ids=["tiles-from-memory", "staged"])
 @pytest.mark.parametrize("capacity, S", [(64, 61), (40, 5)], ids=["partial-last-chunk", "under-8-rows"])
-def test_matrix_tile_partials_race_check(monkeypatch, capacity, S):
+def test_matrix_tile_partials_race_check(monkeypatch, capacity, S, staged):
     """The simulator's race check on the per-simdgroup scores, weights and staged V (simdgroup barriers only)."""
     monkeypatch.setenv("LILY_MSL_RACE", "1")
     rng = np.random.default_rng(3)
     q, k, v = _problem(rng, 1, 1, 8, 64, capacity, mx.bfloat16)
     out = ak.decode_attention_tiles_live(q, k, v, mx.array([S - 1], dtype=mx.int32), scale=0.125,
-                                         backend=KERNEL_BACKEND, block_rows=16, simdgroups=2, init_value=NAN)
+                                         backend=KERNEL_BACKEND, block_rows=16, simdgroups=2, staged=staged,
+                                         init_value=NAN)
     _check(out, _oracle(q, k, v, S, 0.125), TILE_TOL["bfloat16"])
 
 
@@ -574,8 +582,8 @@ def test_matrix_tile_partials_compile_for_cuda():
     header, body = kernel_source(spec)
     kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
     q, k = mx.zeros((1, 16, 1, 256), mx.bfloat16), mx.zeros((1, 2, 64, 256), mx.bfloat16)
-    for sg, brm in ((4, 128), (2, 64)):
-        template = [("InT", mx.bfloat16), ("D", 256), ("SG", sg), ("BRM", brm)]
+    for sg, brm, staged in ((4, 128, 0), (2, 64, 0), (2, 128, 1)):
+        template = [("InT", mx.bfloat16), ("D", 256), ("SG", sg), ("BRM", brm), ("STAGED", staged)]
         _, unit = wrap_like_mlx(kernel, [q, k, k, mx.zeros((1,)), mx.zeros((1,), mx.int32), mx.zeros((4,), mx.int32)],
                                 [mx.float32] * 3, template=template)
         ok, log = compile_cuda(unit)

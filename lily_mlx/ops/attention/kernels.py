@@ -353,11 +353,12 @@ TILE_SIMDGROUPS = 4
 TILE_BLOCK_ROWS = 128
 
 
-def tile_scratch_bytes(D: int, block_rows: int, dtype) -> int:
+def tile_scratch_bytes(D: int, block_rows: int, dtype, staged: bool = False) -> int:
     """Threadgroup memory a simdgroup of the matrix-tile partials uses (AttentionTileScratch in decode.metal)."""
     ld = block_rows + 16
     size = dtype.size
-    return 4 * (max(8 * ld, 8 * D * size // 4) + (8 * ld + 64) * size // 4 + 1)
+    floats = max(8 * ld, 8 * D * size // 4) + (8 * ld + 64) * size // 4 + 1
+    return 4 * (floats + (8 * (D + 8) * size // 4 if staged else 0))
 
 
 def tiles_supported(queries: mx.array, keys: mx.array) -> bool:
@@ -376,6 +377,7 @@ def decode_attention_tiles_live(
     backend: str,
     block_rows: Optional[int] = None,  # BRM, a multiple of 8 (default TILE_BLOCK_ROWS)
     simdgroups: Optional[int] = None,  # blocks per threadgroup (default TILE_SIMDGROUPS, fewer if over 32 KiB)
+    staged: bool = False,  # K and V rows through threadgroup memory (16-byte loads) instead of tiles from memory
     init_value=None,
 ) -> mx.array:  # [B, Hq, 1, D]
     """``decode_attention_fixed_blocks_live`` with matrix-tile partials (one simdgroup a block), then the same
@@ -387,11 +389,11 @@ def decode_attention_tiles_live(
     Hkv, S_cap = keys.shape[1], keys.shape[2]
     brm = block_rows or TILE_BLOCK_ROWS
     sg = simdgroups or TILE_SIMDGROUPS
-    while simdgroups is None and sg > 1 and sg * tile_scratch_bytes(D, brm, queries.dtype) > 32 * 1024:
+    while simdgroups is None and sg > 1 and sg * tile_scratch_bytes(D, brm, queries.dtype, staged) > 32 * 1024:
         sg //= 2  # long blocks: fewer of them a threadgroup (Apple's 32 KiB)
     if brm % 8:
         raise ValueError(f"block rows {brm} is not a multiple of 8")
-    if sg * tile_scratch_bytes(D, brm, queries.dtype) > 32 * 1024:
+    if sg * tile_scratch_bytes(D, brm, queries.dtype, staged) > 32 * 1024:
         raise ValueError(f"{sg} simdgroups of {brm} block rows at D = {D} need more than 32 KiB of threadgroup memory")
     plan = fixed_block_plan(S_cap, D, B * Hkv, brm)
     partials = KERNELS["attention_decode_block_partials_live_tiles"]
@@ -399,7 +401,7 @@ def decode_attention_tiles_live(
     part_max, part_sum, part_acc = get_kernel(partials, backend)(
         inputs=[queries, keys, values, float32_scalar(scale), last_row,
                 partials.pack(B=B, Hkv=Hkv, S_cap=S_cap, NB=plan.blocks)],
-        template=[("InT", queries.dtype), ("D", D), ("SG", sg), ("BRM", brm)],
+        template=[("InT", queries.dtype), ("D", D), ("SG", sg), ("BRM", brm), ("STAGED", int(staged))],
         grid=(32 * (-(-(B * Hkv * plan.blocks) // sg)), sg, 1), threadgroup=(32, sg, 1),
         output_shapes=[(B * Hq, plan.blocks), (B * Hq, plan.blocks), (B * Hq, plan.blocks, D)],
         output_dtypes=[mx.float32] * 3,
