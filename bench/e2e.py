@@ -593,29 +593,36 @@ def notes_markdown(rows: List[Dict]) -> str:
     return "\n".join(notes)
 
 
-def ablation_markdown(rows: List[Dict]) -> str:
-    """Per ablation engine: what the switch buys end to end (lily with it on / lily with it off)."""
-    engines = sorted({e for r in rows for e in r if isinstance(e, str) and e.startswith(ABLATION_PREFIX)})
+def _fmt(x, nd=1) -> str:
+    return "-" if x is None else f"{x:,.{nd}f}"
+
+
+def _beside_lily_markdown(rows: List[Dict], select: Callable[[str], bool], header: str,
+                          cells: Callable[[str, Dict, Dict, bool], List[str]]) -> str:
+    """A table of the engines ``select`` picks, each row beside lily's at one length: ``cells(engine, its entry,
+    lily's entry, decode measured)`` after the length. Empty without such engines."""
+    engines = sorted({e for r in rows for e in r if isinstance(e, str) and select(e)})
     if not engines:
         return ""
-    lines = ["| length | switch(es) off | prefill tok/s off | lily prefill tok/s | on/off | "
-             "decode tok/s off | lily decode tok/s | on/off |", "|---|---|---|---|---|---|---|---|"]
-
-    def f(x, nd=1):
-        return "-" if x is None else f"{x:,.{nd}f}"
-
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in rows:
         for e in engines:
             a, l_ = r.get(e), r.get("lily")
-            if not a or not l_:
-                continue
-            dec = r["decode"]
-            lines.append(f"| {r['label']} | {e[len(ABLATION_PREFIX):]} | {f(a.get('prompt_tps'))} | "
-                         f"{f(l_.get('prompt_tps'))} | {f(a.get('prefill_vs_lily'), 3)} | "
-                         f"{f(a.get('generation_tps') if dec else None)} | "
-                         f"{f(l_.get('generation_tps') if dec else None)} | "
-                         f"{f(a.get('decode_vs_lily') if dec else None, 3)} |")
+            if a and l_:
+                lines.append("| " + " | ".join([r["label"], *cells(e, a, l_, r["decode"])]) + " |")
     return "\n".join(lines)
+
+
+def ablation_markdown(rows: List[Dict]) -> str:
+    """Per ablation engine: what the switch buys end to end (lily with it on / lily with it off)."""
+    return _beside_lily_markdown(
+        rows, lambda e: e.startswith(ABLATION_PREFIX),
+        "| length | switch(es) off | prefill tok/s off | lily prefill tok/s | on/off | decode tok/s off | "
+        "lily decode tok/s | on/off |",
+        lambda e, a, l_, dec: [e[len(ABLATION_PREFIX):], _fmt(a.get("prompt_tps")), _fmt(l_.get("prompt_tps")),
+                               _fmt(a.get("prefill_vs_lily"), 3), _fmt(a.get("generation_tps") if dec else None),
+                               _fmt(l_.get("generation_tps") if dec else None),
+                               _fmt(a.get("decode_vs_lily") if dec else None, 3)])
 
 
 def is_variant(engine: str) -> bool:
@@ -625,29 +632,17 @@ def is_variant(engine: str) -> bool:
 
 
 def variant_markdown(rows: List[Dict]) -> str:
-    """Per engine with a modifier: its prefill, decode and peak memory next to lily's, and lily / it."""
-    engines = sorted({e for r in rows for e in r if isinstance(e, str) and is_variant(e)})
-    if not engines:
-        return ""
-    lines = ["| length | engine | prefill tok/s | lily prefill tok/s | it / lily | decode tok/s | lily decode tok/s | "
-             "it / lily | peak GB it / lily |", "|---|---|---|---|---|---|---|---|---|"]
-
-    def f(x, nd=1):
-        return "-" if x is None else f"{x:,.{nd}f}"
-
-    for r in rows:
-        for e in engines:
-            a, l_ = r.get(e), r.get("lily")
-            if not a or not l_:
-                continue
-            dec = r["decode"]
-            lines.append(f"| {r['label']} | {e} | {f(a.get('prompt_tps'))} | {f(l_.get('prompt_tps'))} | "
-                         f"{f(_ratio(a.get('prompt_tps'), l_.get('prompt_tps')), 3)} | "
-                         f"{f(a.get('generation_tps') if dec else None)} | "
-                         f"{f(l_.get('generation_tps') if dec else None)} | "
-                         f"{f(_ratio(a.get('generation_tps'), l_.get('generation_tps')) if dec else None, 3)} | "
-                         f"{f(a.get('peak_memory'), 2)} / {f(l_.get('peak_memory'), 2)} |")
-    return "\n".join(lines)
+    """Per engine with a modifier: its prefill, decode and peak memory next to lily's, and it / lily."""
+    return _beside_lily_markdown(
+        rows, is_variant,
+        "| length | engine | prefill tok/s | lily prefill tok/s | it / lily | decode tok/s | lily decode tok/s | "
+        "it / lily | peak GB it / lily |",
+        lambda e, a, l_, dec: [e, _fmt(a.get("prompt_tps")), _fmt(l_.get("prompt_tps")),
+                               _fmt(_ratio(a.get("prompt_tps"), l_.get("prompt_tps")), 3),
+                               _fmt(a.get("generation_tps") if dec else None),
+                               _fmt(l_.get("generation_tps") if dec else None),
+                               _fmt(_ratio(a.get("generation_tps"), l_.get("generation_tps")) if dec else None, 3),
+                               f"{_fmt(a.get('peak_memory'), 2)} / {_fmt(l_.get('peak_memory'), 2)}"])
 
 
 def plot(rows: List[Dict], path: str, title: str) -> Optional[str]:

@@ -335,24 +335,30 @@ def test_embedded_model_decode_with_device_positions_is_unchanged(monkeypatch):
 # the CUDA bridge: every switch state translates and compiles (the model's call site is compiled by
 # tests/msl/test_cuda_bridge.py in the default switch state only)
 
-def test_every_switch_state_compiles_for_cuda():
+def _assert_compiles_for_cuda(name: str, inputs, output_dtypes, templates) -> None:
+    """Kernel ``name``'s CUDA translation compiles (NVRTC or nvcc) at each template of ``templates``."""
     from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
     from lily_dev.compile_check import compile_cuda, compiler_available
     from lily_mlx.core.kernel_registry import kernel_source
 
     if compiler_available() is None:
         pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
-    spec = ak.KERNELS["attention_decode"]
+    spec = ak.KERNELS[name]
     header, body = kernel_source(spec)
     kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
-    q, k = mx.zeros((1, 16, 1, 256), mx.bfloat16), mx.zeros((1, 2, 8, 256), mx.bfloat16)
-    for packed, coalesced in SWITCH_STATES:
-        template = [("InT", mx.bfloat16), ("D", 256), ("GT", 8 if packed else 1), ("SG", ak.DECODE_SIMDGROUPS),
-                    ("R", ak.DECODE_ROWS_PER_STEP), ("COALESCED", int(coalesced))]
-        _, unit = wrap_like_mlx(kernel, [q, k, k, mx.zeros((1,)), mx.zeros((1,), mx.int32), mx.zeros((5,), mx.int32)],
-                                [mx.bfloat16], template=template)
+    for template in templates:
+        _, unit = wrap_like_mlx(kernel, inputs, output_dtypes, template=template)
         ok, log = compile_cuda(unit)
         assert ok, log
+
+
+def test_every_switch_state_compiles_for_cuda():
+    q, k = mx.zeros((1, 16, 1, 256), mx.bfloat16), mx.zeros((1, 2, 8, 256), mx.bfloat16)
+    _assert_compiles_for_cuda(
+        "attention_decode", [q, k, k, mx.zeros((1,)), mx.zeros((1,), mx.int32), mx.zeros((5,), mx.int32)],
+        [mx.bfloat16], [[("InT", mx.bfloat16), ("D", 256), ("GT", 8 if packed else 1), ("SG", ak.DECODE_SIMDGROUPS),
+                         ("R", ak.DECODE_ROWS_PER_STEP), ("COALESCED", int(coalesced))]
+                        for packed, coalesced in SWITCH_STATES])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -572,22 +578,12 @@ def test_matrix_tile_partials_refuse_other_shapes():
 
 
 def test_matrix_tile_partials_compile_for_cuda():
-    from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
-    from lily_dev.compile_check import compile_cuda, compiler_available
-    from lily_mlx.core.kernel_registry import kernel_source
-
-    if compiler_available() is None:
-        pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
-    spec = ak.KERNELS["attention_decode_block_partials_live_tiles"]
-    header, body = kernel_source(spec)
-    kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
     q, k = mx.zeros((1, 16, 1, 256), mx.bfloat16), mx.zeros((1, 2, 64, 256), mx.bfloat16)
-    for sg, brm, staged in ((4, 128, 0), (2, 64, 0), (2, 128, 1)):
-        template = [("InT", mx.bfloat16), ("D", 256), ("SG", sg), ("BRM", brm), ("STAGED", staged)]
-        _, unit = wrap_like_mlx(kernel, [q, k, k, mx.zeros((1,)), mx.zeros((1,), mx.int32), mx.zeros((4,), mx.int32)],
-                                [mx.float32] * 3, template=template)
-        ok, log = compile_cuda(unit)
-        assert ok, log
+    _assert_compiles_for_cuda(
+        "attention_decode_block_partials_live_tiles",
+        [q, k, k, mx.zeros((1,)), mx.zeros((1,), mx.int32), mx.zeros((4,), mx.int32)], [mx.float32] * 3,
+        [[("InT", mx.bfloat16), ("D", 256), ("SG", sg), ("BRM", brm), ("STAGED", staged)]
+         for sg, brm, staged in ((4, 128, 0), (2, 64, 0), (2, 128, 1))])
 
 
 def test_the_live_form_widens_its_threadgroups_on_cuda():
