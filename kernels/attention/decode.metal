@@ -468,7 +468,8 @@ struct AttentionTileScratch {
   static constant constexpr int V_FLOATS = 8 * D * sizeof(InT) / 4;                // a zero-filled V chunk
   static constant constexpr int WEIGHTS_AT = SCORE_FLOATS > V_FLOATS ? SCORE_FLOATS : V_FLOATS;
   static constant constexpr int SLD = D + 8;                                        // staged row stride (InT)
-  static constant constexpr int STAGE_AT = WEIGHTS_AT + (8 * LD + 64) * sizeof(InT) / 4 + 1;
+  // 16-byte aligned (the staged rows' vector stores; a simdgroup's scratch starts at a multiple of FLOATS)
+  static constant constexpr int STAGE_AT = (WEIGHTS_AT + (8 * LD + 64) * sizeof(InT) / 4 + 3) / 4 * 4;
   static constant constexpr int FLOATS = STAGE_AT + (STAGED ? 8 * SLD * sizeof(InT) / 4 : 0);
 };
 
@@ -705,7 +706,8 @@ inline void attention_decode_block_tiles(
 // threadgroup memory with 16-byte loads, or tiles loaded from device memory); params B, Hkv, S_cap, NB.
 {
   typedef AttentionTileScratch<InT, D, BRM, STAGED> Scr;
-  threadgroup float scratch[SG * Scr::FLOATS];
+  threadgroup float4 scratch4[SG * Scr::FLOATS / 4];  // float4: 16-byte aligned for the staged rows' stores
+  threadgroup float* scratch = reinterpret_cast<threadgroup float*>(scratch4);
   const int sg = static_cast<int>(thread_position_in_threadgroup.y);
   const int gb = static_cast<int>(threadgroup_position_in_grid.x) * SG + sg;
   if (gb >= B * Hkv * NB) {
