@@ -428,6 +428,29 @@ def test_misaligned_vector_access_is_reported():
         run(shifted, [x], (1,), grid=(1, 1, 1), tg=(1, 1, 1), names=["inp"])
 
 
+def test_misaligned_threadgroup_vector_access_is_reported_by_the_race_check():
+    # A uint4 stored through reinterpret_cast at a 4-byte offset of threadgroup memory: the CUDA bridge faults
+    # ("misaligned address"), Metal requires the alignment. Device buffers are checked in every build; threadgroup
+    # memory in race-check builds (every access instrumented), where the plain build would pass.
+    src = """
+    threadgroup float4 buf4[33];
+    threadgroup float* buf = reinterpret_cast<threadgroup float*>(buf4);
+    uint t = thread_position_in_grid.x;
+    *reinterpret_cast<threadgroup uint4*>(buf + {shift} + 4 * t) = uint4(t);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    out[t] = float(reinterpret_cast<threadgroup uint*>(buf)[{shift} + 4 * t]);
+    """
+    x = mx.zeros((32,))
+    aligned = run(src.replace("{shift}", "4"), [x], (32,), grid=(32, 1, 1), tg=(32, 1, 1), names=["inp"],
+                  race_check=True)
+    assert aligned.tolist() == [float(t) for t in range(32)]
+    shifted = src.replace("{shift}", "1")
+    run(shifted, [x], (32,), grid=(32, 1, 1), tg=(32, 1, 1), names=["inp"])  # unchecked without the race check
+    with pytest.raises(sim.MisalignedAccessError, match=r"writes 16 bytes at byte 4 of threadgroup `buf4` "
+                                                        r".*not a multiple of 16"):
+        run(shifted, [x], (32,), grid=(32, 1, 1), tg=(32, 1, 1), names=["inp"], race_check=True)
+
+
 @pytest.mark.parametrize("text", [
     "template <typename T> requires (sizeof(T) == 4) inline T same(T x) { return x; }\n",
     "inline float f(float x) { auto g = []<typename T>(T y) { return y; }; return g(x); }\n",

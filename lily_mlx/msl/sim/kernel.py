@@ -286,7 +286,7 @@ class MetalKernel:
                 msg = self._name_buffers(err.value.decode(errors="replace"), params)
                 cls = _ERRORS.get(rc, SimulatorError)
                 line = launch.err_line
-                if rc == 3 and not line and launch.err_pc:
+                if rc in (3, 5) and not line and launch.err_pc:
                     line = build.source_line_of(lib, launch.err_pc, kname)
                 raise cls(f"[lily_mlx.msl.sim] kernel {self.name} ({kname}): {msg}{_line_text(metal_text, line)}")
         del keep

@@ -270,6 +270,18 @@ template <class T, bool P> struct vec_storage<T, 4, P> {
   };
 };
 
+}  // namespace metal
+#ifdef LILY_MSL_TRACE
+namespace msl_rt {
+// Race-check builds: a vector assigned to or from threadgroup memory at an address its alignment does not divide
+// (trace.h). The compiler sees the copy as a memcpy (no alignment), so the check is made here.
+void trace_vec_align(const volatile void* p, size_t align, bool write);
+}  // namespace msl_rt
+#define LILY_VEC_ALIGN(p, write) msl_rt::trace_vec_align((p), alignof(vec), (write))
+#else
+#define LILY_VEC_ALIGN(p, write) ((void)0)
+#endif
+namespace metal {
 template <class T, int N, bool Packed>
 struct alignas(msl_rt::vec_align(sizeof(T), N, Packed)) vec : vec_storage<T, N, Packed> {
   using elem_type = T;
@@ -278,7 +290,12 @@ struct alignas(msl_rt::vec_align(sizeof(T), N, Packed)) vec : vec_storage<T, N, 
   const T& operator[](int i) const { return (&this->x)[i]; }
   vec() = default;
   vec(const vec&) = default;
-  vec& operator=(const vec& o) { std::memcpy((void*)this, (const void*)&o, sizeof(vec)); return *this; }
+  vec& operator=(const vec& o) {
+    LILY_VEC_ALIGN(&o, false);
+    LILY_VEC_ALIGN(this, true);
+    std::memcpy((void*)this, (const void*)&o, sizeof(vec));
+    return *this;
+  }
   // A swizzle (v.xy) converts to the vector it reads.
   template <int M, int... I, std::enable_if_t<sizeof...(I) == N, int> = 0>
   vec(const swizzle<T, M, I...>& s) { int k = 0; ((( *this)[k++] = s.d[I]), ...); }

@@ -49,11 +49,36 @@ LILY_NO_TRACE static void trace_race(Worker* w, size_t byte, bool write, uint32_
                 write ? "writes" : "reads", off, name, other_s, other_wrote ? "wrote" : "read");
 }
 
-LILY_NO_TRACE static inline void trace_access(const volatile void* addr, size_t size, bool write, const void* pc) {
+// A threadgroup-memory access of a 2-, 4-, 8- or 16-byte type at an address that is not a multiple of its size (a
+// uint4 store through reinterpret_cast at a 4-byte offset, say): Metal requires the alignment and the CUDA bridge
+// faults ("misaligned address"). Only accesses the compiler emits as aligned (the __tsan_unaligned_* hooks are the
+// code's own unaligned accesses, such as packed types). Device buffers are checked in every build (runtime.h).
+LILY_NO_TRACE static void trace_misaligned(Worker* w, size_t byte, size_t size, bool write, const void* pc) {
+  w->err_pc = (int64_t)((uintptr_t)pc - (uintptr_t)&lily_sim_launch);
+  const char* name = "?";
+  size_t off = byte;
+  for (int i = 0; i < w->n_tg; ++i) {
+    const TgEntry& e = w->tg_entries[i];
+    if (byte >= e.offset && byte < e.offset + e.size) { name = e.name; off = byte - e.offset; break; }
+  }
+  const ThreadAttrs& a = w->fibers[w->cur_index].at;
+  w->failed = true;
+  w->err_kind = 5;
+  w->err_line = 0;
+  std::snprintf(w->err, sizeof(w->err),
+                "misaligned: thread %u of threadgroup (%u,%u,%u) %s %zu bytes at byte %zu of threadgroup `%s` "
+                "(threadgroup offset %zu, not a multiple of %zu), as a GPU would not",
+                a.thread_index_in_threadgroup, a.threadgroup_position_in_grid.x, a.threadgroup_position_in_grid.y,
+                a.threadgroup_position_in_grid.z, write ? "writes" : "reads", size, off, name, byte, size);
+}
+
+LILY_NO_TRACE static inline void trace_access(const volatile void* addr, size_t size, bool write, const void* pc,
+                                              bool aligned = false) {
   Worker* w = tw;
   if (!w || !w->cur || !w->trace || w->failed) return;
   uintptr_t rel = (uintptr_t)addr - (uintptr_t)w->arena;
   if (rel >= w->arena_used) return;
+  if (aligned && (rel & (size - 1))) { trace_misaligned(w, rel, size, write, pc); return; }
   const uint32_t me = (uint32_t)w->cur_index + 1;
   const int32_t sg = (int32_t)(w->cur_index / 32);
   const uint32_t sg_epoch = (uint32_t)w->simd[sg].gen;
@@ -86,6 +111,12 @@ LILY_NO_TRACE static inline void trace_access(const volatile void* addr, size_t 
     }
   }
 }
+LILY_NO_TRACE void trace_vec_align(const volatile void* p, size_t align, bool write) {
+  Worker* w = tw;
+  if (!w || !w->cur || !w->trace || w->failed) return;
+  uintptr_t rel = (uintptr_t)p - (uintptr_t)w->arena;
+  if (rel < w->arena_used && (rel & (align - 1))) trace_misaligned(w, rel, align, write, __builtin_return_address(0));
+}
 }  // namespace msl_rt
 
 // Hooks called by -fsanitize=thread instrumentation.
@@ -93,8 +124,8 @@ LILY_NO_TRACE static inline void trace_access(const volatile void* addr, size_t 
 #define LILY_CALLER ((const char*)__builtin_return_address(0) - 1)
 extern "C" {
 #define LILY_TSAN_RW(N)                                                                                 \
-  LILY_NO_TRACE void __tsan_read##N(void* a) { msl_rt::trace_access(a, N, false, LILY_CALLER); }       \
-  LILY_NO_TRACE void __tsan_write##N(void* a) { msl_rt::trace_access(a, N, true, LILY_CALLER); }       \
+  LILY_NO_TRACE void __tsan_read##N(void* a) { msl_rt::trace_access(a, N, false, LILY_CALLER, true); } \
+  LILY_NO_TRACE void __tsan_write##N(void* a) { msl_rt::trace_access(a, N, true, LILY_CALLER, true); } \
   LILY_NO_TRACE void __tsan_unaligned_read##N(void* a) { msl_rt::trace_access(a, N, false, LILY_CALLER); } \
   LILY_NO_TRACE void __tsan_unaligned_write##N(void* a) { msl_rt::trace_access(a, N, true, LILY_CALLER); }
 LILY_TSAN_RW(1)
