@@ -66,6 +66,8 @@
 #   PART=28 bash bench/device_decode_checks.sh  # the matrix-tile decode attention partials (candidate): CUDA
 #                                               # tests, then lily_dev.live_check at 4K / 32K / 128K against the
 #                                               # live form
+#   PART=29 bash bench/device_decode_checks.sh  # the gate+up GEMV's K-split candidate (each sum as SK chains):
+#                                               # CUDA tests, op cases against the staged GEMV (issue 12's 80 %)
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -395,7 +397,17 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       -o addopts= tests/kernels/test_attention_kernels.py -k "matrix_tile or live_length"
     tail -3 "$W/tests_cuda.txt" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27 or 28" \
+  29) # issue 12's expert GEMVs at >= 80 % of copy: gate+up at one token is 6.5x its byte time in a 32K step (17.6 us a
+      # layer for ~10.6 MB), its 9,216 chains of 2,048 dependent FMAs the bound (docs/moe.md); the K-split candidate
+      # (R, KC, SK) runs 4x the chains of a quarter the length. Kernel time only (the GEMM tiles keep SK = 1's bits).
+    run op_cases 300 python -m bench.run --mode kernels --op-cases on \
+      --op-match 'gemv_gate_up_swiglu_(staged|r[0-9]+_kc[0-9]+(_sk[0-9]+)?)_x8\[1tok\]' --out "$W/gemv_split"
+    grep -E "gemv_gate_up" "$W/gemv_split/kernels.md" 2>/dev/null | head -12
+    run tests_cuda 200 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+      -o addopts= tests/kernels/test_moe_kernels.py -k "k_split or same_bits_as_gemm_tiles"
+    tail -3 "$W/tests_cuda.txt" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28 or 29" \
        >&2
      exit 2 ;;
 esac

@@ -206,6 +206,9 @@ GEMV_POOL = 32  # distinct decode calls the GEMV cases cycle through
 REPEATS = 8  # launches per evaluation in the _x8 cases
 # Staged layouts timed besides the default (kernels.GEMV_LAYOUT): (R outputs per threadgroup, K chunk).
 GEMV_VARIANTS = {"gate_up": ((32, 256), (64, 128)), "down": ((64, 256), (128, 256), (64, 128))}
+# The gate+up GEMV's K-split candidate (R, KC, SK): each sum as SK chains over contiguous K ranges (other bits than
+# the GEMM tiles', so a candidate: docs/moe.md), timed as gemv_gate_up_swiglu_r{R}_kc{KC}_sk{SK}_x8[1tok].
+GEMV_SPLIT_VARIANTS = ((16, 128, 2), (16, 64, 4), (8, 64, 4), (8, 64, 8))
 # Layouts of the down GEMV + combine kernel timed besides its default: (R columns a threadgroup, K chunk).
 DOWN_COMBINE_VARIANTS = ((8, 128), (8, 64), (4, 128), (4, 64), (32, 64))
 
@@ -274,6 +277,9 @@ def decode_gemv_cases(sw, backend: str) -> List[Tuple[str, Callable[[], None], i
             layouts = [("staged", None), ("rowwise", "rowwise")]
             if tokens == 1:
                 layouts += [("rowwise_exp", "rowwise_exp")] + [(f"r{r}_kc{kc}", (r, kc)) for r, kc in variants]
+                if name == "gemv_gate_up_swiglu":
+                    layouts += [(f"r{r}_kc{kc}_sk{sk}", (r, kc, sk)) for r, kc, sk in GEMV_SPLIT_VARIANTS
+                                if HIDDEN % (kc * sk) == 0]  # (shrunk shapes in tests)
             for label, layout in layouts:
                 if tokens == 1 and label in ("staged", "rowwise"):
                     cases.append((f"{name}_{label}{t}", _cycling(make(layout), calls, 1), nbytes, flops))

@@ -207,72 +207,80 @@ inline void moe_stage_row(const device T* row, threadgroup float* xs, int K, uin
 // chains run and are stored to the other of two buffers after them (one barrier per chunk), so the
 // memory latency overlaps the arithmetic. Rows are padded by one uint4 (stride KC / 8 + 4 words), so
 // the chains' 16-byte reads of 32 different rows hit distinct banks.
-template <int NM, int R, int KC>
+// SK (split K, a candidate; 1 everywhere the product runs): each sum as SK chains over contiguous K ranges of K / SK
+// values (range s from s K / SK), added in s order at the end (moe_gemv_staged). Chain (s, m, r) is virtual row
+// v = s * NM * R + m * R + r of the staged buffers, with range s's activations; SK = 1 is the form above.
+template <int NM, int R, int KC, int SK = 1>
 struct MoeGemvShape {
-  static constant constexpr int NT = NM * R;                // threads, one chain each
+  static constant constexpr int NMR = NM * R;               // sums
+  static constant constexpr int NT = NMR * SK;              // threads, one chain each
   static constant constexpr int P = KC / 32;                // uint4 pieces per row and chunk
   static constant constexpr int STRIDE = P + 1;             // padded row stride (uint4)
   static constant constexpr int G = KC / 64;                // scales per row and chunk
-  static constant constexpr int XQ = (KC / 4 + NT - 1) / NT;  // 4-value pieces of x per thread and chunk
+  static constant constexpr int XQ = (SK * KC / 4 + NT - 1) / NT;  // 4-value pieces of x per thread and chunk
 };
 
-// This thread's share of chunk k0 into registers: P uint4 pieces (piece i = tid + q * NT of the
-// NM * R * P, row-major, pieces of a row adjacent), G scales and G biases, XQ x 4 activation values.
-// Row r of matrix m: packed words w_m + r * wstride, scales/biases s_m / b_m + r * sstride.
-template <int NM, int R, int KC, typename T>
+// This thread's share of chunk k0 (of every K range) into registers: P uint4 pieces (piece i = tid + q * NT of the
+// NT * P, virtual-row-major, pieces of a row adjacent), G scales and G biases, XQ x 4 activation values.
+// Row r of matrix m: packed words w_m + r * wstride, scales/biases s_m / b_m + r * sstride; KS = K / SK.
+template <int NM, int R, int KC, typename T, int SK = 1>
 inline void moe_gemv_fetch(
     const device uint32_t* w0, const device uint32_t* w1, long wstride,
     const device T* s0, const device T* s1, const device T* b0, const device T* b1, long sstride,
-    const device T* xrow, int k0, uint tid, thread uint4* wr, thread T* sr, thread T* br, thread T* xr) {
-  typedef MoeGemvShape<NM, R, KC> Shape;
+    const device T* xrow, int k0, uint tid, thread uint4* wr, thread T* sr, thread T* br, thread T* xr,
+    int KS = 0) {
+  typedef MoeGemvShape<NM, R, KC, SK> Shape;
   for (int q = 0; q < Shape::P; ++q) {
     const int i = int(tid) + q * Shape::NT;
-    const int m = i / (R * Shape::P);
-    const int r = (i / Shape::P) % R;
+    const int v = i / Shape::P;
+    const int m = (v % Shape::NMR) / R;
+    const int r = v % R;
     const int p = i % Shape::P;
-    const device uint32_t* src = (m == 0 ? w0 : w1) + r * wstride + k0 / 8 + 4 * p;
+    const device uint32_t* src = (m == 0 ? w0 : w1) + r * wstride + ((v / Shape::NMR) * KS + k0) / 8 + 4 * p;
     wr[q] = *reinterpret_cast<const device uint4*>(src);
   }
   for (int q = 0; q < Shape::G; ++q) {
     const int i = int(tid) + q * Shape::NT;
-    const int m = i / (R * Shape::G);
-    const int r = (i / Shape::G) % R;
-    const long off = r * sstride + k0 / 64 + i % Shape::G;
+    const int v = i / Shape::G;
+    const int m = (v % Shape::NMR) / R;
+    const int r = v % R;
+    const long off = r * sstride + ((v / Shape::NMR) * KS + k0) / 64 + i % Shape::G;
     sr[q] = (m == 0 ? s0 : s1)[off];
     br[q] = (m == 0 ? b0 : b1)[off];
   }
   for (int q = 0; q < Shape::XQ; ++q) {
-    const int i = int(tid) + q * Shape::NT;
-    if (i < KC / 4) {
+    const int i = int(tid) + q * Shape::NT;  // piece i % (KC / 4) of range i / (KC / 4)
+    if (i < SK * KC / 4) {
       for (int c = 0; c < 4; ++c) {
-        xr[4 * q + c] = xrow[k0 + 4 * i + c];
+        xr[4 * q + c] = xrow[(i / (KC / 4)) * KS + k0 + 4 * (i % (KC / 4)) + c];
       }
     }
   }
 }
 
-// The registers of moe_gemv_fetch into one buffer: ws [NM * R][STRIDE] uint4, ss / bs [NM][G][R]
-// floats, xs [KC / 4] float4 (the conversions float(T) of the rowwise form).
-template <int NM, int R, int KC, typename T>
+// The registers of moe_gemv_fetch into one buffer: ws [NT][STRIDE] uint4, ss / bs [SK][NM][G][R]
+// floats, xs [SK][KC / 4] float4 (the conversions float(T) of the rowwise form).
+template <int NM, int R, int KC, typename T, int SK = 1>
 inline void moe_gemv_store(
     threadgroup uint4* ws, threadgroup float* ss, threadgroup float* bs, threadgroup float4* xs, uint tid,
     const thread uint4* wr, const thread T* sr, const thread T* br, const thread T* xr) {
-  typedef MoeGemvShape<NM, R, KC> Shape;
+  typedef MoeGemvShape<NM, R, KC, SK> Shape;
   for (int q = 0; q < Shape::P; ++q) {
     const int i = int(tid) + q * Shape::NT;
     ws[(i / Shape::P) * Shape::STRIDE + i % Shape::P] = wr[q];
   }
   for (int q = 0; q < Shape::G; ++q) {
     const int i = int(tid) + q * Shape::NT;
-    const int m = i / (R * Shape::G);
-    const int r = (i / Shape::G) % R;
-    const int at = (m * Shape::G + i % Shape::G) * R + r;
+    const int v = i / Shape::G;
+    const int m = (v % Shape::NMR) / R;
+    const int r = v % R;
+    const int at = (((v / Shape::NMR) * NM + m) * Shape::G + i % Shape::G) * R + r;
     ss[at] = float(sr[q]);
     bs[at] = float(br[q]);
   }
   for (int q = 0; q < Shape::XQ; ++q) {
     const int i = int(tid) + q * Shape::NT;
-    if (i < KC / 4) {
+    if (i < SK * KC / 4) {
       xs[i] = float4(float(xr[4 * q]), float(xr[4 * q + 1]), float(xr[4 * q + 2]), float(xr[4 * q + 3]));
     }
   }
@@ -311,39 +319,53 @@ inline float moe_gemv_chain(float acc, const threadgroup uint4* wrow, const thre
 // ws, ss, bs, xs: two buffers each, back to back: [2 * NT * (KC / 32 + 1)] uint4, [2 * NT * (KC / 64)]
 // floats twice, [2 * KC / 4] float4 (24.5 KB for gate+up at R = 32, KC = 256 and for down at R = 64,
 // KC = 256; the host keeps them within Apple's 32 KB).
-template <int NM, int R, int KC, typename T>
+template <int NM, int R, int KC, typename T, int SK = 1>
 inline float moe_gemv_staged(
     const device uint32_t* w0, const device uint32_t* w1, long wstride,
     const device T* s0, const device T* s1, const device T* b0, const device T* b1, long sstride,
     const device T* xrow, int K, uint tid,
     threadgroup uint4* ws, threadgroup float* ss, threadgroup float* bs, threadgroup float4* xs,
     uint32_t exponent) {
-  typedef MoeGemvShape<NM, R, KC> Shape;
+  typedef MoeGemvShape<NM, R, KC, SK> Shape;
+  const int KS = K / SK;  // values a chain sums
   uint4 wr[Shape::P];
   T sr[Shape::G];
   T br[Shape::G];
   T xr[4 * Shape::XQ];
-  moe_gemv_fetch<NM, R, KC, T>(w0, w1, wstride, s0, s1, b0, b1, sstride, xrow, 0, tid, wr, sr, br, xr);
-  constexpr int WS = Shape::NT * Shape::STRIDE, SB = Shape::NT * Shape::G, XS = KC / 4;  // one buffer
-  moe_gemv_store<NM, R, KC, T>(ws, ss, bs, xs, tid, wr, sr, br, xr);
+  moe_gemv_fetch<NM, R, KC, T, SK>(w0, w1, wstride, s0, s1, b0, b1, sstride, xrow, 0, tid, wr, sr, br, xr, KS);
+  constexpr int WS = Shape::NT * Shape::STRIDE, SB = Shape::NT * Shape::G, XS = SK * KC / 4;  // one buffer
+  moe_gemv_store<NM, R, KC, T, SK>(ws, ss, bs, xs, tid, wr, sr, br, xr);
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const int m = int(tid) / R;
+  const int split = int(tid) / Shape::NMR;  // this chain's K range
+  const int m = (int(tid) % Shape::NMR) / R;
   const int r = int(tid) % R;
   float acc = 0.0f;
-  const int chunks = K / KC;
+  const int chunks = KS / KC;
   for (int c = 0; c < chunks; ++c) {
     const int cur = c & 1;
     const bool next = c + 1 < chunks;  // uniform over the threadgroup
     if (next) {
-      moe_gemv_fetch<NM, R, KC, T>(w0, w1, wstride, s0, s1, b0, b1, sstride, xrow, (c + 1) * KC, tid,
-                                   wr, sr, br, xr);
+      moe_gemv_fetch<NM, R, KC, T, SK>(w0, w1, wstride, s0, s1, b0, b1, sstride, xrow, (c + 1) * KC, tid,
+                                       wr, sr, br, xr, KS);
     }
-    acc = moe_gemv_chain<R, KC>(acc, ws + cur * WS + (m * R + r) * Shape::STRIDE,
-                                ss + cur * SB + m * Shape::G * R, bs + cur * SB + m * Shape::G * R, r,
-                                xs + cur * XS, exponent);
+    acc = moe_gemv_chain<R, KC>(acc, ws + cur * WS + int(tid) * Shape::STRIDE,
+                                ss + cur * SB + (split * NM + m) * Shape::G * R,
+                                bs + cur * SB + (split * NM + m) * Shape::G * R, r,
+                                xs + cur * XS + split * (KC / 4), exponent);
     if (next) {  // the other buffer: its last readers passed the previous barrier
       const int nb = cur ^ 1;
-      moe_gemv_store<NM, R, KC, T>(ws + nb * WS, ss + nb * SB, bs + nb * SB, xs + nb * XS, tid, wr, sr, br, xr);
+      moe_gemv_store<NM, R, KC, T, SK>(ws + nb * WS, ss + nb * SB, bs + nb * SB, xs + nb * XS, tid, wr, sr, br,
+                                       xr);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (SK > 1) {  // the ranges' sums added in range order by the first SK-th of the threads (ss is free)
+    ss[tid] = acc;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (split == 0) {
+      for (int s = 1; s < SK; ++s) {
+        acc += ss[s * Shape::NMR + int(tid)];
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
@@ -446,7 +468,7 @@ inline void moe_down_combine_out(const threadgroup float* ys, int r, long n, int
 // shared expert's chunk c), output slot `slot`, activation row `token`; h[slot, o0 .. o0 + R) =
 // silu(gate) * up from the staged chains (threads 0 .. R-1 the gate chains, R .. 2R-1 the up chains).
 // Every thread of the threadgroup calls it (it holds barriers).
-template <int R, int KC, typename T>
+template <int R, int KC, typename T, int SK = 1>
 inline void moe_gemv_gate_up_rows(
     int e, int slot, long token, int E, int I, int D, int o0, uint tid, const device T* x,
     const device uint32_t* w_gate, const device T* scales_gate, const device T* biases_gate,
@@ -459,12 +481,12 @@ inline void moe_gemv_gate_up_rows(
   const long row0 = long(shared ? e - E : e) * I + o0;
   const long words = row0 * (D / 8);
   const long groups = row0 * (D / 64);
-  const float acc = moe_gemv_staged<2, R, KC, T>(
+  const float acc = moe_gemv_staged<2, R, KC, T, SK>(
       (shared ? w_gate_s : w_gate) + words, (shared ? w_up_s : w_up) + words, D / 8,
       (shared ? scales_gate_s : scales_gate) + groups, (shared ? scales_up_s : scales_up) + groups,
       (shared ? biases_gate_s : biases_gate) + groups, (shared ? biases_up_s : biases_up) + groups, D / 64,
       x + token * D, D, tid, ws, ss, bs, xs, q4_exponent_unfolded(E));
-  if (int(tid) >= R) {
+  if (int(tid) >= R && int(tid) < 2 * R) {  // the up sums (with SK > 1: the threads that added the ranges)
     up_sums[int(tid) - R] = acc;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -1067,10 +1089,12 @@ if (d0 < D) {
 // inputs, same h, the same bits per element. Rows of shared chunk c (expert id E + c) are token
 // slot - A - c * N; routed rows are token sorted_rows[slot] / top_k. Threads 0 .. R-1 run the gate
 // chains of outputs o0 .. o0 + R - 1, threads R .. 2R-1 their up chains (staged form: see the header).
-threadgroup uint4 gemv_ws[2 * 2 * R * (KC / 32 + 1)];
-threadgroup float gemv_ss[2 * 2 * R * (KC / 64)];
-threadgroup float gemv_bs[2 * 2 * R * (KC / 64)];
-threadgroup float4 gemv_xs[2 * (KC / 4)];
+// SK (template): 1, or a candidate K split (MoeGemvShape: 2R SK threads, each sum SK chains added in order; other
+// bits than the GEMM tiles', so not a product path).
+threadgroup uint4 gemv_ws[2 * 2 * R * SK * (KC / 32 + 1)];
+threadgroup float gemv_ss[2 * 2 * R * SK * (KC / 64)];
+threadgroup float gemv_bs[2 * 2 * R * SK * (KC / 64)];
+threadgroup float4 gemv_xs[2 * SK * (KC / 4)];
 threadgroup float up_sums[R];
 const uint tid = thread_index_in_threadgroup;
 const int blk = int(threadgroup_position_in_grid.y);
@@ -1080,7 +1104,7 @@ if (blocks[4 * blk + 2] == 0) {
   return;  // padding entry: the whole threadgroup leaves
 }
 const long token = e >= E ? long(slot - A - (e - E) * N) : long(sorted_rows[slot] / top_k);
-moe_gemv_gate_up_rows<R, KC, T>(e, slot, token, E, I, D, int(threadgroup_position_in_grid.x) * R, tid, x, w_gate,
+moe_gemv_gate_up_rows<R, KC, T, SK>(e, slot, token, E, I, D, int(threadgroup_position_in_grid.x) * R, tid, x, w_gate,
                                 scales_gate, biases_gate, w_up, scales_up, biases_up, w_gate_s, scales_gate_s,
                                 biases_gate_s, w_up_s, scales_up_s, biases_up_s, gemv_ws, gemv_ss, gemv_bs, gemv_xs,
                                 up_sums, h);

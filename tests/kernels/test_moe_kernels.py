@@ -698,7 +698,7 @@ def test_microbench_cases_small(gemm_sim, monkeypatch):
 
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     # Two lengths: a case built for one length must not run with the other's shapes (late binding).
-    for name, value in dict(HIDDEN=128, EXPERT_WIDTH=64, NUM_EXPERTS=16, TOP_K=4, TOKENS=(24, 40)).items():
+    for name, value in dict(HIDDEN=256, EXPERT_WIDTH=64, NUM_EXPERTS=16, TOP_K=4, TOKENS=(24, 40)).items():
         monkeypatch.setattr(moe_bench, name, value)
     cases = moe_bench.microbench_cases()
     names = [c[0] for c in cases]
@@ -706,6 +706,7 @@ def test_microbench_cases_small(gemm_sim, monkeypatch):
     assert "gemm_down_fused_adaptive_bf16tiles[40tok]" in names
     assert {"down_then_combine_x8[1tok]", "down_combine_default_x8[1tok]",
             "down_combine_r8_kc64_x8[8tok]", "down_combine_direct_x8[1tok]"} <= set(names)
+    assert {"gemv_gate_up_swiglu_r16_kc128_sk2_x8[1tok]", "gemv_gate_up_swiglu_r8_kc64_sk4_x8[1tok]"} <= set(names)
     for name, run_once, bytes_moved, flops in cases:
         run_once()
         assert bytes_moved > 0 and flops >= 0, name
@@ -802,6 +803,121 @@ def test_decode_gemvs_same_bits_as_gemm_tiles(gemm_sim, shape, tokens, chunks, l
         y = down(h_want, True, dn_layout, float("nan"))
         assert mx.array_equal(h, h_want).item(), (up_layout, _rms_rel(h, h_want))
         assert mx.array_equal(y, y_want).item(), (dn_layout, _rms_rel(y, y_want))
+
+
+def _split_k_gate_up_oracle(x, sorted_rows, blocks, sw, top_k, split):
+    """numpy float32, step by step as the kernel rounds (no contraction): w = scale * q + bias, each sum SK chains
+    acc = acc + x * w over contiguous K ranges added in range order, then silu(g) * u; rows by the block map."""
+    def dequant(lin):
+        words, scales, biases = (np.array(a.astype(mx.float32) if a.dtype != mx.uint32 else a)
+                                 for a in (lin.weight, lin.scales, lin.biases))
+        q = ((words[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF).reshape(*words.shape[:-1], -1)
+        group = np.repeat(np.arange(scales.shape[-1]), 64)
+        return (scales[..., group].astype(np.float32) * q.astype(np.float32)).astype(np.float32) \
+            + biases[..., group].astype(np.float32)  # [E, I, D]
+
+    wg, wu = dequant(sw.gate_proj), dequant(sw.up_proj)
+    xs = np.array(x.astype(mx.float32))
+    rows = np.array(sorted_rows)
+    b = np.array(blocks)
+    d = xs.shape[1]
+    ks = d // split
+    out = {}
+    for e, slot, n, _ in b:
+        if n == 0:
+            continue
+        xrow = xs[rows[slot] // top_k]
+        sums = []
+        for w in (wg[e], wu[e]):
+            total = None
+            for s in range(split):
+                acc = np.zeros(w.shape[0], np.float32)
+                for kk in range(s * ks, (s + 1) * ks):
+                    acc = (acc + (np.float32(xrow[kk]) * w[:, kk]).astype(np.float32)).astype(np.float32)
+                total = acc if total is None else (total + acc).astype(np.float32)
+            sums.append(total)
+        g, u = sums
+        out[int(slot)] = (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float32)
+    return out
+
+
+@SETTINGS
+@given(shape=st.sampled_from([(256, 64, 8, 2), (256, 128, 4, 1)]), tokens=st.integers(1, 3),
+       split=st.sampled_from([2, 4]), seed=st.integers(0, 1000))
+def test_decode_gemv_k_split_candidate(gemm_sim, shape, tokens, split, seed):
+    """The gate+up GEMV's K-split candidate (layout (R, KC, SK): each sum as SK chains over contiguous K ranges,
+    added in range order): its outputs are that arithmetic's (numpy, step by step; at most one bf16 step apart
+    where the exponential's last bit differs), every output written; SK = 1 remains the GEMM tiles' bits (the test
+    above)."""
+    d, i, e, k = shape
+    block = make_sparse_moe_block(hidden=d, expert_width=i, num_experts=e, top_k=k, seed=seed % 5, shared_width=i)
+    sw = block.switch_mlp
+    inds = mx.array(make_routing("uniform", tokens, k, e, seed).astype(np.uint32))
+    x = make_inputs(1, tokens, d, seed=seed).reshape(tokens, d)
+    sched = mk.per_assignment_schedule(inds)
+    h = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, k, True, None,
+                               KERNEL_BACKEND, init_value=float("nan"), gemv=True, gemv_layout=(16, 64, split))
+    want = _split_k_gate_up_oracle(x, sched["sorted_rows"], sched["blocks"], sw, k, split)
+    assert not mx.isnan(h).any().item() and sorted(want) == list(range(tokens * k))
+    got = np.array(h.astype(mx.float32))
+    ref = np.array(mx.array(np.stack([want[s] for s in range(tokens * k)])).astype(mx.bfloat16).astype(mx.float32))
+    ulp = np.maximum(np.abs(ref), 1e-30) * 2.0**-7
+    assert np.all(np.abs(got - ref) <= ulp) and np.mean(got == ref) > 0.98
+    assert mk.gemv_geometry("gate_up", i, d, (16, 64, split)) == (16, 64, split)
+    with pytest.raises(ValueError, match="gate\\+up candidate"):
+        mk.gemv_geometry("down", d, i, (32, 64, 2))
+
+
+def test_decode_gemv_k_split_adds_the_ranges_apart(gemm_sim):
+    """Where the split's arithmetic shows in bf16 outputs: every weight 1, the activation row 64 x 256, 64 x 0,
+    64 x 2^-10, 64 x -256 (K = 256). One chain reaches 16384 and then drops each 2^-10 (half an ulp there, ties to
+    even): gate = up = 0, output 0. Split in 2 or 4 ranges, the 2^-10s are summed apart (2^-4 exactly) and survive
+    the final additions: gate = up = 2^-4, output silu(2^-4) 2^-4."""
+    d, i = 256, 64
+    block = make_sparse_moe_block(hidden=d, expert_width=i, num_experts=2, top_k=1, seed=0, shared_width=i)
+    sw = block.switch_mlp
+    for lin in (sw.gate_proj, sw.up_proj):
+        lin.weight = mx.full(lin.weight.shape, 0x11111111, dtype=mx.uint32)
+        lin.scales = mx.ones_like(lin.scales)
+        lin.biases = mx.zeros_like(lin.biases)
+    x = mx.array([256.0] * 64 + [0.0] * 64 + [2.0**-10] * 64 + [-256.0] * 64, dtype=mx.bfloat16).reshape(1, d)
+    sched = mk.per_assignment_schedule(mx.array([[1]], dtype=mx.uint32))
+
+    def run(layout):
+        return mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, 1, True,
+                                      None, KERNEL_BACKEND, init_value=float("nan"), gemv=True, gemv_layout=layout)
+
+    g = 2.0**-4
+    want = mx.array(g / (1.0 + np.exp(-g)) * g, dtype=mx.float32).astype(mx.bfloat16)
+    assert bool(mx.all(run((16, 64)) == 0).item())
+    for split in (2, 4):
+        assert bool(mx.all(run((16, 64, split)) == want).item()), split
+        oracle = _split_k_gate_up_oracle(x, sched["sorted_rows"], sched["blocks"], sw, 1, split)[0]
+        assert np.allclose(oracle, g / (1.0 + np.exp(-g)) * g)
+    assert np.all(_split_k_gate_up_oracle(x, sched["sorted_rows"], sched["blocks"], sw, 1, 1)[0] == 0)
+
+
+def test_decode_gemv_k_split_compiles_for_cuda():
+    """The K-split candidate's layouts timed on a GPU (lily_dev/moe_bench.py) translate and compile for the H200 at
+    Qwen3.6's widths (hidden 2048, expert width 512)."""
+    from lily_dev import resource_usage
+    from lily_dev.compile_check import compile_cuda, compiler_available
+    from lily_dev.moe_bench import GEMV_SPLIT_VARIANTS
+
+    if compiler_available() is None:
+        pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
+    block = make_sparse_moe_block(hidden=2048, expert_width=512, num_experts=4, top_k=2, seed=1)
+    sw = block.switch_mlp
+    sched = mk.per_assignment_schedule(mx.array([[0, 1]], dtype=mx.uint32))
+    with resource_usage._captured_launches(mk) as calls:
+        for layout in GEMV_SPLIT_VARIANTS:
+            mk.gemm_gate_up_swiglu(mx.zeros((1, 2048), mx.bfloat16), sched["sorted_rows"], sched["blocks"],
+                                   sw.gate_proj, sw.up_proj, 2, True, None, "cuda", gemv=True, gemv_layout=layout)
+    assert [dict(kw["template"])["SK"] for _, kw in calls] == [sk for _, _, sk in GEMV_SPLIT_VARIANTS]
+    for name, kw in calls:
+        ok, log = compile_cuda(resource_usage._cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"],
+                                                         kw["template"]))
+        assert ok, (kw["template"], log[-3000:])
 
 
 def test_decode_gemv_geometry():

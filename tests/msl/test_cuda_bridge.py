@@ -53,6 +53,8 @@ constexpr constant int N = 4;
 template <typename T>
 METAL_FUNC T twice(const device T* x) { return x[0] * 2; }
 inline float half_of(float x);
+template <int NM, typename T, int SK = 1>
+inline T scaled(T x) { return x * NM * SK; }
 struct Acc { float v; void add(float x) { v += x; } Acc(float s) : v(s) {} };
 static_assert(N == 4, "N");
 """, "header")
@@ -60,6 +62,7 @@ static_assert(N == 4, "N");
     assert "constexpr  int N = 4;" in header
     assert "template <typename T>__device__ \nMETAL_FUNC T twice(const  T* x)" in header
     assert "__device__ inline float half_of(float x);" in header
+    assert "template <int NM, typename T, int SK = 1>__device__ \ninline T scaled(T x)" in header  # a default argument
     assert "__device__ void add(float x)" in header and "__device__ Acc(float s)" in header
     assert "__device__ static_assert" not in header
 

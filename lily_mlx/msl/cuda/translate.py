@@ -16,7 +16,7 @@ Constructs CUDA cannot express the same way raise :class:`UnbridgeableError` wit
 from __future__ import annotations
 
 import re
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 
 class UnbridgeableError(ValueError):
@@ -178,7 +178,9 @@ def _classify_scope(stmt: str) -> str:
     m = _NOT_FUNCTION.match(s)
     if m:
         return "class" if m.group(2) in ("struct", "class", "union") else "block"
-    # A function: a parameter list before any '=' (operator= aside), not a variable initializer.
+    # A function: a parameter list before any '=' (operator= aside), not a variable initializer. A leading
+    # template<...> is skipped first: its default arguments (`int SK = 1`) are no initializer.
+    s = s[_template_prefix_end(s):]
     head = re.sub(r"operator\s*(==|!=|<=|>=|\+=|-=|\*=|/=|=)", "operator__", s)
     lp = head.find("(")
     eq = head.find("=")
@@ -187,24 +189,31 @@ def _classify_scope(stmt: str) -> str:
     return "block"
 
 
-def _insert_point(code: str, start: int, end: int) -> Tuple[int, int]:
-    """Where ``__device__`` goes in the declaration code[start:end]: after a leading template<...>."""
+def _template_prefix_end(text: str, start: int = 0, end: Optional[int] = None) -> int:
+    """The position after a leading ``template<...>`` of text[start:end] (its brackets matched), else the first
+    non-space position."""
+    end = len(text) if end is None else end
     i = start
-    while i < end and code[i].isspace():
+    while i < end and text[i].isspace():
         i += 1
-    m = re.match(r"template\s*<", code[i:end])
+    m = re.match(r"template\s*<", text[i:end])
     if m:
         depth, j = 0, i + m.end() - 1
         while j < end:
-            if code[j] == "<":
+            if text[j] == "<":
                 depth += 1
-            elif code[j] == ">":
+            elif text[j] == ">":
                 depth -= 1
                 if depth == 0:
                     break
             j += 1
         i = j + 1
-    return start, i
+    return i
+
+
+def _insert_point(code: str, start: int, end: int) -> Tuple[int, int]:
+    """Where ``__device__`` goes in the declaration code[start:end]: after a leading template<...>."""
+    return start, _template_prefix_end(code, start, end)
 
 
 def translate(text: str, where: str = "body") -> str:

@@ -331,10 +331,12 @@ GEMV_LAYOUT = {"gate_up": (16, 256), "down": (32, 256)}
 GEMV_THREADGROUP_BYTES = 32 * 1024  # Apple's threadgroup memory limit
 
 
-def gemv_stage_bytes(matrices: int, rows: int, chunk: int) -> int:
+def gemv_stage_bytes(matrices: int, rows: int, chunk: int, split: int = 1) -> int:
     """Threadgroup memory of a staged GEMV: two buffers of packed rows (padded by one uint4), scales and
-    biases as floats and the activation chunk as floats, plus the gate+up form's R up sums."""
-    per_buffer = matrices * rows * (chunk // 32 + 1) * 16 + 2 * matrices * rows * (chunk // 64) * 4 + chunk * 4
+    biases as floats and the activation chunk as floats (each ``split`` times: the K-split candidate), plus the
+    gate+up form's R up sums."""
+    chains = matrices * rows * split
+    per_buffer = chains * (chunk // 32 + 1) * 16 + 2 * chains * (chunk // 64) * 4 + split * chunk * 4
     return 2 * per_buffer + (rows * 4 if matrices == 2 else 0)
 
 
@@ -343,16 +345,21 @@ def gemv_geometry(name: str, width: int, k: int, layout=None, other_bytes: int =
     """(rows R, chunk KC) of staged GEMV ``name`` ('gate_up' / 'down') for output width ``width`` and
     reduction length ``k``: R from ``layout`` (default GEMV_LAYOUT) halved until it divides the width,
     KC the largest of 256, 128, 64 (at most the layout's) dividing k whose buffers fit 32 KB beside
-    ``other_bytes`` of the kernel's own threadgroup memory."""
-    rows, chunk = layout or GEMV_LAYOUT[name]
+    ``other_bytes`` of the kernel's own threadgroup memory. A layout (R, KC, SK) (gate+up only: the K-split
+    candidate, benchmarks and tests) returns (R, KC, SK), KC then dividing k / SK."""
+    rows, chunk, *rest = layout or GEMV_LAYOUT[name]
+    split = rest[0] if rest else 1
+    if split > 1 and name != "gate_up":
+        raise ValueError(f"staged GEMV {name}: the K split is a gate+up candidate only")
     matrices = 2 if name == "gate_up" else 1
     while width % rows:
         rows //= 2
-    if (matrices * rows) % 32:  # whole simdgroups (the bridge runs nothing else with barriers)
-        raise ValueError(f"staged GEMV {name}: {matrices} x {rows} threads are not whole simdgroups")
+    if (matrices * rows * split) % 32:  # whole simdgroups (the bridge runs nothing else with barriers)
+        raise ValueError(f"staged GEMV {name}: {matrices} x {rows} x {split} threads are not whole simdgroups")
     for kc in (256, 128, 64):
-        if kc <= chunk and k % kc == 0 and gemv_stage_bytes(matrices, rows, kc) + other_bytes <= GEMV_THREADGROUP_BYTES:
-            return rows, kc
+        if (kc <= chunk and k % (kc * split) == 0
+                and gemv_stage_bytes(matrices, rows, kc, split) + other_bytes <= GEMV_THREADGROUP_BYTES):
+            return (rows, kc) if not rest else (rows, kc, split)
     raise ValueError(f"no staged GEMV chunk for {name} at width {width}, K {k}, layout {layout}")
 
 
@@ -487,10 +494,11 @@ def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_s
         grid, threads, name = (width, blocks.shape[0], 1), (gemv_threads(width), 1, 1), f"gemv_{name}_rowwise"
         template.append(("CVT", int(gemv_layout == "rowwise_exp")))
     elif gemv:
-        rows, chunk = gemv_geometry(name, width, k, gemv_layout)
-        chains = rows * (2 if name == "gate_up" else 1)
+        rows, chunk, *rest = gemv_geometry(name, width, k, gemv_layout)
+        split = rest[0] if rest else 1
+        chains = rows * (2 if name == "gate_up" else 1) * split
         grid, threads = (width // rows * chains, blocks.shape[0], 1), (chains, 1, 1)
-        template += [("R", rows), ("KC", chunk)]
+        template += [("R", rows), ("KC", chunk)] + ([("SK", split)] if name == "gate_up" else [])
         name = "gemv_" + name
     elif (cols := _register_tiles(name, width, tile_dtype, tiles)) is not None:
         nt = REGTILE_THREADS[tiles or ("register64" if switches.is_enabled("tall_register_blocks") else "register")]
