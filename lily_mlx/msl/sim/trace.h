@@ -24,23 +24,30 @@ struct TraceCell {
 LILY_NO_TRACE TraceCell* trace_alloc() { return new TraceCell[kThreadgroupMemory](); }
 LILY_NO_TRACE void trace_free(TraceCell* t) { delete[] t; }
 
+// A failed check at threadgroup byte `byte` (of kind `kind`, at code address `pc`): the worker fails, and the variable
+// holding that byte and the offset in it are looked up for the message.
+LILY_NO_TRACE static const char* trace_fail(Worker* w, int kind, size_t byte, const void* pc, size_t& off) {
+  w->err_pc = (int64_t)((uintptr_t)pc - (uintptr_t)&lily_sim_launch);
+  w->failed = true;
+  w->err_kind = kind;
+  w->err_line = 0;
+  off = byte;
+  for (int i = 0; i < w->n_tg; ++i) {
+    const TgEntry& e = w->tg_entries[i];
+    if (byte >= e.offset && byte < e.offset + e.size) { off = byte - e.offset; return e.name; }
+  }
+  return "?";
+}
+
 LILY_NO_TRACE static void trace_race(Worker* w, size_t byte, bool write, uint32_t other, bool other_wrote,
                                      const void* pc) {
   if (w->failed) return;
-  w->err_pc = (int64_t)((uintptr_t)pc - (uintptr_t)&lily_sim_launch);
-  const char* name = "?";
-  size_t off = byte;
-  for (int i = 0; i < w->n_tg; ++i) {
-    const TgEntry& e = w->tg_entries[i];
-    if (byte >= e.offset && byte < e.offset + e.size) { name = e.name; off = byte - e.offset; break; }
-  }
+  size_t off;
+  const char* name = trace_fail(w, 3, byte, pc, off);
   const ThreadAttrs& a = w->fibers[w->cur_index].at;
   char other_s[64];
   if (other == kManyReaders) std::snprintf(other_s, sizeof(other_s), "several other threads");
   else std::snprintf(other_s, sizeof(other_s), "thread %u", other - 1);
-  w->failed = true;
-  w->err_kind = 3;
-  w->err_line = 0;
   std::snprintf(w->err, sizeof(w->err),
                 "race: thread %u (lane %u of simdgroup %u) of threadgroup (%u,%u,%u) %s byte %zu of threadgroup "
                 "`%s` that %s %s between the same two barriers (missing threadgroup_barrier?)",
@@ -54,17 +61,9 @@ LILY_NO_TRACE static void trace_race(Worker* w, size_t byte, bool write, uint32_
 // faults ("misaligned address"). Only accesses the compiler emits as aligned (the __tsan_unaligned_* hooks are the
 // code's own unaligned accesses, such as packed types). Device buffers are checked in every build (runtime.h).
 LILY_NO_TRACE static void trace_misaligned(Worker* w, size_t byte, size_t size, bool write, const void* pc) {
-  w->err_pc = (int64_t)((uintptr_t)pc - (uintptr_t)&lily_sim_launch);
-  const char* name = "?";
-  size_t off = byte;
-  for (int i = 0; i < w->n_tg; ++i) {
-    const TgEntry& e = w->tg_entries[i];
-    if (byte >= e.offset && byte < e.offset + e.size) { name = e.name; off = byte - e.offset; break; }
-  }
+  size_t off;
+  const char* name = trace_fail(w, 5, byte, pc, off);
   const ThreadAttrs& a = w->fibers[w->cur_index].at;
-  w->failed = true;
-  w->err_kind = 5;
-  w->err_line = 0;
   std::snprintf(w->err, sizeof(w->err),
                 "misaligned: thread %u of threadgroup (%u,%u,%u) %s %zu bytes at byte %zu of threadgroup `%s` "
                 "(threadgroup offset %zu, not a multiple of %zu), as a GPU would not",
