@@ -67,7 +67,8 @@
 #                                               # tests, then lily_dev.live_check at 4K / 32K / 128K against the
 #                                               # live form
 #   PART=29 bash bench/device_decode_checks.sh  # the gate+up GEMV's K-split candidate (each sum as SK chains):
-#                                               # CUDA tests, op cases against the staged GEMV (issue 12's 80 %)
+#                                               # op cases against the staged GEMV (issue 12's 80 %), the register
+#                                               # tiles with the same split (prefill's cost), CUDA tests
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -403,7 +404,10 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     run op_cases 300 python -m bench.run --mode kernels --op-cases on \
       --op-match 'gemv_gate_up_swiglu_(staged|r[0-9]+_kc[0-9]+(_sk[0-9]+)?)_x8\[1tok\]' --out "$W/gemv_split"
     grep -E "gemv_gate_up" "$W/gemv_split/kernels.md" 2>/dev/null | head -12
-    run tests_cuda 200 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+    # what prefill would pay: the register tiles with the split's arithmetic (gate_up rows "K split 2 / 4")
+    run gemm_split 150 python -m bench.gemm_tiles --variants --tokens 2048,8192 --out "$W/gemm_split.md"
+    grep -E "gate_up register, 64 threads" "$W/gemm_split.md" 2>/dev/null
+    run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
       -o addopts= tests/kernels/test_moe_kernels.py -k "k_split or same_bits_as_gemm_tiles"
     tail -3 "$W/tests_cuda.txt" 2>/dev/null
     ;;

@@ -3,7 +3,8 @@ expert width 512, skewed routing, bf16): simdgroup tiles, register tiles, regist
 columns a threadgroup (TN = 4, the default) and at 128 (TN = 8), the register tiles over 64 threads (8 rows a
 thread in 32-row tiles) and over 256 threads on a block map with 64-row tiles for experts of >= 64 rows, and the
 64-thread gate/up with the loops over its staged weight columns rolled (local memory under ptxas: the form before
-2026-12-04; the last two are not product paths). Times each on this backend (medians of evaluated calls)
+2026-12-04), and the 64-thread gate/up with the K-split candidate's arithmetic (2 and 4 ranges; the last four are
+not product paths). Times each on this backend (medians of evaluated calls)
 and prints a Markdown table of microseconds and TFLOP/s; ``--once`` runs each register-tile GEMM once
 (a target for a profiler such as ``ncu -k regex:regtile``).
 
@@ -51,9 +52,9 @@ def cases(tokens: int, sw, backend: str) -> Dict[str, tuple]:
     a = tokens * TOP_K
     up_flops, down_flops = 4 * a * HIDDEN * EXPERT_WIDTH, 2 * a * EXPERT_WIDTH * HIDDEN
 
-    def up(tiles, blocks=s["blocks"]):
+    def up(tiles, blocks=s["blocks"], split=1):
         return lambda: mk.gemm_gate_up_swiglu(x, s["sorted_rows"], blocks, sw.gate_proj, sw.up_proj, TOP_K, True,
-                                              s["counts"], backend, tiles=tiles)
+                                              s["counts"], backend, tiles=tiles, k_split=split)
 
     def down(tiles, blocks=s["blocks"]):
         return lambda: mk.gemm_down(h, blocks, sw.down_proj, True, s["counts"], backend, tiles=tiles)
@@ -63,6 +64,9 @@ def cases(tokens: int, sw, backend: str) -> Dict[str, tuple]:
             "gate_up register, 64 threads": (up("register64"), up_flops, None),
             "gate_up register, 64 threads, staged columns in local memory": (up("register64_rolled"), up_flops, None),
             "gate_up register, 256 threads, 64-row tiles": (up("register256", huge), up_flops, None),
+            # the K-split candidate's arithmetic (docs/moe.md): what prefill would pay for the split GEMV's bits
+            "gate_up register, 64 threads, K split 2": (up("register64", split=2), up_flops, None),
+            "gate_up register, 64 threads, K split 4": (up("register64", split=4), up_flops, None),
             "down simdgroup": (down("simdgroup"), down_flops, None),
             "down register, 64 columns (TN 4)": (down("register"), down_flops, (64,)),
             "down register, 128 columns (TN 8)": (down("register"), down_flops, (128, 64)),

@@ -829,6 +829,9 @@ for (int i = int(tid); i < tile_rows * MOE_BN; i += MOE_THREADS) {
 // (template, 0 or 1): the loops over a thread's staged columns unrolled, so that their weights stay in registers
 // (with WR = 0 at NT = 64 the compiler keeps the loop and puts them in local memory, 4-7 % slower on the H200;
 // the product launches WR = 1, tiles "register64_rolled" WR = 0). Same operations either way, so the same bits.
+// SK (template): 1, or the K-split candidate's arithmetic (the staged GEMV's layout (R, KC, SK)): each output's sums
+// over K ranges of D / SK values, kept apart and added in range order as each range ends, so that a row has the
+// split GEMV's bits.
 threadgroup float4 xt4[MOE_RT_BK * MOE_RT_XLD(NT) / 4];  // float4: 16-byte aligned for the vector loads
 threadgroup float* xt = reinterpret_cast<threadgroup float*>(xt4);
 threadgroup float4 wt4[2 * MOE_RT_BK * MOE_RT_GU_LD / 4];  // gate tile, then up tile
@@ -858,6 +861,7 @@ for (int m = 0; m < 2; ++m) {
     }
   }
 }
+float tot[2][MOE_RT_TM_MAX(NT)][4];  // SK > 1: the ended K ranges' sums, added in range order
 MoeRtWeightRegs wr[WPASS];
 uint xw[MOE_RT_XV(NT)];
 for (int k0 = 0; k0 < D; k0 += MOE_RT_BK) {
@@ -905,6 +909,20 @@ for (int k0 = 0; k0 < D; k0 += MOE_RT_BK) {
     moe_rt_fetch_rows<NT, T>(x, src, tile_rows, k0 + MOE_RT_BK, D, tid, xw);
   }
   moe_rt_mac_rows<NT, 2, 4>(tile_rows, acc, xt, wt, wt + MOE_RT_BK * MOE_RT_GU_LD, MOE_RT_GU_LD, r0, c0);
+  if (SK > 1 && (k0 + MOE_RT_BK) % (D / SK) == 0) {  // a K range ends here (uniform over the threadgroup)
+    const bool first_range = k0 + MOE_RT_BK == D / SK;
+    #pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      #pragma unroll
+      for (int i = 0; i < MOE_RT_TM_MAX(NT); ++i) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          tot[m][i][j] = first_range ? acc[m][i][j] : tot[m][i][j] + acc[m][i][j];
+          acc[m][i][j] = 0.0f;
+        }
+      }
+    }
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 #pragma unroll
@@ -912,8 +930,8 @@ for (int i = 0; i < MOE_RT_TM_MAX(NT); ++i) {  // constant trip count: acc stays
   if (i < tile_rows * 16 / NT && r0 + i < rows) {
     #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float g = acc[0][i][j];
-      const float u = acc[1][i][j];
+      const float g = SK > 1 ? tot[0][i][j] : acc[0][i][j];
+      const float u = SK > 1 ? tot[1][i][j] : acc[1][i][j];
       h[long(first + r0 + i) * I + n0 + c0 + j] = static_cast<T>(g / (1.0f + metal::exp(-g)) * u);
     }
   }

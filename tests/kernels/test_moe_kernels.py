@@ -842,13 +842,13 @@ def _split_k_gate_up_oracle(x, sorted_rows, blocks, sw, top_k, split):
 
 
 @SETTINGS
-@given(shape=st.sampled_from([(256, 64, 8, 2), (256, 128, 4, 1)]), tokens=st.integers(1, 3),
+@given(shape=st.sampled_from([(256, 64, 8, 2), (256, 128, 4, 1)]), tokens=st.integers(1, 8),
        split=st.sampled_from([2, 4]), seed=st.integers(0, 1000))
 def test_decode_gemv_k_split_candidate(gemm_sim, shape, tokens, split, seed):
     """The gate+up GEMV's K-split candidate (layout (R, KC, SK): each sum as SK chains over contiguous K ranges,
     added in range order): its outputs are that arithmetic's (numpy, step by step; at most one bf16 step apart
-    where the exponential's last bit differs), every output written; SK = 1 remains the GEMM tiles' bits (the test
-    above)."""
+    where the exponential's last bit differs), every output written, and from 8 assignments on the register tiles
+    with the same split give the same bits; SK = 1 remains the GEMM tiles' bits (the test above)."""
     d, i, e, k = shape
     block = make_sparse_moe_block(hidden=d, expert_width=i, num_experts=e, top_k=k, seed=seed % 5, shared_width=i)
     sw = block.switch_mlp
@@ -863,7 +863,15 @@ def test_decode_gemv_k_split_candidate(gemm_sim, shape, tokens, split, seed):
     ref = np.array(mx.array(np.stack([want[s] for s in range(tokens * k)])).astype(mx.bfloat16).astype(mx.float32))
     ulp = np.maximum(np.abs(ref), 1e-30) * 2.0**-7
     assert np.all(np.abs(got - ref) <= ulp) and np.mean(got == ref) > 0.98
+    if tokens * k >= 8:
+        for tiles in ("register64", "register"):
+            tiled = mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, k,
+                                           True, None, KERNEL_BACKEND, tiles=tiles, k_split=split)
+            assert mx.array_equal(tiled, h).item(), tiles
     assert mk.gemv_geometry("gate_up", i, d, (16, 64, split)) == (16, 64, split)
+    with pytest.raises(ValueError, match="register tiles only"):
+        mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, k, True, None,
+                               KERNEL_BACKEND, tiles="simdgroup", k_split=split)
     with pytest.raises(ValueError, match="gate\\+up candidate"):
         mk.gemv_geometry("down", d, i, (32, 64, 2))
 
@@ -880,26 +888,30 @@ def test_decode_gemv_k_split_adds_the_ranges_apart(gemm_sim):
         lin.weight = mx.full(lin.weight.shape, 0x11111111, dtype=mx.uint32)
         lin.scales = mx.ones_like(lin.scales)
         lin.biases = mx.zeros_like(lin.biases)
-    x = mx.array([256.0] * 64 + [0.0] * 64 + [2.0**-10] * 64 + [-256.0] * 64, dtype=mx.bfloat16).reshape(1, d)
-    sched = mk.per_assignment_schedule(mx.array([[1]], dtype=mx.uint32))
+    row = mx.array([256.0] * 64 + [0.0] * 64 + [2.0**-10] * 64 + [-256.0] * 64, dtype=mx.bfloat16)
+    x = mx.broadcast_to(row, (8, d))  # 8 tokens: the GEMM tiles take calls of 8 assignments and more
+    sched = mk.per_assignment_schedule(mx.array([[1]] * 8, dtype=mx.uint32))
 
-    def run(layout):
+    def run(layout, tiles=None, split=1):
         return mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], sched["blocks"], sw.gate_proj, sw.up_proj, 1, True,
-                                      None, KERNEL_BACKEND, init_value=float("nan"), gemv=True, gemv_layout=layout)
+                                      None, KERNEL_BACKEND, init_value=float("nan"), gemv=tiles is None,
+                                      gemv_layout=layout, tiles=tiles, k_split=split)
 
     g = 2.0**-4
     want = mx.array(g / (1.0 + np.exp(-g)) * g, dtype=mx.float32).astype(mx.bfloat16)
-    assert bool(mx.all(run((16, 64)) == 0).item())
+    assert bool(mx.all(run((16, 64)) == 0).item()) and bool(mx.all(run(None, "register64") == 0).item())
     for split in (2, 4):
         assert bool(mx.all(run((16, 64, split)) == want).item()), split
+        for tiles in ("register64", "register"):  # the register tiles with the same split: the same sums
+            assert bool(mx.all(run(None, tiles, split) == want).item()), (tiles, split)
         oracle = _split_k_gate_up_oracle(x, sched["sorted_rows"], sched["blocks"], sw, 1, split)[0]
         assert np.allclose(oracle, g / (1.0 + np.exp(-g)) * g)
     assert np.all(_split_k_gate_up_oracle(x, sched["sorted_rows"], sched["blocks"], sw, 1, 1)[0] == 0)
 
 
 def test_decode_gemv_k_split_compiles_for_cuda():
-    """The K-split candidate's layouts timed on a GPU (lily_dev/moe_bench.py) translate and compile for the H200 at
-    Qwen3.6's widths (hidden 2048, expert width 512)."""
+    """The K-split candidate's layouts timed on a GPU (lily_dev/moe_bench.py), and the register tiles with the split
+    (bench.gemm_tiles), translate and compile for the H200 at Qwen3.6's widths (hidden 2048, expert width 512)."""
     from lily_dev import resource_usage
     from lily_dev.compile_check import compile_cuda, compiler_available
     from lily_dev.moe_bench import GEMV_SPLIT_VARIANTS
@@ -913,7 +925,10 @@ def test_decode_gemv_k_split_compiles_for_cuda():
         for layout in GEMV_SPLIT_VARIANTS:
             mk.gemm_gate_up_swiglu(mx.zeros((1, 2048), mx.bfloat16), sched["sorted_rows"], sched["blocks"],
                                    sw.gate_proj, sw.up_proj, 2, True, None, "cuda", gemv=True, gemv_layout=layout)
-    assert [dict(kw["template"])["SK"] for _, kw in calls] == [sk for _, _, sk in GEMV_SPLIT_VARIANTS]
+        for tiles in ("register64", "register"):  # the register tiles with the split (bench.gemm_tiles)
+            mk.gemm_gate_up_swiglu(mx.zeros((8, 2048), mx.bfloat16), sched["sorted_rows"], sched["blocks"],
+                                   sw.gate_proj, sw.up_proj, 2, True, None, "cuda", tiles=tiles, k_split=4)
+    assert [dict(kw["template"])["SK"] for _, kw in calls] == [sk for _, _, sk in GEMV_SPLIT_VARIANTS] + [4, 4]
     for name, kw in calls:
         ok, log = compile_cuda(resource_usage._cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"],
                                                          kw["template"]))

@@ -436,7 +436,8 @@ def regtile_columns(name: str, width: int) -> Optional[int]:
 def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, gate_proj, up_proj,
                         top_k: int, fused_dequant: bool = True, counts: Optional[mx.array] = None,
                         backend: Optional[str] = None, init_value=None, shared=None, gemv: bool = False,
-                        gemv_layout=None, tile_dtype=None, tiles: Optional[str] = None) -> mx.array:
+                        gemv_layout=None, tile_dtype=None, tiles: Optional[str] = None,
+                        k_split: int = 1) -> mx.array:
     """h [A (+ N), I] (slot order) = silu(x Wg^T) * (x Wu^T) for the rows of every block. ``shared``:
     the shared expert (an MLP of 4-bit gate/up/down projections) as m chunks, experts E .. E + m - 1,
     rows A + c * N + n.
@@ -449,7 +450,9 @@ def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, 
     the bridge; not the same bits as the GEMVs, so not a product path yet, docs/moe.md).
     ``tiles`` (benchmarks, tests): "simdgroup", "register" (the register-tiled form, fp32 operands, same
     bits), "register64" (that form over 64 threads) or "register256" (over 256 threads: the only one that takes
-    64-row tiles); None: as the switch register_tiles says."""
+    64-row tiles); None: as the switch register_tiles says.
+    ``k_split`` (benchmarks, tests; register tiles only): the K-split candidate's arithmetic, each sum over
+    ``k_split`` contiguous K ranges added in range order: the bits of the staged GEMV at layout (R, KC, k_split)."""
     n, d = x2d.shape
     e, i = gate_proj["scales"].shape[:2]
     a = sorted_rows.size
@@ -461,7 +464,7 @@ def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, 
     inputs.append(KERNELS["gate_up"].pack(top_k=top_k, D=d, I=i, E=e, A=a, N=n))
     rows = a + shared_chunks(shared, i) * n
     return _launch_expert_kernel("gate_up", gemv, inputs, blocks, (rows, i), x2d.dtype, backend, init_value,
-                                 d, gemv_layout, tile_dtype, tiles)
+                                 d, gemv_layout, tile_dtype, tiles, k_split)
 
 
 def _register_tiles(name: str, width: int, tile_dtype, tiles: Optional[str]) -> Optional[int]:
@@ -483,11 +486,15 @@ def _register_tiles(name: str, width: int, tile_dtype, tiles: Optional[str]) -> 
 
 
 def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_shape, dtype, backend,
-                          init_value, k: int, gemv_layout=None, tile_dtype=None, tiles=None) -> mx.array:
+                          init_value, k: int, gemv_layout=None, tile_dtype=None, tiles=None,
+                          k_split: int = 1) -> mx.array:
     """Launch expert GEMM ``name`` over ``blocks`` (reduction length ``k``), or its one-row GEMV form:
-    out [rows, width]."""
+    out [rows, width]. ``k_split`` > 1: gate+up's register tiles with the K-split candidate's arithmetic."""
     width = out_shape[1]
     template = [("T", dtype)]
+    if k_split > 1 and (gemv or name != "gate_up" or _register_tiles(name, width, tile_dtype, tiles) is None
+                        or k % (32 * k_split)):
+        raise ValueError(f"K split {k_split}: gate+up's register tiles only, with K ({k}) a multiple of 32 x the split")
     if gemv and gemv_layout in ("rowwise", "rowwise_exp"):
         if k > GEMV_MAX_K:
             raise ValueError(f"rowwise GEMV: K {k} > {GEMV_MAX_K}")
@@ -507,7 +514,7 @@ def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_s
         if name == "down":
             template.append(("TN", cols // 16))
         else:
-            template.append(("WR", int(tiles not in REGTILE_ROLLED)))
+            template += [("WR", int(tiles not in REGTILE_ROLLED)), ("SK", k_split)]
         name += "_regtile"
     else:
         grid, threads = (width // GEMM_COLS * GEMM_THREADS, blocks.shape[0], 1), (GEMM_THREADS, 1, 1)
