@@ -233,18 +233,22 @@ inline void moe_gemv_fetch(
   for (int q = 0; q < Shape::P; ++q) {
     const int i = int(tid) + q * Shape::NT;
     const int v = i / Shape::P;
-    const int m = (v % Shape::NMR) / R;
-    const int r = v % R;
+    const int vr = SK > 1 ? v % Shape::NMR : v;  // (SK = 1: the same expressions as before the split)
+    const int m = vr / R;
+    const int r = vr % R;
     const int p = i % Shape::P;
-    const device uint32_t* src = (m == 0 ? w0 : w1) + r * wstride + ((v / Shape::NMR) * KS + k0) / 8 + 4 * p;
+    const int k = SK > 1 ? (v / Shape::NMR) * KS + k0 : k0;
+    const device uint32_t* src = (m == 0 ? w0 : w1) + r * wstride + k / 8 + 4 * p;
     wr[q] = *reinterpret_cast<const device uint4*>(src);
   }
   for (int q = 0; q < Shape::G; ++q) {
     const int i = int(tid) + q * Shape::NT;
     const int v = i / Shape::G;
-    const int m = (v % Shape::NMR) / R;
-    const int r = v % R;
-    const long off = r * sstride + ((v / Shape::NMR) * KS + k0) / 64 + i % Shape::G;
+    const int vr = SK > 1 ? v % Shape::NMR : v;
+    const int m = vr / R;
+    const int r = vr % R;
+    const int k = SK > 1 ? (v / Shape::NMR) * KS + k0 : k0;
+    const long off = r * sstride + k / 64 + i % Shape::G;
     sr[q] = (m == 0 ? s0 : s1)[off];
     br[q] = (m == 0 ? b0 : b1)[off];
   }
@@ -252,7 +256,7 @@ inline void moe_gemv_fetch(
     const int i = int(tid) + q * Shape::NT;  // piece i % (KC / 4) of range i / (KC / 4)
     if (i < SK * KC / 4) {
       for (int c = 0; c < 4; ++c) {
-        xr[4 * q + c] = xrow[(i / (KC / 4)) * KS + k0 + 4 * (i % (KC / 4)) + c];
+        xr[4 * q + c] = SK > 1 ? xrow[(i / (KC / 4)) * KS + k0 + 4 * (i % (KC / 4)) + c] : xrow[k0 + 4 * i + c];
       }
     }
   }
@@ -272,9 +276,10 @@ inline void moe_gemv_store(
   for (int q = 0; q < Shape::G; ++q) {
     const int i = int(tid) + q * Shape::NT;
     const int v = i / Shape::G;
-    const int m = (v % Shape::NMR) / R;
-    const int r = v % R;
-    const int at = (((v / Shape::NMR) * NM + m) * Shape::G + i % Shape::G) * R + r;
+    const int vr = SK > 1 ? v % Shape::NMR : v;
+    const int m = vr / R;
+    const int r = vr % R;
+    const int at = (((SK > 1 ? v / Shape::NMR : 0) * NM + m) * Shape::G + i % Shape::G) * R + r;
     ss[at] = float(sr[q]);
     bs[at] = float(br[q]);
   }
@@ -336,8 +341,8 @@ inline float moe_gemv_staged(
   constexpr int WS = Shape::NT * Shape::STRIDE, SB = Shape::NT * Shape::G, XS = SK * KC / 4;  // one buffer
   moe_gemv_store<NM, R, KC, T, SK>(ws, ss, bs, xs, tid, wr, sr, br, xr);
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const int split = int(tid) / Shape::NMR;  // this chain's K range
-  const int m = (int(tid) % Shape::NMR) / R;
+  const int split = SK > 1 ? int(tid) / Shape::NMR : 0;  // this chain's K range
+  const int m = (SK > 1 ? int(tid) % Shape::NMR : int(tid)) / R;
   const int r = int(tid) % R;
   float acc = 0.0f;
   const int chunks = KS / KC;
@@ -348,7 +353,7 @@ inline float moe_gemv_staged(
       moe_gemv_fetch<NM, R, KC, T, SK>(w0, w1, wstride, s0, s1, b0, b1, sstride, xrow, (c + 1) * KC, tid,
                                        wr, sr, br, xr, KS);
     }
-    acc = moe_gemv_chain<R, KC>(acc, ws + cur * WS + int(tid) * Shape::STRIDE,
+    acc = moe_gemv_chain<R, KC>(acc, ws + cur * WS + (m * R + r + split * Shape::NMR) * Shape::STRIDE,
                                 ss + cur * SB + (split * NM + m) * Shape::G * R,
                                 bs + cur * SB + (split * NM + m) * Shape::G * R, r,
                                 xs + cur * XS + split * (KC / 4), exponent);
