@@ -491,7 +491,7 @@ inline void moe_gemv_gate_up_rows(
       (shared ? scales_gate_s : scales_gate) + groups, (shared ? scales_up_s : scales_up) + groups,
       (shared ? biases_gate_s : biases_gate) + groups, (shared ? biases_up_s : biases_up) + groups, D / 64,
       x + token * D, D, tid, ws, ss, bs, xs, q4_exponent_unfolded(E));
-  if (int(tid) >= R && int(tid) < 2 * R) {  // the up sums (with SK > 1: the threads that added the ranges)
+  if (int(tid) >= R && (SK == 1 || int(tid) < 2 * R)) {  // the up sums (SK > 1: the threads that added the ranges)
     up_sums[int(tid) - R] = acc;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
