@@ -465,9 +465,9 @@ template <typename InT, int D, int BRM, int STAGED>
 struct AttentionTileScratch {
   static constant constexpr int LD = BRM + 2 * ATTENTION_TILE_PAD;                 // score / weight row stride
   static constant constexpr int SCORE_FLOATS = 8 * LD;
-  static constant constexpr int V_FLOATS = 8 * D * sizeof(InT) / 4;                // a zero-filled V chunk
-  static constant constexpr int WEIGHTS_AT = SCORE_FLOATS > V_FLOATS ? SCORE_FLOATS : V_FLOATS;
   static constant constexpr int SLD = D + 8;                                        // staged row stride (InT)
+  static constant constexpr int V_FLOATS = 8 * SLD * sizeof(InT) / 4;              // a zero-filled V chunk
+  static constant constexpr int WEIGHTS_AT = SCORE_FLOATS > V_FLOATS ? SCORE_FLOATS : V_FLOATS;
   // 16-byte aligned (the staged rows' vector stores; a simdgroup's scratch starts at a multiple of FLOATS)
   static constant constexpr int STAGE_AT = (WEIGHTS_AT + (8 * LD + 64) * sizeof(InT) / 4 + 3) / 4 * 4;
   static constant constexpr int FLOATS = STAGE_AT + (STAGED ? 8 * SLD * sizeof(InT) / 4 : 0);
@@ -597,16 +597,11 @@ inline void attention_decode_block_tiles(
         pwin[e] = row >= r && row < S ? pw[(e / 8) * LD + ATTENTION_TILE_PAD + (row - r_begin)] : InT(0.0f);
       }
       vsrc = vb + size_t(w) * D;
-      if (STAGED) {
-        attention_stage_rows<InT, D>(vsrc, stage, lane, S - w);  // rows S .. (S < 8) as zeros
-        vstage = stage;
+      if (STAGED || S < 8) {  // (unstaged, S < 8: rows S .. 7 are not live and may hold anything) rows S .. as zeros
+        threadgroup InT* to = STAGED ? stage : reinterpret_cast<threadgroup InT*>(sc);  // scores no longer needed
+        attention_stage_rows<InT, D>(vsrc, to, lane, S - w);
+        vstage = to;
         vld = SLD;
-      } else if (S < 8) {  // rows S .. 7 are not live (may hold anything): stage the chunk with zeros there
-        threadgroup InT* vz = reinterpret_cast<threadgroup InT*>(sc);
-        for (int e = lane; e < 8 * D; e += 32) {
-          vz[e] = e / D < S ? vsrc[e] : InT(0.0f);
-        }
-        vstage = vz;
       }
       simdgroup_barrier(mem_flags::mem_threadgroup);
       simdgroup_load(pf, pwin, 8);

@@ -357,7 +357,7 @@ def tile_scratch_bytes(D: int, block_rows: int, dtype, staged: bool = False) -> 
     """Threadgroup memory a simdgroup of the matrix-tile partials uses (AttentionTileScratch in decode.metal)."""
     ld = block_rows + 16
     size = dtype.size
-    floats = -(-(max(8 * ld, 8 * D * size // 4) + (8 * ld + 64) * size // 4) // 4) * 4  # 16-byte aligned
+    floats = -(-(max(8 * ld, 8 * (D + 8) * size // 4) + (8 * ld + 64) * size // 4) // 4) * 4  # 16-byte aligned
     return 4 * (floats + (8 * (D + 8) * size // 4 if staged else 0))
 
 
