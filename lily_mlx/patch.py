@@ -271,6 +271,11 @@ def is_patched(model) -> bool:
     return any(_stock_class(m) is not None for m in model.modules())
 
 
+# The reason given for an op that has no kernel on any backend: stock's path, which runs where the ops with kernels
+# do not apply (e.g. the MoE decode GEMVs of stock, behind the grouped kernels). The one-line summary leaves it out.
+FALLBACK_ONLY = "stock's fallback path (no kernel by design)"
+
+
 @dataclass(frozen=True)
 class PatchReport:
     """What :func:`patch` did to a model: ``lily_mlx.patch_report(model)``."""
@@ -295,7 +300,9 @@ class PatchReport:
             by_reason: Dict[str, List[str]] = {}
             for op, why in self.reference_reasons.items():  # a tune profile's reasons: in its report
                 by_reason.setdefault("tune profile" if why.startswith("tune profile") else why, []).append(op)
-            line += "; reference path: " + "; ".join(f"{', '.join(ops)} ({why})" for why, ops in by_reason.items())
+            by_reason.pop(FALLBACK_ONLY, None)  # stock's own path by design: nothing the user could turn on
+            if by_reason:
+                line += "; reference path: " + "; ".join(f"{', '.join(ops)} ({why})" for why, ops in by_reason.items())
         return f"{line}; {self.tune_profile}"
 
 
@@ -323,6 +330,8 @@ def _report(model, arch: str) -> PatchReport:
             elif backend in op.trial_backends:
                 reasons[name] = ("trial kernel, on where `python -m lily_mlx tune` measures it faster "
                                  "(or LILY_TRIAL_OPS names it)")
+            elif not op.kernel_backends and not op.trial_backends:
+                reasons[name] = FALLBACK_ONLY
             else:
                 reasons[name] = f"no {backend} kernel yet"
     # the switches whose state differs from their default

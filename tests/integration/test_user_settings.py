@@ -17,6 +17,7 @@ import urllib.request
 import pytest
 
 import lily_mlx
+from lily_mlx.patch import FALLBACK_ONLY
 from lily_mlx.core.environment import LilyConfigError
 
 from .conftest import free_port, generated_text, mlx_lm_command, subprocess_env
@@ -224,7 +225,8 @@ def test_patch_report_names_each_op_backend_and_why_reference(loaded_model, monk
         report = lily_mlx.patch(model)._lily_report
         assert lily_mlx.patch_report(model) is report and report.backend == "sim"
         assert report.op_backends["deltanet_scan"] == "sim"
-        assert report.reference_reasons["moe_expert_up"] == "no sim kernel yet"
+        assert report.reference_reasons["moe_expert_up"] == FALLBACK_ONLY
+        assert "moe_expert_up" not in report.summary()  # stock's own path by design: not listed as missing
         assert report.op_backends["attention_qk_prep"] == "sim"
         assert report.reference_reasons["moe_routing"] == "LILY_REFERENCE_OPS"
         assert "deltanet_scan" not in report.reference_reasons
