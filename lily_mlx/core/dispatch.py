@@ -18,7 +18,7 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Optional, Tuple
+from typing import Dict, FrozenSet, Iterable, Optional, Tuple
 
 from . import generation, switches, tune_profile
 from .backend import resolve_backend
@@ -46,7 +46,7 @@ _backend: Optional[str] = None  # the backend in force, resolved with the plan
 _plan: Dict[str, str] = {}  # op name -> backend it runs on
 _profile: Optional[tune_profile.Profile] = None  # the tune profile the plan applies
 _profile_off: FrozenSet[str] = frozenset()  # switches that profile turned off
-_all_trials = False  # every trial kernel on (while ``python -m lily_mlx tune`` measures them)
+_tune_trials: FrozenSet[str] = frozenset()  # trial kernels on while ``python -m lily_mlx tune`` measures them
 # What the plan's choices are made from (``plan_key``), set when it is resolved: equal keys, equal choices. Filling the
 # plan lazily does not change it (a choice, once made, stays until the plan is resolved again); registering an op again
 # does (``_registered``).
@@ -82,7 +82,7 @@ def _choose(op: Op, backend: str, forced: FrozenSet[str], pinned=(), trials=()) 
         return REFERENCE
     if backend in op.kernel_backends:
         return backend
-    if backend in op.trial_backends and (_all_trials or op.name in trials):
+    if backend in op.trial_backends and (op.name in _tune_trials or op.name in trials):
         return backend
     return REFERENCE
 
@@ -121,7 +121,7 @@ def resolve() -> str:
         _backend, _profile = backend, profile
         _plan.clear()
         _plan.update({name: _choose(op, backend, forced, pinned, trials) for name, op in OPS.items()})
-        _plan_inputs = (backend, repr(profile), forced, frozenset(trials), _all_trials)
+        _plan_inputs = (backend, repr(profile), forced, frozenset(trials), _tune_trials)
         generation.bump()
     _apply_profile_switches(profile)
     return backend
@@ -145,17 +145,18 @@ def _trial_ops_for(backend: str):
 
 
 @contextlib.contextmanager
-def all_trial_kernels():
-    """Every trial kernel on, the plan resolved again on entry and exit (``python -m lily_mlx tune``
-    checks and times them like the other kernels)."""
-    global _all_trials
-    saved = _all_trials
-    _all_trials = True
+def trial_kernels_on(names: Iterable[str]):
+    """These trial kernels on, the plan resolved again on entry and exit (``python -m lily_mlx tune`` checks and
+    times the trial kernels it decides like the other kernels; a trial kernel it has no case for stays as the
+    environment and the profile say, so that what it measures is what ships)."""
+    global _tune_trials
+    saved = _tune_trials
+    _tune_trials = frozenset(names)
     invalidate()
     try:
         yield
     finally:
-        _all_trials = saved
+        _tune_trials = saved
         invalidate()
 
 

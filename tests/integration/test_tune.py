@@ -268,11 +268,16 @@ def test_lily_trial_ops_turns_a_trial_kernel_on_without_a_profile(tune_dir, sim_
 
 def test_tune_checks_and_times_a_trial_kernel_and_records_its_choice(tune_dir, sim_model, qk_prep_as_trial):
     """tune() with the q/k preparation kernel as a trial kernel: it is checked and timed like the others
-    and the profile says trial, with a choice and its reason; patch() then applies that choice."""
+    and the profile says trial, with a choice and its reason; patch() then applies that choice. A trial
+    kernel tune has no case for (the dense projections' GEMV: no layer of its family) stays off as it
+    ships, so that no check or timing runs a configuration the profile cannot give."""
     from lily_mlx.tuning import layers, tune
 
     model, _ = sim_model
-    profile = tune.tune(model, "embedded", (layers.decode(32),), rounds=1, reps=1)
+    with record_launches() as launches:
+        profile = tune.tune(model, "embedded", (layers.decode(32),), rounds=1, reps=1)
+    assert "attention_qk_prep" in launches.names()
+    assert not [n for n in launches.names() if n.startswith("linear_gemv")], launches.counts()
     entry = profile["ops"]["attention_qk_prep"]
     assert entry["trial"] is True and entry["choice"] in ("kernel", "reference")
     assert entry["reason"].startswith("trial kernel") or entry["choice"] == "reference", entry
