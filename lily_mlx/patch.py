@@ -178,6 +178,58 @@ def _op_forward(module_name: str, func_name: str) -> Optional[Callable]:
     return forward
 
 
+def adapter_modules(tree, prefix: str = "") -> List[str]:
+    """Names of the modules in ``tree`` (a module, or a dict / list of them as ``update_modules`` takes) that carry
+    LoRA / DoRA adapters (MLX-LM's tuner layers: ``LoRALinear``, ``LoRASwitchLinear``, ``DoRALinear``,
+    ``LoRAEmbedding``, each with a ``lora_a`` array)."""
+    import mlx.nn as nn
+
+    if isinstance(tree, nn.Module):
+        return [f"{prefix}.{name}".strip(".") if name else prefix for name, m in tree.named_modules()
+                if "lora_a" in m]
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        return []
+    return [path for key, value in items for path in adapter_modules(value, f"{prefix}.{key}".strip("."))]
+
+
+def _shown(paths: List[str]) -> str:
+    return ", ".join(paths[:2]) + (f" and {len(paths) - 2} more" if len(paths) > 2 else "")
+
+
+def _adapters_message(paths: List[str]) -> str:
+    shown = _shown(paths)
+    return (f"LoRA / DoRA adapters on {len(paths)} module(s) ({shown}): lily-mlx's kernels read each layer's base "
+            f"weights and would leave the adapters out. Fuse them into the weights first (`mlx_lm.fuse --model M "
+            f"--adapter-path A --save-path F`, then load F), or run this model stock")
+
+
+def _refuse_adapters(module, key: str, value) -> None:
+    paths = adapter_modules(value, key)
+    if paths:
+        raise ValueError(f"LoRA / DoRA adapters set into a model patched by lily-mlx ({_shown(paths)}, in a "
+                         f"{type(module).__name__}): its kernels read each layer's base weights and would leave "
+                         f"them out. Call lily_mlx.unpatch(model) before adding adapters; to run them with lily-mlx, "
+                         f"fuse them into the weights (`mlx_lm.fuse`) and patch the fused model")
+
+
+class _RefusesAdapters:
+    """Base of every lily module class: an adapter module (LoRA / DoRA) set into a patched module, directly or by
+    ``update_modules`` (what MLX-LM's ``linear_to_lora_layers`` and ``load_adapters`` call on each decoder layer), is
+    an error before anything changes; the kernels would compute the layer without it."""
+
+    def __setitem__(self, key, value):
+        _refuse_adapters(self, str(key), value)
+        super().__setitem__(key, value)
+
+    def update_modules(self, modules, strict: bool = True):
+        _refuse_adapters(self, "", modules)
+        return super().update_modules(modules, strict)
+
+
 class _ReportsWeights:
     """Base of the lily module classes of a model patched with switch ``constant_weights`` on: an array or a module
     set into the module, or an item removed from it, is a change of the model's weights
@@ -229,7 +281,8 @@ def _lily_class(stock_cls: type, forward: Optional[Callable], reports: bool = Fa
             name += "StockCall"
         name += "Watched" if watch_only else "Reporting" if reports else ""
         attrs["__qualname__"] = name
-        cls = type(name, (_ReportsWeights, stock_cls) if reports else (stock_cls,), attrs)
+        cls = type(name, (_RefusesAdapters, _ReportsWeights, stock_cls) if reports else (_RefusesAdapters, stock_cls),
+                   attrs)
         _LILY_CLASSES[key] = cls
         globals().setdefault(name, cls)  # importable by name, so patched models pickle
     return cls
@@ -393,6 +446,13 @@ def patch(model, strict: bool = True):
         return model
     check_environment()
     check_versions()
+    adapters = adapter_modules(model)
+    if adapters:
+        unpatch(model)  # (a model patched before adapters came in some way the classes do not see)
+        if strict:
+            raise ValueError(_adapters_message(adapters) + " (patch(model, strict=False): a warning and a stock model)")
+        warn_caller(_adapters_message(adapters) + ". Running the model unpatched (stock MLX-LM).")
+        return model
     targets = _target_classes(arch)
     swapped = 0
     for module in model.modules():
