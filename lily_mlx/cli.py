@@ -4,6 +4,7 @@ Subcommands:
     generate        mlx_lm.generate with lily-mlx on (all MLX-LM flags pass through)
     chat            mlx_lm.chat with lily-mlx on (all MLX-LM flags pass through)
     server          mlx_lm.server with lily-mlx on (all MLX-LM flags pass through)
+    benchmark       mlx_lm.benchmark with lily-mlx on (all MLX-LM flags pass through)
     switches        table of switches (default, state, phase, description) and op backends
     embedded-model  print the embedded tiny model's folder (build it first if needed)
     consistency     teacher-forced lily vs stock comparison (top-1 agreement, perplexity, logits)
@@ -11,9 +12,9 @@ Subcommands:
     build-random    write full-size random 4-bit Qwen3.6-35B-A3B weights (benchmarks)
 
 How ``--lily`` reaches MLX-LM: the installed ``lily_mlx_hooks.pth`` puts a small import hook
-(``lily_mlx_patches``) on ``sys.meta_path``; when ``mlx_lm.generate`` or ``mlx_lm.server`` is imported,
-(or ``mlx_lm.chat``) it calls :func:`instrument` on the module, which wraps the module's ``main``. Only while that ``main``
-runs, the module sees an ``ArgumentParser`` that also knows the lily flags and a ``load`` /
+(``lily_mlx_patches``) on ``sys.meta_path``; when ``mlx_lm.generate``, ``mlx_lm.server``, ``mlx_lm.chat`` or
+``mlx_lm.benchmark`` is imported, it calls :func:`instrument` on the module, which wraps the module's ``main``.
+Only while that ``main`` runs, the module sees an ``ArgumentParser`` that also knows the lily flags and a ``load`` /
 ``sharded_load`` that patches the loaded model when ``--lily`` was given. Nothing else in MLX-LM
 changes, and without ``--lily`` the CLI runs exactly as stock.
 
@@ -48,6 +49,7 @@ _MLX_LM = {
     "generate": "mlx_lm.generate with lily-mlx on; every mlx_lm.generate flag passes through",
     "chat": "mlx_lm.chat with lily-mlx on; every mlx_lm.chat flag passes through",
     "server": "mlx_lm.server with lily-mlx on; every mlx_lm.server flag passes through",
+    "benchmark": "mlx_lm.benchmark with lily-mlx on; every mlx_lm.benchmark flag passes through",
 }
 
 
@@ -174,7 +176,7 @@ def _patching_loader(load_fn: Callable, session: _Session) -> Callable:
             try:
                 model = patch(out[0], strict=bool(kwargs))
             except (ValueError, RuntimeError) as e:
-                if session.module_name in ("mlx_lm.generate", "mlx_lm.chat"):  # one user: a clean error
+                if session.module_name != "mlx_lm.server":  # one user: a clean error
                     sys.exit(f"error: --lily: {e}")
                 raise  # mlx_lm.server returns load errors to the client that asked
 
@@ -207,7 +209,8 @@ def run_mlx_lm_main(module, force: bool = False):
 
 
 def instrument(module) -> None:
-    """Give MLX-LM CLI ``module`` (``mlx_lm.generate`` / ``chat`` / ``server``) the lily flags. Idempotent."""
+    """Give MLX-LM CLI ``module`` (``mlx_lm.generate`` / ``chat`` / ``server`` / ``benchmark``) the lily flags.
+    Idempotent."""
     main = getattr(module, "main", None)
     if main is None or hasattr(main, _ORIGINAL_MAIN):
         return
@@ -352,7 +355,7 @@ def usage() -> str:
     items = list(_MLX_LM.items()) + [("switches", "list switches, their state and each op's backend")]
     items += [(n, h) for n, (_, h) in _DELEGATED.items()]
     lines += [f"  {n.ljust(width)}  {h}" for n, h in items]
-    lines += ["", f"`{PROG} <command> --help` lists that command's flags. generate, chat and server take",
+    lines += ["", f"`{PROG} <command> --help` lists that command's flags. generate, chat, server and benchmark take",
               "every MLX-LM flag plus --lily-disable A,B, --lily-enable A,B, --lily-backend B.",
               "Environment: LILY_BACKEND=auto|metal|cuda|sim|reference, LILY_DISABLE=a,b,",
               "LILY_ENABLE=a,b, LILY_REFERENCE_OPS=op_or_family,... (keep those on their reference),",

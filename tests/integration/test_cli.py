@@ -103,11 +103,23 @@ def test_unknown_switch_is_an_error_listing_valid_names(installed_hook, model_pa
         assert name in proc.stderr
 
 
+def test_mlx_lm_benchmark_lily_times_the_patched_model(installed_hook, model_path, tmp_path):
+    """MLX-LM's own benchmark (what a Mac user times with) takes --lily too; without it, stock."""
+    args = ["--model", str(model_path), "-p", "32", "-g", "8", "-n", "1"]
+    lily = run_cli(mlx_lm_command("benchmark") + args + ["--lily", "--lily-disable", "gpu_routing"], tmp_path)
+    assert lily.returncode == 0, lily.stderr[-2000:]
+    assert PATCHED_NOTE in lily.stderr and "switches off: gpu_routing" in lily.stderr
+    assert "Averages: prompt_tps=" in lily.stdout
+    stock = run_cli(mlx_lm_command("benchmark") + args, tmp_path)
+    assert stock.returncode == 0 and PATCHED_NOTE not in stock.stderr and "Averages: prompt_tps=" in stock.stdout
+
+
 def test_lily_flags_in_mlx_lm_help(installed_hook, tmp_path):
-    proc = run_cli(mlx_lm_command("server") + ["--help"], tmp_path)
-    assert proc.returncode == 0
-    for flag in ("--lily", "--lily-disable", "--lily-enable", "--lily-backend"):
-        assert flag in proc.stdout
+    for cli in ("server", "benchmark"):
+        proc = run_cli(mlx_lm_command(cli) + ["--help"], tmp_path)
+        assert proc.returncode == 0
+        for flag in ("--lily", "--lily-disable", "--lily-enable", "--lily-backend"):
+            assert flag in proc.stdout, cli
 
 
 # ------------------------------------------------------------------------------------------------
