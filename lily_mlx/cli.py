@@ -13,7 +13,8 @@ Subcommands:
 
 How ``--lily`` reaches MLX-LM: the installed ``lily_mlx_hooks.pth`` puts a small import hook
 (``lily_mlx_patches``) on ``sys.meta_path``; when ``mlx_lm.generate``, ``mlx_lm.server``, ``mlx_lm.chat`` or
-``mlx_lm.benchmark`` is imported, it calls :func:`instrument` on the module, which wraps the module's ``main``.
+``mlx_lm.benchmark`` (or ``cache_prompt``, ``perplexity``: ``CLI_MODULES``) is imported, it calls :func:`instrument`
+on the module, which wraps the module's ``main``.
 Only while that ``main`` runs, the module sees an ``ArgumentParser`` that also knows the lily flags and a ``load`` /
 ``sharded_load`` that patches the loaded model when ``--lily`` was given. Nothing else in MLX-LM
 changes, and without ``--lily`` the CLI runs exactly as stock.

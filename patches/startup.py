@@ -1,12 +1,13 @@
 """Imported by ``lily_mlx_hooks.pth`` at interpreter start: put the MLX-LM CLI hook on sys.meta_path.
 
-Standard library only, and nothing is imported until ``mlx_lm.generate`` / ``chat`` / ``server`` / ``benchmark`` is.
+Standard library only, and nothing is imported until one of ``CLI_MODULES`` is.
 """
 
 import sys
 
 # MLX-LM CLI modules that get the --lily flags.
-CLI_MODULES = frozenset({"mlx_lm.generate", "mlx_lm.chat", "mlx_lm.server", "mlx_lm.benchmark"})
+CLI_MODULES = frozenset({"mlx_lm.generate", "mlx_lm.chat", "mlx_lm.server", "mlx_lm.benchmark", "mlx_lm.cache_prompt",
+                         "mlx_lm.perplexity"})
 
 
 class _InstrumentingLoader:

@@ -114,8 +114,27 @@ def test_mlx_lm_benchmark_lily_times_the_patched_model(installed_hook, model_pat
     assert stock.returncode == 0 and PATCHED_NOTE not in stock.stderr and "Averages: prompt_tps=" in stock.stdout
 
 
+def test_mlx_lm_cache_prompt_lily_writes_a_cache_stock_generates_from(installed_hook, model_path, tmp_path):
+    """A prompt cache file made by ``mlx_lm.cache_prompt --lily`` is stock's format: stock ``mlx_lm.generate``
+    continues from it as from one stock made (reference backend: the same bits)."""
+    prompt_head, rest = PROMPT[:24], PROMPT[24:]
+    texts = []
+    for extra in ([], ["--lily"]):
+        cache_file = tmp_path / f"cache{len(extra)}.safetensors"
+        made = run_cli(mlx_lm_command("cache_prompt") + ["--model", str(model_path), "--prompt", prompt_head,
+                                                         "--prompt-cache-file", str(cache_file)] + extra, tmp_path)
+        assert made.returncode == 0 and cache_file.exists(), made.stderr[-2000:]
+        assert (PATCHED_NOTE in made.stderr) == bool(extra)
+        used = run_cli(mlx_lm_command("generate") + ["--model", str(model_path), "--prompt-cache-file",
+                                                     str(cache_file), "--prompt", rest, "--max-tokens", "12",
+                                                     "--ignore-chat-template"], tmp_path)
+        assert used.returncode == 0, used.stderr[-2000:]
+        texts.append(generated_text(used.stdout))
+    assert texts[0] == texts[1] and texts[0].strip()
+
+
 def test_lily_flags_in_mlx_lm_help(installed_hook, tmp_path):
-    for cli in ("server", "benchmark"):
+    for cli in ("server", "benchmark", "cache_prompt", "perplexity"):
         proc = run_cli(mlx_lm_command(cli) + ["--help"], tmp_path)
         assert proc.returncode == 0
         for flag in ("--lily", "--lily-disable", "--lily-enable", "--lily-backend"):
