@@ -43,6 +43,11 @@ def markdown(profile: dict) -> str:
     rows = [[f"`{r['switch']}`", r["family"], r["class"], f"{r['on_ms']:.3f}", f"{r['off_ms']:.3f}", f"{r['ratio']:.2f}"]
             for r in profile["switch_timings"]]
     out += _table(["switch", "layer", "shape", "on ms", "off ms", "ratio"], rows) + [""]
+    out += ["## Batch invariance (a token's bits alone, in a decode batch, in a prompt chunk)", ""]
+    rows = [[r["what"], " / ".join(str(t) for t in r["tokens"]) + " tokens",
+             "bitwise equal" if r["equal"] else "**differ**" + (f" ({r['failure']})" if "failure" in r else "")]
+            for r in profile.get("invariance", [])]
+    out += (_table(["check", "calls", "result"], rows) if rows else ["(no MoE layer)"]) + [""]
     out += ["Share this file (and the JSON profile next to it) as it is: it names the device and versions "
             "and holds no paths other than the model's.", ""]
     return "\n".join(out)

@@ -1,6 +1,6 @@
 """``python -m lily_mlx tune``: on this machine and backend, check every kernel against its reference,
-time every kernel-vs-reference choice and every switch A/B, and write the tune profile patch()
-applies (``core.tune_profile``) plus a Markdown report. How to use it: docs/usage.md.
+time every kernel-vs-reference choice and every switch A/B, check the MoE block's batch invariance, and write the
+tune profile patch() applies (``core.tune_profile``) plus a Markdown report. How to use it: docs/usage.md.
 
 Choices are per op and per switch, not per shape class: a token's result must not depend on the call
 it comes in (batch invariance), and MLX-LM pads a 1-token prompt chunk alone (a decode-shaped call)
@@ -320,6 +320,67 @@ def time_switches(bench: Bench, ops, pinned: Dict[str, str], bad_off: Dict[str, 
     return rows, off, untimed
 
 
+def _moe_invariance_once(bench: Bench, label: str) -> dict:
+    """One token's output of the MoE decoder layer's work after its mixer (``post_mixer``: residual add, norm,
+    router, experts, combine; every op lily's) alone, in a decode batch and in a prompt chunk past the decode
+    forms' size, compared bitwise. Returns a row for the report."""
+    from ..ops.moe.kernels import PER_ASSIGNMENT_MAX
+    from ..ops.moe.layer import post_mixer
+
+    case = bench.cases["moe"]
+    layer = bench.model.layers[case.index]
+    per_call = max(1, PER_ASSIGNMENT_MAX // layer.mlp.top_k)  # tokens a call of the decode forms takes
+    batch, chunk = min(8, per_call), 2 * per_call + 1
+    hidden = case.norm.weight.shape[-1]
+    k1, k2 = mx.random.split(mx.random.key(bench.seed + 5))
+    x = mx.random.normal((1, chunk, hidden), key=k1).astype(case.dtype)
+    mixed = (0.5 * mx.random.normal((1, chunk, hidden), key=k2)).astype(case.dtype)
+    row = {"what": label, "tokens": [1, batch, chunk]}
+    try:
+        whole = post_mixer(layer, x, mixed)  # [1, chunk, hidden]
+        tokens = sorted({0, batch - 1, chunk - 1})
+        alone = [post_mixer(layer, x[:, t:t + 1], mixed[:, t:t + 1]) for t in tokens]
+        rows = post_mixer(layer, x[0, :batch, None], mixed[0, :batch, None])  # [batch, 1, hidden]
+        mx.eval(whole, alone, rows)
+        row["equal"] = (all(bool(mx.array_equal(a[0, 0], whole[0, t]).item()) for a, t in zip(alone, tokens))
+                        and bool(mx.array_equal(rows[:, 0], whole[0, :batch]).item()))
+    except Exception as e:  # as in the checks: a failure here is a finding, not the end of the run
+        row["equal"], row["failure"] = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    return row
+
+
+def check_invariance(bench: Bench, pinned: Dict[str, str], off: Dict[str, str]) -> Tuple[List[dict], Dict[str, str]]:
+    """Step 3: batch invariance on this device, with the choices made. The MoE decode forms (row GEMVs, up to
+    ``PER_ASSIGNMENT_MAX`` expert assignments a call) and the GEMM tiles of larger calls are written to give a
+    token the same bits (every product added in K order; docs/moe.md), which the simulator and the bridge show;
+    Apple does not document the order inside its ``simdgroup_matrix`` multiply-accumulate, so it is checked where
+    the profile is made. Where the token's bits differ, ``row_gemv`` off (decode calls then take the GEMM tiles
+    too) is checked and, when that holds, chosen. Returns (rows, switch -> why off)."""
+    if "moe" not in bench.cases:
+        return [], {}
+    rows, turned_off = [], {}
+    for extra in ((), ("row_gemv",)):
+        if extra and extra[0] in off:
+            break
+        label = "MoE token alone / in a decode batch / in a prompt chunk" + (f" ({extra[0]} off)" if extra else "")
+        with variant(reference=tuple(pinned), disable=tuple(off) + extra):
+            row = _moe_invariance_once(bench, label)
+        rows.append(row)
+        verdict = "bitwise equal" if row["equal"] else f"DIFFER{' (' + row['failure'] + ')' if 'failure' in row else ''}"
+        _say(f"invariance: {label}: {verdict}")
+        if row["equal"]:
+            if extra:
+                turned_off[extra[0]] = ("batch invariance: with it on a token's MoE output differs between a "
+                                        "decode call and a prompt chunk on this device")
+            break
+    else:
+        stock = sorted(name for name in pinned if name.startswith("moe_"))
+        _say("warning: the MoE block is not batch invariant on this device even with row_gemv off (a token's bits "
+             "depend on the call it comes in)" + (f"; {', '.join(stock)} run(s) MLX's own ops here" if stock else "")
+             + "; the report says so")
+    return rows, turned_off
+
+
 # --------------------------------------------------------------------------------------------------
 # The command
 
@@ -353,6 +414,8 @@ def tune(model, model_name: str, classes: Sequence[ShapeClass], rounds: int, rep
         pinned.update(trials_off)
         pinned.update(follow(pinned))
         switch_rows, off, untimed = time_switches(bench, ops, pinned, bad_off, rounds, reps)
+        invariance_rows, not_invariant = check_invariance(bench, pinned, off)
+        off.update(not_invariant)
     timed = {row["op"] for row in op_rows}
     return {
         "format": tune_profile.FORMAT,
@@ -377,6 +440,7 @@ def tune(model, model_name: str, classes: Sequence[ShapeClass], rounds: int, rep
         "checks": check_rows,
         "op_timings": op_rows,
         "switch_timings": switch_rows,
+        "invariance": invariance_rows,
     }
 
 
@@ -405,7 +469,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         description="Tune lily-mlx for this machine. (1) Check every kernel against its reference at the "
         "model's shapes: a kernel that differs is pinned to its reference. (2) Time each op's kernel against "
         "its reference, and each switch on against off, at the shape classes the model runs (decode at a "
-        "few contexts, prefill chunks), alternating order, medians. (3) Write a profile (JSON) that "
+        "few contexts, prefill chunks), alternating order, medians. (3) Check that a token's MoE output has the "
+        "same bits alone, in a decode batch and in a prompt chunk (batch invariance; where it does not, row_gemv "
+        "goes off if that restores it). (4) Write a profile (JSON) that "
         "patch() and --lily apply on this device, backend, MLX and lily-mlx version (an op whose kernel "
         "is slower takes its reference; a switch slower on is turned off), and a Markdown report to share. "
         "LILY_TUNE=off makes patch() ignore profiles.",

@@ -87,6 +87,9 @@ def test_tune_quick_checks_every_kernel_and_writes_a_profile_patch_applies(tune_
     # Step 2 ran and said so, one line per measurement.
     assert "[tune] check 1/" in proc.stdout and "[tune] time 1/" in proc.stdout
     assert profile["op_timings"] and "## Choices" in path.with_suffix(".md").read_text()
+    # Step 3 ran with the choices made (whatever they were, the simulator keeps a token's bits).
+    assert [r["equal"] for r in profile["invariance"]] == [True], profile["invariance"]
+    assert "## Batch invariance" in path.with_suffix(".md").read_text() and "[tune] invariance:" in proc.stdout
 
     # Whatever the timings chose, patch() applies exactly that.
     model, _ = sim_model
@@ -123,6 +126,46 @@ def test_a_wrong_kernel_is_pinned_with_its_reason(tune_dir, sim_model, monkeypat
     # unfused decode step.
     assert sorted(bad_off) == ["fused_recurrent_norm", "register_scan", "staged_scan"]
     assert tune.follow(pinned) == {"deltanet_decode": "follows deltanet_scan to its reference (batch invariance)"}
+
+
+def test_tune_checks_the_moe_batch_invariance_across_its_decode_and_chunk_forms(tune_dir, sim_model, monkeypatch):
+    """Step 3 compares a token's MoE output alone, in a decode batch and in a prompt chunk: the decode forms (row
+    GEMVs) against the GEMM tiles, two different kernels, bitwise equal on the simulator."""
+    from lily_mlx.tuning import tune
+
+    monkeypatch.setenv("LILY_TUNE", "off")
+    model, _ = sim_model
+    lily_mlx.patch(model)
+    bench = tune.Bench(model, tune.QUICK_CLASSES)
+    with record_launches() as launches:
+        rows, off = tune.check_invariance(bench, {}, {})
+    assert [r["equal"] for r in rows] == [True] and off == {}
+    names = set(launches.names())
+    assert "moe_gemv_gate_up_swiglu_routed" in names and any(n.startswith("moe_gemm_gate_up") for n in names), names
+
+
+def test_a_device_where_the_moe_forms_differ_turns_row_gemv_off(tune_dir, sim_model, monkeypatch):
+    """Step 3 with a planted difference (the decode forms' down GEMV + combine a little off, as a device whose
+    matrix multiply-accumulate adds in another order would make it): with row_gemv on a token's bits differ between
+    a decode call and a prompt chunk, with it off they agree, so row_gemv goes off with that reason; the report
+    shows both checks."""
+    from lily_mlx.ops.moe import kernels as mk
+    from lily_mlx.tuning import report, tune
+
+    real = mk.gemv_down_combine
+    monkeypatch.setattr(mk, "gemv_down_combine", lambda *args, **kwargs: real(*args, **kwargs) * 1.0625)
+    monkeypatch.setenv("LILY_TUNE", "off")
+    model, _ = sim_model
+    lily_mlx.patch(model)
+    bench = tune.Bench(model, tune.QUICK_CLASSES)
+    rows, off = tune.check_invariance(bench, {}, {})
+    assert [r["equal"] for r in rows] == [False, True]
+    assert list(off) == ["row_gemv"] and off["row_gemv"].startswith("batch invariance")
+    text = report.markdown({"key": {"device": "d", "backend": "sim", "mlx": "m", "lily": "l"}, "model": "embedded",
+                            "command": "c", "created": "now", "classes": [], "rounds": 1, "tolerance": 0.1,
+                            "slower_ratio": 1.03, "ops": {}, "switches": {}, "checks": [], "op_timings": [],
+                            "switch_timings": [], "invariance": rows})
+    assert "**differ**" in text and "(row_gemv off)" in text
 
 
 def test_a_profile_pinning_every_kernel_gives_stock_logits(tune_dir, sim_model):
