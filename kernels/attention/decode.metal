@@ -459,7 +459,8 @@ inline void attention_merge_blocks(
 // ending at the last live row (scores of rows already taken are overwritten with the same rows' scores; their
 // weights in that chunk's P tile are 0), and with fewer than 8 live rows in all, V is staged with zeros.
 // The bits are this form's own (another summation order than the scalar form's).
-#define ATTENTION_TILE_PAD 8  // columns before a block's first row in the score / weight rows (a window's start)
+#define ATTENTION_TILE_PAD 8  // columns before a block's first row in the score / weight rows (a window's start;
+                              // the same count after its last row is spare: no window reaches it)
 
 template <typename InT, int D, int BRM, int STAGED>
 struct AttentionTileScratch {
@@ -473,7 +474,7 @@ struct AttentionTileScratch {
   static constant constexpr int FLOATS = STAGE_AT + (STAGED ? 8 * SLD * sizeof(InT) / 4 : 0);
 };
 
-// STAGED: 8 rows of K or V (rows row0 ..; those at or past `live` as zeros) copied into threadgroup memory with
+// STAGED: 8 rows of K or V (from `rows`; those at or past `live` as zeros) copied into threadgroup memory with
 // 16-byte loads, adjacent lanes reading adjacent bytes (the 8 rows are 8 D contiguous elements), rows padded by
 // 8 elements so that a fragment's 8 rows fall on different banks. Then loaded as tiles from there.
 template <typename InT, int D>

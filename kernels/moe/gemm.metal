@@ -27,7 +27,9 @@
 // element has one fp32 accumulator that takes the same 8 x 8 multiply-accumulates in the same K
 // order (K step 64, then 8 at a time) in either tile, from the same operand values (x converted
 // from T, w = scale * q + bias, or the dequantised array); SwiGLU, the roundings and the combine are
-// per element / per token. No split-K, no reduction across rows or tiles.
+// per element / per token. No split of K across threadgroups, no reduction across rows or tiles (the K-split
+// candidate, SK > 1, splits each sum into SK ranges inside one threadgroup and adds them in range order: its own
+// bits, in the GEMV and the register tiles alike).
 
 // @header
 // @include moe/router.metal
@@ -319,11 +321,12 @@ inline float moe_gemv_chain(float acc, const threadgroup uint4* wrow, const thre
   return acc;
 }
 
-// The whole K loop of one chain (thread tid = m * R + r: matrix m, row r), pipelined as described
-// above; every thread of the threadgroup calls it (it holds barriers). Returns the chain's sum.
+// The whole K loop of one chain (thread tid = m * R + r: matrix m, row r; with SK > 1, tid = s NM R + m R + r, range
+// s), pipelined as described above; every thread of the threadgroup calls it (it holds barriers). Returns the chain's
+// sum (SK > 1: the first NM R threads return the ranges' sums added in range order).
 // ws, ss, bs, xs: two buffers each, back to back: [2 * NT * (KC / 32 + 1)] uint4, [2 * NT * (KC / 64)]
-// floats twice, [2 * KC / 4] float4 (24.5 KB for gate+up at R = 32, KC = 256 and for down at R = 64,
-// KC = 256; the host keeps them within Apple's 32 KB).
+// floats twice, [2 * SK * KC / 4] float4 (NT = NM R SK; 24.5 KB for gate+up at R = 32, KC = 256 and for down at
+// R = 64, KC = 256; the host keeps them within Apple's 32 KB).
 template <int NM, int R, int KC, typename T, int SK = 1>
 inline float moe_gemv_staged(
     const device uint32_t* w0, const device uint32_t* w1, long wstride,
@@ -1106,8 +1109,9 @@ if (d0 < D) {
 }
 
 // @kernel moe_gemv_gate_up_swiglu
-// grid (I / R * 2R, n_blocks, 1), threadgroup (2R, 1, 1); template T, R (outputs per threadgroup,
-// dividing I), KC (K chunk: a multiple of 64 dividing D). params: [top_k, D, I, E, A, N].
+// grid (I / R * 2R SK, n_blocks, 1), threadgroup (2R SK, 1, 1); template T, R (outputs per threadgroup,
+// dividing I), KC (K chunk: a multiple of 64 dividing D / SK), SK (1 but for the candidate below). params: [top_k, D,
+// I, E, A, N].
 // The decode form of moe_gemm_gate_up_swiglu for one-row blocks (expert, slot, 1, tile): same
 // inputs, same h, the same bits per element. Rows of shared chunk c (expert id E + c) are token
 // slot - A - c * N; routed rows are token sorted_rows[slot] / top_k. Threads 0 .. R-1 run the gate

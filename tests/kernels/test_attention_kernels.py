@@ -550,6 +550,22 @@ def test_matrix_tile_partials_at_qwen36_shape_with_a_moving_max():
 
 
 @needs_sim
+@pytest.mark.parametrize("capacity, S, block_rows", [(64, 61, 16), (40, 5, 16), (300, 293, 64), (300, 131, 8)],
+                         ids=["partial-last-chunk", "under-8-rows", "partial-last-block", "one-chunk-blocks"])
+def test_matrix_tile_staged_form_has_the_same_bits_where_the_forms_differ(capacity, S, block_rows):
+    """The staged form reads the same rows into the same products as the form from memory: the same bits, also
+    where their code differs (a last chunk of fewer than 8 live rows: a window ending at the last row, V staged
+    with zeros under 8 rows in all)."""
+    rng = np.random.default_rng(11)
+    q, k, v = _problem(rng, 1, 1, 8, 64, capacity, mx.bfloat16)
+    last = mx.array([S - 1], dtype=mx.int32)
+    forms = [ak.decode_attention_tiles_live(q, k, v, last, scale=0.125, backend=KERNEL_BACKEND, block_rows=block_rows,
+                                           simdgroups=2, staged=staged, init_value=NAN) for staged in (False, True)]
+    _check(forms[0], _oracle(q, k, v, S, 0.125), TILE_TOL["bfloat16"])
+    assert bool(mx.array_equal(forms[1], forms[0]).item())
+
+
+@needs_sim
 @pytest.mark.skipif(KERNEL_BACKEND != "sim", reason="the race check is the simulator's")
 @pytest.mark.parametrize("staged", [False, True], ids=["tiles-from-memory", "staged"])
 @pytest.mark.parametrize("capacity, S", [(64, 61), (40, 5)], ids=["partial-last-chunk", "under-8-rows"])
@@ -566,10 +582,20 @@ def test_matrix_tile_partials_race_check(monkeypatch, capacity, S, staged):
 
 def test_matrix_tile_partials_refuse_other_shapes():
     q, k = mx.zeros((1, 12, 1, 64), mx.bfloat16), mx.zeros((1, 2, 16, 64), mx.bfloat16)  # G = 6
-    assert not ak.tiles_supported(q, k)
-    assert not ak.tiles_supported(q.astype(mx.float32)[:, :8], k[:, :1].astype(mx.float32))
-    assert not ak.tiles_supported(mx.zeros((1, 8, 1, 64), mx.bfloat16), mx.zeros((1, 1, 7, 64), mx.bfloat16))
-    with pytest.raises(ValueError, match="G = 8"):
+    assert "G = 6" in ak.tiles_problem(q, k, k)
+    q32, k32 = q.astype(mx.float32)[:, :8], k[:, :1].astype(mx.float32)
+    assert "16-bit" in ak.tiles_problem(q32, k32, k32)
+    short = mx.zeros((1, 1, 7, 64), mx.bfloat16)
+    assert ">= 8" in ak.tiles_problem(mx.zeros((1, 8, 1, 64), mx.bfloat16), short, short)
+    # What the merge after the partials does not take (head dims outside the decode kernels'), and mixed types.
+    for d in (16, 40):
+        qd, kd = mx.zeros((1, 8, 1, d), mx.bfloat16), mx.zeros((1, 1, 16, d), mx.bfloat16)
+        assert "head dim" in ak.tiles_problem(qd, kd, kd)
+    q8 = mx.zeros((1, 8, 1, 64), mx.bfloat16)
+    k16 = mx.zeros((1, 1, 16, 64), mx.float16)
+    assert "dtypes" in ak.tiles_problem(q8, k16, k16)
+    assert ak.tiles_problem(q8, k16.astype(mx.bfloat16), k16.astype(mx.bfloat16)) is None
+    with pytest.raises(ValueError, match="G = 6"):
         ak.decode_attention_tiles_live(q, k, k, mx.array([3], dtype=mx.int32), scale=1.0, backend="sim")
     q8, k8 = mx.zeros((1, 8, 1, 256), mx.bfloat16), mx.zeros((1, 1, 16, 256), mx.bfloat16)
     with pytest.raises(ValueError, match="32 KiB"):  # Apple's limit: 8 simdgroups at D = 256

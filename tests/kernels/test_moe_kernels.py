@@ -908,6 +908,20 @@ def test_decode_gemv_k_split_adds_the_ranges_apart(gemm_sim):
         assert np.allclose(oracle, g / (1.0 + np.exp(-g)) * g)
     assert np.all(_split_k_gate_up_oracle(x, sched["sorted_rows"], sched["blocks"], sw, 1, 1)[0] == 0)
 
+    # The ranges added in range order, not another: 64 x 2^18, 64 x 0, 64 x 2^-6, 64 x -2^18. Four ranges sum to
+    # 2^24, 0, 1, -2^24: ((2^24 + 0) + 1) - 2^24 = 0 in fp32 (2^24 + 1 ties to 2^24), where the reversed or pairwise
+    # order gives 1. Two ranges: 2^24 and 1 - 2^24, which add to 1. One chain: 0.
+    row = mx.array([2.0**18] * 64 + [0.0] * 64 + [2.0**-6] * 64 + [-(2.0**18)] * 64, dtype=mx.bfloat16)
+    x = mx.broadcast_to(row, (8, d))
+    silu_one = 1.0 / (1.0 + np.exp(-1.0))
+    for split, exact in ((1, 0.0), (2, silu_one), (4, 0.0)):
+        expected = mx.array(exact, dtype=mx.float32).astype(mx.bfloat16)
+        assert bool(mx.all(run((16, 64, split)) == expected).item()), split
+        for tiles in ("register64", "register"):
+            assert bool(mx.all(run(None, tiles, split) == expected).item()), (tiles, split)
+        oracle = _split_k_gate_up_oracle(x, sched["sorted_rows"], sched["blocks"], sw, 1, split)[0]
+        assert np.allclose(oracle, exact), split
+
 
 def test_decode_gemv_k_split_compiles_for_cuda():
     """The K-split candidate's layouts timed on a GPU (lily_dev/moe_bench.py), and the register tiles with the split

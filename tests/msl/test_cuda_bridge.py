@@ -55,6 +55,10 @@ METAL_FUNC T twice(const device T* x) { return x[0] * 2; }
 inline float half_of(float x);
 template <int NM, typename T, int SK = 1>
 inline T scaled(T x) { return x * NM * SK; }
+template <int A, int B = (A > 2 ? 1 : 0)>
+inline int over_two(int x) { return x * B; }
+template <int A, bool B = (A < 2)>
+inline bool under_two() { return B; }
 struct Acc { float v; void add(float x) { v += x; } Acc(float s) : v(s) {} };
 static_assert(N == 4, "N");
 """, "header")
@@ -63,6 +67,9 @@ static_assert(N == 4, "N");
     assert "template <typename T>__device__ \nMETAL_FUNC T twice(const  T* x)" in header
     assert "__device__ inline float half_of(float x);" in header
     assert "template <int NM, typename T, int SK = 1>__device__ \ninline T scaled(T x)" in header  # a default argument
+    # A comparison inside a default argument's parentheses is not a template bracket.
+    assert "template <int A, int B = (A > 2 ? 1 : 0)>__device__ \ninline int over_two(int x)" in header
+    assert "template <int A, bool B = (A < 2)>__device__ \ninline bool under_two()" in header
     assert "__device__ void add(float x)" in header and "__device__ Acc(float s)" in header
     assert "__device__ static_assert" not in header
 

@@ -190,19 +190,25 @@ def _classify_scope(stmt: str) -> str:
 
 
 def _template_prefix_end(text: str, start: int = 0, end: Optional[int] = None) -> int:
-    """The position after a leading ``template<...>`` of text[start:end] (its brackets matched), else the first
-    non-space position."""
+    """The position after a leading ``template<...>`` of text[start:end] (its brackets matched; a ``<`` or ``>``
+    inside parentheses, as in a default argument ``int B = (A > 2)``, is a comparison), else the first non-space
+    position."""
     end = len(text) if end is None else end
     i = start
     while i < end and text[i].isspace():
         i += 1
     m = re.match(r"template\s*<", text[i:end])
     if m:
-        depth, j = 0, i + m.end() - 1
+        depth, parens, j = 0, 0, i + m.end() - 1
         while j < end:
-            if text[j] == "<":
+            c = text[j]
+            if c == "(":
+                parens += 1
+            elif c == ")":
+                parens -= 1
+            elif c == "<" and parens == 0:
                 depth += 1
-            elif text[j] == ">":
+            elif c == ">" and parens == 0:
                 depth -= 1
                 if depth == 0:
                     break

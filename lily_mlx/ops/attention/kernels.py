@@ -347,8 +347,9 @@ def decode_attention_fixed_blocks_live(
 
 # The matrix-tile form of the live partials (kernels/attention/decode.metal, attention_decode_block_tiles): a
 # candidate, not a product path (benchmarks and tests call it by name). One simdgroup per block of TILE_BLOCK_ROWS
-# rows, TILE_SIMDGROUPS blocks a threadgroup. Needs G = 8 (the heads are a tile's rows), D % 8 == 0 and a buffer of
-# at least 8 rows.
+# rows, TILE_SIMDGROUPS blocks a threadgroup. Needs the decode kernels' shapes (``shape_problem``: head dims, matching
+# dtypes and shapes; the merge it shares takes D in SUPPORTED_HEAD_DIMS), G = 8 (the heads are a tile's rows), a
+# 16-bit type and a buffer of at least 8 rows.
 TILE_SIMDGROUPS = 4
 TILE_BLOCK_ROWS = 128
 
@@ -361,10 +362,18 @@ def tile_scratch_bytes(D: int, block_rows: int, dtype, staged: bool = False) -> 
     return 4 * (floats + (8 * (D + 8) * size // 4 if staged else 0))
 
 
-def tiles_supported(queries: mx.array, keys: mx.array) -> bool:
-    B, Hq, L, D = queries.shape
-    return (L == 1 and Hq == 8 * keys.shape[1] and D % 8 == 0 and D <= 256 and keys.shape[2] >= 8
-            and queries.dtype in (mx.bfloat16, mx.float16))
+def tiles_problem(queries: mx.array, keys: mx.array, values: mx.array) -> Optional[str]:
+    """None when the matrix-tile partials (and the merge after them) take these shapes; else why not."""
+    problem = shape_problem(queries, keys, values)
+    if problem:
+        return problem
+    if queries.shape[1] != 8 * keys.shape[1]:
+        return f"G = {queries.shape[1] // keys.shape[1]} query heads a KV head (the tiles need 8)"
+    if queries.dtype not in (mx.bfloat16, mx.float16):
+        return f"{queries.dtype} (the tiles need a 16-bit type)"
+    if keys.shape[2] < 8:
+        return f"a buffer of {keys.shape[2]} rows (the tiles need >= 8)"
+    return None
 
 
 def decode_attention_tiles_live(
@@ -382,9 +391,9 @@ def decode_attention_tiles_live(
 ) -> mx.array:  # [B, Hq, 1, D]
     """``decode_attention_fixed_blocks_live`` with matrix-tile partials (one simdgroup a block), then the same
     merge. Its own bits (another summation order, weights rounded to the input type as the prefill kernel's)."""
-    if not tiles_supported(queries, keys):
-        raise ValueError(f"matrix-tile decode attention needs G = 8, D % 8 == 0, a 16-bit type and >= 8 rows: "
-                         f"q {queries.shape} {queries.dtype}, k {keys.shape}")
+    problem = tiles_problem(queries, keys, values)
+    if problem:
+        raise ValueError(f"matrix-tile decode attention: {problem}")
     B, Hq, _, D = queries.shape
     Hkv, S_cap = keys.shape[1], keys.shape[2]
     brm = block_rows or TILE_BLOCK_ROWS
