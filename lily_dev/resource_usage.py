@@ -189,10 +189,11 @@ def down_combine_unit(blocks_per_token: int = 9, width: int = 2048, expert_width
     return _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], template), rows * groups
 
 
-def gate_up_gemv_unit(experts: int = 256, width: int = 2048, expert_width: int = 512) -> str:
+def gate_up_gemv_unit(experts: int = 256, width: int = 2048, expert_width: int = 512, split: int = 1) -> str:
     """The CUDA translation unit of the decode gate/up GEMV with the router's top-k inside
     (``moe_gemv_gate_up_swiglu_routed``) in bf16 with the template of Qwen3.6's shape (256 experts, hidden 2048,
-    expert width 512); a small block's launch stands in for the inputs (their shapes do not enter the translation)."""
+    expert width 512); a small block's launch stands in for the inputs (their shapes do not enter the translation).
+    ``split`` > 1: its layout under switch split_k_gate_up."""
     from lily_mlx.ops.moe import kernels as mk
 
     from .moe_testing import make_sparse_moe_block
@@ -202,8 +203,9 @@ def gate_up_gemv_unit(experts: int = 256, width: int = 2048, expert_width: int =
     with _captured_launches(mk) as calls:
         mk.gemv_gate_up_routed(block, mx.zeros((1, 128), mx.bfloat16), mx.zeros((1, 16), mx.float32), "cuda")
     (name, kw), = calls
-    rows, chunk = mk.gemv_geometry("gate_up", expert_width, width, None, mk.ROUTED_GEMV_PROBS_BYTES)
-    template = [("T", mx.bfloat16), ("R", rows), ("KC", chunk), ("NPL", -(-experts // 32))]
+    layout = (*mk.GATE_UP_SPLIT_ROWS_CHUNK, split) if split > 1 else None
+    rows, chunk, *_ = mk.gemv_geometry("gate_up", expert_width, width, layout, mk.ROUTED_GEMV_PROBS_BYTES)
+    template = [("T", mx.bfloat16), ("R", rows), ("KC", chunk), ("NPL", -(-experts // 32)), ("SK", split)]
     return _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], template)
 
 

@@ -1143,15 +1143,16 @@ moe_gemv_gate_up_rows<R, KC, T, SK>(e, slot, token, E, I, D, int(threadgroup_pos
 // moe_router_topk_from_logits), takes its block's expert, and runs the same rows as the plain form.
 // The x = 0 threadgroup of each block writes that block's share of the top-k kernel's outputs (each
 // element written once): pick j's inds / scores / block row, the gate (pick 0's), a shared chunk's block row.
-// grid (I / R * 2R, N * (k + m), 1), threadgroup (2R, 1, 1); template T, R, KC, NPL (ceil(E / 32)).
+// grid (I / R * 2R SK, N * (k + m), 1), threadgroup (2R SK, 1, 1); template T, R, KC, NPL (ceil(E / 32)), SK (1;
+// switch split_k_gate_up: the K split of moe_gemv_gate_up_swiglu, KC dividing D / SK).
 // params: [top_k, D, I, E, A, N, norm_topk, has_gate, decode_tile, shared_chunks] (A = N * top_k, m =
 // shared_chunks). Block b < A: assignment b (token b / k, pick b % k); b >= A: shared chunk (b - A) / N of
 // token (b - A) % N. x [N, D]; logits [N, E + 1] fp32; weights as moe_gemv_gate_up_swiglu's.
 // Outputs: h [A + m N, I]; inds [N, k] int32, scores [N, k] T, gate [N] fp32, blocks [A + m N, 4] int32.
-threadgroup uint4 gemv_ws[2 * 2 * R * (KC / 32 + 1)];
-threadgroup float gemv_ss[2 * 2 * R * (KC / 64)];
-threadgroup float gemv_bs[2 * 2 * R * (KC / 64)];
-threadgroup float4 gemv_xs[2 * (KC / 4)];
+threadgroup uint4 gemv_ws[2 * 2 * R * SK * (KC / 32 + 1)];
+threadgroup float gemv_ss[2 * 2 * R * SK * (KC / 64)];
+threadgroup float gemv_bs[2 * 2 * R * SK * (KC / 64)];
+threadgroup float4 gemv_xs[2 * SK * (KC / 4)];
 threadgroup float up_sums[R];
 threadgroup float probs[MOE_ROUTER_MAX_E + 1];
 threadgroup int block_expert;
@@ -1188,10 +1189,10 @@ if (simdgroup_index_in_threadgroup == 0) {  // uniform: every lane of simdgroup 
   }
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
-moe_gemv_gate_up_rows<R, KC, T>(block_expert, blk, token, E, I, D, int(threadgroup_position_in_grid.x) * R, tid, x,
-                                w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, w_gate_s,
-                                scales_gate_s, biases_gate_s, w_up_s, scales_up_s, biases_up_s, gemv_ws, gemv_ss,
-                                gemv_bs, gemv_xs, up_sums, h);
+moe_gemv_gate_up_rows<R, KC, T, SK>(block_expert, blk, token, E, I, D, int(threadgroup_position_in_grid.x) * R, tid,
+                                    x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, w_gate_s,
+                                    scales_gate_s, biases_gate_s, w_up_s, scales_up_s, biases_up_s, gemv_ws, gemv_ss,
+                                    gemv_bs, gemv_xs, up_sums, h);
 
 // @kernel moe_gemv_down
 // grid (D / R * R, n_blocks, 1), threadgroup (R, 1, 1); template T, R (outputs per threadgroup,

@@ -43,6 +43,13 @@ _SWITCH_LIST = [
            "chains fed by 16-byte threadgroup loads, the next K step's loads in flight (same bits as the "
            "simdgroup tiles).",
            "simdgroup_matrix 8 x 8 tiles, 4 simdgroups per 32 x 32 block (the write-up's kernel)."),
+    Switch("split_k_gate_up", "moe", "both", False,
+           "Each gate and up sum of the expert GEMMs as GATE_UP_K_SPLIT chains over contiguous K ranges, added in "
+           "range order, in the decode GEMVs (2R x split threads a threadgroup: shorter dependent chains) and the "
+           "register tiles alike, so that a token keeps one set of bits in any call (other bits than off; where "
+           "the register tiles do not take gate+up, neither splits). A candidate, off by default until timed on a "
+           "GPU (docs/moe.md, 'The split as a candidate').",
+           "One chain over all of K (the write-up's arithmetic)."),
     Switch("tall_register_blocks", "moe", "prefill", True,
            "With register_tiles: 64-thread threadgroups whose threads each keep 8 rows x 4 columns (of gate and "
            "of up) of a 32-row tile in registers (4 rows of a 16-row tile): twice the FMAs per threadgroup load "

@@ -73,8 +73,9 @@ def _tile_rows(inds: mx.array, num_experts: int, adaptive: bool) -> set:
     return {int(t) for t in mk.host_block_map(counts, adaptive)[:, 3]}
 
 
-@pytest.mark.parametrize("off", [()] + [(n,) for n in MOE_SWITCHES], ids=["all-on"] + [f"{n}-off" for n in MOE_SWITCHES])
-def test_moe_token_result_independent_of_the_call(sim, off):
+@pytest.mark.parametrize("off,on", [((), ())] + [((n,), ()) for n in MOE_SWITCHES] + [((), ("split_k_gate_up",))],
+                         ids=["all-on"] + [f"{n}-off" for n in MOE_SWITCHES] + ["split_k_gate_up-on"])
+def test_moe_token_result_independent_of_the_call(sim, off, on):
     """One token's MoE output, alone ([1, 1, D]: decode size, 4 assignments) equals the same token's
     output in a decode batch of 16 rows (64 assignments), in a prefill chunk, and in a padded batch
     of 3 x 48 tokens whose skewed routing gives loaded experts 32-row GEMM tiles."""
@@ -83,7 +84,7 @@ def test_moe_token_result_independent_of_the_call(sim, off):
     block = make_sparse_moe_block(num_experts=16, top_k=4, seed=3, skew=3.0)
     block.eval()
     x = make_inputs(3, 48, 128, seed=7, mean=0.3)
-    with switches.overrides(disable=off):
+    with switches.overrides(disable=off, enable=on):
         alone = [sparse_moe_forward(block, x[0:1, t:t + 1]) for t in range(16)]
         mx.eval(alone)
         decode_batch = sparse_moe_forward(block, x[0, :16, None])  # [16, 1, D]
@@ -247,8 +248,9 @@ def _batched_generation(model, prompts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("off,on", [(off, ()) for off in STATES] + [((), ("fused_next_norm",))],
-                         ids=STATE_IDS + ["fused_next_norm-on"])
+@pytest.mark.parametrize("off,on",
+                         [(off, ()) for off in STATES] + [((), ("fused_next_norm",)), ((), ("split_k_gate_up",))],
+                         ids=STATE_IDS + ["fused_next_norm-on", "split_k_gate_up-on"])
 def test_embedded_model_rows_batch_invariant(sim, embedded_model, monkeypatch, off, on):
     """Rows 0-2 of PROMPTS (2, short and long prompts) in a B = 2 and a B = 5 batch of mixed prompts
     get the logits they get alone (B = 1), bit for bit, at every prefill position and every decode

@@ -923,9 +923,56 @@ def test_decode_gemv_k_split_adds_the_ranges_apart(gemm_sim):
         assert np.allclose(oracle, exact), split
 
 
+def test_split_k_gate_up_switch_splits_the_decode_gemvs_and_the_tiles_alike(gemm_sim, monkeypatch):
+    """Switch split_k_gate_up through the MoE block's forward: a token alone (the routed decode GEMV with the router
+    inside) and in a chunk past the decode forms (the register tiles) get the same bits, and the split shows in
+    both (the discriminating activation row of the test above, every routed gate/up weight 1: each token's gate and
+    up sums are 0 in one chain and 2^-4 split in 4 ranges)."""
+    from lily_mlx.ops.moe import sparse_moe_forward
+
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    d = 256
+    block = make_sparse_moe_block(hidden=d, expert_width=64, num_experts=8, top_k=2, seed=4, shared_width=64)
+    block.eval()
+    for lin in (block.switch_mlp.gate_proj, block.switch_mlp.up_proj):
+        lin.weight = mx.full(lin.weight.shape, 0x11111111, dtype=mx.uint32)
+        lin.scales = mx.ones_like(lin.scales)
+        lin.biases = mx.zeros_like(lin.biases)
+    row = mx.array([256.0] * 64 + [0.0] * 64 + [2.0**-10] * 64 + [-256.0] * 64, dtype=mx.bfloat16)
+    chunk_tokens = mk.PER_ASSIGNMENT_MAX // 2 + 8  # past the decode forms at top-2: the register tiles
+    x = mx.broadcast_to(row, (1, chunk_tokens, d))
+    out = {}
+    for on in ((), ("split_k_gate_up",)):
+        with switches.overrides(enable=on), record_launches() as rec:
+            alone = sparse_moe_forward(block, x[:, :1])
+            chunk = sparse_moe_forward(block, x)
+            mx.eval(alone, chunk)
+        splits = {launch.name: dict(launch.kwargs["template"]).get("SK")
+                  for launch in rec if "gate_up" in launch.name}
+        assert splits == {"moe_gemv_gate_up_swiglu_routed": 4 if on else 1,
+                          "moe_gemm_gate_up_swiglu_regtile": 4 if on else 1}, splits
+        assert bool(mx.array_equal(chunk[:, :1], alone).item()), on
+        out[on] = alone
+    assert not bool(mx.array_equal(out[()], out[("split_k_gate_up",)]).item())  # the split's bits, in both forms
+
+
+def test_split_k_gate_up_applies_only_where_both_forms_take_it():
+    """The split is chosen from shapes and switches alone: off with the switch, without register tiles (the
+    simdgroup tiles have no split), or at a width the register tiles do not take; halved until the GEMV's 64-value
+    chunks divide K."""
+    with switches.overrides(enable=("split_k_gate_up",)):
+        assert mk.gate_up_split(512, 2048) == 4 and mk.gate_up_split(64, 128) == 2 and mk.gate_up_split(64, 64) == 1
+        assert mk.gate_up_split(96, 2048) == 1  # the register tiles take gate+up at widths of 64 columns
+        assert mk.gate_up_split(512, 2048, fused_dequant=False) == 1
+        with switches.overrides(disable=("register_tiles",)):
+            assert mk.gate_up_split(512, 2048) == 1
+    assert mk.gate_up_split(512, 2048) == 1  # off by default
+
+
 def test_decode_gemv_k_split_compiles_for_cuda():
-    """The K-split candidate's layouts timed on a GPU (lily_dev/moe_bench.py), and the register tiles with the split
-    (bench.gemm_tiles), translate and compile for the H200 at Qwen3.6's widths (hidden 2048, expert width 512)."""
+    """The K-split candidate's layouts timed on a GPU (lily_dev/moe_bench.py), the register tiles with the split
+    (bench.gemm_tiles) and the routed GEMV under switch split_k_gate_up translate and compile for the H200 at
+    Qwen3.6's widths (hidden 2048, expert width 512)."""
     from lily_dev import resource_usage
     from lily_dev.compile_check import compile_cuda, compiler_available
     from lily_dev.moe_bench import GEMV_SPLIT_VARIANTS
@@ -942,7 +989,9 @@ def test_decode_gemv_k_split_compiles_for_cuda():
         for tiles in ("register64", "register"):  # the register tiles with the split (bench.gemm_tiles)
             mk.gemm_gate_up_swiglu(mx.zeros((8, 2048), mx.bfloat16), sched["sorted_rows"], sched["blocks"],
                                    sw.gate_proj, sw.up_proj, 2, True, None, "cuda", tiles=tiles, k_split=4)
-    assert [dict(kw["template"])["SK"] for _, kw in calls] == [sk for _, _, sk in GEMV_SPLIT_VARIANTS] + [4, 4]
+        with switches.overrides(enable=("split_k_gate_up",)):  # the product's routed GEMV under the switch
+            mk.gemv_gate_up_routed(block, mx.zeros((1, 2048), mx.bfloat16), mx.zeros((1, 5), mx.float32), "cuda")
+    assert [dict(kw["template"])["SK"] for _, kw in calls] == [sk for _, _, sk in GEMV_SPLIT_VARIANTS] + [4, 4, 4]
     for name, kw in calls:
         ok, log = compile_cuda(resource_usage._cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"],
                                                          kw["template"]))

@@ -328,6 +328,11 @@ GEMV_MAX_K = 4096  # kernels/moe/gemm.metal: MOE_GEMV_MAX_K, the rowwise forms' 
 # (2026-12-01, op cases gemv_*_x8[1tok]) R = 16 / 32 ran gate+up 18 % and down 7 % faster than R = 32 / 64
 # (more, smaller threadgroups; same bits at any layout). Bench variants: lily_dev/moe_bench.py.
 GEMV_LAYOUT = {"gate_up": (16, 256), "down": (32, 256)}
+# Switch split_k_gate_up (a candidate): gate+up's sums as this many K ranges (halved until the GEMV's chunks divide
+# K: 2 at the embedded model's hidden size 128), and the decode GEMVs' (R, KC) then. (16, 64, 4) is one of the
+# layouts the op cases time (lily_dev/moe_bench.py GEMV_SPLIT_VARIANTS); until they are timed it is a guess.
+GATE_UP_K_SPLIT = 4
+GATE_UP_SPLIT_ROWS_CHUNK = (16, 64)
 GEMV_THREADGROUP_BYTES = 32 * 1024  # Apple's threadgroup memory limit
 
 
@@ -483,6 +488,21 @@ def _register_tiles(name: str, width: int, tile_dtype, tiles: Optional[str]) -> 
         log_once(f"moe_regtile:{name}:{width}",
                  f"moe_grouped_gemm: simdgroup tiles for {name} (output width {width} not a multiple of 64)")
     return cols
+
+
+def gate_up_split(width: int, k: int, fused_dequant: bool = True) -> int:
+    """The K split of gate+up's sums for a call of output width ``width`` (the expert width) and reduction length
+    ``k``: GATE_UP_K_SPLIT where switch ``split_k_gate_up`` is on and both forms take it (the register tiles run
+    gate+up at this width, 4-bit weights dequantised in the kernels), halved until k is a multiple of the split's
+    GEMV chunks; else 1. From shapes and switches alone, never from the call's size, so that a token's bits do not
+    depend on it."""
+    if (not (switches.is_enabled("split_k_gate_up") and fused_dequant and switches.is_enabled("register_tiles"))
+            or regtile_columns("gate_up", width) is None):
+        return 1
+    split = GATE_UP_K_SPLIT
+    while split > 1 and k % (GATE_UP_SPLIT_ROWS_CHUNK[1] * split):
+        split //= 2
+    return split
 
 
 def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_shape, dtype, backend,
@@ -769,7 +789,10 @@ def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optiona
     shared = block.shared_expert
     m = shared_chunks(shared, i)
     rows = n * (k + m)
-    rows_per_tg, chunk = gemv_geometry("gate_up", i, d, None, ROUTED_GEMV_PROBS_BYTES)
+    split = gate_up_split(i, d)  # (switch split_k_gate_up: the GEMM tiles of larger calls split alike)
+    rows_per_tg, chunk, *_ = gemv_geometry("gate_up", i, d, (*GATE_UP_SPLIT_ROWS_CHUNK, split) if split > 1 else None,
+                                           ROUTED_GEMV_PROBS_BYTES)
+    threads = 2 * rows_per_tg * split
     inputs = [x2d, logits]
     inputs += _weights(sw.gate_proj, True, None, x2d.dtype, backend)
     inputs += _weights(sw.up_proj, True, None, x2d.dtype, backend)
@@ -778,8 +801,9 @@ def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optiona
         top_k=k, D=d, I=i, E=e, A=n * k, N=n, norm_topk=bool(block.norm_topk_prob), has_gate=True,
         decode_tile=SMALL_TILE, shared_chunks=m))
     return _kernel("gemv_gate_up_routed", backend)(
-        inputs=inputs, template=[("T", x2d.dtype), ("R", rows_per_tg), ("KC", chunk), ("NPL", -(-e // 32))],
-        grid=(i // rows_per_tg * 2 * rows_per_tg, rows, 1), threadgroup=(2 * rows_per_tg, 1, 1),
+        inputs=inputs,
+        template=[("T", x2d.dtype), ("R", rows_per_tg), ("KC", chunk), ("NPL", -(-e // 32)), ("SK", split)],
+        grid=(i // rows_per_tg * threads, rows, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(rows, i), (n, k), (n, k), (n,), (rows, 4)],
         output_dtypes=[x2d.dtype, mx.int32, x2d.dtype, mx.float32, mx.int32], init_value=init_value)
 
@@ -927,8 +951,11 @@ def _routed_rows(switch_mlp, x: mx.array, inds: mx.array, shared=None, decode_bl
     top_k = inds.shape[-1]
     # One-row blocks (the per-assignment schedule) run the GEMV forms: same bits, far less work.
     gemv = schedule["one_row_blocks"] and switches.is_enabled("row_gemv")
+    split = gate_up_split(switch_mlp.gate_proj["scales"].shape[1], x2d.shape[-1], fused)
     h = gemm_gate_up_swiglu(x2d, schedule["sorted_rows"], schedule["blocks"], switch_mlp.gate_proj,
-                            switch_mlp.up_proj, top_k, fused, schedule["counts"], backend, shared=shared, gemv=gemv)
+                            switch_mlp.up_proj, top_k, fused, schedule["counts"], backend, shared=shared, gemv=gemv,
+                            gemv_layout=(*GATE_UP_SPLIT_ROWS_CHUNK, split) if gemv and split > 1 else None,
+                            k_split=split if not gemv else 1)
     y = gemm_down(h, schedule["blocks"], switch_mlp.down_proj, fused, schedule["counts"], backend, shared=shared,
                   gemv=gemv)
     return y, schedule, backend
@@ -1001,10 +1028,11 @@ def sparse_moe_kernels(block, x: mx.array, residual: Optional[mx.array] = None) 
     if (fuse_router and fuse_shared and x2d.shape[0] * k <= PER_ASSIGNMENT_MAX and switches.is_enabled("fused_dequant")
             and switches.is_enabled("row_gemv")):
         # A decode-sized call on the fused path: replayed from a plan after the first call. The key
-        # holds everything the launches' geometry depends on (sharding or re-quantising changes it).
+        # holds everything the launches' geometry depends on (sharding or re-quantising changes it; every
+        # switch state, so that a plan is only used in the state it was recorded in).
         key = (x2d.shape, x.dtype, backend, router_backend, block.gate["weight"].shape,
                block.switch_mlp.gate_proj["weight"].shape, block.shared_expert.gate_proj["weight"].shape,
-               switches.is_enabled("split_router"), switches.is_enabled("fused_topk_gemv"), r2d is not None)
+               switches.key(), r2d is not None)
 
         def general(x2, r2=None):
             return _block_general(block, x2, True, True, router_backend, residual2d=r2)
