@@ -69,6 +69,8 @@
 #   PART=29 bash bench/device_decode_checks.sh  # the gate+up GEMV's K-split candidate (each sum as SK chains):
 #                                               # op cases against the staged GEMV (issue 12's 80 %), the register
 #                                               # tiles with the same split (prefill's cost), CUDA tests
+#   PART=30 bash bench/device_decode_checks.sh  # switch split_k_gate_up (the split in the product's routed GEMV
+#                                               # and the register tiles): CUDA tests, decode A/B, e2e on / off
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -411,7 +413,22 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       -o addopts= tests/kernels/test_moe_kernels.py -k "k_split or same_bits_as_gemm_tiles"
     tail -3 "$W/tests_cuda.txt" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28 or 29" \
+  30) # switch split_k_gate_up (off, a candidate: docs/moe.md): gate+up's sums as 4 K ranges in the product's routed
+      # decode GEMV and the register tiles alike. It is on in the whole part; lily-off:split_k_gate_up is the same
+      # process's off state. What decode gains (the routed GEMV: 706 us of a 32K step's GPU time, 6.5x its byte time)
+      # and what prefill pays (the 64-thread register tiles keep running totals: 168 -> 250 registers).
+    export LILY_ENABLE=split_k_gate_up
+    run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
+      tests/kernels/test_moe_kernels.py -k "split_k_gate_up or k_split or same_bits_as_gemm_tiles"
+    tail -3 "$W/tests_cuda.txt" 2>/dev/null
+    run decode_ab 200 python -m bench.decode_ab --engines lily,lily-off:split_k_gate_up --context 4096 --bursts 10 \
+      --out "$W/decode_ab"
+    tail -8 "$W/decode_ab.txt" 2>/dev/null
+    run e2e_split 200 python -m bench.run --mode e2e --size full --engines lily,lily-off:split_k_gate_up \
+      --lengths 4K,32K --rounds 1 --out "$W/e2e_split" --stop-at $(( $(date +%s) + $(left) - 15 ))
+    cat "$W/e2e_split/e2e.md" 2>/dev/null | head -16
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29 or 30" \
        >&2
      exit 2 ;;
 esac
