@@ -72,6 +72,7 @@ ABLATIONS = (
     ("fused_combine", "decode", 4 * K, None),
     ("fused_qk_prep", "decode", 4 * K, None),
     ("dense_gemv", "decode", 4 * K, None),
+    ("split_k_gate_up", "decode", 4 * K, None),
     ("coalesced_kv", "decode", 3840, 2.1),
     ("gqa_packing", "decode", 32 * K, 23.8),
     ("fixed_block_attention", "decode", 32 * K, 7.7),

@@ -15,6 +15,7 @@ template or geometry:
 | ``fused_combine`` | ``moe_combine_weighted_rows`` | no combine kernel (gather + weighted sum) |
 | ``register_tiles`` | ``moe_gemm_*_regtile`` (outputs in registers) | ``moe_gemm_gate_up_swiglu`` / ``moe_gemm_down`` (simdgroup tiles) |
 | ``tall_register_blocks`` | register tiles with template NT = 64, 64-thread threadgroups | NT = 128, 128 threads |
+| ``split_k_gate_up`` (off by default) | gate+up's register tiles and one-row GEMV with template SK = the split | SK = 1 |
 | ``register_scan`` | ``deltanet_scan_staged`` / ``deltanet_scan_register`` | ``deltanet_scan_blockwise``, ceil(T / 16) state blocks |
 | ``staged_scan`` | ``deltanet_scan_staged`` (with ``register_scan``) | ``deltanet_scan_register`` |
 | ``fused_recurrent_norm`` | ``deltanet_decode_fused`` | gates, scan (T = 1), gated norm kernels |
@@ -348,6 +349,37 @@ def test_tall_register_blocks_paths(sim, state):
     assert mx.array_equal(out, want).item()
 
 
+K_SPLIT_SWITCHES = ("split_k_gate_up",)
+
+
+@pytest.mark.parametrize("state", _states(("register_tiles",)), ids=_state_id)
+def test_split_k_gate_up_paths(sim, state):
+    """split_k_gate_up (docs/moe.md, "The switch"): with register_tiles, gate+up's register tiles (a prefill call)
+    and its one-row GEMV (a decode-sized call) both take template SK = 4 at hidden size 256 (4 ranges of 64-value
+    chunks); without register_tiles neither splits (the simdgroup tiles have no SK; the GEMV SK = 1); off, SK = 1.
+    The same kernels launch in either state of the switch."""
+    block = make_sparse_moe_block(hidden=256, expert_width=EXPERT_WIDTH, num_experts=10, top_k=TOP_K, shared_width=64,
+                                  seed=2)
+    names = {}
+    for call in ("prefill-400", "decode-8"):
+        inds = routing_with_counts(MOE_CALLS[call], TOP_K, 2)
+        x = make_inputs(1, inds.shape[0], 256, seed=2)
+        inds = mx.array(inds[None].astype(np.uint32))
+        scores = mx.full(inds.shape, 0.5, dtype=mx.bfloat16)
+        for split_on in (True, False):
+            with _overrides({**state, "split_k_gate_up": split_on}), record_launches() as rec:
+                mx.eval(mk.routed_experts_combined_kernel(block.switch_mlp, x, inds, scores))
+            names[call, split_on] = [launch.name for launch in rec]
+            (gate_up,) = [launch for launch in rec if "gate_up" in launch.name]
+            sk = dict(gate_up.kwargs["template"]).get("SK")
+            if gate_up.name == GATE_UP:  # the simdgroup tiles (register_tiles off): no split to take
+                assert sk is None and not state["register_tiles"]
+            else:
+                want = 4 if split_on and state["register_tiles"] else 1
+                assert sk == want, (call, gate_up.name, gate_up.kwargs["template"])
+        assert names[call, True] == names[call, False]
+
+
 # ----------------------------------------------------------------------------------------------
 # DeltaNet: register_scan, staged_scan, fused_recurrent_norm, fused_conv_step
 
@@ -517,7 +549,7 @@ NORM_ROUTER_NEEDS = ("fused_norm_router", "fused_add_norm", "fused_residual", "f
                      "fused_combine")
 assert set(NO_KERNEL_SWITCHES) | set(MOE_SWITCHES) | set(MOE_BLOCK_SWITCHES) | set(DELTANET_SWITCHES) | set(
     ATTENTION_SWITCHES) | set(QK_PREP_SWITCHES) | set(ADD_NORM_SWITCHES) | set(REGISTER_BLOCK_SWITCHES) | set(
-    KV_BUFFER_SWITCHES) == set(
+    KV_BUFFER_SWITCHES) | set(K_SPLIT_SWITCHES) == set(
     switches.SWITCHES), \
     "a new switch needs its expected launches here"
 
