@@ -88,6 +88,8 @@ GENERATION_LEVEL = {
                          "LILY_ENABLE=constant_weights (bench.decode_ab --engines lily,lily-off:constant_weights)"),
     "step_trace": ("acts only if on when the model is patched: time it in a process with LILY_ENABLE=step_trace "
                    "(bench.decode_ab --engines lily,lily-off:step_trace)"),
+    "split_k_gate_up": ("off by default (a candidate), so lily and lily-off:split_k_gate_up are one configuration: "
+                        "time it with LILY_ENABLE=split_k_gate_up (bench/device_decode_checks.sh PART=30)"),
 }
 
 

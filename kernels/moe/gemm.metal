@@ -1116,8 +1116,8 @@ if (d0 < D) {
 // inputs, same h, the same bits per element. Rows of shared chunk c (expert id E + c) are token
 // slot - A - c * N; routed rows are token sorted_rows[slot] / top_k. Threads 0 .. R-1 run the gate
 // chains of outputs o0 .. o0 + R - 1, threads R .. 2R-1 their up chains (staged form: see the header).
-// SK (template): 1, or a candidate K split (MoeGemvShape: 2R SK threads, each sum SK chains added in order; other
-// bits than the GEMM tiles', so not a product path).
+// SK (template): 1, or the K split (MoeGemvShape: 2R SK threads, each sum SK chains added in order), under switch
+// split_k_gate_up (off by default), where the register tiles of larger calls split alike (the same bits).
 threadgroup uint4 gemv_ws[2 * 2 * R * SK * (KC / 32 + 1)];
 threadgroup float gemv_ss[2 * 2 * R * SK * (KC / 64)];
 threadgroup float gemv_bs[2 * 2 * R * SK * (KC / 64)];

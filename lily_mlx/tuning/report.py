@@ -45,9 +45,11 @@ def markdown(profile: dict) -> str:
     out += _table(["switch", "layer", "shape", "on ms", "off ms", "ratio"], rows) + [""]
     out += ["## Batch invariance (a token's bits alone, in a decode batch, in a prompt chunk)", ""]
     rows = [[r["what"], " / ".join(str(t) for t in r["tokens"]) + " tokens",
-             "bitwise equal" if r["equal"] else "**differ**" + (f" ({r['failure']})" if "failure" in r else "")]
+             "bitwise equal" if r["equal"] else "**differ**" + (f" ({r['failure']})".replace("|", "/")
+                                                                 if "failure" in r else "")]
             for r in profile.get("invariance", [])]
-    out += (_table(["check", "calls", "result"], rows) if rows else ["(no MoE layer)"]) + [""]
+    empty = "(no MoE layer)" if "invariance" in profile else "(not checked: a profile from before this check)"
+    out += (_table(["check", "calls", "result"], rows) if rows else [empty]) + [""]
     out += ["Share this file (and the JSON profile next to it) as it is: it names the device and versions "
             "and holds no paths other than the model's.", ""]
     return "\n".join(out)

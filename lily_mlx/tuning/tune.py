@@ -324,13 +324,17 @@ def _moe_invariance_once(bench: Bench, label: str) -> dict:
     """One token's output of the MoE decoder layer's work after its mixer (``post_mixer``: residual add, norm,
     router, experts, combine; every op lily's) alone, in a decode batch and in a prompt chunk past the decode
     forms' size, compared bitwise. Returns a row for the report."""
-    from ..ops.moe.kernels import PER_ASSIGNMENT_MAX
+    from ..ops.moe.kernels import LARGE_TILE, PER_ASSIGNMENT_MAX
     from ..ops.moe.layer import post_mixer
 
     case = bench.cases["moe"]
     layer = bench.model.layers[case.index]
-    per_call = max(1, PER_ASSIGNMENT_MAX // layer.mlp.top_k)  # tokens a call of the decode forms takes
-    batch, chunk = min(8, per_call), 2 * per_call + 1
+    top_k, experts = layer.mlp.top_k, layer.mlp.switch_mlp.gate_proj["scales"].shape[0]
+    per_call = max(1, PER_ASSIGNMENT_MAX // top_k)  # tokens a call of the decode forms takes
+    # The chunk: past the decode forms, and with as many rows an expert on average as the large tiles take (a
+    # prompt chunk's tiles: 1,024 tokens at Qwen3.6's 256 experts, top-8), at most MLX-LM's chunk of 2,048.
+    batch = min(8, per_call)
+    chunk = min(max(2 * per_call + 1, -(-LARGE_TILE * experts // top_k)), 2048)
     hidden = case.norm.weight.shape[-1]
     k1, k2 = mx.random.split(mx.random.key(bench.seed + 5))
     x = mx.random.normal((1, chunk, hidden), key=k1).astype(case.dtype)
@@ -349,35 +353,38 @@ def _moe_invariance_once(bench: Bench, label: str) -> dict:
     return row
 
 
-def check_invariance(bench: Bench, pinned: Dict[str, str], off: Dict[str, str]) -> Tuple[List[dict], Dict[str, str]]:
+def check_invariance(bench: Bench, pinned: Dict[str, str], off: Dict[str, str],
+                     bad_off: Optional[Dict[str, str]] = None) -> Tuple[List[dict], Dict[str, str]]:
     """Step 3: batch invariance on this device, with the choices made. The MoE decode forms (row GEMVs, up to
     ``PER_ASSIGNMENT_MAX`` expert assignments a call) and the GEMM tiles of larger calls are written to give a
     token the same bits (every product added in K order; docs/moe.md), which the simulator and the bridge show;
     Apple does not document the order inside its ``simdgroup_matrix`` multiply-accumulate, so it is checked where
     the profile is made. Where the token's bits differ, ``row_gemv`` off (decode calls then take the GEMM tiles
-    too) is checked and, when that holds, chosen. Returns (rows, switch -> why off)."""
+    too) is checked and, when that holds, chosen (not where step 1 found row_gemv's off state wrong: ``bad_off``).
+    Returns (rows, switch -> why off)."""
     if "moe" not in bench.cases:
         return [], {}
     rows, turned_off = [], {}
-    for extra in ((), ("row_gemv",)):
-        if extra and extra[0] in off:
-            break
+    tries = [()] if "row_gemv" in off or "row_gemv" in (bad_off or {}) else [(), ("row_gemv",)]
+    for extra in tries:
         label = "MoE token alone / in a decode batch / in a prompt chunk" + (f" ({extra[0]} off)" if extra else "")
         with variant(reference=tuple(pinned), disable=tuple(off) + extra):
             row = _moe_invariance_once(bench, label)
         rows.append(row)
-        verdict = "bitwise equal" if row["equal"] else f"DIFFER{' (' + row['failure'] + ')' if 'failure' in row else ''}"
-        _say(f"invariance: {label}: {verdict}")
+        failure = f" ({row['failure']})" if "failure" in row else ""
+        _say(f"invariance: {label}: {'bitwise equal' if row['equal'] else 'DIFFER' + failure}")
         if row["equal"]:
             if extra:
-                turned_off[extra[0]] = ("batch invariance: with it on a token's MoE output differs between a "
-                                        "decode call and a prompt chunk on this device")
-            break
-    else:
-        stock = sorted(name for name in pinned if name.startswith("moe_"))
-        _say("warning: the MoE block is not batch invariant on this device even with row_gemv off (a token's bits "
-             "depend on the call it comes in)" + (f"; {', '.join(stock)} run(s) MLX's own ops here" if stock else "")
-             + "; the report says so")
+                first = rows[0]
+                why = (f"the check failed with it on ({first['failure']})" if "failure" in first else
+                       "with it on a token's MoE output differs between a decode call and a prompt chunk")
+                turned_off[extra[0]] = f"batch invariance: {why} on this device"
+            return rows, turned_off
+    stock = sorted(name for name in pinned if name.startswith("moe_"))
+    gemv_off = bool(tries[-1]) or "row_gemv" in off
+    _say("warning: the MoE block is not batch invariant on this device"
+         + (" even with row_gemv off" if gemv_off else "") + " (a token's bits depend on the call it comes in)"
+         + (f"; {', '.join(stock)} run(s) MLX's own ops here" if stock else "") + "; the report says so")
     return rows, turned_off
 
 
@@ -414,7 +421,7 @@ def tune(model, model_name: str, classes: Sequence[ShapeClass], rounds: int, rep
         pinned.update(trials_off)
         pinned.update(follow(pinned))
         switch_rows, off, untimed = time_switches(bench, ops, pinned, bad_off, rounds, reps)
-        invariance_rows, not_invariant = check_invariance(bench, pinned, off)
+        invariance_rows, not_invariant = check_invariance(bench, pinned, off, bad_off)
         off.update(not_invariant)
     timed = {row["op"] for row in op_rows}
     return {

@@ -144,7 +144,7 @@ def test_tune_checks_the_moe_batch_invariance_across_its_decode_and_chunk_forms(
     assert "moe_gemv_gate_up_swiglu_routed" in names and any(n.startswith("moe_gemm_gate_up") for n in names), names
 
 
-def test_a_device_where_the_moe_forms_differ_turns_row_gemv_off(tune_dir, sim_model, monkeypatch):
+def test_a_device_where_the_moe_forms_differ_turns_row_gemv_off(tune_dir, sim_model, monkeypatch, capsys):
     """Step 3 with a planted difference (the decode forms' down GEMV + combine a little off, as a device whose
     matrix multiply-accumulate adds in another order would make it): with row_gemv on a token's bits differ between
     a decode call and a prompt chunk, with it off they agree, so row_gemv goes off with that reason; the report
@@ -166,6 +166,29 @@ def test_a_device_where_the_moe_forms_differ_turns_row_gemv_off(tune_dir, sim_mo
                             "slower_ratio": 1.03, "ops": {}, "switches": {}, "checks": [], "op_timings": [],
                             "switch_timings": [], "invariance": rows})
     assert "**differ**" in text and "(row_gemv off)" in text
+
+    # Where step 1 found row_gemv's off state wrong, it is not chosen; the run warns instead.
+    rows, off = tune.check_invariance(bench, {}, {}, {"row_gemv": "off variant of moe_grouped_gemm: wrong"})
+    assert [r["equal"] for r in rows] == [False] and off == {}
+    assert "warning: the MoE block is not batch invariant on this device (a token" in capsys.readouterr().out
+
+
+def test_the_invariance_check_of_a_chunk_reaches_the_large_tiles(tune_dir, sim_model, monkeypatch):
+    """The prompt chunk of step 3 gives the experts, on average, the rows of the large (32-row) tiles, as a real
+    prompt chunk does: both tile sizes run."""
+    from lily_mlx.tuning import tune
+
+    monkeypatch.setenv("LILY_TUNE", "off")
+    model, _ = sim_model
+    lily_mlx.patch(model)
+    with record_launches() as launches:
+        tune._moe_invariance_once(tune.Bench(model, tune.QUICK_CLASSES), "chunk")
+    tiles = set()
+    for launch in launches:
+        if launch.name.startswith("moe_gemm_gate_up"):
+            blocks = launch.kwargs["inputs"][2]
+            tiles |= {int(t) for t, n in zip(blocks[:, 3].tolist(), blocks[:, 2].tolist()) if n > 0}
+    assert tiles == {16, 32}, tiles
 
 
 def test_a_profile_pinning_every_kernel_gives_stock_logits(tune_dir, sim_model):

@@ -942,8 +942,8 @@ def test_split_k_gate_up_switch_splits_the_decode_gemvs_and_the_tiles_alike(gemm
     chunk_tokens = mk.PER_ASSIGNMENT_MAX // 2 + 8  # past the decode forms at top-2: the register tiles
     x = mx.broadcast_to(row, (1, chunk_tokens, d))
     out = {}
-    for on in ((), ("split_k_gate_up",)):
-        with switches.overrides(enable=on), record_launches() as rec:
+    for on in ((), ("split_k_gate_up",)):  # each state set explicitly (a device run may have LILY_ENABLE=it)
+        with switches.overrides(enable=on, disable=() if on else ("split_k_gate_up",)), record_launches() as rec:
             alone = sparse_moe_forward(block, x[:, :1])
             chunk = sparse_moe_forward(block, x)
             mx.eval(alone, chunk)
@@ -966,7 +966,9 @@ def test_split_k_gate_up_applies_only_where_both_forms_take_it():
         assert mk.gate_up_split(512, 2048, fused_dequant=False) == 1
         with switches.overrides(disable=("register_tiles",)):
             assert mk.gate_up_split(512, 2048) == 1
-    assert mk.gate_up_split(512, 2048) == 1  # off by default
+    with switches.overrides(disable=("split_k_gate_up",)):
+        assert mk.gate_up_split(512, 2048) == 1
+    assert not switches.SWITCHES["split_k_gate_up"].default
 
 
 def test_decode_gemv_k_split_compiles_for_cuda():
