@@ -148,8 +148,9 @@ def check_versions() -> None:
 
 
 def model_architecture(model) -> str:
-    """The MLX-LM architecture module a model was built from (``qwen3_5_moe`` for Qwen3.6)."""
-    return type(model).__module__.rsplit(".", 1)[-1]
+    """The MLX-LM architecture module a model was built from (``qwen3_5_moe`` for Qwen3.6; a patched model's too)."""
+    cls = type(model).__dict__.get("_lily_stock_class") or type(model)
+    return cls.__module__.rsplit(".", 1)[-1]
 
 
 def _describe(model) -> str:
@@ -262,9 +263,9 @@ class _ReportsWeights:
 def _lily_class(stock_cls: type, forward: Optional[Callable], reports: bool = False,
                 watch_only: bool = False) -> type:
     """The lily class of ``stock_cls``: a subclass whose call is ``forward`` (stock's where None); with ``reports``
-    one that also reports its weight changes (``_ReportsWeights``); ``watch_only``: one that does nothing else
-    (stock's code in a patched layer's tree; not counted as patched)."""
-    reports = reports or watch_only
+    one that also reports its weight changes (``_ReportsWeights``); ``watch_only``: one that does nothing else but
+    refuse adapters (and report, with ``reports``): stock's code in a patched model's tree, not counted as patched.
+    Every lily class refuses adapters (``_RefusesAdapters``)."""
     key = (stock_cls, forward, reports, watch_only)
     cls = _LILY_CLASSES.get(key)
     if cls is None:
@@ -279,7 +280,7 @@ def _lily_class(stock_cls: type, forward: Optional[Callable], reports: bool = Fa
             attrs["__call__"] = forward
         elif not watch_only:
             name += "StockCall"
-        name += "Watched" if watch_only else "Reporting" if reports else ""
+        name += ("Watched" if reports else "Guarded") if watch_only else "Reporting" if reports else ""
         attrs["__qualname__"] = name
         cls = type(name, (_RefusesAdapters, _ReportsWeights, stock_cls) if reports else (_RefusesAdapters, stock_cls),
                    attrs)
@@ -296,8 +297,8 @@ def _report_weights(module) -> None:
         if getattr(cls, "_lily_reports_weights", False):
             continue
         stock = cls.__dict__.get("_lily_stock_class")
-        if stock is None:
-            m.__class__ = _lily_class(cls, None, watch_only=True)
+        if stock is None or cls.__dict__.get("_lily_watch_only"):
+            m.__class__ = _lily_class(stock or cls, None, reports=True, watch_only=True)
         else:
             m.__class__ = _lily_class(stock, cls.__dict__.get("__call__"), reports=True)
 
@@ -320,8 +321,9 @@ def _stock_class(module) -> Optional[type]:
 
 
 def is_patched(model) -> bool:
-    """True when any module of ``model`` runs a lily-mlx class."""
-    return any(_stock_class(m) is not None for m in model.modules())
+    """True when any module of ``model`` runs a lily-mlx forward (the guarding and watching classes of the rest of a
+    patched tree run stock's code and do not count)."""
+    return any(_stock_class(m) is not None and not type(m).__dict__.get("_lily_watch_only") for m in model.modules())
 
 
 # The reason given for an op that has no kernel on any backend: stock's path, which runs where the ops with kernels
@@ -460,6 +462,12 @@ def patch(model, strict: bool = True):
         if forward_cls in targets:
             module.__class__ = _lily_class(forward_cls, targets[forward_cls])
             swapped += 1
+    if swapped or is_patched(model):
+        # The rest of the tree runs stock's code and refuses adapters too (a LoRA layer set into the MoE block's
+        # switch_mlp, say, or the whole tree's update_modules checked before anything changes).
+        for module in model.modules():
+            if _stock_class(module) is None:
+                module.__class__ = _lily_class(type(module), None, watch_only=True)
     if swapped:
         from .core import projections
 

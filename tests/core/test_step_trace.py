@@ -186,12 +186,14 @@ def test_step_traces_keep_neither_the_model_nor_the_caches_alive(monkeypatch):
         assert list(_traces(model).values()) == [True]
     # (modules models share, such as MLX-LM's default SwiGLU, get their stock class back after: unpatch would drop the
     # traces this test is about)
-    watched = {id(m): m for m in model.modules() if type(m).__dict__.get("_lily_watch_only")}.values()
+    # (held weakly: the watching and guarding classes cover the whole tree, the outer model included)
+    watched = [weakref.ref(m) for m in {id(m): m for m in model.modules()
+                                        if type(m).__dict__.get("_lily_watch_only")}.values()]
     text_model, first_cache = weakref.ref(model.language_model), weakref.ref(cache[0])
     del model, cache, logits
     gc.collect()
     alive = text_model() is not None or first_cache() is not None
-    for module in watched:
+    for module in filter(None, (ref() for ref in watched)):  # what outlives the model: modules models share
         module.__class__ = type(module)._lily_stock_class
     assert not alive
 

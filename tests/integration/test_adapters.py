@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.tuner.lora import LoRALinear
+from mlx_lm.tuner.lora import LoRALinear, LoRASwitchLinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 import lily_mlx
@@ -82,6 +82,16 @@ def test_adapters_set_into_a_patched_model_are_refused_before_any_change(model_p
     attention = next(layer.self_attn for layer in model.layers if hasattr(layer, "self_attn"))
     with pytest.raises(ValueError, match="adapters set into a model patched by lily-mlx"):
         attention.q_proj = LoRALinear.from_base(attention.q_proj, r=4)
+    # Into a module that runs stock's code (the MoE block's SwitchGLU), and the whole tree's update_modules from the
+    # outer model: refused too, before anything changes.
+    switch_mlp = next(layer.mlp.switch_mlp for layer in model.layers)
+    with pytest.raises(ValueError, match="adapters set into a model patched by lily-mlx"):
+        switch_mlp.gate_proj = LoRASwitchLinear.from_base(switch_mlp.gate_proj, r=4)
+    tree = {"layers": [{"mlp": {"shared_expert": {"gate_proj": LoRALinear.from_base(layer.mlp.shared_expert.gate_proj,
+                                                                                    r=4)}}}
+                       for layer in model.layers]}
+    with pytest.raises(ValueError, match="adapters set into a model patched by lily-mlx"):
+        model.language_model.model.update_modules(tree)
     assert adapter_modules(model) == [] and is_patched(model)
     assert mx.array_equal(_logits(model, tokenizer), before)
 

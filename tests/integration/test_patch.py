@@ -88,7 +88,12 @@ def test_patch_swaps_only_target_layers_and_unpatch_restores(model):
 
     lily_mlx.patch(m)
     lily_mlx.patch(m)  # idempotent
-    swapped = {type(x).__name__ for x in m.modules() if type(x) not in before_classes}
+    guarded = [x for x in m.modules() if type(x).__dict__.get("_lily_watch_only")]
+    for x in guarded:  # the rest of the tree: stock's code, under a class that refuses adapters (lily_mlx.patch)
+        assert type(x).__call__ is type(x)._lily_stock_class.__call__ and type(x).__name__.endswith("Guarded")
+    assert guarded and type(m) in {type(x) for x in guarded}
+    guarded_ids = {id(x) for x in guarded}
+    swapped = {type(x).__name__ for x in m.modules() if type(x) not in before_classes and id(x) not in guarded_ids}
     assert swapped <= {"LilyGatedDeltaNet", "LilyQwen3NextGatedDeltaNet", "LilyQwen3NextAttention",
                        "LilyQwen3NextSparseMoeBlock", "LilyDecoderLayer", "LilyQwen3NextDecoderLayer",
                        "LilyQuantizedLinear", "LilyTextModel", "LilyModel"}
