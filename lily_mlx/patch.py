@@ -217,10 +217,20 @@ def _refuse_adapters(module, key: str, value) -> None:
                          f"fuse them into the weights (`mlx_lm.fuse`) and patch the fused model")
 
 
+# What a lily module keeps in its __dict__ besides stock's attributes that a copy (copy.deepcopy, pickle) keeps too:
+# the decoder layers' links and the patch report. The rest are caches of this process (decode plans, traces, the
+# fused projections' records, reasons keyed by dtype), rebuilt by the copy on its first calls.
+_COPIED_STATE = ("_lily_successor", "_lily_report")
+
+
 class _RefusesAdapters:
     """Base of every lily module class: an adapter module (LoRA / DoRA) set into a patched module, directly or by
     ``update_modules`` (what MLX-LM's ``linear_to_lora_layers`` and ``load_adapters`` call on each decoder layer), is
-    an error before anything changes; the kernels would compute the layer without it."""
+    an error before anything changes; the kernels would compute the layer without it. A copy (``copy.deepcopy``,
+    ``pickle``) leaves the module's caches behind (``_COPIED_STATE``)."""
+
+    def __getstate__(self):
+        return {k: v for k, v in vars(self).items() if not k.startswith("_lily_") or k in _COPIED_STATE}
 
     def __setitem__(self, key, value):
         _refuse_adapters(self, str(key), value)

@@ -195,6 +195,34 @@ def test_untested_versions_refused_unless_allowed(model, monkeypatch):
     assert lily_mlx.is_patched(m)
 
 
+def test_a_patched_model_copies_and_pickles_after_it_ran(model, monkeypatch):
+    """copy.deepcopy and pickle of a patched model that has run its kernels (caches keyed by dtype, decode plans and
+    traces in its modules' __dict__) work as for a stock model: the copy is patched, computes the same logits, and
+    leaves the original's caches behind."""
+    import copy
+    import pickle
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    monkeypatch.setenv("LILY_BACKEND", "sim")
+    m, tok = model
+    lily_mlx.patch(m)
+    prompt = mx.array(tok.encode(PROMPT))[None]
+
+    def prefill_and_step(mod):
+        cache = make_prompt_cache(mod)
+        mod(prompt, cache=cache)
+        return mod(prompt[:, -1:], cache=cache)
+
+    want = prefill_and_step(m)
+    mx.eval(want)
+    assert any(k.startswith("_lily_moe") for x in m.modules() for k in vars(x))  # the kernels' caches are there
+    for copied in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert lily_mlx.is_patched(copied)
+        assert not any(k.startswith("_lily_moe") for x in copied.modules() for k in vars(x))
+        assert mx.array_equal(prefill_and_step(copied), want)
+
+
 def test_installed_versions_are_in_the_tested_range():
     assert lily_patch.untested_versions() == []
 
