@@ -357,7 +357,8 @@ def test_split_k_gate_up_paths(sim, state):
     """split_k_gate_up (docs/moe.md, "The switch"): with register_tiles, gate+up's register tiles (a prefill call)
     and its one-row GEMV (a decode-sized call) both take template SK = 4 at hidden size 256 (4 ranges of 64-value
     chunks); without register_tiles neither splits (the simdgroup tiles have no SK; the GEMV SK = 1); off, SK = 1.
-    The same kernels launch in either state of the switch."""
+    The same kernels launch in either state of the switch, and each state is at least as accurate as stock against
+    the fp32 oracle (as every MoE switch state above)."""
     block = make_sparse_moe_block(hidden=256, expert_width=EXPERT_WIDTH, num_experts=10, top_k=TOP_K, shared_width=64,
                                   seed=2)
     names = {}
@@ -368,8 +369,14 @@ def test_split_k_gate_up_paths(sim, state):
         scores = mx.full(inds.shape, 0.5, dtype=mx.bfloat16)
         for split_on in (True, False):
             with _overrides({**state, "split_k_gate_up": split_on}), record_launches() as rec:
-                mx.eval(mk.routed_experts_combined_kernel(block.switch_mlp, x, inds, scores))
+                out = mk.routed_experts_combined_kernel(block.switch_mlp, x, inds, scores)
+                mx.eval(out)
             names[call, split_on] = [launch.name for launch in rec]
+            with mx.stream(mx.cpu):
+                stock = combine_reference(switch_glu_reference(block.switch_mlp, x, inds), scores)
+                mx.eval(stock)
+            exact = combine_reference(_exact_switch_glu(block.switch_mlp, x, inds), scores.astype(mx.float32))
+            assert _rms_rel(out, exact) <= _rms_rel(stock, exact), (call, split_on)
             (gate_up,) = [launch for launch in rec if "gate_up" in launch.name]
             sk = dict(gate_up.kwargs["template"]).get("SK")
             if gate_up.name == GATE_UP:  # the simdgroup tiles (register_tiles off): no split to take
