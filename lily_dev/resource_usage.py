@@ -203,8 +203,8 @@ def gate_up_gemv_unit(experts: int = 256, width: int = 2048, expert_width: int =
     with _captured_launches(mk) as calls:
         mk.gemv_gate_up_routed(block, mx.zeros((1, 128), mx.bfloat16), mx.zeros((1, 16), mx.float32), "cuda")
     (name, kw), = calls
-    layout = (*mk.GATE_UP_SPLIT_ROWS_CHUNK, split) if split > 1 else None
-    rows, chunk, *_ = mk.gemv_geometry("gate_up", expert_width, width, layout, mk.ROUTED_GEMV_PROBS_BYTES)
+    rows, chunk, *_ = mk.gemv_geometry("gate_up", expert_width, width, mk.gate_up_split_layout(split),
+                                       mk.ROUTED_GEMV_PROBS_BYTES)
     template = [("T", mx.bfloat16), ("R", rows), ("KC", chunk), ("NPL", -(-experts // 32)), ("SK", split)]
     return _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], template)
 

@@ -505,6 +505,11 @@ def gate_up_split(width: int, k: int, fused_dequant: bool = True) -> int:
     return split
 
 
+def gate_up_split_layout(split: int) -> Optional[tuple]:
+    """The decode GEMVs' staged layout (R, KC, split) for ``gate_up_split``'s split; None (the default) at 1."""
+    return (*GATE_UP_SPLIT_ROWS_CHUNK, split) if split > 1 else None
+
+
 def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_shape, dtype, backend,
                           init_value, k: int, gemv_layout=None, tile_dtype=None, tiles=None,
                           k_split: int = 1) -> mx.array:
@@ -790,8 +795,7 @@ def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optiona
     m = shared_chunks(shared, i)
     rows = n * (k + m)
     split = gate_up_split(i, d)  # (switch split_k_gate_up: the GEMM tiles of larger calls split alike)
-    rows_per_tg, chunk, *_ = gemv_geometry("gate_up", i, d, (*GATE_UP_SPLIT_ROWS_CHUNK, split) if split > 1 else None,
-                                           ROUTED_GEMV_PROBS_BYTES)
+    rows_per_tg, chunk, *_ = gemv_geometry("gate_up", i, d, gate_up_split_layout(split), ROUTED_GEMV_PROBS_BYTES)
     threads = 2 * rows_per_tg * split
     inputs = [x2d, logits]
     inputs += _weights(sw.gate_proj, True, None, x2d.dtype, backend)
@@ -954,7 +958,7 @@ def _routed_rows(switch_mlp, x: mx.array, inds: mx.array, shared=None, decode_bl
     split = gate_up_split(switch_mlp.gate_proj["scales"].shape[1], x2d.shape[-1], fused)
     h = gemm_gate_up_swiglu(x2d, schedule["sorted_rows"], schedule["blocks"], switch_mlp.gate_proj,
                             switch_mlp.up_proj, top_k, fused, schedule["counts"], backend, shared=shared, gemv=gemv,
-                            gemv_layout=(*GATE_UP_SPLIT_ROWS_CHUNK, split) if gemv and split > 1 else None,
+                            gemv_layout=gate_up_split_layout(split) if gemv else None,
                             k_split=split if not gemv else 1)
     y = gemm_down(h, schedule["blocks"], switch_mlp.down_proj, fused, schedule["counts"], backend, shared=shared,
                   gemv=gemv)
