@@ -212,8 +212,9 @@ def gate_up_gemv_unit(experts: int = 256, width: int = 2048, expert_width: int =
 def attention_units(heads: tuple = (16, 2), head_dim: int = 256) -> Dict[str, str]:
     """The decode attention kernels in bf16 at Qwen3.6's heads (16 query heads, 2 KV heads, head dim 256) with their
     default templates: the one-pass kernel, the fixed blocks' partials and their merge, and the partials with half
-    a KV head's query heads a threadgroup (``[GT=4]``, a candidate). The rows' count is a runtime parameter, so a
-    small cache stands in for a long one."""
+    a KV head's query heads a threadgroup (``[GT=4]``, a candidate), and both forms over a 4- and an 8-bit quantized
+    cache (``[4-bit]``, ``[8-bit]``). The rows' count is a runtime parameter, so a small cache stands in for a long
+    one."""
     from lily_mlx.ops.attention import kernels as ak
 
     hq, hkv = heads
@@ -223,10 +224,18 @@ def attention_units(heads: tuple = (16, 2), head_dim: int = 256) -> Dict[str, st
         ak.decode_attention(q, kv, kv, scale=0.0625, backend="cuda")
         ak.decode_attention_fixed_blocks(q, kv, kv, scale=0.0625, backend="cuda")
         ak.decode_attention_fixed_blocks(q, kv, kv, scale=0.0625, backend="cuda", heads_per_threadgroup=hq // hkv // 2)
+        for bits in (4, 8):  # a quantized KV cache (MLX-LM's --kv-bits), groups of 64
+            quantized = tuple(mx.quantize(kv, group_size=64, bits=bits))
+            ak.decode_attention_quantized(q, quantized, quantized, scale=0.0625, bits=bits, group_size=64,
+                                          backend="cuda")
+            ak.decode_attention_quantized(q, quantized, quantized, scale=0.0625, bits=bits, group_size=64,
+                                          fixed_blocks=True, backend="cuda")
     units = {}
     for spec, kw in calls:
-        gt = dict(kw["template"]).get("GT")
+        template = dict(kw["template"])
+        gt = template.get("GT")
         name = spec.name if gt in (None, hq // hkv) else f"{spec.name}[GT={gt}]"
+        name += f"[{template['BITS']}-bit]" if "BITS" in template else ""
         units.setdefault(name, _cuda_unit(spec, kw["inputs"], kw["output_dtypes"], kw["template"]))
     return units
 

@@ -38,6 +38,8 @@
 // - attention_decode_merge_blocks: per (head, slice of D), warps split the blocks, rescale them to
 //   the global max and sum in a fixed order; divides once. attention_decode_merge_live_blocks: the same over
 //   the live form's live blocks; ..._gated (switch fused_output_gate): times the layer's output gate.
+// - attention_decode_quantized, attention_decode_block_partials_quantized: the one-pass kernel and the block
+//   partials over an MLX-LM QuantizedKVCache (AttentionQuantizedRows: packed rows dequantised in registers).
 //
 // Conventions: sizes in an int32 `params` array; InT, D, GT, SG, R, COALESCED as template arguments;
 // threadgroup (32, SG, 1); every lane reaches every simd op and every thread every barrier (loop
@@ -142,16 +144,91 @@ inline void attention_load_row(const device InT* rows, int row, int row_end, int
   }
 }
 
+// Where a K or V row comes from, as the row loop reads it (the KV template argument of attention_decode_rows):
+//   WORDS: 32-bit words a lane holds of one row; head(bh, S_cap): the rows of KV head bh (= b * Hkv + hkv) of a
+//   [B, Hkv, S_cap, ...] cache; load(row, row_end, lane, w): the lane's words of a row (zeros at or past row_end);
+//   element(w, i): the lane's element i (of EPL = D / 32) of a row as a float.
+// AttentionPlainRows: K or V as [B, Hkv, S_cap, D] InT, the lane's elements as in the file comment.
+template <typename InT, int D, int COALESCED>
+struct AttentionPlainRows {
+  typedef AttentionShape<InT, D, 1, 1> Shape;
+  static constant constexpr int WORDS = Shape::WPL;
+  const device InT* rows;
+
+  inline AttentionPlainRows head(int bh, int S_cap) const {
+    return AttentionPlainRows{rows + static_cast<size_t>(bh) * S_cap * D};
+  }
+  inline void load(int row, int row_end, int lane, thread uint* w) const {
+    attention_load_row<InT, D, 1, 1, COALESCED>(rows, row, row_end, lane, w);
+  }
+  static inline float element(const thread uint* w, int i) {
+    return AttentionWords<InT>::get(w[i / Shape::PER], i % Shape::PER);
+  }
+};
+
+// AttentionQuantizedRows: K or V of an MLX-LM QuantizedKVCache, affine BITS-bit (2, 4 or 8) with groups of GROUP
+// elements: packed [B, Hkv, S_cap, D * BITS / 32] uint32 (element e of a row at bits (e * BITS) % 32 of word
+// e * BITS / 32, as mx.quantize packs), scales and biases [B, Hkv, S_cap, D / GROUP] InT; element = scale * q + bias
+// in fp32. The lane owns the contiguous elements lane * EPL .. + EPL - 1 (the strided ownership; EPL divides GROUP,
+// so they share one scale and one bias): its EPL * BITS bits (a part of a word at D * BITS < 1024, one word
+// shifted down to them), then the scale and bias as fp32 bits. PP, SP: the packed words' and the scales' pointer
+// types (Metal passes inputs of under 8 elements as `constant`).
+template <typename InT, int D, int BITS, int GROUP, typename PP, typename SP>
+struct AttentionQuantizedRows {
+  static constant constexpr int EPL = D / 32;
+  static constant constexpr int LANE_BITS = EPL * BITS;
+  static constant constexpr int PACKED = LANE_BITS >= 32 ? LANE_BITS / 32 : 1;  // words of packed bits
+  static constant constexpr int WORDS = PACKED + 2;
+  static constant constexpr int ROW_WORDS = D * BITS / 32;
+  static constant constexpr int GROUPS = D / GROUP;
+  static_assert(BITS == 2 || BITS == 4 || BITS == 8, "2-, 4- or 8-bit elements (no element straddles two words)");
+  static_assert(GROUP % EPL == 0 && D % GROUP == 0, "a lane's elements in one group");
+  static_assert(LANE_BITS < 32 || LANE_BITS % 32 == 0, "a lane's bits in whole words or in part of one");
+  PP packed;
+  SP scales;
+  SP biases;
+
+  inline AttentionQuantizedRows head(int bh, int S_cap) const {
+    const size_t row0 = static_cast<size_t>(bh) * S_cap;
+    return AttentionQuantizedRows{packed + row0 * ROW_WORDS, scales + row0 * GROUPS, biases + row0 * GROUPS};
+  }
+  inline void load(int row, int row_end, int lane, thread uint* w) const {
+    if (row >= row_end) {  // uniform over the simdgroup; zeros decode to 0 (scale 0, bias 0)
+      for (int j = 0; j < WORDS; ++j) {
+        w[j] = 0u;
+      }
+      return;
+    }
+    const PP p = packed + static_cast<size_t>(row) * ROW_WORDS;
+    if (LANE_BITS >= 32) {
+      for (int j = 0; j < PACKED; ++j) {
+        w[j] = p[lane * PACKED + j];
+      }
+    } else {
+      const int bit = lane * LANE_BITS;
+      w[0] = p[bit / 32] >> (bit % 32);
+    }
+    const size_t g = static_cast<size_t>(row) * GROUPS + (lane * EPL) / GROUP;
+    w[PACKED] = as_type<uint>(static_cast<float>(scales[g]));
+    w[PACKED + 1] = as_type<uint>(static_cast<float>(biases[g]));
+  }
+  static inline float element(const thread uint* w, int i) {
+    const uint q = (w[(i * BITS) / 32] >> ((i * BITS) % 32)) & ((1u << BITS) - 1u);
+    return static_cast<float>(q) * as_type<float>(w[PACKED]) + as_type<float>(w[PACKED + 1]);
+  }
+};
+
 // The decode attention of one threadgroup over KV rows [row_begin, row_end): GT query heads of KV
-// head `bh` (= b * Hkv + hkv), first query head h0. The simdgroups' partials are merged through
+// head `bh` (= b * Hkv + hkv), first query head h0; k and v the cache's rows (KV: AttentionPlainRows or
+// AttentionQuantizedRows). The simdgroups' partials are merged through
 // threadgroup memory (sg_max, sg_sum: GT * SG floats; sg_acc: SG * HP * D floats, HP heads at a
 // time). PARTIAL == 0: writes the normalised output rows of `out` ([B * Hq, D], InT). PARTIAL == 1:
 // writes this block's fp32 partial of each head instead, its max, sum of exp(score - max) and
 // unnormalised sum of exp(score - max) * v, at index `part` of part_max / part_sum ([B * Hq, NB]) and
 // part_acc ([B * Hq, NB, D]); the merge kernel combines them.
-template <typename InT, int D, int GT, int SG, int R, int COALESCED, int PARTIAL, int HP>
+template <typename InT, int D, int GT, int SG, int R, int COALESCED, int PARTIAL, int HP, typename KV>
 inline void attention_decode_rows(
-    const device InT* q, const device InT* k, const device InT* v, float qk_scale,
+    const device InT* q, const thread KV& k, const thread KV& v, float qk_scale,
     device InT* out, device float* part_max, device float* part_sum, device float* part_acc,
     int Hq, int S_cap, int bh, int b_idx, int h0, int row_begin, int row_end, int part, int NB,
     threadgroup float* sg_max, threadgroup float* sg_sum, threadgroup float* sg_acc, int lane, int sg) {
@@ -185,27 +262,28 @@ inline void attention_decode_rows(
   float m = ATTENTION_NO_MAX;  // running max of head g_l (uniform over the lanes of that head)
   float l = 0.0f;              // this lane's share of head g_l's running sum (its rows r_l)
 
-  const device InT* k_rows = k + static_cast<size_t>(bh) * S_cap * D;
-  const device InT* v_rows = v + static_cast<size_t>(bh) * S_cap * D;
-  uint kw[R][WPL];  // the step's rows as loaded words (next step's while computing this one)
-  uint vw[R][WPL];
+  constexpr int KW = KV::WORDS;
+  const KV k_rows = k.head(bh, S_cap);
+  const KV v_rows = v.head(bh, S_cap);
+  uint kw[R][KW];  // the step's rows as loaded words (next step's while computing this one)
+  uint vw[R][KW];
   int base = row_begin + sg * R;
   for (int r = 0; r < R; ++r) {
-    attention_load_row<InT, D, GT, R, COALESCED>(k_rows, base + r, row_end, lane, kw[r]);
-    attention_load_row<InT, D, GT, R, COALESCED>(v_rows, base + r, row_end, lane, vw[r]);
+    k_rows.load(base + r, row_end, lane, kw[r]);
+    v_rows.load(base + r, row_end, lane, vw[r]);
   }
   for (; base < row_end; base += SG * R) {  // uniform over the simdgroup
-    uint kc[R][WPL];
-    uint vc[R][WPL];
+    uint kc[R][KW];
+    uint vc[R][KW];
     for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < WPL; ++j) {
+      for (int j = 0; j < KW; ++j) {
         kc[r][j] = kw[r][j];
         vc[r][j] = vw[r][j];
       }
     }
     for (int r = 0; r < R; ++r) {  // issue the next step's loads before computing this step
-      attention_load_row<InT, D, GT, R, COALESCED>(k_rows, base + SG * R + r, row_end, lane, kw[r]);
-      attention_load_row<InT, D, GT, R, COALESCED>(v_rows, base + SG * R + r, row_end, lane, vw[r]);
+      k_rows.load(base + SG * R + r, row_end, lane, kw[r]);
+      v_rows.load(base + SG * R + r, row_end, lane, vw[r]);
     }
 
     // Partial dot products of this lane's elements, pair index g * R + r (padding heads stay 0).
@@ -214,12 +292,10 @@ inline void attention_decode_rows(
       pd[n] = 0.0f;
     }
     for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < WPL; ++j) {
-        for (int h = 0; h < PER; ++h) {
-          const float kf = AttentionWords<InT>::get(kc[r][j], h);
-          for (int g = 0; g < GT; ++g) {
-            pd[g * R + r] += qr[g][j * PER + h] * kf;
-          }
+      for (int i = 0; i < EPL; ++i) {
+        const float kf = KV::element(kc[r], i);
+        for (int g = 0; g < GT; ++g) {
+          pd[g * R + r] += qr[g][i] * kf;
         }
       }
     }
@@ -262,10 +338,8 @@ inline void attention_decode_rows(
     }
     for (int r = 0; r < R; ++r) {
       float vf[EPL];
-      for (int j = 0; j < WPL; ++j) {
-        for (int h = 0; h < PER; ++h) {
-          vf[j * PER + h] = AttentionWords<InT>::get(vc[r][j], h);
-        }
+      for (int i = 0; i < EPL; ++i) {
+        vf[i] = KV::element(vc[r], i);
       }
       for (int g = 0; g < GT; ++g) {
         const float p_gr = simd_shuffle(p, static_cast<ushort>((g * R + r) << SH));
@@ -339,9 +413,9 @@ inline void attention_decode_rows(
 // One threadgroup of the fixed-block split: threadgroup z = n * NB + block (n: the (KV head, GT heads)
 // group) over rows [block * BR, min(S, block * BR + BR)) of the S live rows. A block at or past S has no
 // rows and writes an empty partial (max ATTENTION_NO_MAX, sum 0, acc 0), which the merge weighs exactly 0.
-template <typename InT, int D, int GT, int SG, int R, int COALESCED, int HP>
+template <typename InT, int D, int GT, int SG, int R, int COALESCED, int HP, typename KV>
 inline void attention_decode_block(
-    const device InT* q, const device InT* k, const device InT* v, float qk_scale,
+    const device InT* q, const thread KV& k, const thread KV& v, float qk_scale,
     device float* part_max, device float* part_sum, device float* part_acc,
     int Hkv, int G, int S, int S_cap, int NB, int BR, int z,
     threadgroup float* sg_max, threadgroup float* sg_sum, threadgroup float* sg_acc, int lane, int sg) {
@@ -350,7 +424,7 @@ inline void attention_decode_block(
   const int n = z / NB;
   const int bh = n / blocks;
   const int row_begin = part * BR;
-  attention_decode_rows<InT, D, GT, SG, R, COALESCED, 1, HP>(
+  attention_decode_rows<InT, D, GT, SG, R, COALESCED, 1, HP, KV>(
       q, k, v, qk_scale, nullptr, part_max, part_sum, part_acc, Hkv * G, S_cap, bh, bh / Hkv,
       (bh % Hkv) * G + (n % blocks) * GT, row_begin, min(S, row_begin + BR), part, NB, sg_max, sg_sum,
       sg_acc, lane, sg);
@@ -647,8 +721,10 @@ inline void attention_decode_block_tiles(
   const int n = static_cast<int>(thread_position_in_grid.z);
   const int bh = n / blocks;  // b * Hkv + hkv
   const int begin = has_row_start != 0 ? static_cast<int>(row_start[bh / Hkv]) : 0;
+  const AttentionPlainRows<InT, D, COALESCED> k_rows = {k};
+  const AttentionPlainRows<InT, D, COALESCED> v_rows = {v};
   attention_decode_rows<InT, D, GT, SG, R, COALESCED, 0, HP>(
-      q, k, v, scale[0], out, nullptr, nullptr, nullptr, Hkv * G, S_cap, bh, bh / Hkv,
+      q, k_rows, v_rows, scale[0], out, nullptr, nullptr, nullptr, Hkv * G, S_cap, bh, bh / Hkv,
       (bh % Hkv) * G + (n % blocks) * GT, begin, S, 0, 1, sg_max, sg_sum, sg_acc,
       static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
 }
@@ -666,8 +742,10 @@ inline void attention_decode_block_tiles(
   threadgroup float sg_max[GT * SG];
   threadgroup float sg_sum[GT * SG];
   threadgroup float sg_acc[SG * HP * D];
+  const AttentionPlainRows<InT, D, COALESCED> k_rows = {k};
+  const AttentionPlainRows<InT, D, COALESCED> v_rows = {v};
   attention_decode_block<InT, D, GT, SG, R, COALESCED, HP>(
-      q, k, v, scale[0], part_max, part_sum, part_acc, Hkv, G, S, S_cap, NB, BR,
+      q, k_rows, v_rows, scale[0], part_max, part_sum, part_acc, Hkv, G, S, S_cap, NB, BR,
       static_cast<int>(threadgroup_position_in_grid.x), sg_max, sg_sum, sg_acc,
       static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
 }
@@ -688,8 +766,53 @@ inline void attention_decode_block_tiles(
   if ((static_cast<int>(threadgroup_position_in_grid.x) % NB) * BR >= S) {
     return;  // a block past the live rows: nothing to write, the merge reads only the live blocks (uniform exit)
   }
+  const AttentionPlainRows<InT, D, COALESCED> k_rows = {k};
+  const AttentionPlainRows<InT, D, COALESCED> v_rows = {v};
   attention_decode_block<InT, D, GT, SG, R, COALESCED, HP>(
-      q, k, v, scale[0], part_max, part_sum, part_acc, Hkv, G, S, S_cap, NB, BR,
+      q, k_rows, v_rows, scale[0], part_max, part_sum, part_acc, Hkv, G, S, S_cap, NB, BR,
+      static_cast<int>(threadgroup_position_in_grid.x), sg_max, sg_sum, sg_acc,
+      static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
+}
+
+// @kernel attention_decode_quantized
+// attention_decode over an MLX-LM QuantizedKVCache, dequantised as the rows are read (AttentionQuantizedRows;
+// BITS and GROUP template arguments besides attention_decode's): k, v: packed [B, Hkv, S_cap, D * BITS / 32]
+// uint32; k_scales, k_biases, v_scales, v_biases: [B, Hkv, S_cap, D / GROUP] InT; rows < S read. The lanes own
+// contiguous elements, so COALESCED (which only sets how q is read and the merge's element order) must give that
+// ownership: the host passes 1 where W == EPL (16-bit types), else 0. Otherwise as attention_decode (no row_start:
+// MLX-LM has no batched quantized cache).
+{
+  static_assert(!COALESCED || AttentionShape<InT, D, GT, R>::W == D / 32, "contiguous elements a lane");
+  constexpr int HP = ATTENTION_MERGE_HEADS(GT, SG, D);
+  threadgroup float sg_max[GT * SG];
+  threadgroup float sg_sum[GT * SG];
+  threadgroup float sg_acc[SG * HP * D];
+  typedef AttentionQuantizedRows<InT, D, BITS, GROUP, decltype(k), decltype(k_scales)> Rows;  // v's types are k's
+  const Rows k_rows = {k, k_scales, k_biases};
+  const Rows v_rows = {v, v_scales, v_biases};
+  const int blocks = G / GT;
+  const int n = static_cast<int>(thread_position_in_grid.z);
+  const int bh = n / blocks;
+  attention_decode_rows<InT, D, GT, SG, R, COALESCED, 0, HP>(
+      q, k_rows, v_rows, scale[0], out, nullptr, nullptr, nullptr, Hkv * G, S_cap, bh, bh / Hkv,
+      (bh % Hkv) * G + (n % blocks) * GT, 0, S, 0, 1, sg_max, sg_sum, sg_acc,
+      static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
+}
+
+// @kernel attention_decode_block_partials_quantized
+// attention_decode_block_partials over a QuantizedKVCache: inputs as attention_decode_quantized, params and outputs
+// as attention_decode_block_partials (merged by attention_decode_merge_blocks).
+{
+  static_assert(!COALESCED || AttentionShape<InT, D, GT, R>::W == D / 32, "contiguous elements a lane");
+  constexpr int HP = ATTENTION_MERGE_HEADS(GT, SG, D);
+  threadgroup float sg_max[GT * SG];
+  threadgroup float sg_sum[GT * SG];
+  threadgroup float sg_acc[SG * HP * D];
+  typedef AttentionQuantizedRows<InT, D, BITS, GROUP, decltype(k), decltype(k_scales)> Rows;  // v's types are k's
+  const Rows k_rows = {k, k_scales, k_biases};
+  const Rows v_rows = {v, v_scales, v_biases};
+  attention_decode_block<InT, D, GT, SG, R, COALESCED, HP>(
+      q, k_rows, v_rows, scale[0], part_max, part_sum, part_acc, Hkv, G, S, S_cap, NB, BR,
       static_cast<int>(threadgroup_position_in_grid.x), sg_max, sg_sum, sg_acc,
       static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
 }

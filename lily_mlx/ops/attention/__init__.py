@@ -6,12 +6,13 @@ Modules: ``layer`` (the forward and the dispatch of each op), ``kernels`` (the a
 launchers and shape rules; kernels/attention/decode.metal and prefill.metal), ``reference`` (plain-MLX
 references and the fixed-block algorithm).
 
-Five ops, each a function of ``layer`` with a reference in plain MLX ops and one dispatch point into
+Six ops, each a function of ``layer`` with a reference in plain MLX ops and one dispatch point into
 a kernel:
 
 - ``qk_prep``: q_norm, k_norm, partial RoPE and the split of the output gate off ``q_proj``.
 - ``prefill_attention``: a chunk of T > 1 queries over cache + chunk (causal or given mask).
 - ``decode_attention``: one query row per sequence over the KV cache, GQA.
+- ``quantized_decode_attention``: the same over a quantized KV cache (``--kv-bits``), dequantised in the kernel.
 - ``qkv_proj``: the q/k/v projections of a decode-sized call as one quantised matmul (switch
   ``fused_qkv_proj``; ``lily_mlx.core.projections``).
 - ``long_context_attention``: decode at long context, where the write-up splits the KV cache into
@@ -21,7 +22,7 @@ a kernel:
   the KV buffer (switch ``kv_write_in_trace``; ``fused_output_gate``: its merge applies the output gate).
 
 Kernels: ``attention_decode`` and ``attention_decode_long`` (the fixed-block split: block partials,
-then a merge), ``attention_prefill`` (flash-attention tiles; kernels/attention/prefill.metal),
+then a merge), ``attention_decode_quantized`` (both forms over a quantized cache), ``attention_prefill`` (flash-attention tiles; kernels/attention/prefill.metal),
 ``attention_qk_prep`` (switch ``fused_qk_prep``; kernels/attention/qk_prep.metal).
 """
 
@@ -60,6 +61,13 @@ LONG_CONTEXT = register_op(Op(
     switches=("fixed_block_attention", "coalesced_kv", "gqa_packing", "fused_output_gate"),
     kernel_backends=kernels.LONG_BACKENDS,
     trial_backends=GPU_BACKENDS - kernels.LONG_BACKENDS,
+))
+DECODE_QUANTIZED = register_op(Op(
+    "attention_decode_quantized", "attention",
+    "one query row per sequence over a quantized (2/4/8-bit) KV cache, dequantised in the kernel (GQA)",
+    switches=("gqa_packing", "fixed_block_attention"),
+    kernel_backends=kernels.QUANTIZED_DECODE_BACKENDS,  # simulator only until timed on a GPU (kernels.py)
+    trial_backends=GPU_BACKENDS - kernels.QUANTIZED_DECODE_BACKENDS,
 ))
 QKV_PROJ = register_op(Op(
     "attention_qkv_proj", "attention",

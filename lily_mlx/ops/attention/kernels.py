@@ -33,6 +33,12 @@ KERNELS = {
                    params=("Hkv", "G", "S", "S_cap", "has_row_start")),
         KernelSpec("attention_decode_block_partials", _FILE, ("q", "k", "v", "scale", "params"),
                    ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S", "S_cap", "NB", "BR")),
+        KernelSpec("attention_decode_quantized", _FILE,
+                   ("q", "k", "k_scales", "k_biases", "v", "v_scales", "v_biases", "scale", "params"), ("out",),
+                   params=("Hkv", "G", "S", "S_cap")),
+        KernelSpec("attention_decode_block_partials_quantized", _FILE,
+                   ("q", "k", "k_scales", "k_biases", "v", "v_scales", "v_biases", "scale", "params"),
+                   ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S", "S_cap", "NB", "BR")),
         KernelSpec("attention_decode_block_partials_live", _FILE, ("q", "k", "v", "scale", "last_row", "params"),
                    ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S_cap", "NB", "BR")),
         KernelSpec("attention_decode_block_partials_live_tiles", _FILE, ("q", "k", "v", "scale", "last_row", "params"),
@@ -66,6 +72,12 @@ GPU_BACKENDS = frozenset({"metal", "cuda"})
 # 627 / 1,196 at 32K / 64K / 128K) but not at 4K (196 against 154): docs/attention.md.
 DECODE_BACKENDS = frozenset({"sim"})
 LONG_BACKENDS = frozenset({"sim", "cuda"})
+# The decode kernels over a quantized KV cache (op ``attention_decode_quantized``: the one-pass kernel, or the
+# fixed blocks where the rule below takes them, reading the packed rows and dequantising them in registers): on the
+# simulator only until timed on a GPU; a trial kernel on Metal and CUDA.
+QUANTIZED_DECODE_BACKENDS = frozenset({"sim"})
+QUANTIZED_KV_BITS = (2, 4, 8)  # elements that never straddle two 32-bit words
+QUANTIZED_KV_GROUPS = (32, 64, 128)  # MLX's group sizes
 
 # Which decode path a step takes (``layer.decode_path``), on every backend: the write-up's rule, the
 # fixed-block path from 32K tokens of the row's context, only at head dim 256 with 8 query heads per KV
@@ -192,6 +204,64 @@ def shape_problem(queries: mx.array, keys: mx.array, values: mx.array) -> Option
     return None
 
 
+def quantized_problem(queries: mx.array, keys: Any, values: Any, bits: int, group_size: int) -> Optional[str]:
+    """None when the quantized decode kernels take queries [B, Hq, 1, D] over a quantized cache's keys / values,
+    each (packed [B, Hkv, S_cap, D * bits / 32] uint32, scales, biases [B, Hkv, S_cap, D / group_size] in the
+    queries' dtype); else why not."""
+    if not (isinstance(keys, (tuple, list)) and isinstance(values, (tuple, list))):
+        return "keys / values are not a quantized cache's (packed, scales, biases)"
+    if len(keys) != 3 or len(values) != 3:
+        return f"a quantized cache of {len(keys)} arrays a side (the kernels take affine (packed, scales, biases))"
+    B, Hq, L, D = queries.shape
+    if L != 1:
+        return f"L={L} query rows (decode takes one)"
+    if bits not in QUANTIZED_KV_BITS:
+        return f"{bits}-bit KV cache (the kernels take {QUANTIZED_KV_BITS})"
+    if group_size not in QUANTIZED_KV_GROUPS:
+        return f"group size {group_size} (the kernels take {QUANTIZED_KV_GROUPS})"
+    if D not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {D} not in {SUPPORTED_HEAD_DIMS}"
+    if D % group_size:
+        return f"head dim {D} not a multiple of the group size {group_size}"
+    packed = keys[0]
+    if packed.ndim != 4 or packed.shape[0] != B or packed.shape[2] == 0:
+        return f"packed keys {tuple(packed.shape)} do not match queries {tuple(queries.shape)}"
+    Hkv, S_cap = packed.shape[1], packed.shape[2]
+    want = {0: ((B, Hkv, S_cap, D * bits // 32), mx.uint32), 1: ((B, Hkv, S_cap, D // group_size), queries.dtype)}
+    for side in (keys, values):
+        for i, array in enumerate(side):
+            shape, dtype = want[min(i, 1)]
+            if array.shape != shape or array.dtype != dtype:
+                return f"quantized K/V part {tuple(array.shape)} {array.dtype}, not {shape} {dtype}"
+    if Hkv == 0 or Hq % Hkv != 0:
+        return f"Hq={Hq} not a multiple of Hkv={Hkv}"
+    if Hq // Hkv > MAX_HEADS_PER_THREADGROUP:
+        return f"{Hq // Hkv} query heads per KV head (at most {MAX_HEADS_PER_THREADGROUP})"
+    if queries.dtype not in KV_DTYPES:
+        return f"queries of {queries.dtype} not supported"
+    return None
+
+
+def quantized_supports(queries: mx.array, keys: Any, values: Any, mask: Any = None, cache: Any = None) -> Optional[str]:
+    """None when the quantized decode kernels run these inputs: one query row over MLX-LM's ``QuantizedKVCache``
+    (no mask), ``keys`` / ``values`` its live rows; else why not."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    if mask is not None:
+        return "a mask"
+    if type(cache) is not QuantizedKVCache:
+        return f"cache {type(cache).__name__} is not a QuantizedKVCache"
+    if cache.keys is None:
+        return "an empty KV cache"
+    problem = quantized_problem(queries, cache.keys, cache.values, cache.bits, cache.group_size)
+    if problem:
+        return problem
+    live = keys[0].shape[2] if isinstance(keys, (tuple, list)) else -1
+    if live != cache.offset or live > cache.keys[0].shape[2] or live == 0:
+        return "keys are not the cache's live rows"
+    return None
+
+
 class _Geometry(NamedTuple):
     Hkv: int
     G: int
@@ -307,7 +377,7 @@ def decode_attention_fixed_blocks(
     plan = fixed_block_plan(g.S, queries.shape[3], g.threadgroups, block_rows, merge_max_simdgroups,
                             merge_lane_floats)
     partials = KERNELS["attention_decode_block_partials"]
-    return _blocks_then_merge(queries, keys, values, g, plan, partials, [float32_scalar(scale)],
+    return _blocks_then_merge(queries, [keys, values], g, plan, partials, [float32_scalar(scale)],
                               partials.pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap, NB=plan.blocks,
                                             BR=plan.block_rows), backend, init_value)
 
@@ -340,9 +410,68 @@ def decode_attention_fixed_blocks_live(
                             merge_max_simdgroups, merge_lane_floats)
     partials = KERNELS["attention_decode_block_partials_live"]
     last_row = last_row.astype(mx.int32).reshape(1)
-    return _blocks_then_merge(queries, keys, values, g, plan, partials, [float32_scalar(scale), last_row],
+    return _blocks_then_merge(queries, [keys, values], g, plan, partials, [float32_scalar(scale), last_row],
                               partials.pack(Hkv=g.Hkv, G=g.G, S_cap=g.S_cap, NB=plan.blocks, BR=plan.block_rows),
                               backend, init_value, gate, last_row)
+
+
+def contiguous_lane_elements(D: int, dtype) -> int:
+    """The COALESCED template argument of the quantized decode kernels: 1 where the coalesced layout gives each lane
+    contiguous elements (D / 32 elements in one load of at most 16 bytes: the 16-bit types), else 0."""
+    return int((D // 32) * dtype.size <= 16)
+
+
+def decode_attention_quantized(
+    queries: mx.array,  # [B, Hq, 1, D]
+    keys: Tuple[mx.array, mx.array, mx.array],  # packed [B, Hkv, S_cap, D * bits / 32] uint32, scales, biases
+    values: Tuple[mx.array, mx.array, mx.array],  # the same for V; rows < kv_length are live
+    *,
+    scale: float,
+    bits: int,
+    group_size: int,
+    kv_length: Optional[int] = None,  # live rows S (default: all of S_cap)
+    gqa_packed: bool = True,
+    fixed_blocks: bool = False,  # the fixed-block split (partials + merge) instead of the one-pass kernel
+    block_rows: Optional[int] = None,  # BR of the split (default: the schedule, fixed_block_rows(S))
+    backend: str,
+    init_value=None,
+    rows: Optional[int] = None,  # rows per simdgroup step (default DECODE_ROWS_PER_STEP)
+) -> mx.array:  # [B, Hq, 1, D] in queries' dtype
+    """``decode_attention`` (or with ``fixed_blocks`` ``decode_attention_fixed_blocks``) over an MLX-LM
+    ``QuantizedKVCache``'s buffers: each K/V row read as its packed words, scale and bias, dequantised in fp32
+    (scale * q + bias) where it is used; softmax and accumulation in fp32 as the plain kernels."""
+    problem = quantized_problem(queries, keys, values, bits, group_size)
+    if problem:
+        raise ValueError(f"quantized decode attention: {problem}")
+    D = queries.shape[3]
+    g = _geometry(queries, keys[0], kv_length, gqa_packed, bool(contiguous_lane_elements(D, queries.dtype)), rows=rows)
+    g = g._replace(template=g.template + [("BITS", bits), ("GROUP", group_size)])
+    kv_inputs = [*keys, *values]
+    if fixed_blocks:
+        plan = fixed_block_plan(g.S, D, g.threadgroups, block_rows)
+        partials = KERNELS["attention_decode_block_partials_quantized"]
+        return _blocks_then_merge(queries, kv_inputs, g, plan, partials, [float32_scalar(scale)],
+                                  partials.pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap, NB=plan.blocks,
+                                                BR=plan.block_rows), backend, init_value)
+    spec = KERNELS["attention_decode_quantized"]
+    (out,) = get_kernel(spec, backend)(
+        inputs=[queries, *kv_inputs, float32_scalar(scale), spec.pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap)],
+        template=g.template, grid=(32, g.sg, g.threadgroups), threadgroup=(32, g.sg, 1),
+        output_shapes=[queries.shape], output_dtypes=[queries.dtype], init_value=init_value,
+    )
+    return out
+
+
+def decode_attention_quantized_from_cache(backend: str):
+    """The launcher ``layer.quantized_decode_attention`` dispatches to on ``backend``: reads the
+    ``QuantizedKVCache``'s whole buffers (no copy of the live slices) with the live length as a parameter."""
+
+    def launch(queries, keys, values, *, scale, mask=None, cache=None, gqa_packed=True, fixed_blocks=False):
+        return decode_attention_quantized(queries, tuple(cache.keys), tuple(cache.values), scale=scale,
+                                          bits=cache.bits, group_size=cache.group_size, kv_length=keys[0].shape[2],
+                                          gqa_packed=gqa_packed, fixed_blocks=fixed_blocks, backend=backend)
+
+    return launch
 
 
 # The matrix-tile form of the live partials (kernels/attention/decode.metal, attention_decode_block_tiles): a
@@ -419,16 +548,17 @@ def decode_attention_tiles_live(
     return _merge_partials(queries, part_max, part_sum, part_acc, plan, backend, init_value, None, last_row)
 
 
-def _blocks_then_merge(queries, keys, values, g: _Geometry, plan: FixedBlockPlan, partials: KernelSpec,
+def _blocks_then_merge(queries, kv_inputs: list, g: _Geometry, plan: FixedBlockPlan, partials: KernelSpec,
                        scalars: list, params: mx.array, backend: str, init_value,
                        gate: Optional[mx.array] = None, last_row: Optional[mx.array] = None) -> mx.array:
-    """The two launches of the fixed-block split: ``partials`` (inputs q, k, v, then ``scalars``, then
+    """The two launches of the fixed-block split: ``partials`` (inputs q, ``kv_inputs`` (k, v; or a quantized
+    cache's six arrays), then ``scalars``, then
     ``params``) writes each block's fp32 partials, the merge kernel combines them: all NB blocks, or with
     ``last_row`` (the live-length form) the live ones only, applying ``gate`` ([B, 1, Hq * D], writing that
     shape) if given."""
     B, Hq, _, D = queries.shape
     part_max, part_sum, part_acc = get_kernel(partials, backend)(
-        inputs=[queries, keys, values, *scalars, params],
+        inputs=[queries, *kv_inputs, *scalars, params],
         template=g.template, grid=(32 * plan.partial_threadgroups, g.sg, 1),
         threadgroup=(32, g.sg, 1),
         output_shapes=[(B * Hq, plan.blocks), (B * Hq, plan.blocks), (B * Hq, plan.blocks, D)],

@@ -35,6 +35,8 @@ KERNELS: dict = {
        for backend in kernels.WRITTEN_FOR},
     **{("attention_decode_long", backend): kernels.decode_attention_fixed_blocks_from_cache(backend)
        for backend in kernels.WRITTEN_FOR},
+    **{("attention_decode_quantized", backend): kernels.decode_attention_quantized_from_cache(backend)
+       for backend in kernels.WRITTEN_FOR},
     **{("attention_prefill", backend): kernels.prefill_attention_from_cache(backend)
        for backend in kernels.WRITTEN_FOR},
     **{("attention_qk_prep", backend): functools.partial(kernels.qk_prep, backend=backend)
@@ -143,6 +145,20 @@ def long_context_attention(queries, keys, values, *, scale, mask=None, cache=Non
     return attention_reference(queries, keys, values, scale=scale, mask=mask, cache=cache)
 
 
+def quantized_decode_attention(queries, keys, values, *, scale, mask=None, cache=None):
+    """One query row over a quantized KV cache (MLX-LM's ``QuantizedKVCache``, ``--kv-bits``): the kernels read the
+    packed rows and dequantise them in registers, the one-pass kernel or the fixed-block split by the same rule as
+    a plain cache (``decode_path``). Reference: stock's quantized attention."""
+    kernel = _kernel_for("attention_decode_quantized",
+                         lambda: kernels.quantized_supports(queries, keys, values, mask, cache))
+    if kernel is not None:
+        _, n_kv_heads, kv_length = _kv_shape(keys)[:3]
+        path = decode_path(kv_length, queries.shape[3], queries.shape[1] // n_kv_heads)
+        return kernel(queries, keys, values, scale=scale, mask=mask, cache=cache,
+                      gqa_packed=is_enabled("gqa_packing"), fixed_blocks=path == "fixed_block")
+    return attention_reference(queries, keys, values, scale=scale, mask=mask, cache=cache)
+
+
 def decode_path(kv_length: int, head_dim: int, gqa_factor: int) -> str:
     """``"fixed_block"`` or ``"ordinary"``: which decode path a shape takes (switch + the write-up's
     shape rule, ``kernels.FIXED_BLOCK_*``). ``kv_length`` is the row's own context, never the batch's."""
@@ -162,6 +178,8 @@ def attention(queries, keys, values, *, scale, mask=None, cache=None):
     _, n_heads, L, head_dim = queries.shape
     if L != 1:
         return prefill_attention(queries, keys, values, scale=scale, mask=mask, cache=cache)
+    if is_quantized_kv(keys):
+        return quantized_decode_attention(queries, keys, values, scale=scale, mask=mask, cache=cache)
     _, n_kv_heads, kv_length = _kv_shape(keys)[:3]
     if mask is not None and hasattr(cache, "left_padding"):
         # A batch's rows (BatchKVCache): kv_length is the batch's padded length, not a row's own context,
