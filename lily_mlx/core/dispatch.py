@@ -96,12 +96,16 @@ def _env_names(var: str) -> set:
 
 
 def _apply_profile_switches(profile: Optional[tune_profile.Profile]) -> None:
-    """Turn off the switches the profile measured slower on than off, unless ``LILY_ENABLE`` names
-    them (the user's word wins); switches a previous profile turned off come back on."""
+    """Turn off the switches the profile measured slower on than off, unless the user turned them on
+    (``LILY_ENABLE``, ``--lily-enable``, ``switches.enable``: the user's word wins); switches a previous
+    profile turned off come back on, unless the user turned them off."""
     global _profile_off
+    user = switches.user_choices()
+    user_on = _env_names("LILY_ENABLE") | {n for n, on in user.items() if on}
+    user_off = _env_names("LILY_DISABLE") | {n for n, on in user.items() if not on}
     wanted = set(profile.switches_off) if profile is not None else set()
-    wanted = {n for n in wanted if n in switches.SWITCHES} - _env_names("LILY_ENABLE")
-    for name in _profile_off - wanted - _env_names("LILY_DISABLE"):
+    wanted = {n for n in wanted if n in switches.SWITCHES} - user_on
+    for name in _profile_off - wanted - user_off:
         switches.set_enabled(name, True)
     for name in wanted:
         switches.set_enabled(name, False)

@@ -229,6 +229,7 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in _SWITCH_LIST}
 
 _lock = threading.Lock()
 _state: Dict[str, bool] = {}
+_user_choices: Dict[str, bool] = {}  # set by enable() / disable(): a tune profile never overrides these
 
 
 def suggestion(name: str) -> str:
@@ -281,6 +282,7 @@ def reset() -> None:
     """
     values, _ = _from_environment(os.environ)
     with _lock:
+        _user_choices.clear()
         _state.clear()
         _state.update({n: s.default for n, s in SWITCHES.items()})
         _state.update(values)
@@ -321,13 +323,22 @@ def set_enabled(name: str, value: bool) -> None:
 
 
 def disable(*names: str) -> None:
+    """Turn switches off for this process: the user's word, which a tune profile's choices never undo."""
     for n in _check(names):
         set_enabled(n, False)
+        _user_choices[n] = False
 
 
 def enable(*names: str) -> None:
+    """Turn switches on for this process (``--lily-enable``): the user's word, as ``disable``."""
     for n in _check(names):
         set_enabled(n, True)
+        _user_choices[n] = True
+
+
+def user_choices() -> Dict[str, bool]:
+    """Switches set by ``enable`` / ``disable`` (the API, the ``--lily-*`` flags) since the last ``reset``."""
+    return dict(_user_choices)
 
 
 def state() -> Dict[str, bool]:

@@ -235,6 +235,24 @@ def test_the_user_enabling_a_switch_wins_over_the_profile(tune_dir, sim_model, m
     assert switches.is_enabled("register_scan") and not switches.is_enabled("gpu_routing")
 
 
+def test_switches_set_at_run_time_win_over_the_profile(tune_dir, sim_model):
+    """``--lily-enable`` / ``--lily-disable`` (``switches.enable`` / ``disable``) before ``patch()``: the profile it
+    resolves does not undo them, neither a switch it measured slower nor a default-off switch it records as off;
+    and a switch the user turned off stays off when a profile that had turned it off is gone."""
+    model, _ = sim_model
+    write_profile(tune_dir, switches_off=["register_scan", "split_k_gate_up", "gpu_routing"])
+    try:
+        switches.enable("register_scan", "split_k_gate_up")
+        switches.disable("gpu_routing")
+        lily_mlx.patch(model)
+        assert switches.is_enabled("register_scan") and switches.is_enabled("split_k_gate_up")
+        write_profile(tune_dir, switches_off=[])
+        lily_mlx.patch(model)
+        assert not switches.is_enabled("gpu_routing")
+    finally:
+        switches.reset()
+
+
 def test_profiles_of_other_devices_or_versions_are_ignored_with_one_log_line(tune_dir, sim_model, caplog):
     model, _ = sim_model
     write_profile(tune_dir, ops=SIM_KERNEL_OPS, lily="0.0.1")  # another lily-mlx version
