@@ -227,10 +227,21 @@ class _RefusesAdapters:
     """Base of every lily module class: an adapter module (LoRA / DoRA) set into a patched module, directly or by
     ``update_modules`` (what MLX-LM's ``linear_to_lora_layers`` and ``load_adapters`` call on each decoder layer), is
     an error before anything changes; the kernels would compute the layer without it. A copy (``copy.deepcopy``,
-    ``pickle``) leaves the module's caches behind (``_COPIED_STATE``)."""
+    ``pickle``) leaves the module's caches behind (``_COPIED_STATE``) and names its class by what it is made from
+    (``_lily_module``), so that a pickle loads in another process."""
 
     def __getstate__(self):
         return {k: v for k, v in vars(self).items() if not k.startswith("_lily_") or k in _COPIED_STATE}
+
+    def __reduce_ex__(self, protocol):
+        # A dict subclass's reduction, (copyreg.__newobj__, (cls,), state, listitems, dictitems), with the class
+        # made again from its stock class, forward and kind where it is loaded: lily classes are made by patch(),
+        # so a fresh process has none to find by name.
+        reduced = super().__reduce_ex__(protocol)
+        cls = type(self)
+        made_from = (cls._lily_stock_class, cls.__dict__.get("__call__"), issubclass(cls, _ReportsWeights),
+                     cls._lily_watch_only)
+        return (_lily_module, made_from) + tuple(reduced[2:])
 
     def __setitem__(self, key, value):
         _refuse_adapters(self, str(key), value)
@@ -295,8 +306,14 @@ def _lily_class(stock_cls: type, forward: Optional[Callable], reports: bool = Fa
         cls = type(name, (_RefusesAdapters, _ReportsWeights, stock_cls) if reports else (_RefusesAdapters, stock_cls),
                    attrs)
         _LILY_CLASSES[key] = cls
-        globals().setdefault(name, cls)  # importable by name, so patched models pickle
     return cls
+
+
+def _lily_module(stock_cls: type, forward: Optional[Callable], reports: bool, watch_only: bool):
+    """An empty module of the lily class made from these (``_RefusesAdapters.__reduce_ex__``; the copy's items and
+    attributes are set into it next)."""
+    cls = _lily_class(stock_cls, forward, reports, watch_only)
+    return cls.__new__(cls)
 
 
 def _report_weights(module) -> None:
@@ -474,9 +491,11 @@ def patch(model, strict: bool = True):
             swapped += 1
     if swapped or is_patched(model):
         # The rest of the tree runs stock's code and refuses adapters too (a LoRA layer set into the MoE block's
-        # switch_mlp, say, or the whole tree's update_modules checked before anything changes).
+        # switch_mlp, say, or the whole tree's update_modules checked before anything changes). Leaves are left
+        # alone: an adapter replaces a module inside its parent, and a leaf may be shared with other models (MLX-LM's
+        # SwitchGLU takes one default SwiGLU() instance for the whole process).
         for module in model.modules():
-            if _stock_class(module) is None:
+            if _stock_class(module) is None and module.children():
                 module.__class__ = _lily_class(type(module), None, watch_only=True)
     if swapped:
         from .core import projections
@@ -520,6 +539,8 @@ def unpatch(model):
         stock_cls = _stock_class(module)
         if stock_cls is not None:
             module.__class__ = stock_cls
+        for name in [k for k in vars(module) if k.startswith("_lily_")]:  # caches of the patched paths
+            vars(module).pop(name)
     generation.weights_changed()  # (classes changed: other patched models check what their modules report again)
     vars(model).pop("_lily_report", None)
     return model

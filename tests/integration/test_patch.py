@@ -223,6 +223,104 @@ def test_a_patched_model_copies_and_pickles_after_it_ran(model, monkeypatch):
         assert mx.array_equal(prefill_and_step(copied), want)
 
 
+_LOAD_AND_STEP = """
+import pickle, sys
+import mlx.core as mx, numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+model = pickle.load(open(sys.argv[1], "rb"))  # no lily_mlx import before: the pickle brings it
+import lily_mlx
+assert lily_mlx.is_patched(model)
+prompt = mx.array(np.load(sys.argv[2]))
+cache = make_prompt_cache(model)
+model(prompt, cache=cache)
+out = model(prompt[:, -1:], cache=cache).astype(mx.float32)
+assert mx.array_equal(out, mx.array(np.load(sys.argv[3]))).item(), "other logits"
+print("loaded and equal")
+"""
+
+
+def test_a_patched_model_pickled_loads_in_a_fresh_process(model, tmp_path, monkeypatch):
+    """A patched model's pickle loads in a process that never patched anything (lily classes are made by patch(),
+    so the pickle names what each is made from) and computes the same logits; pickles of two architectures whose
+    lily classes share a name (qwen3_5's and qwen3_5_moe's ``Model``) both load."""
+    import pickle
+    import subprocess
+    import sys
+
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .conftest import subprocess_env
+
+    monkeypatch.setenv("LILY_BACKEND", "sim")
+    m, tok = model
+    lily_mlx.patch(m)
+    prompt = mx.array(tok.encode(PROMPT))[None]
+    cache = make_prompt_cache(m)
+    m(prompt, cache=cache)
+    want = m(prompt[:, -1:], cache=cache).astype(mx.float32)
+    (tmp_path / "m.pkl").write_bytes(pickle.dumps(m))
+    np.save(tmp_path / "prompt.npy", np.array(prompt))
+    np.save(tmp_path / "want.npy", np.array(want))
+    env = dict(subprocess_env(), LILY_BACKEND="sim")
+    done = subprocess.run([sys.executable, "-c", _LOAD_AND_STEP] + [str(tmp_path / f) for f in ("m.pkl", "prompt.npy",
+                          "want.npy")], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and "loaded and equal" in done.stdout, done.stderr[-3000:]
+
+
+def test_two_architectures_pickle_in_one_process(random_model):
+    import pickle
+
+    import mlx_lm
+
+    models = [mlx_lm.load(str(random_model(t)))[0] for t in ("qwen3_5", "qwen3_5_moe")]
+    try:
+        for m in models:
+            lily_mlx.patch(m)
+        assert type(models[0]).__name__ == type(models[1]).__name__  # LilyModelGuarded, of two stock classes
+        for m in models:
+            copied = pickle.loads(pickle.dumps(m))
+            assert lily_mlx.is_patched(copied) and type(copied) is type(m)
+    finally:
+        for m in models:
+            lily_mlx.unpatch(m)
+
+
+def test_an_unpatched_model_copies_and_pickles_with_nothing_of_lily_left(model, monkeypatch):
+    """unpatch() after the kernels ran: no lily attribute or class is left in the tree, and the model deep-copies and
+    pickles as a stock model does (the kernels' caches, keyed by mx.Dtype, went with the classes)."""
+    import copy
+    import pickle
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    monkeypatch.setenv("LILY_BACKEND", "sim")
+    m, tok = model
+    lily_mlx.patch(m)
+    prompt = mx.array(tok.encode(PROMPT))[None]
+    cache = make_prompt_cache(m)
+    m(prompt, cache=cache)
+    m(prompt[:, -1:], cache=cache)
+    lily_mlx.unpatch(m)
+    assert not [k for x in m.modules() for k in vars(x) if k.startswith("_lily_")]
+    assert not [type(x) for x in m.modules() if type(x).__module__.startswith("lily_mlx")]
+    for copied in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert not lily_mlx.is_patched(copied)
+
+
+def test_patching_leaves_modules_shared_with_other_models_stock(model, loaded_model, model_path):
+    """MLX-LM's SwitchGLU takes one default SwiGLU() instance for every model of the process: patching one model
+    must not give it (or any other leaf) a lily class, so a stock model loaded beside it stays stock."""
+    import mlx_lm
+
+    other, _ = mlx_lm.load(str(model_path))
+    m, _ = model
+    lily_mlx.patch(m)
+    assert not [type(x).__name__ for x in other.modules() if type(x).__module__.startswith("lily_mlx")]
+    assert not [type(x).__name__ for x in m.modules() if not x.children() and type(x).__module__.startswith("lily_mlx")
+                and type(x).__dict__.get("_lily_watch_only")]
+
+
 def test_installed_versions_are_in_the_tested_range():
     assert lily_patch.untested_versions() == []
 
