@@ -306,7 +306,8 @@ def switches_main(argv: List[str]) -> int:
     trials_on = profile.kernel_ops if profile is not None else {}
     op_rows = [
         [op.name, op.family, ",".join(op.switches) or "-", op_backend(op.name, backend),
-         ",".join(sorted(op.kernel_backends)) or "none yet", ",".join(sorted(op.trial_backends)) or "-",
+         ",".join(sorted(op.kernel_backends)) or ("-" if op.trial_backends else "none (stock's fallback path by design)"),
+         ",".join(sorted(op.trial_backends)) or "-",
          pinned.get(op.name, "") or trials_on.get(op.name, "")]
         for op in ops.values()
     ]

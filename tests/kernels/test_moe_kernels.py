@@ -956,6 +956,27 @@ def test_split_k_gate_up_switch_splits_the_decode_gemvs_and_the_tiles_alike(gemm
     assert not bool(mx.array_equal(out[()], out[("split_k_gate_up",)]).item())  # the split's bits, in both forms
 
 
+def test_split_k_gate_up_keeps_each_token_its_bits_with_random_experts(gemm_sim, monkeypatch):
+    """The same with random weights and distinct random tokens (each routed to its own experts): tokens at the start,
+    the middle and the end of a chunk that takes the register tiles with the split get the bits they get alone, so a
+    tile that read another token's row or another expert's weights would show."""
+    from lily_mlx.ops.moe import sparse_moe_forward
+
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    d = 256
+    block = make_sparse_moe_block(hidden=d, expert_width=64, num_experts=8, top_k=2, seed=7, shared_width=64)
+    block.eval()
+    chunk_tokens = mk.PER_ASSIGNMENT_MAX // 2 + 8
+    x = mx.array(np.random.default_rng(7).standard_normal((1, chunk_tokens, d)).astype(np.float32)).astype(mx.bfloat16)
+    with switches.overrides(enable=("split_k_gate_up",)), record_launches() as rec:
+        chunk = sparse_moe_forward(block, x)
+        alone = [sparse_moe_forward(block, x[:, t:t + 1]) for t in (0, chunk_tokens // 2, chunk_tokens - 1)]
+        mx.eval(chunk, *alone)
+    assert {dict(launch.kwargs["template"]).get("SK") for launch in rec if "gate_up" in launch.name} == {4}
+    for t, one in zip((0, chunk_tokens // 2, chunk_tokens - 1), alone):
+        assert bool(mx.array_equal(chunk[:, t:t + 1], one).item()), t
+
+
 def test_split_k_gate_up_applies_only_where_both_forms_take_it():
     """The split is chosen from shapes and switches alone: off with the switch, without register tiles (the
     simdgroup tiles have no split), or at a width the register tiles do not take; halved until the GEMV's 64-value
