@@ -71,6 +71,9 @@
 #                                               # tiles with the same split (prefill's cost), CUDA tests
 #   PART=30 bash bench/device_decode_checks.sh  # switch split_k_gate_up (the split in the product's routed GEMV
 #                                               # and the register tiles): CUDA tests, decode A/B, e2e on / off
+#   PART=31 bash bench/device_decode_checks.sh  # decode over a quantized KV cache (op attention_decode_quantized,
+#                                               # a trial kernel on CUDA): CUDA tests, kernels against stock's
+#                                               # quantized attention at 4K-128K, 4 and 8 bits
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -428,7 +431,17 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       --lengths 4K,32K --rounds 1 --out "$W/e2e_split" --stop-at $(( $(date +%s) + $(left) - 15 ))
     cat "$W/e2e_split/e2e.md" 2>/dev/null | head -16
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29 or 30" \
+  31) # MLX-LM's --kv-bits: decode over a quantized KV cache in lily's kernels (op attention_decode_quantized, on the
+      # simulator only until this runs: docs/attention.md, "Quantized KV caches"): its CUDA tests, then the one-pass
+      # kernel and the fixed-block split against stock's quantized attention, 8 calls an evaluation
+    run tests_cuda 200 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
+      tests/kernels/test_attention_quantized_kv.py
+    tail -3 "$W/tests_cuda.txt" 2>/dev/null
+    run op_cases 300 python -m bench.run --mode kernels --op-cases on --op-match 'attention_quantized_' \
+      --out "$W/quantized_kv"
+    grep -E "attention_quantized" "$W/quantized_kv/kernels.md" 2>/dev/null | head -26
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30 or 31" \
        >&2
      exit 2 ;;
 esac

@@ -34,6 +34,12 @@ cached keys plus the chunk itself (``PREFILL_CACHED``), causal, bf16, B = 1:
 - ``attention_prefill_lily_sg8_L2K_S*`` / ``_sg2_``: 8 / 2 simdgroups per threadgroup (8 / 2 chunk
   positions per staged K/V tile: half / twice the K/V staging traffic of the default).
 
+Quantized KV caches (``quantized_kv_cases``; MLX-LM's ``--kv-bits``, groups of 64), 8 calls an evaluation:
+``attention_quantized_stock_b*_x8_S*`` (stock's ``quantized_scaled_dot_product_attention``) against
+``attention_quantized_lily_b*_x8_S*`` (op ``attention_decode_quantized``'s one-pass kernel) and
+``attention_quantized_lily_blocks_b*_x8_S*`` (its fixed-block split, what the op runs from 32K). Bytes: the live
+packed rows, scales and biases of K and V once, plus q and out.
+
 q/k preparation (``qk_prep_cases``), one token (decode) and a 2048-token chunk:
 ``attention_qk_prep_stock_L*`` (stock's five ops: gate split, q_norm, k_norm, two RoPEs) against
 ``attention_qk_prep_lily_L*`` (the ``fused_qk_prep`` kernel), each also ``_x8`` (8 independent calls per
@@ -130,9 +136,10 @@ def prefill_cases(backend: Optional[str] = None, cached: Sequence[int] = PREFILL
 def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CONTEXTS, B: int = 1,
                      dtype=mx.bfloat16, prefill_cached: Sequence[int] = PREFILL_CACHED,
                      prefill_chunk: int = PREFILL_CHUNK,
-                     qk_prep_chunks: Sequence[int] = (1, PREFILL_CHUNK)) -> List[Case]:
-    """The decode cases at each of `contexts`, then ``prefill_cases`` (chunk `prefill_chunk` over each
-    of `prefill_cached`; none when it is empty), then ``qk_prep_cases`` for `qk_prep_chunks`."""
+                     qk_prep_chunks: Sequence[int] = (1, PREFILL_CHUNK), kv_bits: Sequence[int] = (4, 8)) -> List[Case]:
+    """The decode cases at each of `contexts` (with ``quantized_kv_cases`` for each of `kv_bits`), then
+    ``prefill_cases`` (chunk `prefill_chunk` over each of `prefill_cached`; none when it is empty), then
+    ``qk_prep_cases`` for `qk_prep_chunks`."""
     backend = backend or resolve_backend()
     Hq, Hkv, D = QWEN36["Hq"], QWEN36["Hkv"], QWEN36["D"]
     isz = mx.zeros((), dtype=dtype).itemsize
@@ -179,6 +186,8 @@ def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CO
             cases.append((f"attention_fixed_blocks_{variant}_x{REPEATS}_S{label}", blocks_x8, REPEATS * nbytes,
                           REPEATS * flops))
         cases += in_buffer_cases(q, k, v, scales, backend, label, nbytes, flops)
+        for bits in kv_bits:
+            cases += quantized_kv_cases(q, k, v, scales, backend, label, bits)
     return (cases + prefill_cases(backend, prefill_cached, prefill_chunk, B, dtype)
             + qk_prep_cases(backend, qk_prep_chunks, B=B, dtype=dtype))
 
@@ -209,6 +218,34 @@ def in_buffer_cases(q, k, v, scales, backend, label, nbytes, flops, spare: int =
         for name, sg in (("", None), ("_sg4", ak.DECODE_SIMDGROUPS), ("_sg8", ak.LIVE_WIDE_SIMDGROUPS)):
             cases.append((f"attention_fixed_blocks_live{name}_x{REPEATS}_S{label}",
                           lambda sg=sg: live_x8(sg), REPEATS * nbytes, REPEATS * flops))
+    return cases
+
+
+def quantized_kv_cases(q, k, v, scales, backend, label, bits: int, group_size: int = 64) -> List[Case]:
+    """Decode over a ``bits``-bit quantized KV cache of the S rows of k and v, 8 calls an evaluation: stock's
+    quantized attention against the quantized kernels' one-pass and fixed-block forms (module docstring)."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    B, Hkv, S, D = k.shape
+    kq = tuple(mx.quantize(k, group_size=group_size, bits=bits))
+    vq = tuple(mx.quantize(v, group_size=group_size, bits=bits))
+    mx.eval(kq, vq)
+    nbytes = REPEATS * (2 * sum(a.nbytes for a in kq) + 2 * q.nbytes)
+    flops = REPEATS * 4 * B * q.shape[1] * S * D
+
+    def stock_x8():
+        mx.eval([quantized_scaled_dot_product_attention(q, kq, vq, scale=s, mask=None, group_size=group_size,
+                                                        bits=bits) for s in scales])
+
+    def lily_x8(fixed_blocks):
+        mx.eval([ak.decode_attention_quantized(q, kq, vq, scale=s, bits=bits, group_size=group_size,
+                                               fixed_blocks=fixed_blocks, backend=backend) for s in scales])
+
+    tag = f"b{bits}_x{REPEATS}_S{label}"
+    cases = [(f"attention_quantized_stock_{tag}", stock_x8, nbytes, flops)]
+    if backend != "reference":
+        cases.append((f"attention_quantized_lily_{tag}", lambda: lily_x8(False), nbytes, flops))
+        cases.append((f"attention_quantized_lily_blocks_{tag}", lambda: lily_x8(True), nbytes, flops))
     return cases
 
 

@@ -761,7 +761,7 @@ def test_microbench_cases_for_the_bench_harness():
     from lily_dev import attention_bench
 
     cases = attention_bench.microbench_cases(backend=KERNEL_BACKEND, contexts=(100,), prefill_cached=(),
-                                             qk_prep_chunks=())
+                                             qk_prep_chunks=(), kv_bits=())
     names = [name for name, *_ in cases]
     assert names == ["attention_stock_sdpa_S100", "attention_stock_sdpa_x8_S100", "attention_decode_gqa_S100",
                      "attention_decode_per_head_S100", "attention_fixed_blocks_auto_S100",

@@ -261,6 +261,30 @@ def test_quantized_kernels_compile_for_cuda():
         assert ok, log
 
 
+@needs_sim
+def test_quantized_microbench_cases_for_the_bench_harness():
+    """The kernels mode's quantized-cache cases (a small context here): each runs with the bytes of the packed rows,
+    and lily's forms compute stock's quantized attention within its bf16 rounding."""
+    from lily_dev import attention_bench
+
+    rng = np.random.default_rng(10)
+    q = _rand(rng, (1, 16, 1, 256), mx.bfloat16)
+    k, v = _rand(rng, (1, 2, 100, 256), mx.bfloat16), _rand(rng, (1, 2, 100, 256), mx.bfloat16)
+    cases = attention_bench.quantized_kv_cases(q, k, v, [0.0625] * 8, KERNEL_BACKEND, "100", 4)
+    assert [name for name, *_ in cases] == ["attention_quantized_stock_b4_x8_S100", "attention_quantized_lily_b4_x8_S100",
+                                            "attention_quantized_lily_blocks_b4_x8_S100"]
+    packed_rows = 2 * 2 * 100 * (256 // 2 + 2 * 4 * 2)  # K and V: 4-bit elements, a scale and a bias a group of 64
+    for name, run_once, nbytes, flops in cases:
+        run_once()
+        assert (nbytes, flops) == (8 * (packed_rows + 2 * 16 * 256 * 2), 8 * 4 * 16 * 100 * 256), name
+    kq, vq = tuple(mx.quantize(k, group_size=64, bits=4)), tuple(mx.quantize(v, group_size=64, bits=4))
+    stock = quantized_scaled_dot_product_attention(q, kq, vq, scale=0.0625, mask=None, group_size=64, bits=4)
+    for fixed in (False, True):
+        ours = ak.decode_attention_quantized(q, kq, vq, scale=0.0625, bits=4, group_size=64, fixed_blocks=fixed,
+                                             backend=KERNEL_BACKEND)
+        assert rel_l2(ours.astype(mx.float32), stock.astype(mx.float32)) < 0.1
+
+
 # ---------------------------------------------------------------------------------------------
 # the patched embedded model generating with a quantized KV cache
 
