@@ -195,6 +195,17 @@ def test_untested_versions_refused_unless_allowed(model, monkeypatch):
     assert lily_mlx.is_patched(m)
 
 
+def _prefill_and_step(model, tokenizer):
+    """The prompt's logits after a prefill and one decode step over a fresh cache (the kernels' caches, decode plans
+    and traces are made in the modules on the way)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = mx.array(tokenizer.encode(PROMPT))[None]
+    cache = make_prompt_cache(model)
+    model(prompt, cache=cache)
+    return model(prompt[:, -1:], cache=cache)
+
+
 def test_a_patched_model_copies_and_pickles_after_it_ran(model, monkeypatch):
     """copy.deepcopy and pickle of a patched model that has run its kernels (caches keyed by dtype, decode plans and
     traces in its modules' __dict__) work as for a stock model: the copy is patched, computes the same logits, and
@@ -202,25 +213,16 @@ def test_a_patched_model_copies_and_pickles_after_it_ran(model, monkeypatch):
     import copy
     import pickle
 
-    from mlx_lm.models.cache import make_prompt_cache
-
     monkeypatch.setenv("LILY_BACKEND", "sim")
     m, tok = model
     lily_mlx.patch(m)
-    prompt = mx.array(tok.encode(PROMPT))[None]
-
-    def prefill_and_step(mod):
-        cache = make_prompt_cache(mod)
-        mod(prompt, cache=cache)
-        return mod(prompt[:, -1:], cache=cache)
-
-    want = prefill_and_step(m)
+    want = _prefill_and_step(m, tok)
     mx.eval(want)
     assert any(k.startswith("_lily_moe") for x in m.modules() for k in vars(x))  # the kernels' caches are there
     for copied in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
         assert lily_mlx.is_patched(copied)
         assert not any(k.startswith("_lily_moe") for x in copied.modules() for k in vars(x))
-        assert mx.array_equal(prefill_and_step(copied), want)
+        assert mx.array_equal(_prefill_and_step(copied, tok), want)
 
 
 _LOAD_AND_STEP = """
@@ -248,19 +250,15 @@ def test_a_patched_model_pickled_loads_in_a_fresh_process(model, tmp_path, monke
     import sys
 
     import numpy as np
-    from mlx_lm.models.cache import make_prompt_cache
 
     from .conftest import subprocess_env
 
     monkeypatch.setenv("LILY_BACKEND", "sim")
     m, tok = model
     lily_mlx.patch(m)
-    prompt = mx.array(tok.encode(PROMPT))[None]
-    cache = make_prompt_cache(m)
-    m(prompt, cache=cache)
-    want = m(prompt[:, -1:], cache=cache).astype(mx.float32)
+    want = _prefill_and_step(m, tok).astype(mx.float32)
     (tmp_path / "m.pkl").write_bytes(pickle.dumps(m))
-    np.save(tmp_path / "prompt.npy", np.array(prompt))
+    np.save(tmp_path / "prompt.npy", np.array(mx.array(tok.encode(PROMPT))[None]))
     np.save(tmp_path / "want.npy", np.array(want))
     env = dict(subprocess_env(), LILY_BACKEND="sim")
     done = subprocess.run([sys.executable, "-c", _LOAD_AND_STEP] + [str(tmp_path / f) for f in ("m.pkl", "prompt.npy",
@@ -292,15 +290,10 @@ def test_an_unpatched_model_copies_and_pickles_with_nothing_of_lily_left(model, 
     import copy
     import pickle
 
-    from mlx_lm.models.cache import make_prompt_cache
-
     monkeypatch.setenv("LILY_BACKEND", "sim")
     m, tok = model
     lily_mlx.patch(m)
-    prompt = mx.array(tok.encode(PROMPT))[None]
-    cache = make_prompt_cache(m)
-    m(prompt, cache=cache)
-    m(prompt[:, -1:], cache=cache)
+    mx.eval(_prefill_and_step(m, tok))
     lily_mlx.unpatch(m)
     assert not [k for x in m.modules() for k in vars(x) if k.startswith("_lily_")]
     assert not [type(x) for x in m.modules() if type(x).__module__.startswith("lily_mlx")]
