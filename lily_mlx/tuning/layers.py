@@ -14,23 +14,30 @@ PREFILL_CHUNK = 2048  # a context is filled in chunks of MLX-LM's default prefil
 
 @dataclass(frozen=True)
 class ShapeClass:
-    """A call shape the model sees: ``tokens`` per sequence (1: decode) after ``context`` tokens."""
+    """A call shape the model sees: ``tokens`` per sequence (1: decode) after ``context`` tokens; with
+    ``kv_bits`` over a KV cache quantised to that many bits (MLX-LM's ``--kv-bits``, groups of 64)."""
 
-    name: str  # decode@4K, prefill@512
+    name: str  # decode@4K, prefill@512, decode@16K/kv4
     tokens: int
     context: int = 0
+    kv_bits: int = 0
 
     @property
     def phase(self) -> str:
         return "decode" if self.tokens == 1 else "prefill"
+
+    def applies_to(self, family: str) -> bool:
+        """Whether a layer of this op family calls differently at this class: a quantized KV cache only changes
+        the attention layers' calls (the other families would repeat the class without it)."""
+        return not self.kv_bits or family == "attention"
 
 
 def _label(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def decode(context: int) -> ShapeClass:
-    return ShapeClass(f"decode@{_label(context)}", 1, context)
+def decode(context: int, kv_bits: int = 0) -> ShapeClass:
+    return ShapeClass(f"decode@{_label(context)}" + (f"/kv{kv_bits}" if kv_bits else ""), 1, context, kv_bits)
 
 
 def prefill(tokens: int) -> ShapeClass:
@@ -86,14 +93,17 @@ class LayerCache:
     """The layer's cache at a shape class's context, rewound to it before every call, so each timed
     call does the same work and every variant of a check starts from the same state."""
 
-    def __init__(self, model, case: LayerCase, context: int, seed: int):
-        from mlx_lm.models.cache import make_prompt_cache
+    def __init__(self, model, case: LayerCase, context: int, seed: int, kv_bits: int = 0):
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
 
         self.cache = None if case.family == "moe" else make_prompt_cache(model)[case.index]
         if self.cache is not None and context:
             for start in range(0, context, PREFILL_CHUNK):
                 x = case.inputs(min(PREFILL_CHUNK, context - start), seed + start)
                 mx.eval(case(x, self.cache), *self.arrays())
+        if kv_bits and type(self.cache) is KVCache:  # as MLX-LM's maybe_quantize_kv_cache does after the prompt
+            self.cache = self.cache.to_quantized(group_size=64, bits=kv_bits)
+            mx.eval(*self.arrays())
         self._saved = self._snapshot()
 
     def arrays(self) -> List[mx.array]:
@@ -101,15 +111,16 @@ class LayerCache:
         c = self.cache
         if c is None:
             return []
-        if hasattr(c, "offset"):  # KVCache: keys/values written in place up to offset
-            return [a for a in (c.keys, c.values) if a is not None]
+        if hasattr(c, "offset"):  # KVCache: keys/values written in place up to offset (quantized: 3 arrays each)
+            return [a for part in (c.keys, c.values) if part is not None
+                    for a in (part if isinstance(part, (tuple, list)) else (part,))]
         return [a for a in c.cache if a is not None]  # ArraysCache: conv state, recurrent state
 
     def state(self) -> List[mx.array]:
         """What a call leaves in the cache (for KV caches the part up to the offset)."""
         c = self.cache
         if c is not None and hasattr(c, "offset"):
-            return [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+            return [a[..., : c.offset, :] for a in self.arrays()]
         return self.arrays()
 
     def _snapshot(self):

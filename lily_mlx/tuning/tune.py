@@ -29,9 +29,9 @@ from ..core.kernel_registry import record_launches
 from . import layers
 from .layers import LayerCache, LayerCase, ShapeClass
 
-FULL_CLASSES = (layers.decode(1024), layers.decode(16 * 1024), layers.prefill(512), layers.prefill(2048),
-                layers.prefill(8192))
-QUICK_CLASSES = (layers.decode(32), layers.prefill(32))
+FULL_CLASSES = (layers.decode(1024), layers.decode(16 * 1024), layers.decode(16 * 1024, kv_bits=4), layers.prefill(512),
+                layers.prefill(2048), layers.prefill(8192))
+QUICK_CLASSES = (layers.decode(32), layers.decode(32, kv_bits=4), layers.prefill(32))
 
 SLOWER = 1.03  # a kernel (switch state) loses only beyond this time ratio: below it is timing noise
 # Largest |kernel - reference| of a layer's output (or cache) over its largest |reference|: bf16
@@ -89,11 +89,15 @@ class Bench:
         self.cases = layers.layer_cases(model)
         self._caches: Dict[Tuple[str, str], LayerCache] = {}
 
+    def classes_for(self, family: str) -> List[ShapeClass]:
+        """The shape classes at which a layer of ``family`` is checked and timed (``ShapeClass.applies_to``)."""
+        return [c for c in self.classes if c.applies_to(family)]
+
     def cache(self, case: LayerCase, shape: ShapeClass) -> LayerCache:
         key = (case.family, shape.name)
         if key not in self._caches:
             with variant(reference=tuple(self.cases)):  # every variant starts from the same context
-                self._caches[key] = LayerCache(self.model, case, shape.context, self.seed + 1)
+                self._caches[key] = LayerCache(self.model, case, shape.context, self.seed + 1, shape.kv_bits)
         return self._caches[key]
 
     def call(self, case: LayerCase, shape: ShapeClass) -> Callable[[], List[mx.array]]:
@@ -145,8 +149,8 @@ def _geomean(ratios: Sequence[float]) -> float:
     return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
 
 
-def _classes_for(phase: str, classes: Sequence[ShapeClass]) -> List[ShapeClass]:
-    return [c for c in classes if phase == "both" or c.phase == phase]
+def _classes_for(phase: str, classes: Sequence[ShapeClass], family: str) -> List[ShapeClass]:
+    return [c for c in classes if (phase == "both" or c.phase == phase) and c.applies_to(family)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -186,13 +190,13 @@ def check_kernels(bench: Bench, ops) -> Tuple[List[dict], Dict[str, str], Dict[s
     the default switch state and with each of its switches off, at every shape class; then each
     family's kernels together. Returns (rows, op -> why pinned, switch -> why never off)."""
     plans = [(op, off, shape) for op in ops for off in [()] + [(s,) for s in op.switches]
-             for shape in bench.classes]
+             for shape in bench.classes_for(op.family)]
     families = sorted({op.family for op in ops})
-    total = len(plans) + len(families) * len(bench.classes)
+    total = len(plans) + sum(len(bench.classes_for(family)) for family in families)
     want: Dict[Tuple[str, str], List[mx.array]] = {}
     for family in families:
         with variant(reference=tuple(bench.cases)):
-            for shape in bench.classes:
+            for shape in bench.classes_for(family):
                 want[family, shape.name] = bench.check_outputs(bench.cases[family], shape)
     rows, pinned, bad_off = [], {}, {}
 
@@ -229,7 +233,7 @@ def check_kernels(bench: Bench, ops) -> Tuple[List[dict], Dict[str, str], Dict[s
                 pinned.setdefault(op.name, why)
     for family in families:
         mine = [op.name for op in ops if op.family == family]
-        for shape in bench.classes:
+        for shape in bench.classes_for(family):
             n += 1
             row = check(n, f"{family} kernels together", family, shape,
                         [f for f in families if f != family], ())
@@ -244,7 +248,7 @@ def check_kernels(bench: Bench, ops) -> Tuple[List[dict], Dict[str, str], Dict[s
 def time_ops(bench: Bench, ops, pinned: Dict[str, str], rounds: int, reps: int):
     """Step 2a: each op kernel vs reference (all other choices as shipped) at each shape class where
     its kernel runs. Returns (rows, op -> why it takes its reference)."""
-    todo = [(op, shape) for op in ops if op.name not in pinned for shape in bench.classes]
+    todo = [(op, shape) for op in ops if op.name not in pinned for shape in bench.classes_for(op.family)]
     rows, ratios = [], {}
     base = tuple(pinned)
     for n, (op, shape) in enumerate(todo, 1):
@@ -300,7 +304,7 @@ def time_switches(bench: Bench, ops, pinned: Dict[str, str], bad_off: Dict[str, 
     default_off = {s: "off by default (LILY_ENABLE turns it on)" for s, sw in switches.SWITCHES.items() if not sw.default}
     live = {s: families for s, families in live.items() if s not in default_off}
     todo = [(name, family, shape) for name in live for family in sorted(live[name])
-            for shape in _classes_for(switches.SWITCHES[name].phase, bench.classes)]
+            for shape in _classes_for(switches.SWITCHES[name].phase, bench.classes, family)]
     base = tuple(pinned)
     rows, ratios = [], {}
     for n, (name, family, shape) in enumerate(todo, 1):

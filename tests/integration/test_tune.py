@@ -84,6 +84,15 @@ def test_tune_quick_checks_every_kernel_and_writes_a_profile_patch_applies(tune_
     # Step 1: every kernel op checked at each shape class; on the simulator none differs.
     assert {c["what"] for c in profile["checks"]} >= set(SIM_KERNEL_OPS)
     assert all(c["ok"] for c in profile["checks"]), [c for c in profile["checks"] if not c["ok"]]
+    # The quantized-cache decode kernel runs at the class with a 4-bit KV cache (and only the attention layer's
+    # checks take that class).
+    assert {c["class"] for c in profile["checks"] if c["what"] == "attention_decode_quantized" and c["ran"]} == {
+        "decode@32/kv4"}
+    assert {c["what"] for c in profile["checks"] if c["class"] == "decode@32/kv4"} <= {
+        "attention kernels together", *[op for op in SIM_KERNEL_OPS if op.startswith("attention_")],
+        *[f"{op} ({s} off)" for op in SIM_KERNEL_OPS if op.startswith("attention_")
+          for s in ("gqa_packing", "coalesced_kv", "fixed_block_attention", "fused_output_gate", "fused_qk_prep",
+                    "fused_qkv_proj")]}
     # Step 2 ran and said so, one line per measurement.
     assert "[tune] check 1/" in proc.stdout and "[tune] time 1/" in proc.stdout
     assert profile["op_timings"] and "## Choices" in path.with_suffix(".md").read_text()
