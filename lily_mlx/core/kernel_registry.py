@@ -279,6 +279,17 @@ def int32_params(*values: int):
     return _int32_params(values)
 
 
+def constant_input(shape, dtype, value=0):
+    """A stand-in input made once, at import (``shape`` filled with ``value``): evaluated now, so that every thread
+    can use it. An array not yet evaluated belongs to the stream of the thread that made it, and evaluating it
+    from another thread fails (MLX-LM's server generates in a thread of its own)."""
+    import mlx.core as mx
+
+    array = mx.full(shape, value, dtype=dtype)
+    mx.eval(array)
+    return array
+
+
 @lru_cache(maxsize=64)
 def float32_scalar(value: float):
     """A cached float32 input holding ``value`` at index 0 (e.g. a norm's epsilon; CONSTANT_MIN_ELEMENTS wide)."""

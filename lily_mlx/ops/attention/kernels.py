@@ -17,10 +17,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...core.compiled import stock_type
-from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel
+from ...core.kernel_registry import KernelSpec, constant_input, float32_scalar, get_kernel
 
 # Placeholder for the decode kernel's row_start input when every row starts at 0 (never read).
-_NO_ROW_START = mx.zeros((1,), dtype=mx.int32)
+_NO_ROW_START = constant_input((1,), mx.int32)
 
 # Dispatch table: one row per kernel of kernels/attention/decode.metal and prefill.metal.
 _FILE = "attention/decode.metal"

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel
+from ...core.kernel_registry import KernelSpec, constant_input, float32_scalar, get_kernel
 
 # Dispatch table: one row per kernel of kernels/deltanet/deltanet.metal.
 _FILE = "deltanet/deltanet.metal"
@@ -76,12 +76,12 @@ _ONE_BOOL = mx.array([True])
 # The recurrent state's stand-in where there is none: 8 elements, so that MLX passes it, like a real state,
 # as a device pointer (inputs of fewer elements go to the constant address space), which the kernels load
 # 16 bytes at a time (deltanet_load_state); never read.
-_NO_STATE = mx.zeros((8,), dtype=mx.float32)
+_NO_STATE = constant_input((8,), mx.float32)
 _ONE_INT = mx.array([0], dtype=mx.int32)
 
 # One-element stand-ins for an absent conv state, per activation dtype (built once at import: not per
 # call, and never inside an mx.compile trace).
-_ONE_ZERO = {dtype: mx.zeros((1,), dtype=dtype) for dtype in ACTIVATION_DTYPES}
+_ONE_ZERO = {dtype: constant_input((1,), dtype) for dtype in ACTIVATION_DTYPES}
 
 
 def rows_per_simdgroup(Dk: int) -> int:

@@ -30,7 +30,7 @@ import numpy as np
 
 from ...core import compiled, switches
 from ...core.dispatch import op_backend
-from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel, record_launches
+from ...core.kernel_registry import KernelSpec, constant_input, float32_scalar, get_kernel, record_launches
 from ...core.log import log_once
 from .reference import combine_reference, is_quantized_switch_linear
 
@@ -137,7 +137,7 @@ REGTILE_ROLLED = frozenset({"register64_rolled"})
 TILE_KINDS = ("simdgroup",) + tuple(REGTILE_THREADS)
 COMBINE_THREADS = 128  # threads per threadgroup of the combine kernel, 4 columns each
 # Placeholder for the combine kernel's residual input when it adds none (one element, never read).
-_ONE_ZERO = {dtype: mx.zeros((1,), dtype=dtype) for dtype in (mx.bfloat16, mx.float16, mx.float32)}
+_ONE_ZERO = {dtype: constant_input((1,), dtype) for dtype in (mx.bfloat16, mx.float16, mx.float32)}
 SMALL_TILE, LARGE_TILE, HUGE_TILE = 16, 32, 64
 MAX_EXPERTS = 1024  # the scan and block-map kernels keep one thread per expert in one threadgroup
 NEVER = 1 << 30
