@@ -43,3 +43,21 @@ def test_training_mode_gives_stock_gradients(loaded_model, monkeypatch):
         assert mx.array_equal(lily_grads[name], g).item(), f"gradient of {name} differs from stock's"
     # The gradient reaches the layers before the MoE blocks, so the MoE backward mattered.
     assert any("layers.0." in n and mx.abs(g).max().item() > 0 for n, g in stock_grads.items())
+
+
+def test_gradients_in_eval_mode_are_an_error_naming_the_fix(loaded_model, monkeypatch):
+    """In eval mode the patched layers run the kernels, which have no gradient: a gradient through them is an error
+    that says what to do (on a GPU MLX's custom kernels raise; the simulator does too, not silent zeros)."""
+    from lily_mlx.msl.sim.kernel import NO_GRADIENT
+
+    monkeypatch.setenv("LILY_BACKEND", "sim")
+    model, _ = loaded_model
+    tokens = mx.random.randint(3, 1000, (1, 9), key=mx.random.key(8))
+    model.eval()
+    lily_mlx.patch(model)
+    try:
+        with pytest.raises(ValueError, match="model.train"):
+            _loss_and_grads(model, tokens)
+    finally:
+        lily_mlx.unpatch(model)
+    assert "lily_mlx.unpatch" in NO_GRADIENT

@@ -101,6 +101,26 @@ def _aligned(arr: np.ndarray) -> np.ndarray:
     return out
 
 
+NO_GRADIENT = ("lily-mlx's kernels have no gradient (as MLX's custom kernels on a GPU): gradients of a patched model "
+               "run through stock's ops in training mode (model.train() before mx.grad / value_and_grad), or unpatch "
+               "it (lily_mlx.unpatch)")
+
+
+def _refusing_gradients(outputs: List[mx.array], inputs: List[mx.array]) -> List[mx.array]:
+    """``outputs`` as the outputs of a function of ``inputs`` whose vjp is an error: the simulator's outputs come
+    from numpy, which would otherwise cut the graph and give silent zero gradients where a GPU raises."""
+    differentiable = [x for x in inputs if isinstance(x, mx.array) and mx.issubdtype(x.dtype, mx.inexact)]
+    if not differentiable:
+        return outputs
+    refuse = mx.custom_function(lambda *_: outputs)
+
+    @refuse.vjp
+    def _vjp(primals, cotangents, outs):
+        raise ValueError(NO_GRADIENT)
+
+    return list(refuse(*differentiable))
+
+
 def _from_numpy(buf: np.ndarray, dtype: mx.Dtype, shape) -> mx.array:
     out = mx.array(buf)
     if dtype == mx.bfloat16:
@@ -181,7 +201,7 @@ class MetalKernel:
         run = lambda lib_, flags: self._launch(lib_, params, inputs, output_shapes, output_dtypes, init_value, grid,
                                                tg, flags, metal_text, kname)
         if not race:
-            return [_from_numpy(buf, dtype, shape) for buf, dtype, shape in run(lib, 0)]
+            return _refusing_gradients([_from_numpy(buf, dtype, shape) for buf, dtype, shape in run(lib, 0)], inputs)
         # Race check. (1) Traced build: every threadgroup-memory access is checked against the other
         # threads' accesses between the same two barriers (falls back to attributing writes by
         # comparing memory when the compiler cannot instrument). (2) A second legal schedule (threads
@@ -204,7 +224,7 @@ class MetalKernel:
                         f"[lily_mlx.msl.sim] kernel {self.name} ({kname}): race: output `{oname}` element {elem} "
                         f"depends on the order threads run between barriers ({v1!r} in thread order, {v2!r} in "
                         f"reverse order): threads share memory without a barrier between the accesses")
-        return [_from_numpy(buf, dtype, shape) for buf, dtype, shape in first]
+        return _refusing_gradients([_from_numpy(buf, dtype, shape) for buf, dtype, shape in first], inputs)
 
     def _build(self, kname, metal_text, template, inputs, output_dtypes, traced):
         built = self._built.get((kname, traced))
