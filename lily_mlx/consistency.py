@@ -149,6 +149,8 @@ def compare_engines(model, tokens, *, positions: int = 192, mode: str = "decode"
     from lily_mlx.core.backend import resolve_backend
 
     tokens = np.asarray(tokens, dtype=np.int64)
+    if positions < 1:
+        raise ValueError(f"positions must be at least 1, got {positions}")
     if len(tokens) < positions + 1:
         raise ValueError(f"need {positions + 1} reference tokens, got {len(tokens)}")
     tokens = tokens[: positions + 1]
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                         "parameter in float32): top-1 agreement and |logit difference| of each")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
+    if args.positions < 1:
+        parser.error(f"--positions must be at least 1 (got {args.positions})")
     if args.backend is not None:
         os.environ["LILY_BACKEND"] = args.backend  # read when patch() resolves the dispatch plan
 

@@ -455,6 +455,21 @@ def tune(model, model_name: str, classes: Sequence[ShapeClass], rounds: int, rep
     }
 
 
+def _unwritable_folder(folder) -> Optional[str]:
+    """Why the profile could not be written into ``folder`` (made if missing), or None."""
+    from pathlib import Path
+
+    path = Path(folder).expanduser()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:
+        return None
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
 def write(profile: dict, folder) -> Tuple[str, str]:
     """Write ``<key>.json`` and ``<key>.md`` into ``folder``; returns their paths."""
     from pathlib import Path
@@ -505,6 +520,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--lily-backend", choices=CHOICES, default=None,
                         help="kernel backend to tune (sets LILY_BACKEND; default auto)")
     args = parser.parse_args(argv)
+    folder = args.out or str(tune_profile.tune_dir())
+    problem = _unwritable_folder(folder)
+    if problem:  # said now, not after minutes of measuring
+        from_env = not args.out and os.environ.get(tune_profile.TUNE_DIR_ENV)
+        parser.error(f"cannot write the profile to {folder}: {problem}" + (
+            f" (from {tune_profile.TUNE_DIR_ENV}; --out picks another folder)" if from_env else ""))
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds must be at least 1 (got {args.rounds})")
 
     if args.lily_backend:
         os.environ["LILY_BACKEND"] = args.lily_backend
@@ -538,7 +561,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ..models.embedded import embedded_model_path
 
         model_name = str(embedded_model_path())
-    folder = args.out or str(tune_profile.tune_dir())
     classes = QUICK_CLASSES if args.quick else FULL_CLASSES
     rounds = args.rounds or (3 if args.quick else 5)
     reps = 2 if args.quick else 3

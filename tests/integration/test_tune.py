@@ -418,3 +418,21 @@ def test_every_trial_kernel_has_a_launcher_on_its_trial_backends():
         for backend in op.trial_backends | op.kernel_backends:
             assert (op.name, backend) in attention_layer.KERNELS, (op.name, backend)
     assert dispatch.OPS["attention_prefill"].trial_backends == {"metal", "cuda"}
+
+
+@pytest.mark.parametrize("where", ["--out", "LILY_TUNE_DIR"])
+def test_a_profile_folder_that_cannot_be_written_is_an_error_before_measuring(tmp_path, monkeypatch, capsys, where):
+    """Said at the start, not after minutes of measuring: a file where the folder should be."""
+    from lily_mlx.tuning import tune
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(tune, "tune", lambda *a, **k: pytest.fail("measured before checking the folder"))
+    argv = ["--quick"] + (["--out", str(blocker / "sub")] if where == "--out" else [])
+    if where == "LILY_TUNE_DIR":
+        monkeypatch.setenv("LILY_TUNE_DIR", str(blocker))
+    with pytest.raises(SystemExit) as exit_info:
+        tune.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{blocker} is not a folder" in err and (("LILY_TUNE_DIR" in err) == (where == "LILY_TUNE_DIR"))

@@ -125,3 +125,11 @@ def test_oracle_scores_both_engines_and_puts_the_weights_back(monkeypatch, embed
         assert v.dtype == arrays[k].dtype and bool(mx.array_equal(v, arrays[k]).item()), k
     assert np.array_equal(consistency._engine_logits(model, tokens, "decode"), before)
     assert "fp32 oracle: lily top-1" in r.summary() and r.to_dict()["oracle_lily"]["top1_agreement_pct"] > 0
+
+
+@pytest.mark.parametrize("positions", ["0", "-5"])
+def test_positions_below_one_are_a_usage_error(positions, capsys):
+    """(-5 once meant tokens[:-4]: tens of thousands of decode steps; 0 a reshape traceback.)"""
+    with pytest.raises(SystemExit) as exit_info:
+        consistency.main(["--positions", positions])
+    assert exit_info.value.code == 2 and "--positions must be at least 1" in capsys.readouterr().err
