@@ -106,7 +106,7 @@ def _fail(message: str) -> None:
 def _apply_lily_arguments(ns, parser: argparse.ArgumentParser, session: _Session) -> None:
     from .core import environment, switches
     from .core.backend import resolve_backend
-    from .patch import check_environment, environment_problems, prefill_step_size
+    from .patch import check_environment, environment_problems, prefill_step_size, unsupported_model_message
 
     if not (session.force or getattr(ns, "lily", False)):
         given = [f for f, v in (("--lily-disable", ns.lily_disable), ("--lily-enable", ns.lily_enable),
@@ -130,6 +130,10 @@ def _apply_lily_arguments(ns, parser: argparse.ArgumentParser, session: _Session
         check_environment()
     except environment.LilyConfigError as e:
         _fail(f"--lily: {e}")
+    model_path = getattr(ns, "model", None)
+    unsupported = unsupported_model_message(model_path) if isinstance(model_path, str) else None
+    if unsupported:  # before loading (the server would start and then fail every request)
+        _fail(f"--lily: {unsupported}; run without --lily for stock MLX-LM")
     switches.disable(*off)
     switches.enable(*on)
     # chunked_prefill lives at the generation level: it sets MLX-LM's prompt chunk size.

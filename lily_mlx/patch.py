@@ -153,6 +153,46 @@ def model_architecture(model) -> str:
     return cls.__module__.rsplit(".", 1)[-1]
 
 
+def config_architecture(model_path: str) -> Optional[Tuple[str, str]]:
+    """(declared model type, MLX-LM architecture) from the ``config.json`` of a model folder, or of a Hugging Face repo
+    already in the local cache (no download); None where there is none to read."""
+    import json
+    from pathlib import Path
+
+    config = Path(model_path).expanduser() / "config.json"
+    if not config.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(repo_id=str(model_path), filename="config.json")
+        except Exception:  # not a repo id, or no hub library: the loader will say what is wrong
+            return None
+        if not isinstance(cached, str):
+            return None
+        config = Path(cached)
+    try:
+        declared = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(declared, str):
+        return None
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    return declared, MODEL_REMAPPING.get(declared, declared)
+
+
+def unsupported_model_message(model_path: str) -> Optional[str]:
+    """Why ``patch()`` would refuse the model at ``model_path``, read from its config before loading it (None when
+    it is supported or its config cannot be read here)."""
+    found = config_architecture(model_path)
+    if found is None or found[1] in SUPPORTED_MODEL_TYPES:
+        return None
+    declared, arch = found
+    described = repr(arch) if declared == arch else f"{declared!r} (architecture {arch!r})"
+    return (f"lily-mlx does not support model type {described}; "
+            f"supported MLX-LM model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
 def _describe(model) -> str:
     arch = model_architecture(model)
     declared = getattr(model, "model_type", None)
@@ -349,7 +389,11 @@ def _stock_class(module) -> Optional[type]:
 
 def is_patched(model) -> bool:
     """True when any module of ``model`` runs a lily-mlx forward (the guarding and watching classes of the rest of a
-    patched tree run stock's code and do not count)."""
+    patched tree run stock's code and do not count). False for anything that is not an MLX module."""
+    import mlx.nn as nn
+
+    if not isinstance(model, nn.Module):
+        return False
     return any(_stock_class(m) is not None and not type(m).__dict__.get("_lily_watch_only") for m in model.modules())
 
 
@@ -463,6 +507,10 @@ def patch(model, strict: bool = True):
     Patches in place, per instance; idempotent. An unsupported model type raises ``ValueError``
     naming the supported ones, or with ``strict=False`` warns and returns the model unpatched.
     """
+    import mlx.nn as nn
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"lily_mlx.patch takes an MLX-LM model (an mlx.nn.Module), got {type(model).__name__}")
     arch = model_architecture(model)
     if arch not in SUPPORTED_MODEL_TYPES:
         msg = (

@@ -97,6 +97,36 @@ def test_server_with_a_bad_backend_refuses_to_start(installed_hook, tmp_path):
     _one_line_error(run(cmd, tmp_path, timeout=60, LILY_BACKEND="bogus"), "bogus")
 
 
+@pytest.mark.parametrize("cli", ["server", "generate"])
+def test_an_unsupported_model_is_refused_before_loading(installed_hook, tmp_path, cli):
+    """--lily reads the model's config before loading it: the server refuses to start (it would start and then fail
+    every request), generate says so at once. The folder has a config and no weights: nothing loads."""
+    folder = tmp_path / "llama-model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "mistral"}')  # MLX-LM builds it as llama
+    extra = ["--port", str(free_port())] if cli == "server" else ["--prompt", "hi"]
+    done = run(mlx_lm_command(cli) + ["--model", str(folder), "--lily", *extra], tmp_path, timeout=60)
+    _one_line_error(done, "does not support model type 'mistral' (architecture 'llama')")
+    assert "run without --lily" in done.stderr
+
+
+def test_unsupported_model_message_reads_only_what_is_here(tmp_path):
+    from lily_mlx.patch import unsupported_model_message
+
+    assert unsupported_model_message("no-such-org/no-such-model-anywhere") is None  # not cached: the loader decides
+    assert unsupported_model_message(str(tmp_path)) is None  # no config
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_5_moe"}')
+    assert unsupported_model_message(str(tmp_path)) is None
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    assert "'qwen3'" in unsupported_model_message(str(tmp_path))
+
+
+def test_patch_refuses_what_is_not_a_model():
+    with pytest.raises(TypeError, match="takes an MLX-LM model"):
+        lily_mlx.patch("hello")
+    assert not lily_mlx.is_patched(None)
+
+
 @pytest.mark.parametrize("var,value", BAD_ENV)
 def test_load_and_patch_refuse_bad_values_before_loading(monkeypatch, loaded_model, var, value):
     monkeypatch.setenv(var, value)
