@@ -92,7 +92,7 @@ def add_lily_arguments(parser: argparse.ArgumentParser, force: bool = False) -> 
         help="comma-separated lily-mlx switches to turn on (same names)",
     )
     group.add_argument(
-        "--lily-backend", choices=CHOICES, default=None,
+        "--lily-backend", choices=CHOICES, type=str.lower, default=None,
         help="kernel backend (sets LILY_BACKEND; default auto: metal, else cuda, else reference)",
     )
 
@@ -120,6 +120,9 @@ def _apply_lily_arguments(ns, parser: argparse.ArgumentParser, session: _Session
     try:
         off = switches.parse_list(ns.lily_disable)
         on = switches.parse_list(ns.lily_enable)
+        both = sorted(set(off) & set(on))
+        if both:
+            raise ValueError(f"--lily-disable and --lily-enable both name {', '.join(both)}")
         if ns.lily_backend:
             resolve_backend(ns.lily_backend)
     except (ValueError, RuntimeError) as e:
@@ -139,6 +142,9 @@ def _apply_lily_arguments(ns, parser: argparse.ArgumentParser, session: _Session
     # chunked_prefill lives at the generation level: it sets MLX-LM's prompt chunk size.
     if getattr(ns, "prefill_step_size", None) is not None:
         ns.prefill_step_size = prefill_step_size(ns.prefill_step_size)
+    elif "chunked_prefill" in off and not hasattr(ns, "prefill_step_size"):
+        print(f"[lily_mlx] note: --lily-disable chunked_prefill changes nothing in {session.module_name}, which has "
+              "no prompt chunk size (--prefill-step-size)", file=sys.stderr)
     session.active = True
 
 

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-file", type=Path, default=None, help="reference text (default: held-out docstrings)")
     parser.add_argument("--mode", choices=MODES + ("both",), default="both",
                         help="decode: one token per step with a cache; prefill: one forward pass (default both)")
-    parser.add_argument("--backend", default=None, choices=BACKEND_CHOICES,
+    parser.add_argument("--backend", default=None, choices=BACKEND_CHOICES, type=str.lower,
                         help="lily-mlx backend for the lily engine (default: LILY_BACKEND or auto)")
     parser.add_argument("--oracle", action="store_true",
                         help="also score both engines against an fp32 oracle (stock with every floating-point "

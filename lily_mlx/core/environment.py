@@ -64,7 +64,7 @@ def _allow_untested_problem() -> List[str]:
 
 def _tune_problem() -> List[str]:
     value = os.environ.get(tune_profile.TUNE_ENV, "")
-    if value.strip() in ("",) + tune_profile.TUNE_CHOICES:
+    if value.strip().lower() in ("",) + tune_profile.TUNE_CHOICES:
         return []
     return [f"{tune_profile.TUNE_ENV}={value!r} is not one of {', '.join(tune_profile.TUNE_CHOICES)} "
             "(off: ignore tune profiles)"]

@@ -263,12 +263,17 @@ def _from_environment(environ) -> "tuple[Dict[str, bool], List[str]]":
     """(switch values named by LILY_DISABLE / LILY_ENABLE, one line per unknown name)."""
     values: Dict[str, bool] = {}
     problems = []
+    named = {}
     for var, value in (("LILY_DISABLE", False), ("LILY_ENABLE", True)):  # ENABLE applies last
         names = [n.strip() for n in environ.get(var, "").split(",") if n.strip()]
         unknown = [n for n in names if n not in SWITCHES]
         if unknown:
             problems.append(f"{var}={environ[var]!r}: {_unknown_message(unknown)}")
         values.update({n: value for n in names if n in SWITCHES})
+        named[var] = set(names)
+    both = sorted(named["LILY_DISABLE"] & named["LILY_ENABLE"] & set(SWITCHES))
+    if both:
+        problems.append(f"LILY_DISABLE and LILY_ENABLE both name {', '.join(both)} (it stays on)")
     return values, problems
 
 

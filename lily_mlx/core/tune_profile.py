@@ -41,7 +41,7 @@ class Profile:
 def tune_enabled() -> bool:
     """False when ``LILY_TUNE=off``; an invalid value also disables profiles (it is reported by
     ``core.environment`` with ``--lily`` / ``patch()``; here it must never raise)."""
-    return os.environ.get(TUNE_ENV, "").strip() in ("", "on")
+    return os.environ.get(TUNE_ENV, "").strip().lower() in ("", "on")
 
 
 def tune_dir() -> Path:

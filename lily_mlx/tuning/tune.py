@@ -517,7 +517,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="folder for the profile and report (default: LILY_TUNE_DIR, else "
                         "~/.cache/lily_mlx/tune: where patch() looks)")
     parser.add_argument("--rounds", type=int, default=None, help="timing rounds per A/B (default 5; --quick 3)")
-    parser.add_argument("--lily-backend", choices=CHOICES, default=None,
+    parser.add_argument("--lily-backend", choices=CHOICES, type=str.lower, default=None,
                         help="kernel backend to tune (sets LILY_BACKEND; default auto)")
     args = parser.parse_args(argv)
     folder = args.out or str(tune_profile.tune_dir())

@@ -97,6 +97,25 @@ def test_server_with_a_bad_backend_refuses_to_start(installed_hook, tmp_path):
     _one_line_error(run(cmd, tmp_path, timeout=60, LILY_BACKEND="bogus"), "bogus")
 
 
+def test_a_switch_both_disabled_and_enabled_is_an_error(installed_hook, tmp_path, monkeypatch):
+    """Both in the environment, or both as flags: said, not silently on."""
+    from lily_mlx.core import switches
+
+    monkeypatch.setenv("LILY_DISABLE", "gpu_routing")
+    monkeypatch.setenv("LILY_ENABLE", "gpu_routing")
+    assert any("both name gpu_routing" in p for p in switches.environment_problems())
+    done = run(generate_cmd(MISSING_MODEL, "--lily", "--lily-disable", "register_scan", "--lily-enable",
+                            "register_scan"), tmp_path)
+    assert done.returncode == 2 and "both name register_scan" in done.stderr
+
+
+def test_backend_and_tune_values_in_any_case(installed_hook, model_path, tmp_path):
+    """LILY_BACKEND was read in any case; --lily-backend and LILY_TUNE now are too."""
+    done = run(generate_cmd(model_path, "--lily", "--lily-backend", "REFERENCE"), tmp_path, LILY_TUNE="OFF")
+    assert done.returncode == 0, done.stderr
+    assert "backend reference" in done.stderr and "tune profile: off" in done.stderr
+
+
 @pytest.mark.parametrize("cli", ["server", "generate"])
 def test_an_unsupported_model_is_refused_before_loading(installed_hook, tmp_path, cli):
     """--lily reads the model's config before loading it: the server refuses to start (it would start and then fail

@@ -698,11 +698,17 @@ ROUTER_MAX_HIDDEN = 4096  # kernels/moe/router.metal: MOE_ROUTER_MAX_D (the stag
 ROUTER_MAX_TOP_K = 32  # kernels/moe/router.metal: MOE_ROUTER_MAX_K (one lane per pick)
 
 
+def _quantization(layer) -> str:
+    """``affine 4-bit group 64``: a quantised layer's format as a reason names it (no group where the layer has none)."""
+    group = getattr(layer, "group_size", None)
+    return f"{layer.mode} {layer.bits}-bit" + (f" group {group}" if group else "")
+
+
 def _quantized_linear_reason(layer, x: mx.array, bits: tuple, what: str) -> Optional[str]:
     if not (hasattr(layer, "scales") and hasattr(layer, "bits")):
         return f"{what} is not quantised"
     if layer.mode != "affine" or layer.bits not in bits or layer.group_size != 64:
-        return f"{what} is {layer.mode} {layer.bits}-bit group {layer.group_size}, the kernel takes affine {bits} group 64"
+        return f"{what} is {_quantization(layer)}, the kernel takes affine {bits} group 64"
     if layer.get("biases") is None or "bias" in layer:
         return f"{what} has no affine biases, or has an output bias"
     if layer["scales"].dtype != x.dtype:
@@ -867,7 +873,7 @@ def supports(switch_mlp, x: mx.array, num_experts: int) -> Optional[str]:
         if not is_quantized_switch_linear(layer):
             return "expert weights are not quantised"
         if layer.bits != 4 or layer.group_size != 64 or layer.mode != "affine":
-            return f"experts are {layer.mode} {layer.bits}-bit group {layer.group_size}, kernels need affine 4-bit group 64"
+            return f"experts are {_quantization(layer)}, kernels need affine 4-bit group 64"
         if layer.get("biases") is None or getattr(layer, "global_scale", None) is not None or "bias" in layer:
             return "expert layer has no affine biases, or has a global scale or an output bias"
         if layer["scales"].dtype != x.dtype:
