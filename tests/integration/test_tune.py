@@ -285,7 +285,7 @@ def test_a_copied_profile_whose_key_does_not_match_is_ignored(tune_dir, sim_mode
     assert any("Apple M5 Max" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("value,ok", [("", True), ("on", True), ("off", True), ("OFF", False),
+@pytest.mark.parametrize("value,ok", [("", True), ("on", True), ("off", True), ("OFF", True),
                                       ("0", False), ("maybe", False)])
 def test_lily_tune_values(monkeypatch, value, ok):
     monkeypatch.setenv("LILY_TUNE", value)
