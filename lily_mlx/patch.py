@@ -171,14 +171,19 @@ def config_architecture(model_path: str) -> Optional[Tuple[str, str]]:
             return None
         config = Path(cached)
     try:
-        declared = json.loads(config.read_text()).get("model_type")
+        values = json.loads(config.read_text())
+        declared = values.get("model_type")
     except (OSError, ValueError, AttributeError):
         return None
     if not isinstance(declared, str):
         return None
-    from mlx_lm.utils import MODEL_REMAPPING
+    try:  # the module MLX-LM builds it from (its model-type and architecture remappings)
+        from mlx_lm.utils import _get_classes
 
-    return declared, MODEL_REMAPPING.get(declared, declared)
+        model_cls, _ = _get_classes(values)
+    except Exception:  # a type MLX-LM does not know, or another MLX-LM: its loader says what is wrong
+        return None
+    return declared, model_cls.__module__.rsplit(".", 1)[-1]
 
 
 def unsupported_model_message(model_path: str) -> Optional[str]:
@@ -277,7 +282,7 @@ class _RefusesAdapters:
         # A dict subclass's reduction, (copyreg.__newobj__, (cls,), state, listitems, dictitems), with the class
         # made again from its stock class, forward and kind where it is loaded: lily classes are made by patch(),
         # so a fresh process has none to find by name.
-        reduced = super().__reduce_ex__(protocol)
+        reduced = super().__reduce_ex__(max(protocol, 2))  # (protocols 0 and 1 would leave the items out)
         cls = type(self)
         made_from = (cls._lily_stock_class, cls.__dict__.get("__call__"), issubclass(cls, _ReportsWeights),
                      cls._lily_watch_only)
@@ -345,7 +350,7 @@ def _lily_class(stock_cls: type, forward: Optional[Callable], reports: bool = Fa
         attrs["__qualname__"] = name
         cls = type(name, (_RefusesAdapters, _ReportsWeights, stock_cls) if reports else (_RefusesAdapters, stock_cls),
                    attrs)
-        _LILY_CLASSES[key] = cls
+        cls = _LILY_CLASSES.setdefault(key, cls)  # one class a key when threads make it at once (unpickling)
     return cls
 
 
@@ -363,6 +368,8 @@ def _report_weights(module) -> None:
         cls = type(m)
         if getattr(cls, "_lily_reports_weights", False):
             continue
+        if not m.children() and not m.parameters():  # a leaf without arrays (MLX-LM's SwiGLU): nothing to report,
+            continue                                 # and it may be shared with other models of the process
         stock = cls.__dict__.get("_lily_stock_class")
         if stock is None or cls.__dict__.get("_lily_watch_only"):
             m.__class__ = _lily_class(stock or cls, None, reports=True, watch_only=True)

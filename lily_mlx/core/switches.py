@@ -273,7 +273,7 @@ def _from_environment(environ) -> "tuple[Dict[str, bool], List[str]]":
         named[var] = set(names)
     both = sorted(named["LILY_DISABLE"] & named["LILY_ENABLE"] & set(SWITCHES))
     if both:
-        problems.append(f"LILY_DISABLE and LILY_ENABLE both name {', '.join(both)} (it stays on)")
+        problems.append(f"LILY_DISABLE and LILY_ENABLE both name {', '.join(both)} (name each in one of them)")
     return values, problems
 
 

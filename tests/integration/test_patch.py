@@ -277,8 +277,12 @@ def test_two_architectures_pickle_in_one_process(random_model):
             lily_mlx.patch(m)
         assert type(models[0]).__name__ == type(models[1]).__name__  # LilyModelGuarded, of two stock classes
         for m in models:
-            copied = pickle.loads(pickle.dumps(m))
-            assert lily_mlx.is_patched(copied) and type(copied) is type(m)
+            for protocol in (2, pickle.HIGHEST_PROTOCOL):
+                copied = pickle.loads(pickle.dumps(m, protocol=protocol))
+                assert lily_mlx.is_patched(copied) and type(copied) is type(m)
+                assert len(tree_flatten(copied.parameters())) == len(tree_flatten(m.parameters()))
+            with pytest.raises(TypeError, match="cannot pickle"):  # as stock: protocol 1 cannot hold MLX arrays
+                pickle.dumps(m, protocol=1)
     finally:
         for m in models:
             lily_mlx.unpatch(m)
@@ -301,17 +305,21 @@ def test_an_unpatched_model_copies_and_pickles_with_nothing_of_lily_left(model, 
         assert not lily_mlx.is_patched(copied)
 
 
-def test_patching_leaves_modules_shared_with_other_models_stock(model, loaded_model, model_path):
+@pytest.mark.parametrize("reporting", [None, "constant_weights", "step_trace"])
+def test_patching_leaves_modules_shared_with_other_models_stock(model, loaded_model, model_path, reporting):
     """MLX-LM's SwitchGLU takes one default SwiGLU() instance for every model of the process: patching one model
-    must not give it (or any other leaf) a lily class, so a stock model loaded beside it stays stock."""
+    must not give it (or any other leaf) a lily class, so a stock model loaded beside it stays stock; also with the
+    switches whose modules report weight changes (a leaf without arrays has none to report)."""
     import mlx_lm
 
     other, _ = mlx_lm.load(str(model_path))
     m, _ = model
-    lily_mlx.patch(m)
+    with switches.overrides(enable=[reporting] if reporting else []):
+        lily_mlx.patch(m)
     assert not [type(x).__name__ for x in other.modules() if type(x).__module__.startswith("lily_mlx")]
-    assert not [type(x).__name__ for x in m.modules() if not x.children() and type(x).__module__.startswith("lily_mlx")
-                and type(x).__dict__.get("_lily_watch_only")]
+    # leaves of the patched model: none guarded; with a reporting switch those with arrays report (theirs alone)
+    watched = [x for x in m.modules() if not x.children() and type(x).__dict__.get("_lily_watch_only")]
+    assert all(reporting and x.parameters() for x in watched), [type(x).__name__ for x in watched]
 
 
 def test_installed_versions_are_in_the_tested_range():

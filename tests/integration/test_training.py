@@ -58,6 +58,7 @@ def test_gradients_in_eval_mode_are_an_error_naming_the_fix(loaded_model, monkey
     try:
         with pytest.raises(ValueError, match="model.train"):
             _loss_and_grads(model, tokens)
+
     finally:
         lily_mlx.unpatch(model)
     assert "lily_mlx.unpatch" in NO_GRADIENT

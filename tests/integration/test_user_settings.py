@@ -138,6 +138,9 @@ def test_unsupported_model_message_reads_only_what_is_here(tmp_path):
     assert unsupported_model_message(str(tmp_path)) is None
     (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
     assert "'qwen3'" in unsupported_model_message(str(tmp_path))
+    # MLX-LM's (model type, architecture) remapping comes first, as its loader applies it
+    (tmp_path / "config.json").write_text('{"model_type": "bailing_hybrid", "architectures": ["BailingMoeV3ForCausalLM"]}')
+    assert "architecture 'bailing_moe_v3'" in unsupported_model_message(str(tmp_path))
 
 
 def test_patch_refuses_what_is_not_a_model():

@@ -148,6 +148,35 @@ def test_quantized_problem_names_what_the_kernels_do_not_take():
         assert problem is not None and reason in problem, (reason, problem)
     with pytest.raises(ValueError, match="3-bit"):
         ak.decode_attention_quantized(q, k3, k3, scale=0.1, bits=3, group_size=32, backend="sim")
+    for live in (0, 10):  # rows the buffer of 9 does not hold, or none
+        with pytest.raises(ValueError, match="live rows in a buffer of 9"):
+            ak.decode_attention_quantized(q, k, v, scale=0.1, bits=4, group_size=32, kv_length=live, backend="sim")
+
+
+@needs_sim
+@pytest.mark.skipif(KERNEL_BACKEND != "sim", reason="the simulator's own refusal (MLX's custom kernels raise their own)")
+def test_no_gradient_through_a_kernel_in_either_mode():
+    """Reverse and forward mode through a simulated kernel are an error naming the fix, not silent zeros; outside a
+    transformation its outputs are computed at once, so another thread can use them."""
+    import threading
+
+    from lily_mlx.msl.sim.kernel import NO_GRADIENT
+
+    rng = np.random.default_rng(11)
+    q, k, v = _quantized_problem(rng, 1, 1, 2, 64, 5, mx.float32, 4, 64)
+
+    def attend(x):
+        return ak.decode_attention_quantized(x, k, v, scale=0.1, bits=4, group_size=64, backend=KERNEL_BACKEND)
+
+    with pytest.raises(ValueError, match="model.train"):
+        mx.grad(lambda x: attend(x).sum())(q)
+    with pytest.raises(ValueError, match="model.train"):
+        mx.jvp(attend, [q], [mx.ones_like(q)])
+    out, seen = attend(q), []
+    thread = threading.Thread(target=lambda: seen.append(float(mx.sum(out).item())))
+    thread.start()
+    thread.join()
+    assert seen and "lily_mlx.unpatch" in NO_GRADIENT
 
 
 # ---------------------------------------------------------------------------------------------

@@ -118,7 +118,13 @@ def _refusing_gradients(outputs: List[mx.array], inputs: List[mx.array]) -> List
     def _vjp(primals, cotangents, outs):
         raise ValueError(NO_GRADIENT)
 
-    return list(refuse(*differentiable))
+    @refuse.jvp
+    def _jvp(primals, tangents):
+        raise ValueError(NO_GRADIENT)
+
+    refused = list(refuse(*differentiable))
+    mx.eval(refused)  # computed here, as the simulator's outputs always were (usable from any thread)
+    return refused
 
 
 def _from_numpy(buf: np.ndarray, dtype: mx.Dtype, shape) -> mx.array:

@@ -288,6 +288,8 @@ def _geometry(queries, keys, kv_length, gqa_packed: bool, coalesced: bool, simdg
     ``gqa_packed`` and 1 without."""
     B, Hq, _, D = queries.shape
     Hkv, S_cap = keys.shape[1], keys.shape[2]
+    if kv_length is not None and not 0 < kv_length <= S_cap:
+        raise ValueError(f"{kv_length} live rows in a buffer of {S_cap} (the kernels read rows 0 .. live - 1)")
     G = Hq // Hkv
     heads_per_tg = heads_per_threadgroup or (G if gqa_packed else 1)
     if G % heads_per_tg:
@@ -417,7 +419,8 @@ def decode_attention_fixed_blocks_live(
 
 def contiguous_lane_elements(D: int, dtype) -> int:
     """The COALESCED template argument of the quantized decode kernels: 1 where the coalesced layout gives each lane
-    contiguous elements (D / 32 elements in one load of at most 16 bytes: the 16-bit types), else 0."""
+    contiguous elements (D / 32 elements in one load of at most 16 bytes: the 16-bit types, fp32 up to D = 128),
+    else 0."""
     return int((D // 32) * dtype.size <= 16)
 
 
