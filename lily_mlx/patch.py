@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 from .core import environment, generation, switches
+from .core.compiled import holds_no_arrays
 from .core.log import log_once, warn_caller
 
 # MLX-LM architecture modules (``mlx_lm.models.<name>``) whose layers lily-mlx can drive. MLX-LM
@@ -368,8 +369,8 @@ def _report_weights(module) -> None:
         cls = type(m)
         if getattr(cls, "_lily_reports_weights", False):
             continue
-        if not m.children() and not m.parameters():  # a leaf without arrays (MLX-LM's SwiGLU): nothing to report,
-            continue                                 # and it may be shared with other models of the process
+        if holds_no_arrays(m):  # nothing to report, and it may be shared with other models of the process
+            continue
         stock = cls.__dict__.get("_lily_stock_class")
         if stock is None or cls.__dict__.get("_lily_watch_only"):
             m.__class__ = _lily_class(stock or cls, None, reports=True, watch_only=True)

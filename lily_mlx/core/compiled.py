@@ -111,13 +111,19 @@ def stock_type(module) -> type:
     return cls.__dict__["_lily_stock_class"] if cls.__dict__.get("_lily_watch_only") else cls
 
 
+def holds_no_arrays(module) -> bool:
+    """A leaf module without arrays (MLX-LM's ``SwiGLU``): no weights to watch, and it may be shared by every model
+    of the process, so patching leaves its class alone (its parent sees it replaced)."""
+    return not module.children() and not module.parameters()
+
+
 def _weights_watched(owner, module_lists: bool = False) -> bool:
     """Whether every array ``owner``'s traces may read is held where a change is seen (``generation.weights_epoch``):
     each module of its tree is of a class that reports what is set into it (``lily_mlx.patch``), and none holds
     arrays in a plain list, tuple or dict, whose items can change unseen. ``module_lists``: lists of modules are
     allowed (the caller checks their items by identity, as a step trace does a model's decoder layers)."""
     for module in owner.modules():
-        if not getattr(type(module), "_lily_reports_weights", False):
+        if not getattr(type(module), "_lily_reports_weights", False) and not holds_no_arrays(module):
             return False
         for value in module.values():
             if module_lists and isinstance(value, list) and all(isinstance(v, nn.Module) for v in value):
