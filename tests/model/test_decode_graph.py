@@ -248,3 +248,26 @@ def test_step_trace_on_the_cuda_path():
     for kind in ("CustomKernel", "RMSNorm", "QuantizedMatmul", "ScatterAxis", "Gather", "ArgReduce"):
         assert traced.get(kind) == built.get(kind), kind
     assert non_view(traced) <= non_view(built)
+
+
+def test_decode_over_a_quantized_kv_cache_on_the_cuda_path(monkeypatch):
+    """``--kv-bits`` on lily's CUDA path with the quantized-cache attention kernel turned on (a trial kernel there):
+    every step launches it over the quantized caches (MLX-LM converts them after the prompt), built and replayed
+    steps alike; the other layers keep their traces."""
+    from mlx_lm.models.cache import KVCache
+
+    monkeypatch.setenv("LILY_TRIAL_OPS", "attention_decode_quantized")
+    model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
+    with _on_the_cuda_path(model):
+        y, cache = _prefill(model, 40, VOCAB, 0)
+        for i, c in enumerate(cache):
+            if type(c) is KVCache:
+                cache[i] = c.to_quantized(group_size=64, bits=4)
+        n_attention = sum(not layer.is_linear for layer in model.language_model.model.layers)
+        start = [c.offset for c in cache if hasattr(c, "offset")]
+        for step in range(3):  # built, traced, replayed
+            with record_launches() as launches:
+                y = _step(model, y, cache)
+                mx.eval(y)
+            assert launches.counts().get("attention_decode_quantized") == n_attention, (step, launches.counts())
+        assert [c.offset for c in cache if hasattr(c, "offset")] == [n + 3 for n in start]
