@@ -87,8 +87,16 @@ def _column(engine: str, driver: str, drivers: Sequence[str]) -> str:
     return engine if drivers == ("bursts",) else f"{engine}@{driver}"
 
 
+def quantize_kv_caches(cache, bits: int, group_size: int = 64):
+    """The prompt cache with its attention layers' caches quantised, as MLX-LM's ``--kv-bits`` makes them after the
+    prompt (``maybe_quantize_kv_cache``)."""
+    from mlx_lm.models.cache import KVCache
+
+    return [c.to_quantized(group_size=group_size, bits=bits) if type(c) is KVCache else c for c in cache]
+
+
 def run(model, engines: Sequence[str], context: int, bursts: int, burst_steps: int, vocab: int, seed: int = 0,
-        log=print, drivers: Sequence[str] = ("bursts",)) -> Dict:
+        log=print, drivers: Sequence[str] = ("bursts",), kv_bits: int = 0) -> Dict:
     for engine in engines:
         validate_engine(engine)
     drivers = tuple(drivers)
@@ -100,6 +108,8 @@ def run(model, engines: Sequence[str], context: int, bursts: int, burst_steps: i
     switcher = Engines(model)
     switcher.use("lily" if "lily" in engines else engines[0])
     y0, cache0 = _prefill(model, context, vocab, seed)
+    if kv_bits:
+        cache0 = quantize_kv_caches(cache0, kv_bits)
     states = {}
     for name, engine, driver in columns:  # each column's own cache copy, warmed up (compiles, traces, plans)
         switcher.use(engine)
@@ -122,7 +132,7 @@ def run(model, engines: Sequence[str], context: int, bursts: int, burst_steps: i
         log(f"[decode-ab] turn {turn + 1}/{bursts}: " + ", ".join(f"{n} {turn_rates[n]:.1f}" for n in names)
             + " tok/s")
     switcher.use("stock")
-    return {"context": context, "bursts": bursts, "burst_steps": burst_steps, "drivers": list(drivers),
+    return {"context": context, "kv_bits": kv_bits, "bursts": bursts, "burst_steps": burst_steps, "drivers": list(drivers),
             "host_build_us_per_1000_ops": [round(host_start, 1), round(graph_build_us(), 1)], "engines": {
         n: {"tok_s": statistics.median(rates[n]), "tok_s_bursts": rates[n],
             "ratio": statistics.median(ratios[n]), "ratio_range": [min(ratios[n]), max(ratios[n])]}
@@ -132,7 +142,8 @@ def run(model, engines: Sequence[str], context: int, bursts: int, burst_steps: i
 def table_markdown(result: Dict) -> str:
     engines = list(result["engines"])
     first = engines[0]
-    lines = [f"Decode at context {result['context']}: {result['bursts']} turns of {result['burst_steps']} pipelined "
+    kv = f" over a {result['kv_bits']}-bit KV cache" if result.get("kv_bits") else ""
+    lines = [f"Decode at context {result['context']}{kv}: {result['bursts']} turns of {result['burst_steps']} pipelined "
              f"steps per engine, engines alternating burst by burst"]
     if "host_build_us_per_1000_ops" in result:
         start, end = result["host_build_us_per_1000_ops"]
@@ -152,6 +163,9 @@ def main(argv=None) -> int:
                     help="comma-separated: stock, stock-kernels, lily, lily-off:<switch>[+<switch>]; the first "
                     "is the one the others are compared with")
     ap.add_argument("--context", type=int, default=4096, help="tokens in the cache before decoding")
+    ap.add_argument("--kv-bits", type=int, default=0, choices=(0, 2, 3, 4, 5, 6, 8),
+                    help="quantise the attention layers' KV caches after the prompt, as MLX-LM's --kv-bits (groups of "
+                    "64; 0: plain caches); e.g. --engines stock,lily,lily-trial:attention_decode_quantized")
     ap.add_argument("--bursts", type=int, default=16, help="turns (each engine decodes one burst per turn)")
     ap.add_argument("--burst-steps", type=int, default=8, help="pipelined decode steps per burst")
     ap.add_argument("--drivers", default="bursts",
@@ -167,7 +181,8 @@ def main(argv=None) -> int:
     model, description = load_model(args.model, args.size, args.seed)
     vocab = model.args.text_config["vocab_size"] if hasattr(model.args, "text_config") else model.args.vocab_size
     drivers = [d.strip() for d in args.drivers.split(",") if d.strip()]
-    result = run(model, engines, args.context, args.bursts, args.burst_steps, vocab, args.seed, drivers=drivers)
+    result = run(model, engines, args.context, args.bursts, args.burst_steps, vocab, args.seed, drivers=drivers,
+                 kv_bits=args.kv_bits)
     result["model"] = description
     text = table_markdown(result)
     print(text)

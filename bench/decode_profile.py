@@ -60,8 +60,8 @@ def _own(value):
     lists element-wise; anything else as is."""
     if isinstance(value, mx.array):
         return mx.array(value)
-    if isinstance(value, list):
-        return [_own(v) for v in value]
+    if isinstance(value, (list, tuple)):  # (a quantized KV cache's (packed, scales, biases) is a tuple)
+        return type(value)(_own(v) for v in value)
     return value
 
 

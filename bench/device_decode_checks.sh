@@ -73,7 +73,7 @@
 #                                               # and the register tiles): CUDA tests, decode A/B, e2e on / off
 #   PART=31 bash bench/device_decode_checks.sh  # decode over a quantized KV cache (op attention_decode_quantized,
 #                                               # a trial kernel on CUDA): CUDA tests, kernels against stock's
-#                                               # quantized attention at 4K-128K, 4 and 8 bits
+#                                               # quantized attention at 4K-128K, 4 and 8 bits, decode A/B at 32K
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -437,9 +437,14 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     run tests_cuda 200 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
       tests/kernels/test_attention_quantized_kv.py
     tail -3 "$W/tests_cuda.txt" 2>/dev/null
-    run op_cases 300 python -m bench.run --mode kernels --op-cases on --op-match 'attention_quantized_' \
+    run op_cases 200 python -m bench.run --mode kernels --op-cases on --op-match 'attention_quantized_' \
       --out "$W/quantized_kv"
     grep -E "attention_quantized" "$W/quantized_kv/kernels.md" 2>/dev/null | head -26
+    # decode end to end over a 4-bit cache at 32K: the trial kernel on against lily as shipped (stock's quantized
+    # attention) and the fair baseline
+    run decode_ab_kv4 150 python -m bench.decode_ab --engines lily-trial:attention_decode_quantized,lily,stock-kernels \
+      --context 32768 --kv-bits 4 --bursts 6 --out "$W/decode_ab_kv4"
+    tail -6 "$W/decode_ab_kv4.txt" 2>/dev/null
     ;;
   *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30 or 31" \
        >&2

@@ -73,3 +73,27 @@ def test_decode_ab_drivers_each_get_a_column_and_advance_their_cache(monkeypatch
     assert start > 0 and end > 0 and f"(host: {start:.0f} / {end:.0f} us" in decode_ab.table_markdown(result)
     with pytest.raises(ValueError, match="unknown decode driver"):
         decode_ab.run(model, ["lily"], context=8, bursts=1, burst_steps=1, vocab=vocab, drivers=("eager",))
+
+
+def test_decode_ab_over_a_quantized_kv_cache(monkeypatch):
+    """``--kv-bits``: every engine decodes from its own copy of one quantised cache (the clones hold their own
+    packed arrays: a write into one copy's rows leaves the others alone), the quantized attention kernel runs for
+    lily on the simulator, and the table says which cache."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from bench.decode_profile import clone_cache
+    from lily_mlx.core.kernel_registry import record_launches
+
+    monkeypatch.setenv("LILY_BACKEND", "sim")
+    monkeypatch.setenv("LILY_TUNE", "off")
+    model, _ = load_model(None, "tiny", log=None)
+    with record_launches() as launches:
+        result = decode_ab.run(model, ["lily", "stock"], context=24, bursts=2, burst_steps=2,
+                               vocab=model.args.text_config["vocab_size"], log=lambda _: None, kv_bits=4)
+    assert "attention_decode_quantized" in launches.names()
+    assert result["kv_bits"] == 4 and "over a 4-bit KV cache" in decode_ab.table_markdown(result)
+    from bench.decode_profile import _prefill
+    _, cache = _prefill(model, 8, model.args.text_config["vocab_size"], 0)
+    quantized = [c for c in decode_ab.quantize_kv_caches(cache, 4) if isinstance(c, QuantizedKVCache)]
+    copy = clone_cache(quantized)[0]
+    assert all(a is not b for a, b in zip(copy.keys, quantized[0].keys))
