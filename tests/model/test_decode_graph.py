@@ -252,8 +252,8 @@ def test_step_trace_on_the_cuda_path():
 
 def test_decode_over_a_quantized_kv_cache_on_the_cuda_path(monkeypatch):
     """``--kv-bits`` on lily's CUDA path with the quantized-cache attention kernel turned on (a trial kernel there):
-    every step launches it over the quantized caches (MLX-LM converts them after the prompt), built and replayed
-    steps alike; the other layers keep their traces."""
+    every step launches its fixed-block split (on a GPU at every context) over the quantized caches (MLX-LM converts
+    them after the prompt), built and replayed steps alike; the other layers keep their traces."""
     from mlx_lm.models.cache import KVCache
 
     monkeypatch.setenv("LILY_TRIAL_OPS", "attention_decode_quantized")
@@ -269,5 +269,7 @@ def test_decode_over_a_quantized_kv_cache_on_the_cuda_path(monkeypatch):
             with record_launches() as launches:
                 y = _step(model, y, cache)
                 mx.eval(y)
-            assert launches.counts().get("attention_decode_quantized") == n_attention, (step, launches.counts())
+            counts = launches.counts()
+            assert counts.get("attention_decode_block_partials_quantized") == n_attention, (step, counts)
+            assert counts.get("attention_decode_merge_blocks") == n_attention and "attention_decode_quantized" not in counts
         assert [c.offset for c in cache if hasattr(c, "offset")] == [n + 3 for n in start]

@@ -76,6 +76,11 @@ LONG_BACKENDS = frozenset({"sim", "cuda"})
 # fixed blocks where the rule below takes them, reading the packed rows and dequantising them in registers): on the
 # simulator only until timed on a GPU; a trial kernel on Metal and CUDA.
 QUANTIZED_DECODE_BACKENDS = frozenset({"sim"})
+# Backends where a decode step over a quantized cache takes the fixed-block split at every context (with
+# fixed_block_attention on), as a plain cache's steps take the split's live-length form on CUDA: the one-pass kernel's
+# B * Hkv * G / GT threadgroups (2 a sequence at Qwen3.6) leave a large GPU idle (H200: 654-783 us at 4K against
+# stock's 148 for plain caches). Elsewhere (the simulator) the write-up's rule, so both forms run in the tests.
+QUANTIZED_SPLIT_BACKENDS = GPU_BACKENDS
 QUANTIZED_KV_BITS = (2, 4, 8)  # elements that never straddle two 32-bit words
 QUANTIZED_KV_GROUPS = (32, 64, 128)  # MLX's group sizes
 

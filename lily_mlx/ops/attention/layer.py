@@ -147,15 +147,18 @@ def long_context_attention(queries, keys, values, *, scale, mask=None, cache=Non
 
 def quantized_decode_attention(queries, keys, values, *, scale, mask=None, cache=None):
     """One query row over a quantized KV cache (MLX-LM's ``QuantizedKVCache``, ``--kv-bits``): the kernels read the
-    packed rows and dequantise them in registers, the one-pass kernel or the fixed-block split by the same rule as
-    a plain cache (``decode_path``). Reference: stock's quantized attention."""
+    packed rows and dequantise them in registers. The fixed-block split on a GPU at every context
+    (``kernels.QUANTIZED_SPLIT_BACKENDS``), elsewhere by the plain cache's rule (``decode_path``); with
+    ``fixed_block_attention`` off the one-pass kernel. Reference: stock's quantized attention."""
     kernel = _kernel_for("attention_decode_quantized",
                          lambda: kernels.quantized_supports(queries, keys, values, mask, cache))
     if kernel is not None:
         _, n_kv_heads, kv_length = _kv_shape(keys)[:3]
         path = decode_path(kv_length, queries.shape[3], queries.shape[1] // n_kv_heads)
+        split = path == "fixed_block" or (is_enabled("fixed_block_attention")
+                                          and active_backend() in kernels.QUANTIZED_SPLIT_BACKENDS)
         return kernel(queries, keys, values, scale=scale, mask=mask, cache=cache,
-                      gqa_packed=is_enabled("gqa_packing"), fixed_blocks=path == "fixed_block")
+                      gqa_packed=is_enabled("gqa_packing"), fixed_blocks=split)
     return attention_reference(queries, keys, values, scale=scale, mask=mask, cache=cache)
 
 
