@@ -148,10 +148,30 @@ def check_versions() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+def _architecture_of(cls: type) -> str:
+    """The MLX-LM architecture module (``mlx_lm.models.<name>``) a model class comes from."""
+    return cls.__module__.rsplit(".", 1)[-1]
+
+
 def model_architecture(model) -> str:
     """The MLX-LM architecture module a model was built from (``qwen3_5_moe`` for Qwen3.6; a patched model's too)."""
-    cls = type(model).__dict__.get("_lily_stock_class") or type(model)
-    return cls.__module__.rsplit(".", 1)[-1]
+    return _architecture_of(type(model).__dict__.get("_lily_stock_class") or type(model))
+
+
+def _described(declared, arch: str) -> str:
+    """A model type as messages name it: ``'qwen3'``, or ``'mistral' (architecture 'llama')`` where MLX-LM builds the
+    declared ``model_type`` from another architecture module."""
+    return f"{declared!r} (architecture {arch!r})" if isinstance(declared, str) and declared != arch else repr(arch)
+
+
+def _describe(model) -> str:
+    return _described(getattr(model, "model_type", None), model_architecture(model))
+
+
+def _unsupported_message(declared, arch: str) -> str:
+    """Why ``patch()`` refuses a model of MLX-LM architecture ``arch`` (its config's ``model_type``: ``declared``)."""
+    return (f"lily-mlx does not support model type {_described(declared, arch)}; "
+            f"supported MLX-LM model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
 def config_architecture(model_path: str) -> Optional[Tuple[str, str]]:
@@ -184,7 +204,7 @@ def config_architecture(model_path: str) -> Optional[Tuple[str, str]]:
         model_cls, _ = _get_classes(values)
     except Exception:  # a type MLX-LM does not know, or another MLX-LM: its loader says what is wrong
         return None
-    return declared, model_cls.__module__.rsplit(".", 1)[-1]
+    return declared, _architecture_of(model_cls)
 
 
 def unsupported_model_message(model_path: str) -> Optional[str]:
@@ -193,18 +213,7 @@ def unsupported_model_message(model_path: str) -> Optional[str]:
     found = config_architecture(model_path)
     if found is None or found[1] in SUPPORTED_MODEL_TYPES:
         return None
-    declared, arch = found
-    described = repr(arch) if declared == arch else f"{declared!r} (architecture {arch!r})"
-    return (f"lily-mlx does not support model type {described}; "
-            f"supported MLX-LM model types: {', '.join(SUPPORTED_MODEL_TYPES)}")
-
-
-def _describe(model) -> str:
-    arch = model_architecture(model)
-    declared = getattr(model, "model_type", None)
-    if isinstance(declared, str) and declared != arch:
-        return f"{declared!r} (architecture {arch!r})"
-    return repr(arch)
+    return _unsupported_message(*found)
 
 
 def _op_forward(module_name: str, func_name: str) -> Optional[Callable]:
@@ -521,10 +530,7 @@ def patch(model, strict: bool = True):
         raise TypeError(f"lily_mlx.patch takes an MLX-LM model (an mlx.nn.Module), got {type(model).__name__}")
     arch = model_architecture(model)
     if arch not in SUPPORTED_MODEL_TYPES:
-        msg = (
-            f"lily-mlx does not support model type {_describe(model)}; "
-            f"supported MLX-LM model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        msg = _unsupported_message(getattr(model, "model_type", None), arch)
         if strict:
             raise ValueError(msg)
         warn_caller(msg + ". Running the model unpatched (stock MLX-LM).")
@@ -598,7 +604,6 @@ def unpatch(model):
         for name in [k for k in vars(module) if k.startswith("_lily_")]:  # caches of the patched paths
             vars(module).pop(name)
     generation.weights_changed()  # (classes changed: other patched models check what their modules report again)
-    vars(model).pop("_lily_report", None)
     return model
 
 
