@@ -439,13 +439,13 @@ def test_the_merge_applies_the_output_gate(B, G, D, S, dtype, seed):
 @given(S=st.sampled_from([40, 300, 1000]), block_rows=st.sampled_from([None, 16]),
        merge=st.sampled_from([(1, 1), (4, 2), (8, 4), (32, 1)]), live=st.booleans(), seed=st.integers(0, 2**16))
 def test_fixed_block_merge_geometries_compute_the_attention(S, block_rows, merge, live, seed):
-    """The merge's candidate geometries (at most MW simdgroups a threadgroup, MV fp32 a lane a load: 1 to 32
+    """The merge's candidate geometries (MW simdgroups a threadgroup, MV fp32 a lane a load: 1 to 32
     simdgroups, 4- to 16-byte loads, a threadgroup per (head, 32 * MV elements of D)), over the live rows and in
     the live-length form: the attention, outputs and partials poisoned."""
     mw, mv = merge
     rng = np.random.default_rng(seed)
     q, k, v = _problem(rng, 1, 2, 8, 256, S, mx.bfloat16, spare=37)
-    knobs = dict(block_rows=block_rows, backend=KERNEL_BACKEND, init_value=NAN, merge_max_simdgroups=mw,
+    knobs = dict(block_rows=block_rows, backend=KERNEL_BACKEND, init_value=NAN, merge_simdgroups=mw,
                  merge_lane_floats=mv)
     with record_launches() as rec:
         if live:
@@ -454,7 +454,7 @@ def test_fixed_block_merge_geometries_compute_the_attention(S, block_rows, merge
         else:
             out = ak.decode_attention_fixed_blocks(q, k, v, scale=0.0625, kv_length=S, **knobs)
     merge_launch = rec[1]
-    assert merge_launch.template["MV"] == mv and merge_launch.template["MW"] <= mw
+    assert merge_launch.template["MV"] == mv and merge_launch.template["MW"] == mw
     assert merge_launch.kwargs["grid"][0] == 32 * 16 * 256 // (32 * mv)
     _check(out, _oracle(q, k, v, S, 0.0625), TOL["bfloat16"])
 
@@ -734,7 +734,7 @@ def test_fixed_block_kernels_compile_for_cuda():
         units.append(wrap_like_mlx(partials, [q, k, k, mx.zeros((1,)), mx.zeros((6,), mx.int32)],
                                    [mx.float32] * 3, template=template)[1])
     live_parts = [mx.zeros((16, 2)), mx.zeros((16, 2)), mx.zeros((16, 2, 256))]
-    merge_template = [("InT", mx.bfloat16), ("D", 256), ("MV", 4), ("MW", 32)]
+    merge_template = [("InT", mx.bfloat16), ("D", 256), ("MV", 4), ("MW", ak.MERGE_SIMDGROUPS)]
     for name, gate in (("attention_decode_merge_live_blocks", []),
                        ("attention_decode_merge_live_blocks_gated", [mx.zeros((1, 1, 16 * 256), mx.bfloat16)])):
         units.append(wrap_like_mlx(build(name), live_parts + gate + [mx.zeros((1,), mx.int32), mx.zeros((2,), mx.int32)],
@@ -747,7 +747,7 @@ def test_fixed_block_kernels_compile_for_cuda():
     parts = [mx.zeros((16, 2)), mx.zeros((16, 2)), mx.zeros((16, 2, 256)), mx.zeros((1,), mx.int32)]
     for D, mv in ((256, 4), (64, 2)):
         units.append(wrap_like_mlx(merge, parts, [mx.bfloat16],
-                                   template=[("InT", mx.bfloat16), ("D", D), ("MV", mv), ("MW", 32)])[1])
+                                   template=[("InT", mx.bfloat16), ("D", D), ("MV", mv), ("MW", ak.MERGE_SIMDGROUPS)])[1])
     for unit in units:
         ok, log = compile_cuda(unit)
         assert ok, log

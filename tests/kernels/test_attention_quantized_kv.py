@@ -64,6 +64,23 @@ def _check(out, ref, tol):
     assert rel_l2(out, ref) < tol
 
 
+def _stock_quantized_attention(q, k, v, *, scale, bits, group_size):
+    """Stock's quantized attention on the CPU stream: MLX's CUDA backend (0.32.4) raises "No implementation" at some
+    of its shapes and gave every head one head's output at another (H100, 2026-12-05), so the comparison with stock
+    stays meaningful on every kernel backend."""
+    with mx.stream(mx.cpu):
+        out = quantized_scaled_dot_product_attention(q, k, v, scale=scale, mask=None, group_size=group_size, bits=bits)
+        mx.eval(out)
+    return out
+
+
+# the launches of a decode step over a quantized cache: the fixed-block split, or the one-pass kernel
+SPLIT = ["attention_decode_block_partials_quantized", "attention_decode_merge_blocks"]
+ONE_PASS = ["attention_decode_quantized"]
+# what a step below the fixed-block threshold launches: a GPU takes the split at every context (kernels.py)
+SHORT = SPLIT if KERNEL_BACKEND in ak.QUANTIZED_SPLIT_BACKENDS else ONE_PASS
+
+
 @needs_sim
 @settings(deadline=None, max_examples=30)
 @given(
@@ -100,7 +117,7 @@ def test_at_least_as_close_to_the_oracle_as_stock_at_qwen36_shape(bits, fixed_bl
     want = _oracle(q, k, v, 200, 0.0625, bits, 64).astype(mx.float32)
     ours = ak.decode_attention_quantized(q, k, v, scale=0.0625, bits=bits, group_size=64, fixed_blocks=fixed_blocks,
                                          backend=KERNEL_BACKEND, init_value=NAN)
-    stock = quantized_scaled_dot_product_attention(q, k, v, scale=0.0625, mask=None, group_size=64, bits=bits)
+    stock = _stock_quantized_attention(q, k, v, scale=0.0625, group_size=64, bits=bits)
     assert rel_l2(ours.astype(mx.float32), want) < TOL["bfloat16"]
     assert rel_l2(ours.astype(mx.float32), want) <= rel_l2(stock.astype(mx.float32), want)
 
@@ -195,7 +212,7 @@ def _cache_step(k, v, bits, group_size, rows):
 @pytest.mark.parametrize("packed", [True, False])
 def test_decode_over_a_quantized_cache_takes_the_kernel(monkeypatch, packed):
     """One query row over a QuantizedKVCache (its buffers read in place, spare capacity unread): the one-pass
-    kernel, against the oracle over the cache's rows."""
+    kernel (the fixed-block split on a GPU), against the oracle over the cache's rows."""
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     rng = np.random.default_rng(5)
     q = _rand(rng, (2, 8, 1, 128), mx.bfloat16)
@@ -204,7 +221,7 @@ def test_decode_over_a_quantized_cache_takes_the_kernel(monkeypatch, packed):
     assert cache.keys[0].shape[2] > keys[0].shape[2]
     with switches.overrides(disable=[] if packed else ["gqa_packing"]), record_launches() as rec:
         out = att.attention(q, keys, values, scale=0.125, mask=None, cache=cache)
-    assert rec.names() == ["attention_decode_quantized"]
+    assert rec.names() == SHORT
     assert dict(rec[0].template)["GT"] == (4 if packed else 1)
     assert (dict(rec[0].template)["BITS"], dict(rec[0].template)["GROUP"]) == (4, 64)
     _check(out, _oracle(q, keys, values, 20, 0.125, 4, 64), TOL["bfloat16"])
@@ -213,7 +230,8 @@ def test_decode_over_a_quantized_cache_takes_the_kernel(monkeypatch, packed):
 @needs_sim
 def test_long_context_decode_over_a_quantized_cache_takes_the_fixed_blocks(monkeypatch):
     """From the fixed-block threshold (lowered here from 32K) Qwen3.6's head shape takes the split's two launches,
-    below it or with fixed_block_attention off the one-pass kernel; a cache made by ``KVCache.to_quantized`` (as
+    below it the one-pass kernel (a GPU: the split at every context), with fixed_block_attention off the one-pass
+    kernel; a cache made by ``KVCache.to_quantized`` (as
     MLX-LM's ``--kv-bits`` makes it, its whole buffer quantised) too."""
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     monkeypatch.setattr(ak, "FIXED_BLOCK_MIN_CONTEXT", 64)
@@ -222,9 +240,7 @@ def test_long_context_decode_over_a_quantized_cache_takes_the_fixed_blocks(monke
     rng = np.random.default_rng(6)
     q = _rand(rng, (1, 16, 1, 256), mx.bfloat16)
     k, v = _rand(rng, (1, 2, 100, 256), mx.bfloat16), _rand(rng, (1, 2, 100, 256), mx.bfloat16)
-    split = ["attention_decode_block_partials_quantized", "attention_decode_merge_blocks"]
-    for rows, off, want in ((100, (), split), (100, ("fixed_block_attention",), ["attention_decode_quantized"]),
-                            (50, (), ["attention_decode_quantized"])):
+    for rows, off, want in ((100, (), SPLIT), (100, ("fixed_block_attention",), ONE_PASS), (50, (), SHORT)):
         cache, keys, values = _cache_step(k, v, 8, 64, rows)
         with switches.overrides(disable=off), record_launches() as rec:
             out = att.attention(q, keys, values, scale=0.0625, mask=None, cache=cache)
@@ -237,7 +253,7 @@ def test_long_context_decode_over_a_quantized_cache_takes_the_fixed_blocks(monke
     assert cache.keys[0].shape[2] > 100  # the plain buffer's spare rows, quantised
     with record_launches() as rec:
         out = att.attention(q, keys, values, scale=0.0625, mask=None, cache=cache)
-    assert rec.names() == split
+    assert rec.names() == SPLIT
     _check(out, _oracle(q, keys, values, 100, 0.0625, 4, 64), TOL["bfloat16"])
 
 
@@ -293,7 +309,8 @@ def test_quantized_kernels_compile_for_cuda():
 @needs_sim
 def test_quantized_microbench_cases_for_the_bench_harness():
     """The kernels mode's quantized-cache cases (a small context here): each runs with the bytes of the packed rows,
-    and lily's forms compute stock's quantized attention within its bf16 rounding."""
+    and lily's forms compute the fp32 oracle over the dequantised rows (not stock's result: on CUDA that was wrong
+    at this shape, see ``_stock_quantized_attention``)."""
     from lily_dev import attention_bench
 
     rng = np.random.default_rng(10)
@@ -307,11 +324,11 @@ def test_quantized_microbench_cases_for_the_bench_harness():
         run_once()
         assert (nbytes, flops) == (8 * (packed_rows + 2 * 16 * 256 * 2), 8 * 4 * 16 * 100 * 256), name
     kq, vq = tuple(mx.quantize(k, group_size=64, bits=4)), tuple(mx.quantize(v, group_size=64, bits=4))
-    stock = quantized_scaled_dot_product_attention(q, kq, vq, scale=0.0625, mask=None, group_size=64, bits=4)
+    want = _oracle(q, kq, vq, 100, 0.0625, 4, 64)
     for fixed in (False, True):
         ours = ak.decode_attention_quantized(q, kq, vq, scale=0.0625, bits=4, group_size=64, fixed_blocks=fixed,
-                                             backend=KERNEL_BACKEND)
-        assert rel_l2(ours.astype(mx.float32), stock.astype(mx.float32)) < 0.1
+                                             backend=KERNEL_BACKEND, init_value=NAN)
+        _check(ours, want, TOL["bfloat16"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,11 +366,12 @@ def test_embedded_model_decodes_with_kv_bits_like_stock(monkeypatch, bits):
     model, tokenizer = load(str(EMBEDDED_DIR))
     prompt = mx.array(tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the"))
     n = 8
-    stock_logits = _teacher_forced_with_kv_bits(model, prompt, [0] * n, bits)  # the tokens stock picks, greedily:
-    tokens = [int(mx.argmax(stock_logits[0]).item())]
-    for _ in range(n - 1):
-        tokens.append(int(mx.argmax(_teacher_forced_with_kv_bits(model, prompt, tokens + [0], bits)[-1]).item()))
-    stock_logits = _teacher_forced_with_kv_bits(model, prompt, tokens, bits)
+    with mx.stream(mx.cpu):  # stock on the CPU stream (see _stock_quantized_attention)
+        stock_logits = _teacher_forced_with_kv_bits(model, prompt, [0] * n, bits)  # the tokens stock picks, greedily:
+        tokens = [int(mx.argmax(stock_logits[0]).item())]
+        for _ in range(n - 1):
+            tokens.append(int(mx.argmax(_teacher_forced_with_kv_bits(model, prompt, tokens + [0], bits)[-1]).item()))
+        stock_logits = _teacher_forced_with_kv_bits(model, prompt, tokens, bits)
     decided, _ = decided_positions(stock_logits)
 
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)

@@ -133,20 +133,23 @@ def _without_attention_kernels(counts):
 
 
 def test_a_quantized_kv_cache_keeps_every_other_kernel(decoding):
-    """``--kv-bits``: MLX-LM swaps an attention layer's cache for a ``QuantizedKVCache``, which lily's decode
-    attention kernels do not read: that layer attends with stock's quantised attention (its own primitives), and
-    every other launch of the step stays, traced or built."""
+    """``--kv-bits``: MLX-LM swaps an attention layer's cache for a ``QuantizedKVCache``: that layer attends with
+    the quantized-cache kernels (their fixed-block split, on a GPU at every context) in place of the plain cache's,
+    and every other launch of the step stays, traced or built."""
     from mlx_lm.generate import maybe_quantize_kv_cache
 
     model, y, cache = decoding
     expected, _, _ = _expected_launches(model)
+    n_attention = sum(not layer.is_linear for layer in model.language_model.model.layers)
+    expected = {**_without_attention_kernels(expected), "attention_decode_block_partials_quantized": n_attention,
+                "attention_decode_merge_blocks": n_attention}
     maybe_quantize_kv_cache(cache, 0, 64, 4)
     assert any(type(c).__name__ == "QuantizedKVCache" for c in cache)
     for _ in range(3):  # traced and replayed with the new cache type
         y = _step(model, y, cache)
         mx.eval(y)
     _, launches, kinds, fast = _built_step(model, y, cache)
-    assert launches == _without_attention_kernels(expected)
+    assert launches == expected
     assert "ScatterAxis" not in kinds  # the quantised cache writes its rows itself
     traced = count_step(_step(model, y, cache), fast)
     assert traced.get("CustomKernel") == kinds.get("CustomKernel")
@@ -250,13 +253,27 @@ def test_step_trace_on_the_cuda_path():
     assert non_view(traced) <= non_view(built)
 
 
+def test_a_decode_at_a_new_capacity_compiles_no_new_kernel():
+    """The launches (kernel and template arguments) of decode steps at contexts whose KV buffers differ in size are
+    the same set: a cache growing into a new capacity compiles nothing (once the merge's simdgroups followed the
+    block count, and each new capacity's first step compiled a merge, ~2.5 s of NVRTC on the H100)."""
+    model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
+    kernels_at = {}
+    with _on_the_cuda_path(model):
+        for context in (40, 600, 2100):
+            y, cache = _prefill(model, context, VOCAB, 0)
+            with switches.overrides(disable=["compiled_decode"]), record_launches() as launches:
+                mx.eval(_step(model, y, cache))
+            kernels_at[context] = {(launch.name, tuple(sorted(launch.template.items()))) for launch in launches}
+    assert kernels_at[40] == kernels_at[600] == kernels_at[2100], kernels_at
+
+
 def test_decode_over_a_quantized_kv_cache_on_the_cuda_path(monkeypatch):
-    """``--kv-bits`` on lily's CUDA path with the quantized-cache attention kernel turned on (a trial kernel there):
-    every step launches its fixed-block split (on a GPU at every context) over the quantized caches (MLX-LM converts
-    them after the prompt), built and replayed steps alike; the other layers keep their traces."""
+    """``--kv-bits`` on lily's CUDA path (the quantized-cache attention kernel is on there by default): every step
+    launches its fixed-block split (on a GPU at every context) over the quantized caches (MLX-LM converts them after
+    the prompt), built and replayed steps alike; the other layers keep their traces."""
     from mlx_lm.models.cache import KVCache
 
-    monkeypatch.setenv("LILY_TRIAL_OPS", "attention_decode_quantized")
     model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
     with _on_the_cuda_path(model):
         y, cache = _prefill(model, 40, VOCAB, 0)

@@ -66,7 +66,7 @@ DECODE_QUANTIZED = register_op(Op(
     "attention_decode_quantized", "attention",
     "one query row per sequence over a quantized (2/4/8-bit) KV cache, dequantised in the kernel (GQA)",
     switches=("gqa_packing", "fixed_block_attention"),
-    kernel_backends=kernels.QUANTIZED_DECODE_BACKENDS,  # simulator only until timed on a GPU (kernels.py)
+    kernel_backends=kernels.QUANTIZED_DECODE_BACKENDS,  # Metal: trial until timed there (kernels.py)
     trial_backends=GPU_BACKENDS - kernels.QUANTIZED_DECODE_BACKENDS,
 ))
 QKV_PROJ = register_op(Op(

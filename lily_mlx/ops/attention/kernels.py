@@ -73,9 +73,12 @@ GPU_BACKENDS = frozenset({"metal", "cuda"})
 DECODE_BACKENDS = frozenset({"sim"})
 LONG_BACKENDS = frozenset({"sim", "cuda"})
 # The decode kernels over a quantized KV cache (op ``attention_decode_quantized``: the one-pass kernel, or the
-# fixed blocks where the rule below takes them, reading the packed rows and dequantising them in registers): on the
-# simulator only until timed on a GPU; a trial kernel on Metal and CUDA.
-QUANTIZED_DECODE_BACKENDS = frozenset({"sim"})
+# fixed blocks where the rule below takes them, reading the packed rows and dequantising them in registers). On CUDA
+# the split beats stock's quantized attention at every context (H100, kernel time of 8 calls, 4-bit: 572 / 990 /
+# 1,225 / 1,753 us against 808 / 2,140 / 3,894 / 7,246 at 4K / 32K / 64K / 128K; 8-bit 1.19-3.9x), and stock there
+# (MLX 0.32.4) raises "No implementation" at some shapes and gave wrong heads at another (docs/attention.md). Metal
+# keeps a trial kernel: stock's Metal quantized matmuls have not been timed against it (not through the bridge).
+QUANTIZED_DECODE_BACKENDS = frozenset({"sim", "cuda"})
 # Backends where a decode step over a quantized cache takes the fixed-block split at every context (with
 # fixed_block_attention on), as a plain cache's steps take the split's live-length form on CUDA: the one-pass kernel's
 # B * Hkv * G / GT threadgroups (2 a sequence at Qwen3.6) leave a large GPU idle (H200: 654-783 us at 4K against
@@ -125,9 +128,14 @@ LIVE_WIDE_BACKENDS = frozenset({"cuda"})
 # memory: SG * min(GT, 4096 / (SG * D)) * D + 2 * GT * SG fp32 (at most ~16 KiB).
 DECODE_SIMDGROUPS = 4
 DECODE_ROWS_PER_STEP = 4
-# Merge: up to this many simdgroups per (head, slice of D), each with MERGE_UNROLL blocks' loads in
-# flight (MERGE_UNROLL is the kernel's UNROLL).
-MERGE_MAX_SIMDGROUPS = 32
+# Merge: this many simdgroups (MW) per (head, slice of D), each with MERGE_UNROLL blocks' loads in flight
+# (MERGE_UNROLL is the kernel's UNROLL). One MW at every context, so a decode whose cache grows into a new capacity
+# compiles no new merge: MW once followed the blocks (2 to 32), and on the H100 (2026-12-05) each new capacity's
+# first step compiled a merge variant, ~2.5 s of NVRTC inside the first timed decode of a new length (a Metal
+# pipeline compile on a Mac). 8 rather than the 32 that contexts from 4K took: kernel time of the live form with
+# MW <= 8 against MW <= 32, 8 calls (lily_dev.live_check): H100 690 / 932 / 1,464 us against 710 / 943 / 1,480 at
+# 4K / 32K / 128K (2026-12-05); H200 711 / 720 / 1,410 against 733 / 738 / 1,362 (2026-12-04).
+MERGE_SIMDGROUPS = 8
 MERGE_UNROLL = 4
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 KV_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
@@ -347,15 +355,15 @@ class FixedBlockPlan(NamedTuple):
 
 
 def fixed_block_plan(S: int, D: int, heads_per_kv_group: int, block_rows: Optional[int] = None,
-                     merge_max_simdgroups: Optional[int] = None,
+                     merge_simdgroups: Optional[int] = None,
                      merge_lane_floats: Optional[int] = None) -> FixedBlockPlan:
-    """Blocks and merge geometry for S live rows (``heads_per_kv_group``: B * Hkv * G / GT). BR,
-    NB, MW and MV depend on S and D only, so a row's summation order never depends on the batch.
-    ``merge_max_simdgroups`` (a power of two, default MERGE_MAX_SIMDGROUPS) and ``merge_lane_floats`` (MV: 1, 2
-    or 4; default the widest D allows): the merge's geometry, for benchmarks."""
+    """Blocks and merge geometry for S live rows (``heads_per_kv_group``: B * Hkv * G / GT). BR and
+    NB depend on S only, MW on nothing, MV on D, so a row's summation order never depends on the batch.
+    ``merge_simdgroups`` (MW, default MERGE_SIMDGROUPS) and ``merge_lane_floats`` (MV: 1, 2 or 4; default the
+    widest D allows): the merge's geometry, for benchmarks."""
     br = block_rows or fixed_block_rows(S)
     nb = -(-S // br)
-    mw = max(1, min(merge_max_simdgroups or MERGE_MAX_SIMDGROUPS, _pow2_at_least(-(-nb // MERGE_UNROLL))))
+    mw = merge_simdgroups or MERGE_SIMDGROUPS
     mv = min(merge_lane_floats or 4, D // 32)
     return FixedBlockPlan(br, nb, heads_per_kv_group * nb, mw, mv)
 
@@ -375,13 +383,13 @@ def decode_attention_fixed_blocks(
     simdgroups: Optional[int] = None,  # per partials threadgroup (default DECODE_SIMDGROUPS)
     rows: Optional[int] = None,  # rows per simdgroup step (default DECODE_ROWS_PER_STEP)
     heads_per_threadgroup: Optional[int] = None,  # GT (default: G with gqa_packed, else 1)
-    merge_max_simdgroups: Optional[int] = None,  # the merge's geometry (fixed_block_plan; benchmarks)
+    merge_simdgroups: Optional[int] = None,  # the merge's geometry (fixed_block_plan; benchmarks)
     merge_lane_floats: Optional[int] = None,
 ) -> mx.array:  # [B, Hq, 1, D]
     """``decode_attention`` with the KV rows cut into blocks of BR rows processed by separate
     threadgroups (fp32 partials), then merged: two launches."""
     g = _geometry(queries, keys, kv_length, gqa_packed, coalesced, simdgroups, rows, heads_per_threadgroup)
-    plan = fixed_block_plan(g.S, queries.shape[3], g.threadgroups, block_rows, merge_max_simdgroups,
+    plan = fixed_block_plan(g.S, queries.shape[3], g.threadgroups, block_rows, merge_simdgroups,
                             merge_lane_floats)
     partials = KERNELS["attention_decode_block_partials"]
     return _blocks_then_merge(queries, [keys, values], g, plan, partials, [float32_scalar(scale)],
@@ -401,7 +409,7 @@ def decode_attention_fixed_blocks_live(
     coalesced: bool = True,
     backend: str,
     init_value=None,
-    merge_max_simdgroups: Optional[int] = None,  # the merge's geometry (fixed_block_plan; benchmarks)
+    merge_simdgroups: Optional[int] = None,  # the merge's geometry (fixed_block_plan; benchmarks)
     merge_lane_floats: Optional[int] = None,
     gate: Optional[mx.array] = None,  # [B, 1, Hq * D]: the layer's output gate, applied by the merge
     simdgroups: Optional[int] = None,  # per partials threadgroup (default live_simdgroups(S_cap, backend))
@@ -414,7 +422,7 @@ def decode_attention_fixed_blocks_live(
     writes the o-projection's input layout."""
     g = _geometry(queries, keys, None, gqa_packed, coalesced, simdgroups or live_simdgroups(keys.shape[2], backend))
     plan = fixed_block_plan(g.S_cap, queries.shape[3], g.threadgroups, block_rows or live_block_rows(g.S_cap),
-                            merge_max_simdgroups, merge_lane_floats)
+                            merge_simdgroups, merge_lane_floats)
     partials = KERNELS["attention_decode_block_partials_live"]
     last_row = last_row.astype(mx.int32).reshape(1)
     return _blocks_then_merge(queries, [keys, values], g, plan, partials, [float32_scalar(scale), last_row],
