@@ -71,9 +71,11 @@
 #                                               # tiles with the same split (prefill's cost), CUDA tests
 #   PART=30 bash bench/device_decode_checks.sh  # switch split_k_gate_up (the split in the product's routed GEMV
 #                                               # and the register tiles): CUDA tests, decode A/B, e2e on / off
-#   PART=31 bash bench/device_decode_checks.sh  # decode over a quantized KV cache (op attention_decode_quantized,
-#                                               # a trial kernel on CUDA): CUDA tests, kernels against stock's
-#                                               # quantized attention at 4K-128K, 4 and 8 bits, decode A/B at 32K
+#   PART=31 bash bench/device_decode_checks.sh  # decode over a quantized KV cache (op attention_decode_quantized):
+#                                               # CUDA tests, kernels against stock's quantized attention at
+#                                               # 4K-128K, 4 and 8 bits, decode at 32K over a 4-bit and a plain cache
+#   PART=32 bash bench/device_decode_checks.sh  # the merge's one MW: live_check (MW 8 / 32, 2x rows), e2e decode
+#                                               # 4K / 32K two rounds (round 1 no longer compiles a merge)
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -440,13 +442,26 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     run op_cases 200 python -m bench.run --mode kernels --op-cases on --op-match 'attention_quantized_' \
       --out "$W/quantized_kv"
     grep -E "attention_quantized" "$W/quantized_kv/kernels.md" 2>/dev/null | head -26
-    # decode end to end over a 4-bit cache at 32K: the trial kernel on against lily as shipped (stock's quantized
-    # attention) and the fair baseline
-    run decode_ab_kv4 150 python -m bench.decode_ab --engines lily-trial:attention_decode_quantized,lily,stock-kernels \
-      --context 32768 --kv-bits 4 --bursts 6 --out "$W/decode_ab_kv4"
-    tail -6 "$W/decode_ab_kv4.txt" 2>/dev/null
+    # decode at 32K over a 4-bit cache (the kernel, on by default on CUDA since 2026-12-05; stock's quantized attention
+    # raises on MLX's CUDA backend at this shape, so no stock engine) and over the plain cache, one process each
+    run decode_kv4 150 python -m bench.decode_ab --engines lily --context 32768 --kv-bits 4 --bursts 6 \
+      --out "$W/decode_kv4"
+    tail -4 "$W/decode_kv4.txt" 2>/dev/null
+    run decode_plain 120 python -m bench.decode_ab --engines lily --context 32768 --bursts 6 --out "$W/decode_plain"
+    tail -4 "$W/decode_plain.txt" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30 or 31" \
+  32) # the merge's one MW (8 at every context since 2026-12-05: no compile at a new capacity): the live form's kernel
+      # time against MW = 32 (what contexts from 4K took before) and with twice the rows a block; then e2e decode at
+      # 4K / 32K, two rounds, whose round-1 rates must now match round 2's (the first engine at a new length compiled
+      # a merge before)
+    run live_check 150 python -m lily_dev.live_check --contexts 4096,32768,131072 --rounds 12
+    grep -E "live|stock" "$W/live_check.txt" 2>/dev/null | head -9
+    run e2e_mw 300 python -m bench.run --mode e2e --size full --engines stock-kernels,lily --lengths 4K,32K --rounds 2 \
+      --out "$W/e2e_mw" --stop-at $(( $(date +%s) + $(left) - 15 ))
+    grep -E "\[e2e\] +(4K|32K) round" "$W/e2e_mw.txt" 2>/dev/null
+    cat "$W/e2e_mw/e2e.md" 2>/dev/null | head -6
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31 or 32" \
        >&2
      exit 2 ;;
 esac

@@ -2,7 +2,7 @@
 shared memory, for lily's DeltaNet scans and MLX-LM's own gated-delta kernels (the fair baseline's) at
 Qwen3.6's head shape, and the MoE GEMM tiles with fp32 and bf16 operands.
 
-    python -m lily_dev.resource_usage [--family deltanet,moe]    # needs nvcc (CUDA toolkit)
+    python -m lily_dev.resource_usage [--family deltanet,moe,attention]    # needs nvcc (CUDA toolkit)
 
 Static facts, not timings: a kernel with more registers per thread keeps fewer threads resident per
 SM (65,536 registers), a spill is local-memory traffic. They explain timings; they do not replace them.
@@ -212,8 +212,8 @@ def gate_up_gemv_unit(experts: int = 256, width: int = 2048, expert_width: int =
 def attention_units(heads: tuple = (16, 2), head_dim: int = 256) -> Dict[str, str]:
     """The decode attention kernels in bf16 at Qwen3.6's heads (16 query heads, 2 KV heads, head dim 256) with their
     default templates: the one-pass kernel, the fixed blocks' partials and their merge, and the partials with half
-    a KV head's query heads a threadgroup (``[GT=4]``, a candidate), and both forms over a 4- and an 8-bit quantized
-    cache (``[4-bit]``, ``[8-bit]``). The rows' count is a runtime parameter, so a small cache stands in for a long
+    a KV head's query heads a threadgroup (``[GT=4]``, a candidate), and the three forms over a 4- and an 8-bit quantized
+    cache (``[4-bit]``, ``[8-bit]``: one pass, fixed blocks, live length). The rows' count is a runtime parameter, so a small cache stands in for a long
     one."""
     from lily_mlx.ops.attention import kernels as ak
 
@@ -230,6 +230,8 @@ def attention_units(heads: tuple = (16, 2), head_dim: int = 256) -> Dict[str, st
                                           backend="cuda")
             ak.decode_attention_quantized(q, quantized, quantized, scale=0.0625, bits=bits, group_size=64,
                                           fixed_blocks=True, backend="cuda")
+            ak.decode_attention_quantized_live(q, quantized, quantized, mx.array([1000], dtype=mx.int32),
+                                               scale=0.0625, bits=bits, group_size=64, backend="cuda")
     units = {}
     for spec, kw in calls:
         template = dict(kw["template"])
@@ -311,7 +313,7 @@ def table(usage: Dict[str, dict], threads: Dict[str, int]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m lily_dev.resource_usage", description=__doc__.split("\n\n")[0])
-    p.add_argument("--family", default="deltanet,moe", help="comma-separated: deltanet, moe")
+    p.add_argument("--family", default="deltanet,moe", help="comma-separated: deltanet, moe, attention")
     args = p.parse_args(argv)
     if compile_check.nvcc_path() is None:
         print("nvcc (CUDA toolkit) not found", file=sys.stderr)
@@ -324,6 +326,8 @@ def main(argv=None) -> int:
         units.update(mlx_lm_gdn_units())
     if "moe" in families:
         units.update(moe_gemm_units())
+    if "attention" in families:
+        units.update(attention_units())
     with ThreadPoolExecutor(2) as pool:
         usage = dict(zip(units, pool.map(ptxas_usage, units.values())))
     print(table(usage, {}))

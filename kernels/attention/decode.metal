@@ -39,7 +39,8 @@
 //   the global max and sum in a fixed order; divides once. attention_decode_merge_live_blocks: the same over
 //   the live form's live blocks; ..._gated (switch fused_output_gate): times the layer's output gate.
 // - attention_decode_quantized, attention_decode_block_partials_quantized: the one-pass kernel and the block
-//   partials over an MLX-LM QuantizedKVCache (AttentionQuantizedRows: packed rows dequantised in registers).
+//   partials over an MLX-LM QuantizedKVCache (AttentionQuantizedRows: packed rows dequantised in registers);
+//   attention_decode_block_partials_live_quantized: the live-length form's partials over such a cache.
 //
 // Conventions: sizes in an int32 `params` array; InT, D, GT, SG, R, COALESCED as template arguments;
 // threadgroup (32, SG, 1); every lane reaches every simd op and every thread every barrier (loop
@@ -808,6 +809,30 @@ inline void attention_decode_block_tiles(
   threadgroup float sg_max[GT * SG];
   threadgroup float sg_sum[GT * SG];
   threadgroup float sg_acc[SG * HP * D];
+  typedef AttentionQuantizedRows<InT, D, BITS, GROUP, decltype(k), decltype(k_scales)> Rows;  // v's types are k's
+  const Rows k_rows = {k, k_scales, k_biases};
+  const Rows v_rows = {v, v_scales, v_biases};
+  attention_decode_block<InT, D, GT, SG, R, COALESCED, HP>(
+      q, k_rows, v_rows, scale[0], part_max, part_sum, part_acc, Hkv, G, S, S_cap, NB, BR,
+      static_cast<int>(threadgroup_position_in_grid.x), sg_max, sg_sum, sg_acc,
+      static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
+}
+
+// @kernel attention_decode_block_partials_live_quantized
+// attention_decode_block_partials_live over a QuantizedKVCache's whole buffers (kv_write_in_trace with --kv-bits:
+// the step's row quantised and written inside the layer's trace): inputs as attention_decode_quantized plus
+// last_row, params and outputs as attention_decode_block_partials_live (merged by attention_decode_merge_live_blocks
+// or its gated form).
+{
+  static_assert(!COALESCED || AttentionShape<InT, D, GT, R>::W == D / 32, "contiguous elements a lane");
+  constexpr int HP = ATTENTION_MERGE_HEADS(GT, SG, D);
+  threadgroup float sg_max[GT * SG];
+  threadgroup float sg_sum[GT * SG];
+  threadgroup float sg_acc[SG * HP * D];
+  const int S = min(S_cap, static_cast<int>(last_row[0]) + 1);
+  if ((static_cast<int>(threadgroup_position_in_grid.x) % NB) * BR >= S) {
+    return;  // a block past the live rows (uniform exit), as in attention_decode_block_partials_live
+  }
   typedef AttentionQuantizedRows<InT, D, BITS, GROUP, decltype(k), decltype(k_scales)> Rows;  // v's types are k's
   const Rows k_rows = {k, k_scales, k_biases};
   const Rows v_rows = {v, v_scales, v_biases};

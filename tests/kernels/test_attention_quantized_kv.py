@@ -106,6 +106,59 @@ def test_quantized_decode_kernels_match_the_dequantized_oracle(B, Hkv, G, D, S, 
 
 
 @needs_sim
+@settings(deadline=None, max_examples=20)
+@given(
+    B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 3, 8]), D=st.sampled_from([64, 128, 256]),
+    S=st.sampled_from([1, 40, 300]), spare=st.sampled_from([0, 9, 200]), bits=st.sampled_from([2, 4, 8]),
+    group_size=st.sampled_from([32, 64, 128]), dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
+    packed=st.booleans(), gated=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_quantized_live_length_form_matches_the_dequantized_oracle(B, Hkv, G, D, S, spare, bits, group_size, dtype,
+                                                                   packed, gated, seed):
+    """The live-length form over a quantized cache's whole buffers (``kv_write_in_trace``): blocks over the
+    capacity, the live rows 0 .. last_row read from an array, with and without the output gate in the merge;
+    partials and outputs poisoned."""
+    if D % group_size:
+        group_size = D
+    rng = np.random.default_rng(seed)
+    q, k, v = _quantized_problem(rng, B, Hkv, G, D, S + spare, DTYPES[dtype], bits, group_size)
+    gate = _rand(rng, (B, 1, Hkv * G * D), DTYPES[dtype]) if gated else None
+    out = ak.decode_attention_quantized_live(q, k, v, mx.array([S - 1], dtype=mx.int32), scale=D**-0.5, bits=bits,
+                                             group_size=group_size, gqa_packed=packed, backend=KERNEL_BACKEND,
+                                             init_value=NAN, gate=gate)
+    want = _oracle(q, k, v, S, D**-0.5, bits, group_size)
+    if gated:
+        want = (want.astype(mx.float32).transpose(0, 2, 1, 3).reshape(B, 1, -1)
+                * mx.sigmoid(gate.astype(mx.float32))).astype(want.dtype)
+    _check(out, want, TOL[dtype] if not gated else 4 * TOL[dtype])
+
+
+@needs_sim
+def test_a_row_written_into_the_buffers_is_the_cache_update(monkeypatch):
+    """``attend_in_buffer`` over a quantized cache's buffers (a step with ``kv_write_in_trace``): the row quantised
+    and written at the offset gives the buffers MLX-LM's ``update_and_fetch`` gives, bit for bit, and the attention
+    over them is the oracle's, gated (two launches: the live-length partials and the merge)."""
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    rng = np.random.default_rng(12)
+    q = _rand(rng, (1, 16, 1, 256), mx.bfloat16)
+    k, v = _rand(rng, (1, 2, 100, 256), mx.bfloat16), _rand(rng, (1, 2, 100, 256), mx.bfloat16)
+    gate = _rand(rng, (1, 1, 16 * 256), mx.bfloat16)
+    ours, stock = QuantizedKVCache(group_size=64, bits=4), QuantizedKVCache(group_size=64, bits=4)
+    for cache in (ours, stock):
+        cache.update_and_fetch(k[:, :, :99], v[:, :, :99])
+    stock.update_and_fetch(k[:, :, 99:], v[:, :, 99:])
+    with record_launches() as rec:
+        out, k_buffer, v_buffer = att.attend_in_buffer(q, k[:, :, 99:], v[:, :, 99:], gate, ours.keys, ours.values,
+                                                       mx.array(99, dtype=mx.int32), scale=0.0625)
+    assert rec.names()[0] == "attention_decode_block_partials_live_quantized" and len(rec) == 2
+    for mine, theirs in zip((*k_buffer, *v_buffer), (*stock.keys, *stock.values)):
+        assert mine.shape == theirs.shape and bool(mx.array_equal(mine, theirs).item())
+    want = _oracle(q, stock.keys, stock.values, 100, 0.0625, 4, 64).astype(mx.float32)
+    want = want.transpose(0, 2, 1, 3).reshape(1, 1, -1) * mx.sigmoid(gate.astype(mx.float32))
+    assert rel_l2(out.astype(mx.float32), want) < 4 * TOL["bfloat16"]
+
+
+@needs_sim
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("fixed_blocks", [False, True], ids=["one-pass", "fixed-blocks"])
 def test_at_least_as_close_to_the_oracle_as_stock_at_qwen36_shape(bits, fixed_blocks):
@@ -133,15 +186,19 @@ def test_gqa_packing_states_compute_the_same_function():
 
 @needs_sim
 @pytest.mark.skipif(KERNEL_BACKEND != "sim", reason="the race check is the simulator's")
-@pytest.mark.parametrize("fixed_blocks", [False, True], ids=["one-pass", "fixed-blocks"])
-def test_quantized_decode_kernels_race_check(monkeypatch, fixed_blocks):
+@pytest.mark.parametrize("form", ["one-pass", "fixed-blocks", "live"])
+def test_quantized_decode_kernels_race_check(monkeypatch, form):
     """The simulator's race check (threadgroup memory of the simdgroups' merge), a partial last step."""
     monkeypatch.setenv("LILY_MSL_RACE", "1")
     rng = np.random.default_rng(3)
     q, k, v = _quantized_problem(rng, 1, 1, 8, 64, 45, mx.bfloat16, 4, 64)
-    out = ak.decode_attention_quantized(q, k, v, scale=0.125, bits=4, group_size=64, kv_length=41,
-                                        fixed_blocks=fixed_blocks, block_rows=16, backend=KERNEL_BACKEND,
-                                        init_value=NAN)
+    if form == "live":
+        out = ak.decode_attention_quantized_live(q, k, v, mx.array([40], dtype=mx.int32), scale=0.125, bits=4,
+                                                 group_size=64, backend=KERNEL_BACKEND, init_value=NAN)
+    else:
+        out = ak.decode_attention_quantized(q, k, v, scale=0.125, bits=4, group_size=64, kv_length=41,
+                                            fixed_blocks=form == "fixed-blocks", block_rows=16,
+                                            backend=KERNEL_BACKEND, init_value=NAN)
     _check(out, _oracle(q, k, v, 41, 0.125, 4, 64), TOL["bfloat16"])
 
 
@@ -280,7 +337,7 @@ def test_other_quantized_caches_fall_back_to_stock(monkeypatch, caplog):
 
 
 def test_quantized_kernels_compile_for_cuda():
-    """Both kernels at Qwen3.6's shape in bf16, for each bit width and both GQA states, translate and compile."""
+    """The three kernels at Qwen3.6's shape in bf16, for each bit width and both GQA states, translate and compile."""
     from lily_mlx.core.kernel_registry import kernel_source
     from lily_mlx.msl.cuda import metal_kernel, wrap_like_mlx
     from lily_dev.compile_check import compile_cuda, compiler_available
@@ -290,17 +347,20 @@ def test_quantized_kernels_compile_for_cuda():
     q = mx.zeros((1, 16, 1, 256), mx.bfloat16)
     units = []
     for name, outputs, n_params in (("attention_decode_quantized", [mx.bfloat16], 4),
-                                    ("attention_decode_block_partials_quantized", [mx.float32] * 3, 6)):
+                                    ("attention_decode_block_partials_quantized", [mx.float32] * 3, 6),
+                                    ("attention_decode_block_partials_live_quantized", [mx.float32] * 3, 5)):
         spec = ak.KERNELS[name]
         header, body = kernel_source(spec)
         kernel = metal_kernel(spec.name, list(spec.input_names), list(spec.output_names), body, header=header)
         for bits, gt in ((2, 8), (4, 8), (8, 8), (4, 1)):
             k = [mx.zeros((1, 2, 8, 256 * bits // 32), mx.uint32), mx.zeros((1, 2, 8, 4), mx.bfloat16),
                  mx.zeros((1, 2, 8, 4), mx.bfloat16)]
-            template = [("InT", mx.bfloat16), ("D", 256), ("GT", gt), ("SG", ak.DECODE_SIMDGROUPS),
+            sg = ak.LIVE_WIDE_SIMDGROUPS if "live" in name else ak.DECODE_SIMDGROUPS  # (the live form's on CUDA)
+            template = [("InT", mx.bfloat16), ("D", 256), ("GT", gt), ("SG", sg),
                         ("R", ak.rows_per_step(gt)), ("COALESCED", 1), ("BITS", bits), ("GROUP", 64)]
-            units.append(wrap_like_mlx(kernel, [q, *k, *k, mx.zeros((1,)), mx.zeros((n_params,), mx.int32)], outputs,
-                                       template=template)[1])
+            last_row = [mx.zeros((1,), mx.int32)] if "live" in name else []
+            units.append(wrap_like_mlx(kernel, [q, *k, *k, mx.zeros((1,)), *last_row, mx.zeros((n_params,), mx.int32)],
+                                       outputs, template=template)[1])
     for unit in units:
         ok, log = compile_cuda(unit)
         assert ok, log
@@ -353,10 +413,13 @@ def _teacher_forced_with_kv_bits(model, prompt, tokens, bits):
 
 @needs_sim
 @pytest.mark.parametrize("bits", [4, 8])
-def test_embedded_model_decodes_with_kv_bits_like_stock(monkeypatch, bits):
+@pytest.mark.parametrize("write_in_trace", [True, False], ids=["in-buffer", "update-and-fetch"])
+def test_embedded_model_decodes_with_kv_bits_like_stock(monkeypatch, bits, write_in_trace):
     """Stock's greedy tokens teacher-forced through the patched model with quantised KV caches (attention on the
-    simulated kernels, the other families on their references): every decode step through the quantized kernel,
-    logits within bf16 noise of stock's with the same caches, stock's token wherever stock is decided."""
+    simulated kernels, the other families on their references): every decode step through a quantized kernel (with
+    kv_write_in_trace the step's row quantised and written into the buffers and the live-length partials over them;
+    without it MLX-LM's update_and_fetch and the kernels over the live rows), logits within bf16 noise of stock's
+    with the same caches, stock's token wherever stock is decided."""
     from mlx_lm import load
 
     from lily_mlx import patch as lily_patch
@@ -378,11 +441,13 @@ def test_embedded_model_decodes_with_kv_bits_like_stock(monkeypatch, bits):
     monkeypatch.setenv("LILY_REFERENCE_OPS", "moe,deltanet")
     lily_patch.patch(model)
     try:
-        with record_launches() as rec:
+        with switches.overrides(disable=[] if write_in_trace else ["kv_write_in_trace"]), record_launches() as rec:
             logits = _teacher_forced_with_kv_bits(model, prompt, tokens, bits)
     finally:
         lily_patch.unpatch(model)
-    assert rec.names().count("attention_decode_quantized") == n - 1
+    n_attention = sum(not layer.is_linear for layer in model.language_model.model.layers)
+    partials = "attention_decode_block_partials_live_quantized" if write_in_trace else SHORT[0]
+    assert rec.names().count(partials) == (n - 1) * n_attention, rec.names()
     for pos in range(n):
         assert rel_l2(logits[pos], stock_logits[pos]) < LOGIT_TOL, (pos, rel_l2(logits[pos], stock_logits[pos]))
     assert decided.sum() >= n // 2

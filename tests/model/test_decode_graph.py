@@ -133,16 +133,16 @@ def _without_attention_kernels(counts):
 
 
 def test_a_quantized_kv_cache_keeps_every_other_kernel(decoding):
-    """``--kv-bits``: MLX-LM swaps an attention layer's cache for a ``QuantizedKVCache``: that layer attends with
-    the quantized-cache kernels (their fixed-block split, on a GPU at every context) in place of the plain cache's,
-    and every other launch of the step stays, traced or built."""
+    """``--kv-bits``: MLX-LM swaps an attention layer's cache for a ``QuantizedKVCache``: that layer writes the step's
+    quantised row into the buffers and attends with the quantized kernels' live-length form in place of the plain
+    cache's (``kv_write_in_trace``), and every other launch of the step stays, traced or built."""
     from mlx_lm.generate import maybe_quantize_kv_cache
 
     model, y, cache = decoding
     expected, _, _ = _expected_launches(model)
     n_attention = sum(not layer.is_linear for layer in model.language_model.model.layers)
-    expected = {**_without_attention_kernels(expected), "attention_decode_block_partials_quantized": n_attention,
-                "attention_decode_merge_blocks": n_attention}
+    expected = {**_without_attention_kernels(expected), "attention_decode_block_partials_live_quantized": n_attention,
+                "attention_decode_merge_live_blocks": n_attention}
     maybe_quantize_kv_cache(cache, 0, 64, 4)
     assert any(type(c).__name__ == "QuantizedKVCache" for c in cache)
     for _ in range(3):  # traced and replayed with the new cache type
@@ -150,7 +150,8 @@ def test_a_quantized_kv_cache_keeps_every_other_kernel(decoding):
         mx.eval(y)
     _, launches, kinds, fast = _built_step(model, y, cache)
     assert launches == expected
-    assert "ScatterAxis" not in kinds  # the quantised cache writes its rows itself
+    n_attention = sum(not layer.is_linear for layer in model.language_model.model.layers)
+    assert "SliceUpdate" not in kinds and kinds.get("ScatterAxis") == 6 * n_attention  # a row into 3 parts a side
     traced = count_step(_step(model, y, cache), fast)
     assert traced.get("CustomKernel") == kinds.get("CustomKernel")
 
@@ -268,25 +269,37 @@ def test_a_decode_at_a_new_capacity_compiles_no_new_kernel():
     assert kernels_at[40] == kernels_at[600] == kernels_at[2100], kernels_at
 
 
-def test_decode_over_a_quantized_kv_cache_on_the_cuda_path(monkeypatch):
-    """``--kv-bits`` on lily's CUDA path (the quantized-cache attention kernel is on there by default): every step
-    launches its fixed-block split (on a GPU at every context) over the quantized caches (MLX-LM converts them after
-    the prompt), built and replayed steps alike; the other layers keep their traces."""
+@pytest.mark.parametrize("write_in_trace", [True, False], ids=["in-buffer", "update-and-fetch"])
+def test_decode_over_a_quantized_kv_cache_on_the_cuda_path(write_in_trace):
+    """``--kv-bits`` on lily's CUDA path (the quantized-cache attention kernel is on there by default), over the
+    quantized caches MLX-LM makes after the prompt, a few steps in (built, traced, replayed): with
+    ``kv_write_in_trace`` each attention layer quantises its row and writes it into the buffers (2 Quantize, 6
+    scatters of one row, no slice update of MLX-LM's) and launches the live-length partials; without it MLX-LM's
+    update and the fixed-block split (on a GPU at every context). A traced step holds the launches of a step built
+    op by op; the caches' offsets move on by one a step."""
     from mlx_lm.models.cache import KVCache
 
     model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
-    with _on_the_cuda_path(model):
+    partials = ("attention_decode_block_partials_live_quantized" if write_in_trace
+                else "attention_decode_block_partials_quantized")
+    merge = "attention_decode_merge_live_blocks" if write_in_trace else "attention_decode_merge_blocks"
+    with _on_the_cuda_path(model), switches.overrides(disable=[] if write_in_trace else ["kv_write_in_trace"]):
         y, cache = _prefill(model, 40, VOCAB, 0)
         for i, c in enumerate(cache):
             if type(c) is KVCache:
                 cache[i] = c.to_quantized(group_size=64, bits=4)
         n_attention = sum(not layer.is_linear for layer in model.language_model.model.layers)
         start = [c.offset for c in cache if hasattr(c, "offset")]
-        for step in range(3):  # built, traced, replayed
-            with record_launches() as launches:
-                y = _step(model, y, cache)
-                mx.eval(y)
-            counts = launches.counts()
-            assert counts.get("attention_decode_block_partials_quantized") == n_attention, (step, counts)
-            assert counts.get("attention_decode_merge_blocks") == n_attention and "attention_decode_quantized" not in counts
+        for _ in range(3):  # built, traced, replayed
+            y = _step(model, y, cache)
+            mx.eval(y)
         assert [c.offset for c in cache if hasattr(c, "offset")] == [n + 3 for n in start]
+        y, launches, built, fast = _built_step(model, y, cache)
+        traced = count_step(_step(model, y, cache), fast)
+    assert launches.get(partials) == n_attention and launches.get(merge) == n_attention, launches
+    assert "attention_decode_quantized" not in launches
+    assert traced.get("CustomKernel") == built.get("CustomKernel")
+    if write_in_trace:
+        quantize = traced.get("Quantize", 0) - fast.get("Quantize", 0)  # (the embedding's dequantisation counts too)
+        assert quantize == 2 * n_attention and traced.get("ScatterAxis") == 6 * n_attention, traced
+        assert "SliceUpdate" not in traced

@@ -41,6 +41,9 @@ KERNELS = {
                    ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S", "S_cap", "NB", "BR")),
         KernelSpec("attention_decode_block_partials_live", _FILE, ("q", "k", "v", "scale", "last_row", "params"),
                    ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S_cap", "NB", "BR")),
+        KernelSpec("attention_decode_block_partials_live_quantized", _FILE,
+                   ("q", "k", "k_scales", "k_biases", "v", "v_scales", "v_biases", "scale", "last_row", "params"),
+                   ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S_cap", "NB", "BR")),
         KernelSpec("attention_decode_block_partials_live_tiles", _FILE, ("q", "k", "v", "scale", "last_row", "params"),
                    ("part_max", "part_sum", "part_acc"), params=("B", "Hkv", "S_cap", "NB")),
         KernelSpec("attention_decode_merge_blocks", _FILE, ("part_max", "part_sum", "part_acc", "params"), ("out",),
@@ -476,6 +479,38 @@ def decode_attention_quantized(
         output_shapes=[queries.shape], output_dtypes=[queries.dtype], init_value=init_value,
     )
     return out
+
+
+def decode_attention_quantized_live(
+    queries: mx.array,  # [B, Hq, 1, D]
+    keys: Tuple[mx.array, mx.array, mx.array],  # a QuantizedKVCache's whole buffers: rows 0 .. last_row live
+    values: Tuple[mx.array, mx.array, mx.array],
+    last_row: mx.array,  # [1] int32: the last live row (this step's position)
+    *,
+    scale: float,
+    bits: int,
+    group_size: int,
+    gqa_packed: bool = True,
+    backend: str,
+    init_value=None,
+    gate: Optional[mx.array] = None,  # [B, 1, Hq * D]: the layer's output gate, applied by the merge
+) -> mx.array:  # [B, Hq, 1, D]; with gate: [B, 1, Hq * D]
+    """``decode_attention_fixed_blocks_live`` over a ``QuantizedKVCache``'s buffers (``kv_write_in_trace`` with
+    ``--kv-bits``): blocks and threadgroups from the capacity alone, the live length read from ``last_row``, each row
+    dequantised where it is used as in ``decode_attention_quantized``."""
+    problem = quantized_problem(queries, keys, values, bits, group_size)
+    if problem:
+        raise ValueError(f"quantized decode attention: {problem}")
+    D = queries.shape[3]
+    g = _geometry(queries, keys[0], None, gqa_packed, bool(contiguous_lane_elements(D, queries.dtype)),
+                  live_simdgroups(keys[0].shape[2], backend))
+    g = g._replace(template=g.template + [("BITS", bits), ("GROUP", group_size)])
+    plan = fixed_block_plan(g.S_cap, D, g.threadgroups, live_block_rows(g.S_cap))
+    partials = KERNELS["attention_decode_block_partials_live_quantized"]
+    last_row = last_row.astype(mx.int32).reshape(1)
+    return _blocks_then_merge(queries, [*keys, *values], g, plan, partials, [float32_scalar(scale), last_row],
+                              partials.pack(Hkv=g.Hkv, G=g.G, S_cap=g.S_cap, NB=plan.blocks, BR=plan.block_rows),
+                              backend, init_value, gate, last_row)
 
 
 def decode_attention_quantized_from_cache(backend: str):

@@ -18,7 +18,7 @@ import functools
 from typing import Any, Callable, Optional, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from ...core.dispatch import active_backend, op_backend
 from ...core.log import log_once
@@ -212,8 +212,13 @@ def buffer_limit(self, cache: Any) -> int:
     """Context lengths up to which a decode step writes into ``cache``'s buffer and attends over all of it
     (switch ``kv_write_in_trace``), for a plain ``KVCache``: every length where the live-length kernels run;
     else where the step's attention is stock's (the decode op on its reference; up to the fixed-block
-    threshold where the long-context op has a kernel). 0: never."""
-    if not is_enabled("kv_write_in_trace") or type(cache) is not KVCache:
+    threshold where the long-context op has a kernel); for a ``QuantizedKVCache``: every length where the
+    quantized kernels' live-length form runs (``_quantized_live_on``). 0: never."""
+    if not is_enabled("kv_write_in_trace"):
+        return 0
+    if type(cache) is QuantizedKVCache:
+        return NO_LIMIT if _quantized_live_on(self, cache) else 0
+    if type(cache) is not KVCache:
         return 0
     if _live_length_kernel_on():
         return NO_LIMIT
@@ -226,18 +231,46 @@ def buffer_limit(self, cache: Any) -> int:
     return NO_LIMIT
 
 
+def _quantized_live_on(self, cache: Any) -> bool:
+    """Whether a decode step over ``cache`` (a ``QuantizedKVCache``) can write its row into the buffers and attend
+    over them with the quantized kernels' live-length form: the op has a kernel on this backend,
+    ``fixed_block_attention`` is on, and the cache's bits and group and the layer's heads are the kernels'."""
+    if not is_enabled("fixed_block_attention") or _kernel_for("attention_decode_quantized") is None:
+        return False
+    D, G = self.head_dim, self.num_attention_heads // self.num_key_value_heads
+    return (cache.bits in kernels.QUANTIZED_KV_BITS and cache.group_size in kernels.QUANTIZED_KV_GROUPS
+            and D in kernels.SUPPORTED_HEAD_DIMS and D % cache.group_size == 0
+            and G <= kernels.MAX_HEADS_PER_THREADGROUP)
+
+
+def _capacity(buffer: Any) -> int:
+    """Rows of a KV buffer: a plain cache's array or a quantized cache's (packed, scales, biases)."""
+    return _kv_shape(buffer)[2]
+
+
+def _buffer_form(buffer: Any) -> tuple:
+    """A KV buffer's shapes and dtypes but its capacity (part of a trace's slot)."""
+    parts = buffer if is_quantized_kv(buffer) else (buffer,)
+    return tuple((b.shape[:2], b.shape[3], b.dtype) for b in parts)
+
+
+def _as_buffer(buffer: Any) -> Any:
+    """A trace's output for a cache's buffer: a quantized cache's parts as the tuple MLX-LM's caches hold."""
+    return tuple(buffer) if isinstance(buffer, list) else buffer
+
+
 def _still_in_buffer(cache: Any, mask: Any, limit: int, capacity: int) -> bool:
     """Whether a replay traced for a buffer of ``capacity`` rows fits this step: the buffer kept that capacity
     and the step writes into it (``in_buffer``)."""
     keys = cache.keys
-    return keys is not None and keys.shape[2] == capacity and in_buffer(cache, mask, limit)
+    return keys is not None and _capacity(keys) == capacity and in_buffer(cache, mask, limit)
 
 
 def in_buffer(cache: Any, mask: Any, limit: int) -> bool:
     """Whether this one-token step attends over the buffer (``limit`` from ``buffer_limit``): no mask, and
     the buffer has room for the row (else MLX-LM's ``update_and_fetch`` grows it, built op by op)."""
     keys = cache.keys
-    return limit > 0 and mask is None and keys is not None and cache.offset < min(keys.shape[2], limit)
+    return limit > 0 and mask is None and keys is not None and cache.offset < min(_capacity(keys), limit)
 
 
 def write_row(buffer: mx.array, row: mx.array, position: mx.array) -> mx.array:
@@ -256,7 +289,10 @@ def attend_in_buffer(queries, keys, values, gate, k_buffer, v_buffer, positions,
     attention over rows 0 .. offset of the buffer, in a form whose shapes hold from token to token until the
     buffer grows: the fixed-block kernels reading the live length from ``positions`` (``_live_length_kernel_on``;
     their merge applies the gate with ``fused_output_gate``), else stock's attention over the whole buffer with
-    the rows past the offset masked (the same function as over the live rows: masked scores weigh exactly 0)."""
+    the rows past the offset masked (the same function as over the live rows: masked scores weigh exactly 0). A
+    quantized cache's buffers (tuples): ``_attend_in_quantized_buffer``."""
+    if is_quantized_kv(k_buffer):
+        return _attend_in_quantized_buffer(queries, keys, values, gate, k_buffer, v_buffer, positions, scale=scale)
     k_buffer, v_buffer = write_row(k_buffer, keys, positions), write_row(v_buffer, values, positions)
     if _live_length_kernel_on():
         problem = kernels.shape_problem(queries, k_buffer, v_buffer)
@@ -269,6 +305,24 @@ def attend_in_buffer(queries, keys, values, gate, k_buffer, v_buffer, positions,
         log_once(f"attention_decode_long:live:{problem}", f"attention_decode_long: {problem}, using the reference")
     live = mx.arange(k_buffer.shape[2], dtype=mx.int32) <= positions  # [S_cap]
     return gated(attention_reference(queries, k_buffer, v_buffer, scale=scale, mask=live), gate), k_buffer, v_buffer
+
+
+def _attend_in_quantized_buffer(queries, keys, values, gate, k_buffer, v_buffer, positions, *, scale):
+    """``attend_in_buffer`` over a ``QuantizedKVCache``'s buffers, each (packed [B, Hkv, S_cap, D * bits / 32],
+    scales, biases [B, Hkv, S_cap, D / group]): the step's rows quantised as ``update_and_fetch`` quantises them
+    (the same bits in the cache), written at the offset, then the quantized kernels' live-length form (only where
+    ``buffer_limit`` let the step here: ``_quantized_live_on``). Bits and group are read off the buffers' widths."""
+    D = queries.shape[3]
+    bits, group_size = 32 * k_buffer[0].shape[3] // D, D // k_buffer[1].shape[3]
+    k_rows = mx.quantize(keys, group_size=group_size, bits=bits)  # (packed, scales, biases) of [B, Hkv, 1, D]
+    v_rows = mx.quantize(values, group_size=group_size, bits=bits)
+    k_buffer = tuple(write_row(b, r, positions) for b, r in zip(k_buffer, k_rows))
+    v_buffer = tuple(write_row(b, r, positions) for b, r in zip(v_buffer, v_rows))
+    fuse_gate = is_enabled("fused_output_gate") and gate.dtype == queries.dtype
+    output = kernels.decode_attention_quantized_live(
+        queries, k_buffer, v_buffer, positions, scale=scale, bits=bits, group_size=group_size,
+        gqa_packed=is_enabled("gqa_packing"), backend=active_backend(), gate=gate if fuse_gate else None)
+    return (output if fuse_gate else gated(output, gate)), k_buffer, v_buffer
 
 
 # --- the layer ------------------------------------------------------------------------------------
@@ -450,13 +504,13 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
     if buffered:
         # One trace per capacity: the slot (the key without it) keeps only the latest.
         kb = cache.keys
-        slot = ("prep_in_buffer",) + first_key[1:] + ((kb.shape[:2], kb.shape[3], kb.dtype), _attention_form())
-        first_key, capacity = slot + (kb.shape[2],), kb.shape[2]
+        slot = ("prep_in_buffer",) + first_key[1:] + (_buffer_form(kb), _attention_form())
+        first_key, capacity = slot + (_capacity(kb),), _capacity(kb)
         traced_out = compiled.call(owner, first_key, prep_and_attend, [x, args[1], kb, cache.values, *args[2:]],
                                    slot=slot)
         if traced_out is None:
             return None
-        output, cache.keys, cache.values = traced_out
+        output, cache.keys, cache.values = traced_out[0], _as_buffer(traced_out[1]), _as_buffer(traced_out[2])
         cache.offset += 1
         gate = None  # (applied in the first trace)
     else:
@@ -497,8 +551,8 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
         the cache's buffers and offset moved on (None, nothing done, otherwise)."""
         if stale(pre_args, post_args) or not _still_in_buffer(cache, mask, limit, capacity):
             return None
-        output, cache.keys, cache.values = traced_first(x, _positions(cache), cache.keys, cache.values, *pre_args,
-                                                        *weights)
+        output, keys, values = traced_first(x, _positions(cache), cache.keys, cache.values, *pre_args, *weights)
+        cache.keys, cache.values = _as_buffer(keys), _as_buffer(values)
         cache.offset += 1
         return traced_finish(output, x, *post_args)
 
@@ -520,14 +574,14 @@ def _one_trace_in_buffer(self, whole_step, key, x, pre_args, weights, post_args,
     ``compiled.LayerStep`` (with its replay if ``replayable``; ``stale(pre_args, post_args)`` says when a replay
     no longer fits the layer), or None (nothing done) where it would not be traced."""
     kb = cache.keys
-    capacity = kb.shape[2]
-    slot = ("layer_in_buffer",) + key + ((kb.shape[:2], kb.shape[3], kb.dtype), _attention_form(), len(post_args),
+    capacity = _capacity(kb)
+    slot = ("layer_in_buffer",) + key + (_buffer_form(kb), _attention_form(), len(post_args),
                                          self.o_proj.weight.shape)
     traced_out = compiled.call(owner, slot + (capacity,), whole_step,
                                [x, _positions(cache), kb, cache.values, *pre_args, *weights, *post_args], slot=slot)
     if traced_out is None:
         return None
-    out, cache.keys, cache.values = traced_out
+    out, cache.keys, cache.values = traced_out[0], _as_buffer(traced_out[1]), _as_buffer(traced_out[2])
     cache.offset += 1
     traced = compiled.lookup(owner, slot + (capacity,)) if replayable else None
     if traced is None:
@@ -538,8 +592,8 @@ def _one_trace_in_buffer(self, whole_step, key, x, pre_args, weights, post_args,
         cache's buffers and offset moved on (None, nothing done, otherwise)."""
         if stale(pre_args, post_args) or not _still_in_buffer(cache, mask, limit, capacity):
             return None
-        out, cache.keys, cache.values = traced(x, _positions(cache), cache.keys, cache.values, *pre_args, *weights,
-                                               *post_args)
+        out, keys, values = traced(x, _positions(cache), cache.keys, cache.values, *pre_args, *weights, *post_args)
+        cache.keys, cache.values = _as_buffer(keys), _as_buffer(values)
         cache.offset += 1
         return out
 
@@ -558,7 +612,7 @@ def _attend(self, prepared, mask, cache, limit: Optional[int] = None):
                                                                 cache.values, _positions(cache), scale=self.scale)
             cache.offset += 1
             return output, None  # (gated already)
-        if (limit and type(cache) is KVCache and cache.step < BUFFER_GROWTH_ROWS
+        if (limit and type(cache) in (KVCache, QuantizedKVCache) and cache.step < BUFFER_GROWTH_ROWS
                 and active_backend() in compiled.COMPILE_BACKENDS):
             cache.step = BUFFER_GROWTH_ROWS  # the steps to come write into the buffer from a trace: retrace less often
     keys, values = cache.update_and_fetch(keys, values)
