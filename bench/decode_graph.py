@@ -4,6 +4,7 @@ the Python calls of a replayed step and the host's build time of it here.
 
     python -m bench.decode_graph                       # Qwen3.6's 40 layers at the tiny random model's widths
     python -m bench.decode_graph --layers 4 --steps 50
+    python -m bench.decode_graph --kv-bits 4           # over quantized KV caches (MLX-LM's --kv-bits)
 
 For issue 12's structure (<= 250 non-view primitives a step) without a GPU: the kinds and the count are the
 GPU's (MLX's fused ``rms_norm`` and ``dequantize``, which a CPU computes from their parts, are placeholders
@@ -30,6 +31,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=40, help="decoder layers (every 4th attends; default 40)")
     p.add_argument("--steps", type=int, default=30, help="decode steps timed for the build time (median)")
     p.add_argument("--context", type=int, default=40, help="prompt tokens before the decode steps")
+    p.add_argument("--kv-bits", type=int, default=0, choices=(0, 2, 3, 4, 5, 6, 8),
+                   help="quantise the attention layers' KV caches after the prompt, as MLX-LM's --kv-bits (groups of "
+                        "64; 0: plain caches)")
     args = p.parse_args(argv)
 
     import lily_mlx
@@ -44,6 +48,10 @@ def main(argv=None) -> int:
     with cuda_graph_only():
         lily_mlx.patch(model)
         y, cache = _prefill(model, args.context, VOCAB, 0)
+        if args.kv_bits:
+            from mlx_lm.generate import maybe_quantize_kv_cache
+
+            maybe_quantize_kv_cache(cache, 0, 64, args.kv_bits)
         for _ in range(3):
             y = _step(model, y, cache)
             mx.eval(y)
@@ -67,7 +75,8 @@ def main(argv=None) -> int:
             mx.eval(nxt)
             y = nxt
 
-    print(f"decode step of {args.layers} layers (lily's CUDA path, kernels as placeholders)")
+    kv = f", {args.kv_bits}-bit KV caches" if args.kv_bits else ""
+    print(f"decode step of {args.layers} layers (lily's CUDA path, kernels as placeholders{kv})")
     print("\n| kernel | launches a step |\n|---|---|")
     for name, n in sorted(launches.counts().items(), key=lambda t: -t[1]):
         print(f"| {name} | {n} |")
