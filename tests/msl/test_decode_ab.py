@@ -90,7 +90,7 @@ def test_decode_ab_over_a_quantized_kv_cache(monkeypatch):
     with record_launches() as launches:
         result = decode_ab.run(model, ["lily", "stock"], context=24, bursts=2, burst_steps=2,
                                vocab=model.args.text_config["vocab_size"], log=lambda _: None, kv_bits=4)
-    assert "attention_decode_quantized" in launches.names()
+    assert "attention_decode_block_partials_live_quantized" in launches.names()  # (kv_write_in_trace's form)
     assert result["kv_bits"] == 4 and "over a 4-bit KV cache" in decode_ab.table_markdown(result)
     from bench.decode_profile import _prefill
     _, cache = _prefill(model, 8, model.args.text_config["vocab_size"], 0)
