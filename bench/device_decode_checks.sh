@@ -433,22 +433,22 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       --lengths 4K,32K --rounds 1 --out "$W/e2e_split" --stop-at $(( $(date +%s) + $(left) - 15 ))
     cat "$W/e2e_split/e2e.md" 2>/dev/null | head -16
     ;;
-  31) # MLX-LM's --kv-bits: decode over a quantized KV cache in lily's kernels (op attention_decode_quantized, on the
-      # simulator only until this runs: docs/attention.md, "Quantized KV caches"): its CUDA tests, then the one-pass
-      # kernel and the fixed-block split against stock's quantized attention, 8 calls an evaluation
+  31) # MLX-LM's --kv-bits: decode over a quantized KV cache in lily's kernels (op attention_decode_quantized; on CUDA
+      # by default since 2026-12-05, the row written in the layer's trace with kv_write_in_trace: docs/attention.md,
+      # "Quantized KV caches"): its CUDA tests, decode at 32K over a 4-bit cache (stock's quantized attention raises on
+      # MLX's CUDA backend at this shape, so no stock engine) and over the plain cache, one process each; then the
+      # kernels against stock's quantized attention, 8 calls an evaluation (timed on 2026-12-05: last)
     run tests_cuda 200 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
       tests/kernels/test_attention_quantized_kv.py
     tail -3 "$W/tests_cuda.txt" 2>/dev/null
-    run op_cases 200 python -m bench.run --mode kernels --op-cases on --op-match 'attention_quantized_' \
-      --out "$W/quantized_kv"
-    grep -E "attention_quantized" "$W/quantized_kv/kernels.md" 2>/dev/null | head -26
-    # decode at 32K over a 4-bit cache (the kernel, on by default on CUDA since 2026-12-05; stock's quantized attention
-    # raises on MLX's CUDA backend at this shape, so no stock engine) and over the plain cache, one process each
     run decode_kv4 150 python -m bench.decode_ab --engines lily --context 32768 --kv-bits 4 --bursts 6 \
       --out "$W/decode_kv4"
     tail -4 "$W/decode_kv4.txt" 2>/dev/null
     run decode_plain 120 python -m bench.decode_ab --engines lily --context 32768 --bursts 6 --out "$W/decode_plain"
     tail -4 "$W/decode_plain.txt" 2>/dev/null
+    run op_cases 150 python -m bench.run --mode kernels --op-cases on --op-match 'attention_quantized_' \
+      --out "$W/quantized_kv"
+    grep -E "attention_quantized" "$W/quantized_kv/kernels.md" 2>/dev/null | head -26
     ;;
   32) # the merge's one MW (8 at every context since 2026-12-05: no compile at a new capacity): the live form's kernel
       # time against MW = 32 (what contexts from 4K took before) and with twice the rows a block; then e2e decode at

@@ -314,6 +314,32 @@ def test_long_context_decode_over_a_quantized_cache_takes_the_fixed_blocks(monke
     _check(out, _oracle(q, keys, values, 100, 0.0625, 4, 64), TOL["bfloat16"])
 
 
+@needs_sim
+def test_a_row_written_into_the_buffers_falls_back_where_the_kernel_cannot_read_them(monkeypatch, caplog):
+    """Queries in another dtype than the cache's scales (what the layer's check before the step cannot see): the row
+    is written all the same, and stock's quantized attention over the whole buffers with the rows past the offset
+    masked gives the step's output, said once; no launch."""
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    rng = np.random.default_rng(13)
+    q = _rand(rng, (1, 8, 1, 128), mx.float32)
+    k, v = _rand(rng, (1, 2, 30, 128), mx.bfloat16), _rand(rng, (1, 2, 30, 128), mx.bfloat16)
+    gate = _rand(rng, (1, 1, 8 * 128), mx.float32)
+    ours, stock = QuantizedKVCache(group_size=64, bits=8), QuantizedKVCache(group_size=64, bits=8)
+    for cache in (ours, stock):
+        cache.update_and_fetch(k[:, :, :29], v[:, :, :29])
+    keys, values = stock.update_and_fetch(k[:, :, 29:], v[:, :, 29:])
+    want = quantized_scaled_dot_product_attention(mx.array(q), keys, values, scale=0.125, mask=None, group_size=64,
+                                                  bits=8)  # (it scales its queries in place: a copy)
+    want = want.transpose(0, 2, 1, 3).reshape(1, 1, -1) * mx.sigmoid(gate)
+    with record_launches() as rec, caplog.at_level("INFO"):
+        out, k_buffer, v_buffer = att.attend_in_buffer(q, k[:, :, 29:], v[:, :, 29:], gate, ours.keys, ours.values,
+                                                       mx.array(29, dtype=mx.int32), scale=0.125)
+    assert not rec.names()
+    assert all(bool(mx.array_equal(a, b).item()) for a, b in zip((*k_buffer, *v_buffer), (*stock.keys, *stock.values)))
+    assert rel_l2(out, want) < 1e-5
+    assert any("using the reference" in r.getMessage() for r in caplog.records)
+
+
 def _fallback_cases(rng):
     k, v = _rand(rng, (1, 2, 9, 64), mx.float32), _rand(rng, (1, 2, 9, 64), mx.float32)
     q = _rand(rng, (1, 8, 1, 64), mx.float32)

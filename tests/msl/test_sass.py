@@ -50,11 +50,11 @@ def test_the_register_tiles_inner_loop_is_mostly_ffma():
 
 def test_the_attention_family_has_the_three_decode_kernels():
     """``--family attention``: the one-pass decode kernel, the fixed blocks' partials (and the 4-heads candidate) and
-    their merge, and both forms over a 4- and an 8-bit quantized cache, each as the CUDA translation unit MLX would
-    compile (their launches captured, nothing run)."""
+    their merge, and the three forms over a 4- and an 8-bit quantized cache (one pass, fixed blocks, live length with
+    the live merge), each as the CUDA translation unit MLX would compile (their launches captured, nothing run)."""
     units = sass.units("attention")
     assert set(units) == {"attention_decode", "attention_decode_block_partials", "attention_decode_merge_blocks",
-                          "attention_decode_block_partials[GT=4]"} | {
-                              f"attention_decode{form}_quantized[{bits}-bit]" for form in ("", "_block_partials")
-                              for bits in (4, 8)}
+                          "attention_decode_block_partials[GT=4]", "attention_decode_merge_live_blocks"} | {
+                              f"attention_decode{form}_quantized[{bits}-bit]"
+                              for form in ("", "_block_partials", "_block_partials_live") for bits in (4, 8)}
     assert all(f"custom_kernel_{name.split('[')[0]}" in unit for name, unit in units.items())

@@ -244,7 +244,7 @@ def test_ops_registered_with_their_switches():
     # H200; the one-pass kernel loses to stock's SDPA on a large GPU; the prefill kernel is not yet timed).
     with_kernels = {"attention_decode": frozenset({"sim"}), "attention_decode_long": frozenset({"sim", "cuda"}),
                     "attention_prefill": frozenset({"sim"}), "attention_qk_prep": frozenset({"sim", "cuda", "metal"}),
-                    "attention_decode_quantized": frozenset({"sim"}),  # not yet run on a GPU
+                    "attention_decode_quantized": frozenset({"sim", "cuda"}),  # timed on an H100; Metal: trial
                     # MLX's own quantised matmul over concatenated weights: every backend (same bits)
                     "attention_qkv_proj": frozenset({"metal", "sim", "cuda"})}
     for op in ops.values():

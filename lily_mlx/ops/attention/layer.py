@@ -18,6 +18,7 @@ import functools
 from typing import Any, Callable, Optional, Tuple
 
 import mlx.core as mx
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from ...core.dispatch import active_backend, op_backend
@@ -318,6 +319,13 @@ def _attend_in_quantized_buffer(queries, keys, values, gate, k_buffer, v_buffer,
     v_rows = mx.quantize(values, group_size=group_size, bits=bits)
     k_buffer = tuple(write_row(b, r, positions) for b, r in zip(k_buffer, k_rows))
     v_buffer = tuple(write_row(b, r, positions) for b, r in zip(v_buffer, v_rows))
+    problem = kernels.quantized_problem(queries, k_buffer, v_buffer, bits, group_size)
+    if problem:  # (shapes the layer's check cannot see, such as the queries' dtype against the scales')
+        log_once(f"attention_decode_quantized:live:{problem}", f"attention_decode_quantized: {problem}, using the reference")
+        live = mx.arange(k_buffer[0].shape[2], dtype=mx.int32) <= positions  # [S_cap]
+        output = quantized_scaled_dot_product_attention(queries, k_buffer, v_buffer, scale=scale, mask=live,
+                                                        group_size=group_size, bits=bits)
+        return gated(output, gate), k_buffer, v_buffer
     fuse_gate = is_enabled("fused_output_gate") and gate.dtype == queries.dtype
     output = kernels.decode_attention_quantized_live(
         queries, k_buffer, v_buffer, positions, scale=scale, bits=bits, group_size=group_size,
