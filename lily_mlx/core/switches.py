@@ -171,8 +171,9 @@ _SWITCH_LIST = [
            "(one trace per capacity; the buffer then grows by 1,024 rows, not MLX-LM's 256), so nothing is "
            "built between the two traces (H200, 4K: build 3.03 -> 2.36 ms a step; with the row written by a "
            "scatter, e2e decode 1.13x / 1.23x at 4K / 32K; docs/decode.md). A quantized cache (--kv-bits) the "
-           "same where its kernels run: the row quantised as MLX-LM quantises it, its three parts written, the "
-           "quantized kernels' live-length form (docs/attention.md).",
+           "same: the row quantised as MLX-LM quantises it, its three parts written, the quantized kernels' "
+           "live-length form or stock's quantized attention with the rows past the offset masked "
+           "(docs/attention.md).",
            "MLX-LM's update_and_fetch and the attention over the live rows, built op by op between the "
            "attention layer's two traces."),
     Switch("one_trace_attention", "generation", "decode", True,

@@ -269,16 +269,20 @@ def test_a_decode_at_a_new_capacity_compiles_no_new_kernel():
     assert kernels_at[40] == kernels_at[600] == kernels_at[2100], kernels_at
 
 
-@pytest.mark.parametrize("write_in_trace", [True, False], ids=["in-buffer", "update-and-fetch"])
-def test_decode_over_a_quantized_kv_cache_on_the_cuda_path(write_in_trace):
+@pytest.mark.parametrize("form", ["in-buffer", "update-and-fetch", "in-buffer-reference"])
+def test_decode_over_a_quantized_kv_cache_on_the_cuda_path(monkeypatch, form):
     """``--kv-bits`` on lily's CUDA path (the quantized-cache attention kernel is on there by default), over the
     quantized caches MLX-LM makes after the prompt, a few steps in (built, traced, replayed): with
     ``kv_write_in_trace`` each attention layer quantises its row and writes it into the buffers (2 Quantize, 6
     scatters of one row, no slice update of MLX-LM's) and launches the live-length partials; without it MLX-LM's
-    update and the fixed-block split (on a GPU at every context). A traced step holds the launches of a step built
-    op by op; the caches' offsets move on by one a step."""
+    update and the fixed-block split (on a GPU at every context); with the op on its reference (as on Metal until its
+    kernel is timed there) the same writes and stock's quantized attention over the masked buffers, no launch. A
+    traced step holds the launches of a step built op by op; the caches' offsets move on by one a step."""
     from mlx_lm.models.cache import KVCache
 
+    write_in_trace = form != "update-and-fetch"
+    if form == "in-buffer-reference":
+        monkeypatch.setenv("LILY_REFERENCE_OPS", "attention_decode_quantized")
     model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
     partials = ("attention_decode_block_partials_live_quantized" if write_in_trace
                 else "attention_decode_block_partials_quantized")
@@ -296,7 +300,10 @@ def test_decode_over_a_quantized_kv_cache_on_the_cuda_path(write_in_trace):
         assert [c.offset for c in cache if hasattr(c, "offset")] == [n + 3 for n in start]
         y, launches, built, fast = _built_step(model, y, cache)
         traced = count_step(_step(model, y, cache), fast)
-    assert launches.get(partials) == n_attention and launches.get(merge) == n_attention, launches
+    if form == "in-buffer-reference":
+        assert not any(name.startswith("attention_decode") for name in launches), launches
+    else:
+        assert launches.get(partials) == n_attention and launches.get(merge) == n_attention, launches
     assert "attention_decode_quantized" not in launches
     assert traced.get("CustomKernel") == built.get("CustomKernel")
     if write_in_trace:

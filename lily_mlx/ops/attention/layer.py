@@ -213,12 +213,12 @@ def buffer_limit(self, cache: Any) -> int:
     """Context lengths up to which a decode step writes into ``cache``'s buffer and attends over all of it
     (switch ``kv_write_in_trace``), for a plain ``KVCache``: every length where the live-length kernels run;
     else where the step's attention is stock's (the decode op on its reference; up to the fixed-block
-    threshold where the long-context op has a kernel); for a ``QuantizedKVCache``: every length where the
-    quantized kernels' live-length form runs (``_quantized_live_on``). 0: never."""
+    threshold where the long-context op has a kernel); for a ``QuantizedKVCache``: every length, but where the
+    quantized kernel runs with ``fixed_block_attention`` off (``_quantized_in_buffer``). 0: never."""
     if not is_enabled("kv_write_in_trace"):
         return 0
     if type(cache) is QuantizedKVCache:
-        return NO_LIMIT if _quantized_live_on(self, cache) else 0
+        return NO_LIMIT if _quantized_in_buffer() else 0
     if type(cache) is not KVCache:
         return 0
     if _live_length_kernel_on():
@@ -232,16 +232,13 @@ def buffer_limit(self, cache: Any) -> int:
     return NO_LIMIT
 
 
-def _quantized_live_on(self, cache: Any) -> bool:
-    """Whether a decode step over ``cache`` (a ``QuantizedKVCache``) can write its row into the buffers and attend
-    over them with the quantized kernels' live-length form: the op has a kernel on this backend,
-    ``fixed_block_attention`` is on, and the cache's bits and group and the layer's heads are the kernels'."""
-    if not is_enabled("fixed_block_attention") or _kernel_for("attention_decode_quantized") is None:
-        return False
-    D, G = self.head_dim, self.num_attention_heads // self.num_key_value_heads
-    return (cache.bits in kernels.QUANTIZED_KV_BITS and cache.group_size in kernels.QUANTIZED_KV_GROUPS
-            and D in kernels.SUPPORTED_HEAD_DIMS and D % cache.group_size == 0
-            and G <= kernels.MAX_HEADS_PER_THREADGROUP)
+def _quantized_in_buffer() -> bool:
+    """Whether a decode step over a ``QuantizedKVCache`` writes its row into the buffers and attends over them
+    (``_attend_in_quantized_buffer``): where the op has its kernel and ``fixed_block_attention`` is on (the kernels'
+    live-length form), and where the op is on its reference (stock's quantized attention over the buffers, the rows
+    past the offset masked, as a plain cache's steps attend where the decode op is on its reference). Not with the
+    kernel and ``fixed_block_attention`` off: the one-pass kernel over MLX-LM's live rows."""
+    return _kernel_for("attention_decode_quantized") is None or is_enabled("fixed_block_attention")
 
 
 def _capacity(buffer: Any) -> int:
@@ -311,17 +308,19 @@ def attend_in_buffer(queries, keys, values, gate, k_buffer, v_buffer, positions,
 def _attend_in_quantized_buffer(queries, keys, values, gate, k_buffer, v_buffer, positions, *, scale):
     """``attend_in_buffer`` over a ``QuantizedKVCache``'s buffers, each (packed [B, Hkv, S_cap, D * bits / 32],
     scales, biases [B, Hkv, S_cap, D / group]): the step's rows quantised as ``update_and_fetch`` quantises them
-    (the same bits in the cache), written at the offset, then the quantized kernels' live-length form (only where
-    ``buffer_limit`` let the step here: ``_quantized_live_on``). Bits and group are read off the buffers' widths."""
+    (the same bits in the cache), written at the offset, then the quantized kernels' live-length form, or where the op
+    is on its reference or the kernels do not take these buffers (said once) stock's quantized attention over them
+    with the rows past the offset masked (the same function as over the live rows: masked scores weigh exactly 0).
+    Bits and group are read off the buffers' widths."""
     D = queries.shape[3]
     bits, group_size = 32 * k_buffer[0].shape[3] // D, D // k_buffer[1].shape[3]
     k_rows = mx.quantize(keys, group_size=group_size, bits=bits)  # (packed, scales, biases) of [B, Hkv, 1, D]
     v_rows = mx.quantize(values, group_size=group_size, bits=bits)
     k_buffer = tuple(write_row(b, r, positions) for b, r in zip(k_buffer, k_rows))
     v_buffer = tuple(write_row(b, r, positions) for b, r in zip(v_buffer, v_rows))
-    problem = kernels.quantized_problem(queries, k_buffer, v_buffer, bits, group_size)
-    if problem:  # (shapes the layer's check cannot see, such as the queries' dtype against the scales')
-        log_once(f"attention_decode_quantized:live:{problem}", f"attention_decode_quantized: {problem}, using the reference")
+    kernel = _kernel_for("attention_decode_quantized",
+                         lambda: kernels.quantized_problem(queries, k_buffer, v_buffer, bits, group_size))
+    if kernel is None:
         live = mx.arange(k_buffer[0].shape[2], dtype=mx.int32) <= positions  # [S_cap]
         output = quantized_scaled_dot_product_attention(queries, k_buffer, v_buffer, scale=scale, mask=live,
                                                         group_size=group_size, bits=bits)
