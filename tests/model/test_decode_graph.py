@@ -269,6 +269,31 @@ def test_a_decode_at_a_new_capacity_compiles_no_new_kernel():
     assert kernels_at[40] == kernels_at[600] == kernels_at[2100], kernels_at
 
 
+def test_a_quantized_step_follows_its_op_switched_in_the_process(monkeypatch):
+    """The quantized op put on its reference between two steps (as a tune profile or LILY_REFERENCE_OPS can): the next
+    traced step attends with stock's masked attention, not a trace kept from the kernel's form."""
+    from lily_mlx.core import dispatch
+    from mlx_lm.models.cache import KVCache
+
+    model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
+    n_attention = sum(not layer.is_linear for layer in model.language_model.model.layers)
+    with _on_the_cuda_path(model):
+        y, cache = _prefill(model, 40, VOCAB, 0)
+        for i, c in enumerate(cache):
+            if type(c) is KVCache:
+                cache[i] = c.to_quantized(group_size=64, bits=4)
+        kinds = []
+        for reference in (False, True):
+            if reference:
+                monkeypatch.setenv("LILY_REFERENCE_OPS", "attention_decode_quantized")
+                dispatch.invalidate()
+            for _ in range(3):
+                y = _step(model, y, cache)
+                mx.eval(y)
+            kinds.append(count_step(_step(model, y, cache)))
+    assert kinds[1].get("CustomKernel") == kinds[0].get("CustomKernel") - 2 * n_attention, kinds
+
+
 @pytest.mark.parametrize("form", ["in-buffer", "update-and-fetch", "in-buffer-reference"])
 def test_decode_over_a_quantized_kv_cache_on_the_cuda_path(monkeypatch, form):
     """``--kv-bits`` on lily's CUDA path (the quantized-cache attention kernel is on there by default), over the

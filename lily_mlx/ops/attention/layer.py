@@ -567,9 +567,10 @@ def traced_decode_layer(self, x: mx.array, mask, cache, *, owner, key, pre, post
 
 
 def _attention_form() -> tuple:
-    """The switch states that decide how a step attends over the KV buffer (part of its trace's key)."""
+    """The switch states and kernels that decide how a step attends over the KV buffer (part of its trace's key; a
+    quantized cache's step: its op's kernel or stock's masked attention)."""
     return (_live_length_kernel_on(), is_enabled("gqa_packing"), is_enabled("coalesced_kv"),
-            is_enabled("fused_output_gate"))
+            is_enabled("fused_output_gate"), _kernel_for("attention_decode_quantized") is not None)
 
 
 def _one_trace_in_buffer(self, whole_step, key, x, pre_args, weights, post_args, cache, limit, *, owner, stale,
