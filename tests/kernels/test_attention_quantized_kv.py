@@ -133,22 +133,28 @@ def test_quantized_live_length_form_matches_the_dequantized_oracle(B, Hkv, G, D,
     _check(out, want, TOL[dtype] if not gated else 4 * TOL[dtype])
 
 
+def _one_step_caches(rng, Hq, rows, D, bits, q_dtype):
+    """q [1, Hq, 1, D] in ``q_dtype``, the step's gate, K / V [1, 2, rows, D] bf16, and two QuantizedKVCaches of the
+    first rows - 1 rows: ``ours`` (for the step under test) and ``stock``, which took the last row through MLX-LM's
+    ``update_and_fetch`` (its live (keys, values) returned too)."""
+    q, gate = _rand(rng, (1, Hq, 1, D), q_dtype), _rand(rng, (1, 1, Hq * D), q_dtype)
+    k, v = _rand(rng, (1, 2, rows, D), mx.bfloat16), _rand(rng, (1, 2, rows, D), mx.bfloat16)
+    ours, stock = QuantizedKVCache(group_size=64, bits=bits), QuantizedKVCache(group_size=64, bits=bits)
+    for cache in (ours, stock):
+        cache.update_and_fetch(k[:, :, :rows - 1], v[:, :, :rows - 1])
+    live = stock.update_and_fetch(k[:, :, rows - 1:], v[:, :, rows - 1:])
+    return q, gate, k[:, :, rows - 1:], v[:, :, rows - 1:], ours, stock, live
+
+
 @needs_sim
 def test_a_row_written_into_the_buffers_is_the_cache_update(monkeypatch):
     """``attend_in_buffer`` over a quantized cache's buffers (a step with ``kv_write_in_trace``): the row quantised
     and written at the offset gives the buffers MLX-LM's ``update_and_fetch`` gives, bit for bit, and the attention
     over them is the oracle's, gated (two launches: the live-length partials and the merge)."""
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
-    rng = np.random.default_rng(12)
-    q = _rand(rng, (1, 16, 1, 256), mx.bfloat16)
-    k, v = _rand(rng, (1, 2, 100, 256), mx.bfloat16), _rand(rng, (1, 2, 100, 256), mx.bfloat16)
-    gate = _rand(rng, (1, 1, 16 * 256), mx.bfloat16)
-    ours, stock = QuantizedKVCache(group_size=64, bits=4), QuantizedKVCache(group_size=64, bits=4)
-    for cache in (ours, stock):
-        cache.update_and_fetch(k[:, :, :99], v[:, :, :99])
-    stock.update_and_fetch(k[:, :, 99:], v[:, :, 99:])
+    q, gate, k_row, v_row, ours, stock, _ = _one_step_caches(np.random.default_rng(12), 16, 100, 256, 4, mx.bfloat16)
     with record_launches() as rec:
-        out, k_buffer, v_buffer = att.attend_in_buffer(q, k[:, :, 99:], v[:, :, 99:], gate, ours.keys, ours.values,
+        out, k_buffer, v_buffer = att.attend_in_buffer(q, k_row, v_row, gate, ours.keys, ours.values,
                                                        mx.array(99, dtype=mx.int32), scale=0.0625)
     assert rec.names()[0] == "attention_decode_block_partials_live_quantized" and len(rec) == 2
     for mine, theirs in zip((*k_buffer, *v_buffer), (*stock.keys, *stock.values)):
@@ -320,19 +326,13 @@ def test_a_row_written_into_the_buffers_falls_back_where_the_kernel_cannot_read_
     is written all the same, and stock's quantized attention over the whole buffers with the rows past the offset
     masked gives the step's output, said once; no launch."""
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
-    rng = np.random.default_rng(13)
-    q = _rand(rng, (1, 8, 1, 128), mx.float32)
-    k, v = _rand(rng, (1, 2, 30, 128), mx.bfloat16), _rand(rng, (1, 2, 30, 128), mx.bfloat16)
-    gate = _rand(rng, (1, 1, 8 * 128), mx.float32)
-    ours, stock = QuantizedKVCache(group_size=64, bits=8), QuantizedKVCache(group_size=64, bits=8)
-    for cache in (ours, stock):
-        cache.update_and_fetch(k[:, :, :29], v[:, :, :29])
-    keys, values = stock.update_and_fetch(k[:, :, 29:], v[:, :, 29:])
+    q, gate, k_row, v_row, ours, stock, (keys, values) = _one_step_caches(np.random.default_rng(13), 8, 30, 128, 8,
+                                                                          mx.float32)
     want = quantized_scaled_dot_product_attention(mx.array(q), keys, values, scale=0.125, mask=None, group_size=64,
                                                   bits=8)  # (it scales its queries in place: a copy)
     want = want.transpose(0, 2, 1, 3).reshape(1, 1, -1) * mx.sigmoid(gate)
     with record_launches() as rec, caplog.at_level("INFO"):
-        out, k_buffer, v_buffer = att.attend_in_buffer(q, k[:, :, 29:], v[:, :, 29:], gate, ours.keys, ours.values,
+        out, k_buffer, v_buffer = att.attend_in_buffer(q, k_row, v_row, gate, ours.keys, ours.values,
                                                        mx.array(29, dtype=mx.int32), scale=0.125)
     assert not rec.names()
     assert all(bool(mx.array_equal(a, b).item()) for a, b in zip((*k_buffer, *v_buffer), (*stock.keys, *stock.values)))
