@@ -377,6 +377,23 @@ def parse_max_prefill(text: Optional[str]) -> Dict[str, int]:
     return out
 
 
+# Rounds of one engine at one length whose rates differ more than this: said in the log and the row (``uneven``), as
+# likely a compile or another one-time cost inside a timed run (2026-12-05, H100: a merge compiled in round 1's decode
+# at a new KV capacity, 26.8 against 178.5 tok/s in round 2), not the engine's rate; the median of two such rounds is
+# their mean.
+UNEVEN_ROUNDS = 2.0
+
+
+def uneven_rounds(runs: Sequence[Dict], metric: str) -> Optional[float]:
+    """The ratio of the fastest to the slowest of ``runs``' ``metric`` where it exceeds ``UNEVEN_ROUNDS``, else
+    None."""
+    values = [x.get(metric) for x in runs]
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v)) and v > 0]
+    if len(values) < 2 or max(values) / min(values) <= UNEVEN_ROUNDS:
+        return None
+    return max(values) / min(values)
+
+
 def _median(values) -> Optional[float]:
     values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return statistics.median(values) if values else None
@@ -436,6 +453,12 @@ def sweep(model, lengths: Sequence[int], prefill_lengths: Sequence[int], decode_
                 "trials": [{k: v for k, v in x.items() if k != "tokens"} for x in runs],
                 "tokens": runs[0]["tokens"] if runs else [],
             }
+            for metric in ("prompt_tps", "generation_tps") if gen > 1 else ("prompt_tps",):
+                spread = uneven_rounds(runs, metric)
+                if spread is not None and own[engine]:
+                    entry.setdefault("uneven", {})[metric] = round(spread, 2)
+                    log(f"[e2e] {length_label(length):>5} {engine}: {metric} differs {spread:.1f}x between rounds "
+                        f"({', '.join(f'{x[metric]:.1f}' for x in runs)}): a one-time cost (a compile?) in a timed run")
             if not own[engine]:
                 entry["prompt_tps"] = None
                 entry["not_measured"] = {
@@ -583,6 +606,13 @@ def notes_markdown(rows: List[Dict]) -> str:
         extra = (" (a prompt that long takes minutes per run at its prefill rate); its decode at these contexts "
                  "runs from the shared cache" if what == "prefill" else " (a prompt that long takes minutes)")
         notes.append(f"- {NOT_MEASURED}: {engine} {what} not measured at {', '.join(labels)}: {why}{extra}.")
+    for r in rows:
+        for engine, entry in r.items():
+            for metric, spread in (entry.get("uneven") or {}).items() if isinstance(entry, dict) else ():
+                what = "prefill" if metric == "prompt_tps" else "decode"
+                notes.append(f"- {r['label']}, {engine}: {what} rates differ {spread:.1f}x between rounds "
+                             f"(more than {UNEVEN_ROUNDS:g}x): a one-time cost in a timed run; read the rounds in the "
+                             "JSON's trials, not the median.")
     shared = sorted({r["shared_prefill"] for r in rows if r.get("shared_prefill")})
     if shared:
         labels = [r["label"] for r in rows if r.get("shared_prefill")]
