@@ -440,6 +440,18 @@ def contiguous_lane_elements(D: int, dtype) -> int:
     return int((D // 32) * dtype.size <= 16)
 
 
+def _quantized_geometry(queries, keys, values, bits: int, group_size: int, kv_length: Optional[int], gqa_packed: bool,
+                        simdgroups: Optional[int] = None, rows: Optional[int] = None) -> _Geometry:
+    """``_geometry`` of the quantized launchers, over the packed keys, with BITS and GROUP in the template; a
+    ValueError naming what the kernels do not take (``quantized_problem``)."""
+    problem = quantized_problem(queries, keys, values, bits, group_size)
+    if problem:
+        raise ValueError(f"quantized decode attention: {problem}")
+    coalesced = bool(contiguous_lane_elements(queries.shape[3], queries.dtype))
+    g = _geometry(queries, keys[0], kv_length, gqa_packed, coalesced, simdgroups, rows)
+    return g._replace(template=g.template + [("BITS", bits), ("GROUP", group_size)])
+
+
 def decode_attention_quantized(
     queries: mx.array,  # [B, Hq, 1, D]
     keys: Tuple[mx.array, mx.array, mx.array],  # packed [B, Hkv, S_cap, D * bits / 32] uint32, scales, biases
@@ -459,12 +471,8 @@ def decode_attention_quantized(
     """``decode_attention`` (or with ``fixed_blocks`` ``decode_attention_fixed_blocks``) over an MLX-LM
     ``QuantizedKVCache``'s buffers: each K/V row read as its packed words, scale and bias, dequantised in fp32
     (scale * q + bias) where it is used; softmax and accumulation in fp32 as the plain kernels."""
-    problem = quantized_problem(queries, keys, values, bits, group_size)
-    if problem:
-        raise ValueError(f"quantized decode attention: {problem}")
     D = queries.shape[3]
-    g = _geometry(queries, keys[0], kv_length, gqa_packed, bool(contiguous_lane_elements(D, queries.dtype)), rows=rows)
-    g = g._replace(template=g.template + [("BITS", bits), ("GROUP", group_size)])
+    g = _quantized_geometry(queries, keys, values, bits, group_size, kv_length, gqa_packed, rows=rows)
     kv_inputs = [*keys, *values]
     if fixed_blocks:
         plan = fixed_block_plan(g.S, D, g.threadgroups, block_rows)
@@ -498,14 +506,9 @@ def decode_attention_quantized_live(
     """``decode_attention_fixed_blocks_live`` over a ``QuantizedKVCache``'s buffers (``kv_write_in_trace`` with
     ``--kv-bits``): blocks and threadgroups from the capacity alone, the live length read from ``last_row``, each row
     dequantised where it is used as in ``decode_attention_quantized``."""
-    problem = quantized_problem(queries, keys, values, bits, group_size)
-    if problem:
-        raise ValueError(f"quantized decode attention: {problem}")
-    D = queries.shape[3]
-    g = _geometry(queries, keys[0], None, gqa_packed, bool(contiguous_lane_elements(D, queries.dtype)),
-                  live_simdgroups(keys[0].shape[2], backend))
-    g = g._replace(template=g.template + [("BITS", bits), ("GROUP", group_size)])
-    plan = fixed_block_plan(g.S_cap, D, g.threadgroups, live_block_rows(g.S_cap))
+    g = _quantized_geometry(queries, keys, values, bits, group_size, None, gqa_packed,
+                            simdgroups=live_simdgroups(keys[0].shape[2], backend))
+    plan = fixed_block_plan(g.S_cap, queries.shape[3], g.threadgroups, live_block_rows(g.S_cap))
     partials = KERNELS["attention_decode_block_partials_live_quantized"]
     last_row = last_row.astype(mx.int32).reshape(1)
     return _blocks_then_merge(queries, [*keys, *values], g, plan, partials, [float32_scalar(scale), last_row],
