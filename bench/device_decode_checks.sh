@@ -76,6 +76,8 @@
 #                                               # 4K-128K, 4 and 8 bits, decode at 32K over a 4-bit and a plain cache
 #   PART=32 bash bench/device_decode_checks.sh  # the merge's one MW: live_check (MW 8 / 32, 2x rows), e2e decode
 #                                               # 4K / 32K two rounds (round 1 no longer compiles a merge)
+#   PART=33 bash bench/device_decode_checks.sh  # switch long_live_blocks (twice the rows a block in the live-length
+#                                               # attention): decode A/B on / off in bursts at 32K and 128K
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -461,7 +463,18 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     grep -E "\[e2e\] +(4K|32K) round" "$W/e2e_mw.txt" 2>/dev/null
     cat "$W/e2e_mw/e2e.md" 2>/dev/null | head -6
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31 or 32" \
+  33) # switch long_live_blocks (off, a candidate: twice the rows a block in the live-length attention kernels, 4-10 %
+      # less kernel time on both GPUs): decode in alternating bursts, on against off in one process, at 32K and 128K
+      # (one prefill each; bench.decode_ab)
+    export LILY_ENABLE=long_live_blocks
+    run decode_ab_32k 170 python -m bench.decode_ab --engines lily,lily-off:long_live_blocks --context 32768 \
+      --bursts 10 --out "$W/ab_32k"
+    tail -8 "$W/ab_32k.txt" 2>/dev/null
+    run decode_ab_128k 260 python -m bench.decode_ab --engines lily,lily-off:long_live_blocks --context 131072 \
+      --bursts 8 --out "$W/ab_128k"
+    tail -8 "$W/ab_128k.txt" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32 or 33" \
        >&2
      exit 2 ;;
 esac

@@ -111,13 +111,14 @@ def test_quantized_decode_kernels_match_the_dequantized_oracle(B, Hkv, G, D, S, 
     B=st.integers(1, 2), Hkv=st.integers(1, 2), G=st.sampled_from([1, 3, 8]), D=st.sampled_from([64, 128, 256]),
     S=st.sampled_from([1, 40, 300]), spare=st.sampled_from([0, 9, 200]), bits=st.sampled_from([2, 4, 8]),
     group_size=st.sampled_from([32, 64, 128]), dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
-    packed=st.booleans(), gated=st.booleans(), seed=st.integers(0, 2**16),
+    packed=st.booleans(), gated=st.booleans(), block_rows=st.sampled_from([None, 16, 128]), seed=st.integers(0, 2**16),
 )
 def test_quantized_live_length_form_matches_the_dequantized_oracle(B, Hkv, G, D, S, spare, bits, group_size, dtype,
-                                                                   packed, gated, seed):
+                                                                   packed, gated, block_rows, seed):
     """The live-length form over a quantized cache's whole buffers (``kv_write_in_trace``): blocks over the
-    capacity, the live rows 0 .. last_row read from an array, with and without the output gate in the merge;
-    partials and outputs poisoned."""
+    capacity (the schedule's rows a block, or ``block_rows`` as switch ``long_live_blocks`` passes them), the live
+    rows 0 .. last_row read from an array, with and without the output gate in the merge; partials and outputs
+    poisoned."""
     if D % group_size:
         group_size = D
     rng = np.random.default_rng(seed)
@@ -125,7 +126,7 @@ def test_quantized_live_length_form_matches_the_dequantized_oracle(B, Hkv, G, D,
     gate = _rand(rng, (B, 1, Hkv * G * D), DTYPES[dtype]) if gated else None
     out = ak.decode_attention_quantized_live(q, k, v, mx.array([S - 1], dtype=mx.int32), scale=D**-0.5, bits=bits,
                                              group_size=group_size, gqa_packed=packed, backend=KERNEL_BACKEND,
-                                             init_value=NAN, gate=gate)
+                                             init_value=NAN, gate=gate, block_rows=block_rows)
     want = _oracle(q, k, v, S, D**-0.5, bits, group_size)
     if gated:
         want = (want.astype(mx.float32).transpose(0, 2, 1, 3).reshape(B, 1, -1)

@@ -298,7 +298,8 @@ def attend_in_buffer(queries, keys, values, gate, k_buffer, v_buffer, positions,
             fuse_gate = is_enabled("fused_output_gate") and gate.dtype == queries.dtype
             output = kernels.decode_attention_fixed_blocks_live(
                 queries, k_buffer, v_buffer, positions, scale=scale, gqa_packed=is_enabled("gqa_packing"),
-                coalesced=is_enabled("coalesced_kv"), backend=active_backend(), gate=gate if fuse_gate else None)
+                coalesced=is_enabled("coalesced_kv"), backend=active_backend(), gate=gate if fuse_gate else None,
+                block_rows=_live_block_rows(k_buffer))
             return (output if fuse_gate else gated(output, gate)), k_buffer, v_buffer
         log_once(f"attention_decode_long:live:{problem}", f"attention_decode_long: {problem}, using the reference")
     live = mx.arange(k_buffer.shape[2], dtype=mx.int32) <= positions  # [S_cap]
@@ -328,8 +329,14 @@ def _attend_in_quantized_buffer(queries, keys, values, gate, k_buffer, v_buffer,
     fuse_gate = is_enabled("fused_output_gate") and gate.dtype == queries.dtype
     output = kernels.decode_attention_quantized_live(
         queries, k_buffer, v_buffer, positions, scale=scale, bits=bits, group_size=group_size,
-        gqa_packed=is_enabled("gqa_packing"), backend=active_backend(), gate=gate if fuse_gate else None)
+        gqa_packed=is_enabled("gqa_packing"), backend=active_backend(), gate=gate if fuse_gate else None,
+        block_rows=_live_block_rows(k_buffer[0]))
     return (output if fuse_gate else gated(output, gate)), k_buffer, v_buffer
+
+
+def _live_block_rows(k_buffer: mx.array) -> int:
+    """Rows per block of the live-length kernels over this buffer (its capacity and switch ``long_live_blocks``)."""
+    return kernels.live_block_rows(k_buffer.shape[2], long_blocks=is_enabled("long_live_blocks"))
 
 
 # --- the layer ------------------------------------------------------------------------------------
@@ -570,7 +577,8 @@ def _attention_form() -> tuple:
     """The switch states and kernels that decide how a step attends over the KV buffer (part of its trace's key; a
     quantized cache's step: its op's kernel or stock's masked attention)."""
     return (_live_length_kernel_on(), is_enabled("gqa_packing"), is_enabled("coalesced_kv"),
-            is_enabled("fused_output_gate"), _kernel_for("attention_decode_quantized") is not None)
+            is_enabled("fused_output_gate"), is_enabled("long_live_blocks"),
+            _kernel_for("attention_decode_quantized") is not None)
 
 
 def _one_trace_in_buffer(self, whole_step, key, x, pre_args, weights, post_args, cache, limit, *, owner, stale,
