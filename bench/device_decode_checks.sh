@@ -78,6 +78,8 @@
 #                                               # 4K / 32K two rounds (round 1 no longer compiles a merge)
 #   PART=33 bash bench/device_decode_checks.sh  # switch long_live_blocks (twice the rows a block in the live-length
 #                                               # attention): decode A/B on / off in bursts at 32K and 128K
+#   PART=34 bash bench/device_decode_checks.sh  # issue 12's expert GEMVs: Nsight Compute's sections and stall
+#                                               # samples of the routed gate+up GEMV and the down+combine at 4K
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -474,7 +476,17 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       --bursts 8 --out "$W/ab_128k"
     tail -8 "$W/ab_128k.txt" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32 or 33" \
+  34) # issue 12's expert GEMVs at ~13 % of copy, and not bound by their K chains (PART=30, 2026-12-05): where the
+      # routed gate+up GEMV (one token) and the down GEMV with the combine spend their time in a 4K decode step,
+      # Nsight Compute's sections and stall samples by instruction (bench.kernel_sections, two ncu runs each)
+    run ks_gate_up 200 python -m bench.kernel_sections --kernel gemv_gate_up_swiglu_routed --context 4096 \
+      --out "$W/ks_gate_up"
+    cat "$W/ks_gate_up/sections.md" 2>/dev/null | head -40
+    run ks_down 200 python -m bench.kernel_sections --kernel gemv_down_combine --context 4096 --out "$W/ks_down"
+    cat "$W/ks_down/sections.md" 2>/dev/null | head -40
+    rm -f "$W"/ks_*/source.csv
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33 or 34" \
        >&2
      exit 2 ;;
 esac
