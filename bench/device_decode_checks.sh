@@ -78,8 +78,9 @@
 #                                               # 4K / 32K two rounds (round 1 no longer compiles a merge)
 #   PART=33 bash bench/device_decode_checks.sh  # switch long_live_blocks (twice the rows a block in the live-length
 #                                               # attention): decode A/B on / off in bursts at 32K and 128K
-#   PART=34 bash bench/device_decode_checks.sh  # issue 12's expert GEMVs: Nsight Compute's sections and stall
-#                                               # samples of the routed gate+up GEMV and the down+combine at 4K
+#   PART=34 bash bench/device_decode_checks.sh  # issue 12's expert GEMVs: K chunks of 512 against 256 (op cases),
+#                                               # Nsight Compute's sections and stall samples of the routed gate+up
+#                                               # GEMV and the down+combine at 4K
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -478,7 +479,12 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     ;;
   34) # issue 12's expert GEMVs at ~13 % of copy, and not bound by their K chains (PART=30, 2026-12-05): where the
       # routed gate+up GEMV (one token) and the down GEMV with the combine spend their time in a 4K decode step,
-      # Nsight Compute's sections and stall samples by instruction (bench.kernel_sections, two ncu runs each)
+      # Nsight Compute's sections and stall samples by instruction (bench.kernel_sections, two ncu runs each); first
+      # the staged GEMVs with K chunks of 512 (4 chunks a gate+up chain instead of 8: twice the bytes in flight a
+      # chunk, if the chunks' memory latency is what bounds them) against the product's 256 (op cases, same bits)
+    run op_cases 150 python -m bench.run --mode kernels --op-cases on \
+      --op-match 'gemv_(gate_up_swiglu|down)_(staged|r16_kc512|r32_kc512)_x8\[1tok\]' --out "$W/gemv_kc512"
+    grep -E "gemv_" "$W/gemv_kc512/kernels.md" 2>/dev/null | head -8
     run ks_gate_up 200 python -m bench.kernel_sections --kernel gemv_gate_up_swiglu_routed --context 4096 \
       --out "$W/ks_gate_up"
     cat "$W/ks_gate_up/sections.md" 2>/dev/null | head -40

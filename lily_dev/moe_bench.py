@@ -205,7 +205,8 @@ def microbench_cases() -> List[Tuple[str, Callable[[], None], int, int]]:
 GEMV_POOL = 32  # distinct decode calls the GEMV cases cycle through
 REPEATS = 8  # launches per evaluation in the _x8 cases
 # Staged layouts timed besides the default (kernels.GEMV_LAYOUT): (R outputs per threadgroup, K chunk).
-GEMV_VARIANTS = {"gate_up": ((32, 256), (64, 128)), "down": ((64, 256), (128, 256), (64, 128))}
+# (16, 512) and (32, 512): K chunks of 512 (half the chunks a chain, each with twice the bytes in flight; 2026-12-05).
+GEMV_VARIANTS = {"gate_up": ((32, 256), (64, 128), (16, 512)), "down": ((64, 256), (128, 256), (64, 128), (32, 512))}
 # The gate+up GEMV's K-split candidate (R, KC, SK): each sum as SK chains over contiguous K ranges (other bits than
 # the GEMM tiles', so a candidate: docs/moe.md), timed as gemv_gate_up_swiglu_r{R}_kc{KC}_sk{SK}_x8[1tok].
 GEMV_SPLIT_VARIANTS = ((16, 128, 2), (16, 64, 4), (8, 64, 4), (8, 64, 8))

@@ -756,8 +756,36 @@ def test_small_calls_run_the_gemms_without_routing_kernels(gemm_sim, monkeypatch
 
 
 # (rows per threadgroup, K chunk) of the staged GEMVs; down needs whole simdgroups (R >= 32).
-GEMV_UP_LAYOUTS = st.sampled_from([None, (16, 64), (16, 256), (64, 128), (32, 256), (128, 64)])
-GEMV_DOWN_LAYOUTS = st.sampled_from([None, (32, 64), (64, 128), (32, 256), (128, 64)])
+GEMV_UP_LAYOUTS = st.sampled_from([None, (16, 64), (16, 256), (64, 128), (32, 256), (128, 64), (16, 512)])
+GEMV_DOWN_LAYOUTS = st.sampled_from([None, (32, 64), (64, 128), (32, 256), (128, 64), (32, 512)])
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_decode_gemvs_in_chunks_of_512_same_bits_as_rowwise(gemm_sim, tokens):
+    """The staged GEMVs with K chunks of 512 (benchmark layouts (16, 512) and (32, 512): gate+up over K = 1,024 in
+    two chunks, down over K = 512 in one, with a shared-expert chunk) equal the rowwise form bitwise; poisoned."""
+    block = make_sparse_moe_block(hidden=1024, expert_width=512, num_experts=4, top_k=2, seed=3, shared_width=512)
+    sw, shared = block.switch_mlp, block.shared_expert
+    assert mk.gemv_geometry("gate_up", 512, 1024, (16, 512)) == (16, 512)
+    assert mk.gemv_geometry("down", 1024, 512, (32, 512)) == (32, 512)
+    inds = mx.array(make_routing("uniform", tokens, 2, 4, tokens).astype(np.uint32))
+    x = make_inputs(1, tokens, 1024, seed=tokens).reshape(tokens, 1024)
+    sched = mk.per_assignment_schedule(inds)
+    blocks = mx.concatenate([sched["blocks"], mk.shared_expert_blocks(tokens, 1, 2 * tokens, 4, mk.SMALL_TILE, True)])
+
+    def up(lay):
+        return mk.gemm_gate_up_swiglu(x, sched["sorted_rows"], blocks, sw.gate_proj, sw.up_proj, 2, True, None,
+                                      KERNEL_BACKEND, init_value=float("nan"), shared=shared, gemv=True,
+                                      gemv_layout=lay)
+
+    def down(h, lay):
+        return mk.gemm_down(h, blocks, sw.down_proj, True, None, KERNEL_BACKEND, init_value=float("nan"),
+                            shared=shared, gemv=True, gemv_layout=lay)
+
+    h_want = up("rowwise")
+    assert not mx.isnan(h_want).any().item()
+    assert mx.array_equal(up((16, 512)), h_want).item()
+    assert mx.array_equal(down(h_want, (32, 512)), down(h_want, "rowwise")).item()
 
 
 @SETTINGS

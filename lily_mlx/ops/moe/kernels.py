@@ -336,6 +336,12 @@ GATE_UP_SPLIT_ROWS_CHUNK = (16, 64)
 GEMV_THREADGROUP_BYTES = 32 * 1024  # Apple's threadgroup memory limit
 
 
+# K chunks a staged GEMV may take, largest first (the layout's KC is the most it takes). 512 only where a layout asks
+# for it (benchmark variants: at R = 16 gate+up's 4 chunks of K = 2,048 keep twice the bytes in flight a chunk, 25.1 KB
+# of threadgroup memory).
+GEMV_CHUNKS = (512, 256, 128, 64)
+
+
 def gemv_stage_bytes(matrices: int, rows: int, chunk: int, split: int = 1) -> int:
     """Threadgroup memory of a staged GEMV: two buffers of packed rows (padded by one uint4), scales and
     biases as floats and the activation chunk as floats (each ``split`` times: the K-split candidate), plus the
@@ -349,7 +355,7 @@ def gemv_stage_bytes(matrices: int, rows: int, chunk: int, split: int = 1) -> in
 def gemv_geometry(name: str, width: int, k: int, layout=None, other_bytes: int = 0):
     """(rows R, chunk KC) of staged GEMV ``name`` ('gate_up' / 'down') for output width ``width`` and
     reduction length ``k``: R from ``layout`` (default GEMV_LAYOUT) halved until it divides the width,
-    KC the largest of 256, 128, 64 (at most the layout's) dividing k whose buffers fit 32 KB beside
+    KC the largest of GEMV_CHUNKS (at most the layout's) dividing k whose buffers fit 32 KB beside
     ``other_bytes`` of the kernel's own threadgroup memory. A layout (R, KC, SK) (gate+up only: the K-split
     candidate, benchmarks and tests) returns (R, KC, SK), KC then dividing k / SK."""
     rows, chunk, *rest = layout or GEMV_LAYOUT[name]
@@ -361,7 +367,7 @@ def gemv_geometry(name: str, width: int, k: int, layout=None, other_bytes: int =
         rows //= 2
     if (matrices * rows * split) % 32:  # whole simdgroups (the bridge runs nothing else with barriers)
         raise ValueError(f"staged GEMV {name}: {matrices} x {rows} x {split} threads are not whole simdgroups")
-    for kc in (256, 128, 64):
+    for kc in GEMV_CHUNKS:
         if (kc <= chunk and k % (kc * split) == 0
                 and gemv_stage_bytes(matrices, rows, kc, split) + other_bytes <= GEMV_THREADGROUP_BYTES):
             return (rows, kc) if not rest else (rows, kc, split)
