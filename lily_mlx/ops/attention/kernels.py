@@ -115,7 +115,8 @@ FIXED_BLOCK_MAX_ROWS = 4096
 LIVE_TARGET_BLOCKS = FIXED_BLOCK_TARGET_BLOCKS // 2
 # Switch long_live_blocks (a candidate, off): the live form aims at half as many blocks again (twice the rows a
 # block). Kernel time, 8 calls (lily_dev.live_check): H100 654 / 882 / 1,331 us against 710 / 943 / 1,480 at 4K /
-# 32K / 128K (2026-12-05), H200 4-7 % faster (2026-12-04); on by default only after an end-to-end A/B.
+# 32K / 128K (2026-12-05), H200 604 / 947 / 1,377 against 673 / 1,005 / 1,436 (2026-12-04); on by default only after
+# an end-to-end A/B.
 LONG_LIVE_TARGET_BLOCKS = LIVE_TARGET_BLOCKS // 2
 # On CUDA the live form's threadgroups hold 8 simdgroups, not 4: at 32K the blocks give ~1 threadgroup an SM (132
 # on the H200), one warp a scheduler, and a warp issues an instruction every ~2.7 cycles (Nsight Compute,
