@@ -481,10 +481,12 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       # routed gate+up GEMV (one token) and the down GEMV with the combine spend their time in a 4K decode step,
       # Nsight Compute's sections and stall samples by instruction (bench.kernel_sections, two ncu runs each); first
       # the staged GEMVs with K chunks of 512 (4 chunks a gate+up chain instead of 8: twice the bytes in flight a
-      # chunk, if the chunks' memory latency is what bounds them) against the product's 256 (op cases, same bits)
+      # chunk, if the chunks' memory latency is what bounds them) and gate+up's direct layout (each chain's row read
+      # by its thread, 4 or 8 groups a register batch, no barrier a chunk) against the product's (op cases, same bits)
     run op_cases 150 python -m bench.run --mode kernels --op-cases on \
-      --op-match 'gemv_(gate_up_swiglu|down)_(staged|r16_kc512|r32_kc512)_x8\[1tok\]' --out "$W/gemv_kc512"
-    grep -E "gemv_" "$W/gemv_kc512/kernels.md" 2>/dev/null | head -8
+      --op-match 'gemv_(gate_up_swiglu|down)_(staged|r16_kc512|r32_kc512|direct_r16_kb[48])_x8\[1tok\]' \
+      --out "$W/gemv_kc512"
+    grep -E "gemv_" "$W/gemv_kc512/kernels.md" 2>/dev/null | head -10
     run ks_gate_up 200 python -m bench.kernel_sections --kernel gemv_gate_up_swiglu_routed --context 4096 \
       --out "$W/ks_gate_up"
     cat "$W/ks_gate_up/sections.md" 2>/dev/null | head -40

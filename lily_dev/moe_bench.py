@@ -212,6 +212,9 @@ GEMV_VARIANTS = {"gate_up": ((32, 256), (64, 128), (16, 512)), "down": ((64, 256
 GEMV_SPLIT_VARIANTS = ((16, 128, 2), (16, 64, 4), (8, 64, 4), (8, 64, 8))
 # Layouts of the down GEMV + combine kernel timed besides its default: (R columns a threadgroup, K chunk).
 DOWN_COMBINE_VARIANTS = ((8, 128), (8, 64), (4, 128), (4, 64), (32, 64))
+# The gate+up GEMV's direct layout candidate (R, KB): each chain's weight row read by its thread, KB quantisation
+# groups a register batch (no staging, no barrier a chunk), timed as gemv_gate_up_swiglu_direct_r{R}_kb{KB}_x8[1tok].
+GEMV_DIRECT_VARIANTS = ((16, 4), (16, 8))
 
 
 def _decode_calls(tokens: int, backend: str):
@@ -281,6 +284,8 @@ def decode_gemv_cases(sw, backend: str) -> List[Tuple[str, Callable[[], None], i
                 if name == "gemv_gate_up_swiglu":
                     layouts += [(f"r{r}_kc{kc}_sk{sk}", (r, kc, sk)) for r, kc, sk in GEMV_SPLIT_VARIANTS
                                 if HIDDEN % (kc * sk) == 0]  # (shrunk shapes in tests)
+                    layouts += [(f"direct_r{r}_kb{kb}", ("direct", r, kb)) for r, kb in GEMV_DIRECT_VARIANTS
+                                if (HIDDEN // 64) % kb == 0]
             for label, layout in layouts:
                 if tokens == 1 and label in ("staged", "rowwise"):
                     cases.append((f"{name}_{label}{t}", _cycling(make(layout), calls, 1), nbytes, flops))

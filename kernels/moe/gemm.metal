@@ -1136,6 +1136,46 @@ moe_gemv_gate_up_rows<R, KC, T, SK>(e, slot, token, E, I, D, int(threadgroup_pos
                                 biases_gate_s, w_up_s, scales_up_s, biases_up_s, gemv_ws, gemv_ss, gemv_bs, gemv_xs,
                                 up_sums, h);
 
+// @kernel moe_gemv_gate_up_swiglu_direct
+// moe_gemv_gate_up_swiglu with each chain's weight row read by its own thread straight from device memory
+// (moe_gemv_chain_direct: KB quantisation groups a register batch, the next batch's loads issued before this batch's
+// sums) instead of staged chunks: no barrier and no threadgroup copy per chunk, a chain's memory latency exposed
+// once per KB groups. The threadgroup first stages its token's activation row as floats (KX = D floats). A layout
+// candidate (benchmarks): same grid, inputs and outputs as moe_gemv_gate_up_swiglu, the same sums in the same k
+// order, so the same bits. grid (I / R * 2R, n_blocks, 1), threadgroup (2R, 1, 1); template T, R (dividing I; 2R
+// whole simdgroups), KB (dividing D / 64), KX (= D). params: [top_k, D, I, E, A, N].
+threadgroup float4 gemv_xrow[KX / 4];
+threadgroup float up_sums[R];
+const uint tid = thread_index_in_threadgroup;
+const int blk = int(threadgroup_position_in_grid.y);
+const int e = blocks[4 * blk + 0];
+const int slot = blocks[4 * blk + 1];
+if (blocks[4 * blk + 2] == 0) {
+  return;  // padding entry: the whole threadgroup leaves
+}
+const long token = e >= E ? long(slot - A - (e - E) * N) : long(sorted_rows[slot] / top_k);
+const bool shared = e >= E;
+const int o0 = int(threadgroup_position_in_grid.x) * R;
+const bool up = int(tid) >= R;
+const long row = long(shared ? e - E : e) * I + o0 + int(tid) % R;  // this chain's weight row
+const device T* xsrc = x + token * D;
+for (int i = int(tid); i < KX / 4; i += 2 * R) {  // the activations as floats, moe_gemv_staged's values
+  gemv_xrow[i] = float4(float(xsrc[4 * i]), float(xsrc[4 * i + 1]), float(xsrc[4 * i + 2]), float(xsrc[4 * i + 3]));
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+const device uint32_t* w = shared ? (up ? w_up_s : w_gate_s) : (up ? w_up : w_gate);
+const device T* sc = shared ? (up ? scales_up_s : scales_gate_s) : (up ? scales_up : scales_gate);
+const device T* bi = shared ? (up ? biases_up_s : biases_gate_s) : (up ? biases_up : biases_gate);
+const float acc = moe_gemv_chain_direct<KB, T>(w + row * (D / 8), sc + row * (D / 64), bi + row * (D / 64), gemv_xrow,
+                                               KX, q4_exponent_unfolded(E));
+if (up) {
+  up_sums[int(tid) - R] = acc;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (!up) {
+  h[long(slot) * I + o0 + int(tid)] = static_cast<T>(acc / (1.0f + metal::exp(-acc)) * up_sums[tid]);
+}
+
 // @kernel moe_gemv_gate_up_swiglu_routed
 // moe_gemv_gate_up_swiglu for a decode call with the router's top-k inside (switch fused_topk_gemv): one
 // launch fewer per MoE layer. Each threadgroup selects its token's experts from moe_router_logits_q's

@@ -706,7 +706,8 @@ def test_microbench_cases_small(gemm_sim, monkeypatch):
     assert "gemm_down_fused_adaptive_bf16tiles[40tok]" in names
     assert {"down_then_combine_x8[1tok]", "down_combine_default_x8[1tok]",
             "down_combine_r8_kc64_x8[8tok]", "down_combine_direct_x8[1tok]"} <= set(names)
-    assert {"gemv_gate_up_swiglu_r16_kc128_sk2_x8[1tok]", "gemv_gate_up_swiglu_r8_kc64_sk4_x8[1tok]"} <= set(names)
+    assert {"gemv_gate_up_swiglu_r16_kc128_sk2_x8[1tok]", "gemv_gate_up_swiglu_r8_kc64_sk4_x8[1tok]",
+            "gemv_gate_up_swiglu_direct_r16_kb4_x8[1tok]"} <= set(names)
     for name, run_once, bytes_moved, flops in cases:
         run_once()
         assert bytes_moved > 0 and flops >= 0, name
@@ -763,7 +764,8 @@ GEMV_DOWN_LAYOUTS = st.sampled_from([None, (32, 64), (64, 128), (32, 256), (128,
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_decode_gemvs_in_chunks_of_512_same_bits_as_rowwise(gemm_sim, tokens):
     """The staged GEMVs with K chunks of 512 (benchmark layouts (16, 512) and (32, 512): gate+up over K = 1,024 in
-    two chunks, down over K = 512 in one, with a shared-expert chunk) equal the rowwise form bitwise; poisoned."""
+    two chunks, down over K = 512 in one, with a shared-expert chunk) and gate+up's direct layout (each chain's row
+    read by its thread in batches of 1, 4 and 8 groups) equal the rowwise form bitwise; poisoned."""
     block = make_sparse_moe_block(hidden=1024, expert_width=512, num_experts=4, top_k=2, seed=3, shared_width=512)
     sw, shared = block.switch_mlp, block.shared_expert
     assert mk.gemv_geometry("gate_up", 512, 1024, (16, 512)) == (16, 512)
@@ -785,6 +787,8 @@ def test_decode_gemvs_in_chunks_of_512_same_bits_as_rowwise(gemm_sim, tokens):
     h_want = up("rowwise")
     assert not mx.isnan(h_want).any().item()
     assert mx.array_equal(up((16, 512)), h_want).item()
+    for kb in (1, 4, 8):  # the direct layout candidate: each chain's row read by its thread, KB groups a batch
+        assert mx.array_equal(up(("direct", 16, kb)), h_want).item(), kb
     assert mx.array_equal(down(h_want, (32, 512)), down(h_want, "rowwise")).item()
 
 
@@ -1043,6 +1047,33 @@ def test_decode_gemv_k_split_compiles_for_cuda():
         with switches.overrides(enable=("split_k_gate_up",)):  # the product's routed GEMV under the switch
             mk.gemv_gate_up_routed(block, mx.zeros((1, 2048), mx.bfloat16), mx.zeros((1, 5), mx.float32), "cuda")
     assert [dict(kw["template"])["SK"] for _, kw in calls] == [sk for _, _, sk in GEMV_SPLIT_VARIANTS] + [4, 4, 4]
+    for name, kw in calls:
+        ok, log = compile_cuda(resource_usage._cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"],
+                                                         kw["template"]))
+        assert ok, (kw["template"], log[-3000:])
+
+
+def test_decode_gemv_layout_candidates_compile_for_cuda():
+    """The GEMV layouts timed as candidates on a GPU (lily_dev/moe_bench.py: K chunks of 512, gate+up's direct
+    layout) translate and compile for the H200 at Qwen3.6's widths (hidden 2048, expert width 512)."""
+    from lily_dev import resource_usage
+    from lily_dev.compile_check import compile_cuda, compiler_available
+    from lily_dev.moe_bench import GEMV_DIRECT_VARIANTS, GEMV_VARIANTS
+
+    if compiler_available() is None:
+        pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
+    sw = make_sparse_moe_block(hidden=2048, expert_width=512, num_experts=4, top_k=2, seed=1).switch_mlp
+    sched = mk.per_assignment_schedule(mx.array([[0, 1]], dtype=mx.uint32))
+    up_layouts = [lay for lay in GEMV_VARIANTS["gate_up"] if lay[1] == 512]
+    up_layouts += [("direct", r, kb) for r, kb in GEMV_DIRECT_VARIANTS]
+    with resource_usage._captured_launches(mk) as calls:
+        for layout in up_layouts:
+            mk.gemm_gate_up_swiglu(mx.zeros((1, 2048), mx.bfloat16), sched["sorted_rows"], sched["blocks"],
+                                   sw.gate_proj, sw.up_proj, 2, True, None, "cuda", gemv=True, gemv_layout=layout)
+        for layout in [lay for lay in GEMV_VARIANTS["down"] if lay[1] == 512]:
+            mk.gemm_down(mx.zeros((2, 512), mx.bfloat16), sched["blocks"], sw.down_proj, True, None, "cuda",
+                         gemv=True, gemv_layout=layout)
+    assert len(calls) == len(up_layouts) + 1
     for name, kw in calls:
         ok, log = compile_cuda(resource_usage._cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"],
                                                          kw["template"]))

@@ -99,6 +99,10 @@ KERNELS: Dict[str, KernelSpec] = {
     # Decode forms of the two GEMMs for one-row blocks (switch row_gemv): same inputs, same bits. The
     # staged forms run; the rowwise ones are their benchmark baseline and test oracle (gemv_layout).
     "gemv_gate_up": KernelSpec("moe_gemv_gate_up_swiglu", GEMM, *_GATE_UP_SIGNATURE, params=_GATE_UP_PARAMS),
+    # The same with each chain's weights read by its own thread (a layout candidate, benchmarks: gemv_layout
+    # ("direct", R, KB)).
+    "gemv_gate_up_direct": KernelSpec("moe_gemv_gate_up_swiglu_direct", GEMM, *_GATE_UP_SIGNATURE,
+                                      params=_GATE_UP_PARAMS),
     # The decode gate/up GEMV with the router's top-k inside (switch fused_topk_gemv): logits in, and the
     # top-k kernel's outputs out besides h.
     "gemv_gate_up_routed": KernelSpec(
@@ -374,6 +378,18 @@ def gemv_geometry(name: str, width: int, k: int, layout=None, other_bytes: int =
     raise ValueError(f"no staged GEMV chunk for {name} at width {width}, K {k}, layout {layout}")
 
 
+def gemv_direct_geometry(name: str, width: int, k: int, rows: int, batch_groups: int) -> tuple:
+    """(R, KB) of ``moe_gemv_gate_up_swiglu_direct`` (a layout candidate: each chain's weight row read by its
+    thread, KB quantisation groups a register batch) for output width ``width`` and reduction length ``k``; raises
+    where the layout does not fit (R not dividing the width, 2R not whole simdgroups, KB not dividing k / 64, the
+    activation row past 32 KB)."""
+    if (name != "gate_up" or width % rows or (2 * rows) % 32 or k % 64 or (k // 64) % batch_groups
+            or (k + rows) * 4 > GEMV_THREADGROUP_BYTES):
+        raise ValueError(f"direct GEMV {name}: layout (R {rows}, KB {batch_groups}) does not fit width {width}, "
+                         f"K {k}")
+    return rows, batch_groups
+
+
 # Output columns per threadgroup of moe_gemv_down_combine: each block's GEMV in a group of that many threads.
 DOWN_COMBINE_ROWS = 16
 # Whether a decode call's down+combine takes the direct layout (moe_gemv_down_combine_direct: each chain's weights
@@ -455,7 +471,8 @@ def gemm_gate_up_swiglu(x2d: mx.array, sorted_rows: mx.array, blocks: mx.array, 
     ``gemv``: the one-row-block form (every block must have one row; 4-bit weights). ``gemv_layout``
     (benchmarks, tests): None, the staged GEMV at GEMV_LAYOUT; (R, KC) another staged layout;
     'rowwise' the rowwise form as it was before the staged one (a nibble conversion per weight),
-    'rowwise_exp' the rowwise form with q4_value. All give the same bits.
+    'rowwise_exp' the rowwise form with q4_value; ('direct', R, KB) gate+up with each chain's weight row read by
+    its thread, KB quantisation groups a register batch (a layout candidate). All give the same bits.
     ``tile_dtype`` (benchmarks, tests): the GEMM tiles' operand type, float32 (default; the same bits as
     the GEMVs) or the activation dtype (bf16/f16 fragments with fp32 accumulation: tensor cores through
     the bridge; not the same bits as the GEMVs, so not a product path yet, docs/moe.md).
@@ -531,6 +548,10 @@ def _launch_expert_kernel(name: str, gemv: bool, inputs, blocks: mx.array, out_s
             raise ValueError(f"rowwise GEMV: K {k} > {GEMV_MAX_K}")
         grid, threads, name = (width, blocks.shape[0], 1), (gemv_threads(width), 1, 1), f"gemv_{name}_rowwise"
         template.append(("CVT", int(gemv_layout == "rowwise_exp")))
+    elif gemv and isinstance(gemv_layout, tuple) and gemv_layout[0] == "direct":
+        rows, kb = gemv_direct_geometry(name, width, k, *gemv_layout[1:])
+        grid, threads, name = (width // rows * 2 * rows, blocks.shape[0], 1), (2 * rows, 1, 1), f"gemv_{name}_direct"
+        template += [("R", rows), ("KB", kb), ("KX", k)]
     elif gemv:
         rows, chunk, *rest = gemv_geometry(name, width, k, gemv_layout)
         split = rest[0] if rest else 1
