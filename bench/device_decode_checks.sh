@@ -78,9 +78,10 @@
 #                                               # 4K / 32K two rounds (round 1 no longer compiles a merge)
 #   PART=33 bash bench/device_decode_checks.sh  # switch long_live_blocks (twice the rows a block in the live-length
 #                                               # attention): decode A/B on / off in bursts at 32K and 128K
-#   PART=34 bash bench/device_decode_checks.sh  # issue 12's expert GEMVs: K chunks of 512 against 256 (op cases),
-#                                               # Nsight Compute's sections and stall samples of the routed gate+up
-#                                               # GEMV and the down+combine at 4K
+#   PART=34 bash bench/device_decode_checks.sh  # issue 12's expert GEMVs: K chunks of 512 and gate+up's direct
+#                                               # layout against the staged ones (op cases, a 4K step's GPU time)
+#   PART=35 bash bench/device_decode_checks.sh  # Nsight Compute's sections and stall samples of the routed
+#                                               # gate+up GEMV and the down+combine at 4K
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -477,16 +478,27 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       --bursts 8 --out "$W/ab_128k"
     tail -8 "$W/ab_128k.txt" 2>/dev/null
     ;;
-  34) # issue 12's expert GEMVs at ~13 % of copy, and not bound by their K chains (PART=30, 2026-12-05): where the
-      # routed gate+up GEMV (one token) and the down GEMV with the combine spend their time in a 4K decode step,
-      # Nsight Compute's sections and stall samples by instruction (bench.kernel_sections, two ncu runs each); first
-      # the staged GEMVs with K chunks of 512 (4 chunks a gate+up chain instead of 8: twice the bytes in flight a
-      # chunk, if the chunks' memory latency is what bounds them) and gate+up's direct layout (each chain's row read
-      # by its thread, 4 or 8 groups a register batch, no barrier a chunk) against the product's (op cases, same bits)
+  34) # issue 12's expert GEMVs at ~13 % of copy, and not bound by their K chains (PART=30, 2026-12-05): gate+up and
+      # down in K chunks of 512 (half the chunks a chain, twice the bytes in flight a chunk) and gate+up's direct
+      # layout (each chain's row read by its thread, 4 or 8 groups a register batch, no barrier a chunk) against the
+      # product's staged layouts (op cases, the same bits); then a 4K decode step's GPU time by kernel with the
+      # product's routed gate+up in each layout (GEMV_LAYOUT's (16, 512), GATE_UP_DIRECT)
     run op_cases 150 python -m bench.run --mode kernels --op-cases on \
       --op-match 'gemv_(gate_up_swiglu|down)_(staged|r16_kc512|r32_kc512|direct_r16_kb[48])_x8\[1tok\]' \
-      --out "$W/gemv_kc512"
-    grep -E "gemv_" "$W/gemv_kc512/kernels.md" 2>/dev/null | head -10
+      --out "$W/gemv_layouts"
+    grep -E "gemv_" "$W/gemv_layouts/kernels.md" 2>/dev/null | head -10
+    K=lily_mlx.ops.moe.kernels
+    sgt() { local name=$1 need=$2; shift 2; run "sgt_$name" "$need" python -m bench.step_gpu_time --compare lily \
+      --context 4096 --out "$W/sgt_$name" "$@"; }
+    sgt staged 100
+    sgt kc512 100 --set "$K.GEMV_LAYOUT={'gate_up': (16, 512), 'down': (32, 256)}"
+    sgt direct 100 --set $K.GATE_UP_DIRECT=True
+    for f in "$W"/sgt_*/step_gpu_time.md; do echo "$f"; grep -E "^\| lily|gate_up|down_combine" "$f" | head -4; done
+    rm -f "$W"/sgt_*/*.csv
+    ;;
+  35) # why the expert GEMVs sit at ~13 % of copy: Nsight Compute's sections and stall samples by instruction of the
+      # product's routed gate+up GEMV (one token) and its down GEMV with the combine in a 4K decode step
+      # (bench.kernel_sections, two ncu runs each)
     run ks_gate_up 200 python -m bench.kernel_sections --kernel gemv_gate_up_swiglu_routed --context 4096 \
       --out "$W/ks_gate_up"
     cat "$W/ks_gate_up/sections.md" 2>/dev/null | head -40
@@ -494,7 +506,7 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     cat "$W/ks_down/sections.md" 2>/dev/null | head -40
     rm -f "$W"/ks_*/source.csv
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33 or 34" \
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34 or 35" \
        >&2
      exit 2 ;;
 esac
