@@ -325,16 +325,19 @@ def test_long_context_decode_over_a_quantized_cache_takes_the_fixed_blocks(monke
 def test_a_row_written_into_the_buffers_falls_back_where_the_kernel_cannot_read_them(monkeypatch, caplog):
     """Queries in another dtype than the cache's scales (what the layer's check before the step cannot see): the row
     is written all the same, and stock's quantized attention over the whole buffers with the rows past the offset
-    masked gives the step's output, said once; no launch."""
+    masked gives the step's output, said once; no launch. (Evaluated on the CPU stream: MLX's CUDA backend has no
+    quantized matmul for this shape, for stock and so for the fallback alike; the path is chosen on the host.)"""
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     q, gate, k_row, v_row, ours, stock, (keys, values) = _one_step_caches(np.random.default_rng(13), 8, 30, 128, 8,
                                                                           mx.float32)
-    want = quantized_scaled_dot_product_attention(mx.array(q), keys, values, scale=0.125, mask=None, group_size=64,
-                                                  bits=8)  # (it scales its queries in place: a copy)
-    want = want.transpose(0, 2, 1, 3).reshape(1, 1, -1) * mx.sigmoid(gate)
-    with record_launches() as rec, caplog.at_level("INFO"):
-        out, k_buffer, v_buffer = att.attend_in_buffer(q, k_row, v_row, gate, ours.keys, ours.values,
-                                                       mx.array(29, dtype=mx.int32), scale=0.125)
+    with mx.stream(mx.cpu):
+        want = quantized_scaled_dot_product_attention(mx.array(q), keys, values, scale=0.125, mask=None,
+                                                      group_size=64, bits=8)  # (it scales its queries in place)
+        want = want.transpose(0, 2, 1, 3).reshape(1, 1, -1) * mx.sigmoid(gate)
+        with record_launches() as rec, caplog.at_level("INFO"):
+            out, k_buffer, v_buffer = att.attend_in_buffer(q, k_row, v_row, gate, ours.keys, ours.values,
+                                                           mx.array(29, dtype=mx.int32), scale=0.125)
+        mx.eval(out, k_buffer, v_buffer, want)
     assert not rec.names()
     assert all(bool(mx.array_equal(a, b).item()) for a, b in zip((*k_buffer, *v_buffer), (*stock.keys, *stock.values)))
     assert rel_l2(out, want) < 1e-5
@@ -438,6 +441,28 @@ def _teacher_forced_with_kv_bits(model, prompt, tokens, bits):
     return mx.stack(logits).astype(mx.float32)
 
 
+def _backend_gap(model, prompt, tokens) -> float:
+    """0 where the kernels run on the CPU (the simulator); on a GPU backend stock's own gap between that backend's ops
+    and the CPU's over plain caches (the largest relative L2 of a position's logits), which lily's side, on the GPU,
+    carries against stock's quantized-cache side, on the CPU stream."""
+    if KERNEL_BACKEND == "sim":
+        return 0.0
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def plain():
+        cache = make_prompt_cache(model)
+        out = [model(prompt[None], cache=cache)[0, -1]]
+        for t in list(tokens)[:-1]:
+            out.append(model(mx.array([[int(t)]]), cache=cache)[0, -1])
+            mx.eval(out[-1])
+        return mx.stack(out).astype(mx.float32)
+
+    on_gpu = plain()
+    with mx.stream(mx.cpu):
+        on_cpu = plain()
+    return max(rel_l2(a, b) for a, b in zip(on_gpu, on_cpu))
+
+
 @needs_sim
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("write_in_trace", [True, False], ids=["in-buffer", "update-and-fetch"])
@@ -463,12 +488,14 @@ def test_embedded_model_decodes_with_kv_bits_like_stock(monkeypatch, bits, write
             tokens.append(int(mx.argmax(_teacher_forced_with_kv_bits(model, prompt, tokens + [0], bits)[-1]).item()))
         stock_logits = _teacher_forced_with_kv_bits(model, prompt, tokens, bits)
     decided, _ = decided_positions(stock_logits)
+    tol = LOGIT_TOL + _backend_gap(model, prompt, tokens)
 
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     monkeypatch.setenv("LILY_REFERENCE_OPS", "moe,deltanet")
     lily_patch.patch(model)
-    try:
-        with switches.overrides(disable=[] if write_in_trace else ["kv_write_in_trace"]), record_launches() as rec:
+    try:  # every step built op by op, so that each launches (a traced step's replay records none)
+        off = ["compiled_decode"] + ([] if write_in_trace else ["kv_write_in_trace"])
+        with switches.overrides(disable=off), record_launches() as rec:
             logits = _teacher_forced_with_kv_bits(model, prompt, tokens, bits)
     finally:
         lily_patch.unpatch(model)
@@ -476,6 +503,6 @@ def test_embedded_model_decodes_with_kv_bits_like_stock(monkeypatch, bits, write
     partials = "attention_decode_block_partials_live_quantized" if write_in_trace else SHORT[0]
     assert rec.names().count(partials) == (n - 1) * n_attention, rec.names()
     for pos in range(n):
-        assert rel_l2(logits[pos], stock_logits[pos]) < LOGIT_TOL, (pos, rel_l2(logits[pos], stock_logits[pos]))
+        assert rel_l2(logits[pos], stock_logits[pos]) < tol, (pos, rel_l2(logits[pos], stock_logits[pos]), tol)
     assert decided.sum() >= n // 2
     assert (np.array(mx.argmax(logits, axis=-1)) == np.array(tokens))[decided].all()
