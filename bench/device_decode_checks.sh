@@ -82,6 +82,7 @@
 #                                               # layout against the staged ones (op cases, a 4K step's GPU time)
 #   PART=35 bash bench/device_decode_checks.sh  # Nsight Compute's sections and stall samples of the routed
 #                                               # gate+up GEMV and the down+combine at 4K
+#   PART=36 bash bench/device_decode_checks.sh  # switch direct_down_combine: decode A/B on / off at 4K and 32K
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -242,14 +243,14 @@ case "${PART:-1}" in
     ;;
   15) # the down+combine kernel's direct layout (every load of a chain's weight row issued before its first sum, no
       # staging, no barrier a chunk; same bits) against the staged layout by GPU time a decode step: CUDA tests of both,
-      # then Nsight Compute's step time with each (kernels.DOWN_COMBINE_DIRECT, a constant: --set)
+      # then Nsight Compute's step time with each (switch direct_down_combine since 2026-12-05)
     run tests_cuda 180 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
       -o addopts= tests/kernels/test_moe_kernels.py -k "down_combine or down_gemv_with"
     grep -v "TMA\|cuTensorMap" "$W/tests_cuda.txt" | tail -3
     run sgt_staged 200 python -m bench.step_gpu_time --compare lily --out "$W/sgt_staged"
     grep -E "^\| lily|down_combine" "$W/sgt_staged/step_gpu_time.md" 2>/dev/null | head -4
-    run sgt_direct 200 python -m bench.step_gpu_time --compare lily --out "$W/sgt_direct" \
-      --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_DIRECT=True
+    run sgt_direct 200 env LILY_ENABLE=direct_down_combine python -m bench.step_gpu_time --compare lily \
+      --out "$W/sgt_direct"
     grep -E "^\| lily|down_combine" "$W/sgt_direct/step_gpu_time.md" 2>/dev/null | head -4
     rm -f "$W"/sgt_*/*.csv
     ;;
@@ -493,7 +494,9 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       --context 4096 --out "$W/sgt_$name" "$@"; }
     sgt staged 100
     sgt kc512 100 --set "$K.GEMV_LAYOUT={'gate_up': (16, 512), 'down': (32, 256)}"
-    sgt direct 100 --set $K.GATE_UP_DIRECT=True --set $K.DOWN_COMBINE_DIRECT=True
+    export LILY_ENABLE=direct_down_combine
+    sgt direct 100 --set $K.GATE_UP_DIRECT=True
+    unset LILY_ENABLE
     for f in "$W"/sgt_*/step_gpu_time.md; do echo "$f"; grep -E "^\| lily|gate_up|down_combine" "$f" | head -4; done
     rm -f "$W"/sgt_*/*.csv
     ;;
@@ -507,7 +510,21 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     cat "$W/ks_down/sections.md" 2>/dev/null | head -40
     rm -f "$W"/ks_*/source.csv
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34 or 35" \
+  36) # switch direct_down_combine (off, a candidate: the down+combine kernel's direct layout, 25 % less GPU time in a
+      # 4K step on the H100, 7 % on the H200; the same bits): decode in alternating bursts on against off in one
+      # process at 4K and 32K, then its CUDA tests
+    export LILY_ENABLE=direct_down_combine
+    run decode_ab_4k 150 python -m bench.decode_ab --engines lily,lily-off:direct_down_combine --context 4096 \
+      --bursts 10 --out "$W/ab_4k"
+    tail -8 "$W/ab_4k.txt" 2>/dev/null
+    run decode_ab_32k 170 python -m bench.decode_ab --engines lily,lily-off:direct_down_combine --context 32768 \
+      --bursts 10 --out "$W/ab_32k"
+    tail -8 "$W/ab_32k.txt" 2>/dev/null
+    run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
+      tests/kernels/test_moe_kernels.py -k "down_combine or down_gemv_with"
+    tail -3 "$W/tests_cuda.txt" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35 or 36" \
        >&2
      exit 2 ;;
 esac

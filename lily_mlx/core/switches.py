@@ -107,6 +107,13 @@ _SWITCH_LIST = [
            "router logits in one kernel (each logit threadgroup recomputes its token's norm; same bits): 4 "
            "launches after each mixer instead of 5.",
            "The residual-norm kernel, then the router-logits kernel."),
+    Switch("direct_down_combine", "moe", "decode", False,
+           "With fused_down_combine: each chain of a decode call's down GEMV reads its weight row straight from "
+           "device memory in register batches (moe_gemv_down_combine_direct), the next batch's loads in flight "
+           "during this one's sums, instead of staging 64-wide chunks through threadgroup memory with a barrier each "
+           "(the same bits). A candidate, off until an end-to-end A/B: 25 % less GPU time of the kernel in a 4K step "
+           "on the H100, 7 % on the H200 (docs/decode.md).",
+           "The staged layout (moe_gemv_down_combine)."),
     Switch("fused_down_combine", "moe", "decode", True,
            "With fused_topk_gemv, a decode call's down GEMVs (each of a token's k experts and shared-expert chunks "
            "in its own group of threads of one threadgroup) and the combine with the residual add in one kernel "

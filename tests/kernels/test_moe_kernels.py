@@ -1910,13 +1910,12 @@ def _decode_call_of_a_small_block(monkeypatch):
 
 @needs_sim
 def test_decode_call_takes_the_direct_down_combine_layout_when_chosen(gemm_sim, monkeypatch):
-    """With ``DOWN_COMBINE_DIRECT`` a decode call of the block launches moe_gemv_down_combine_direct instead of the
-    staged kernel, with the same bits."""
+    """With switch ``direct_down_combine`` a decode call of the block launches moe_gemv_down_combine_direct instead of
+    the staged kernel, with the same bits."""
     from lily_mlx.ops.moe import sparse_moe_forward
 
     block, x, want, staged = _decode_call_of_a_small_block(monkeypatch)
-    monkeypatch.setattr(mk, "DOWN_COMBINE_DIRECT", True)
-    with record_launches() as direct:
+    with switches.overrides(enable=("direct_down_combine",)), record_launches() as direct:
         got = sparse_moe_forward(block, x)
         mx.eval(got)
     assert "moe_gemv_down_combine" in staged.counts() and "moe_gemv_down_combine_direct" not in staged.counts()

@@ -16,6 +16,7 @@ template or geometry:
 | ``register_tiles`` | ``moe_gemm_*_regtile`` (outputs in registers) | ``moe_gemm_gate_up_swiglu`` / ``moe_gemm_down`` (simdgroup tiles) |
 | ``tall_register_blocks`` | register tiles with template NT = 64, 64-thread threadgroups | NT = 128, 128 threads |
 | ``split_k_gate_up`` (off by default) | gate+up's register tiles and one-row GEMV with template SK = the split | SK = 1 |
+| ``direct_down_combine`` (off by default) | decode: ``moe_gemv_down_combine_direct`` (with ``fused_down_combine``) | ``moe_gemv_down_combine`` |
 | ``register_scan`` | ``deltanet_scan_staged`` / ``deltanet_scan_register`` | ``deltanet_scan_blockwise``, ceil(T / 16) state blocks |
 | ``staged_scan`` | ``deltanet_scan_staged`` (with ``register_scan``) | ``deltanet_scan_register`` |
 | ``fused_recurrent_norm`` | ``deltanet_decode_fused`` | gates, scan (T = 1), gated norm kernels |
@@ -351,6 +352,9 @@ def test_tall_register_blocks_paths(sim, state):
 
 
 K_SPLIT_SWITCHES = ("split_k_gate_up",)
+# direct_down_combine (off by default): with the decode path of fused_down_combine, moe_gemv_down_combine_direct in
+# place of moe_gemv_down_combine, the same bits (tests/kernels/test_moe_kernels.py).
+DIRECT_SWITCHES = ("direct_down_combine",)
 
 
 @pytest.mark.parametrize("state", _states(("register_tiles",)), ids=_state_id)
@@ -558,7 +562,7 @@ NORM_ROUTER_NEEDS = ("fused_norm_router", "fused_add_norm", "fused_residual", "f
                      "fused_combine")
 assert set(NO_KERNEL_SWITCHES) | set(MOE_SWITCHES) | set(MOE_BLOCK_SWITCHES) | set(DELTANET_SWITCHES) | set(
     ATTENTION_SWITCHES) | set(QK_PREP_SWITCHES) | set(ADD_NORM_SWITCHES) | set(REGISTER_BLOCK_SWITCHES) | set(
-    KV_BUFFER_SWITCHES) | set(K_SPLIT_SWITCHES) == set(
+    KV_BUFFER_SWITCHES) | set(K_SPLIT_SWITCHES) | set(DIRECT_SWITCHES) == set(
     switches.SWITCHES), \
     "a new switch needs its expected launches here"
 
