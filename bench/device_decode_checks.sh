@@ -483,8 +483,8 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       # down in K chunks of 512 (half the chunks a chain, twice the bytes in flight a chunk) and gate+up's direct
       # layout (each chain's row read by its thread, 4 or 8 groups a register batch, no barrier a chunk) against the
       # product's staged layouts (op cases, the same bits); then a 4K decode step's GPU time by kernel with the
-      # product's routed gate+up in each layout (GEMV_LAYOUT's (16, 512); GATE_UP_DIRECT, with the down+combine's
-      # direct layout too: the table gives each kernel's time)
+      # product's routed gate+up at GEMV_LAYOUT's (16, 512), and with the down+combine's direct layout
+      # (docs/results/2026-12-05-h100-gemv-layouts/)
     run op_cases 150 python -m bench.run --mode kernels --op-cases on \
       --op-match 'gemv_(gate_up_swiglu|down)_(staged|r16_kc512|r32_kc512|direct_r16_kb[48])_x8\[1tok\]' \
       --out "$W/gemv_layouts"
@@ -495,7 +495,7 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     sgt staged 100
     sgt kc512 100 --set "$K.GEMV_LAYOUT={'gate_up': (16, 512), 'down': (32, 256)}"
     export LILY_ENABLE=direct_down_combine
-    sgt direct 100 --set $K.GATE_UP_DIRECT=True
+    sgt direct 100  # (on 2026-12-05 also with the routed gate+up read row by row: 41 % slower, removed)
     unset LILY_ENABLE
     for f in "$W"/sgt_*/step_gpu_time.md; do echo "$f"; grep -E "^\| lily|gate_up|down_combine" "$f" | head -4; done
     rm -f "$W"/sgt_*/*.csv

@@ -159,7 +159,7 @@ def summarise(path: str, steps: int, unit: str = "decode step") -> str:
 
 def apply_settings(settings) -> None:
     """``MODULE.NAME=VALUE`` each (a Python literal): set a module constant before anything runs (kernel layouts
-    that are constants of the product, such as ``lily_mlx.ops.moe.kernels.GATE_UP_DIRECT=True``)."""
+    that are constants of the product, such as ``lily_mlx.ops.moe.kernels.GEMV_LAYOUT={'gate_up': (16, 512), 'down': (32, 256)}``)."""
     import ast
     import importlib
 
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
                          "the caches before each kernel, none leaves in L2 what the kernels before left there")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="set a module constant (a Python literal) before profiling, in every engine's process "
-                         "(repeatable), e.g. lily_mlx.ops.moe.kernels.GATE_UP_DIRECT=True")
+                         "(repeatable), e.g. lily_mlx.ops.attention.kernels.LIVE_WIDE_MIN_CAPACITY=0")
     args = ap.parse_args(argv)
     apply_settings(args.set)
     if args.summarise:

@@ -505,7 +505,7 @@ inline void moe_gemv_gate_up_rows(
   }
 }
 
-// The routed gate/up GEMV's top-k (moe_gemv_gate_up_swiglu_routed and its direct layout): simdgroup 0 reads token
+// The routed gate/up GEMV's top-k (moe_gemv_gate_up_swiglu_routed): simdgroup 0 reads token
 // `token`'s logits, picks its experts (moe_router_picks: the bits of moe_router_topk_from_logits) and sets the
 // block's expert (pick j = blk % top_k, or shared chunk (blk - A) / N: expert E + chunk) in *block_expert; the
 // `writer` threadgroup (x = 0) of each block writes that block's share of the top-k kernel's outputs. Every thread
@@ -544,7 +544,7 @@ inline void moe_gemv_routed_pick(int blk, long token, int top_k, int E, int A, i
   }
 }
 
-// One block row of the gate/up GEMV's direct layout (moe_gemv_gate_up_swiglu_direct and its routed form): expert e
+// One block row of the gate/up GEMV's direct layout (moe_gemv_gate_up_swiglu_direct): expert e
 // (E + c: the shared expert's chunk c), output slot `slot`, activation row `token`; each of the 2R threads runs one
 // chain (threads 0 .. R-1 gate, R .. 2R-1 up) over its weight row read straight from device memory
 // (moe_gemv_chain_direct, KB groups a register batch), after the threadgroup stages the activation row as floats in
@@ -1264,27 +1264,6 @@ moe_gemv_gate_up_rows<R, KC, T, SK>(block_expert, blk, token, E, I, D, int(threa
                                     x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, w_gate_s,
                                     scales_gate_s, biases_gate_s, w_up_s, scales_up_s, biases_up_s, gemv_ws, gemv_ss,
                                     gemv_bs, gemv_xs, up_sums, h);
-
-// @kernel moe_gemv_gate_up_swiglu_routed_direct
-// moe_gemv_gate_up_swiglu_routed with the direct layout (moe_gemv_gate_up_swiglu_direct: each chain's weight row
-// read by its thread, KB groups a register batch, no staging): the same picks, outputs and bits. A layout candidate
-// (kernels.GATE_UP_DIRECT). grid (I / R * 2R, N * (k + m), 1), threadgroup (2R, 1, 1); template T, R, KB, KX (= D),
-// NPL; params and outputs as moe_gemv_gate_up_swiglu_routed's.
-threadgroup float4 gemv_xrow[KX / 4];
-threadgroup float up_sums[R];
-threadgroup float probs[MOE_ROUTER_MAX_E + 1];
-threadgroup int block_expert;
-const uint tid = thread_index_in_threadgroup;
-const int blk = int(threadgroup_position_in_grid.y);
-const long token = blk >= A ? long((blk - A) % N) : long(blk / top_k);
-moe_gemv_routed_pick<T, NPL>(blk, token, top_k, E, A, N, norm_topk, has_gate, decode_tile, logits, probs,
-                             &block_expert, threadgroup_position_in_grid.x == 0, simdgroup_index_in_threadgroup,
-                             thread_index_in_simdgroup, inds, scores, gate, blocks);
-threadgroup_barrier(mem_flags::mem_threadgroup);
-moe_gemv_gate_up_rows_direct<R, KB, KX, T>(block_expert, blk, token, E, I, D, int(threadgroup_position_in_grid.x) * R,
-                                           tid, x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up,
-                                           w_gate_s, scales_gate_s, biases_gate_s, w_up_s, scales_up_s, biases_up_s,
-                                           gemv_xrow, up_sums, h);
 
 // @kernel moe_gemv_down
 // grid (D / R * R, n_blocks, 1), threadgroup (R, 1, 1); template T, R (outputs per threadgroup,

@@ -9,7 +9,6 @@ chunks. Which kernels each switch state launches: tests/kernels/test_switch_path
 """
 
 import logging
-from unittest import mock
 
 import ml_dtypes
 import mlx.core as mx
@@ -1059,8 +1058,7 @@ def test_decode_gemv_k_split_compiles_for_cuda():
 
 def test_decode_gemv_layout_candidates_compile_for_cuda():
     """The GEMV layouts timed as candidates on a GPU (lily_dev/moe_bench.py: K chunks of 512, gate+up's direct
-    layout, and the routed form in it, GATE_UP_DIRECT) translate and compile for the H200 at Qwen3.6's widths
-    (hidden 2048, expert width 512)."""
+    layout) translate and compile for the H200 at Qwen3.6's widths (hidden 2048, expert width 512)."""
     from lily_dev import resource_usage
     from lily_dev.compile_check import compile_cuda, compiler_available
     from lily_dev.moe_bench import GEMV_DIRECT_VARIANTS, GEMV_VARIANTS
@@ -1078,10 +1076,7 @@ def test_decode_gemv_layout_candidates_compile_for_cuda():
         for layout in [lay for lay in GEMV_VARIANTS["down"] if lay[1] == 512]:
             mk.gemm_down(mx.zeros((2, 512), mx.bfloat16), sched["blocks"], sw.down_proj, True, None, "cuda",
                          gemv=True, gemv_layout=layout)
-        with mock.patch.object(mk, "GATE_UP_DIRECT", True):  # the product's routed form in the direct layout
-            block = make_sparse_moe_block(hidden=2048, expert_width=512, num_experts=4, top_k=2, seed=1)
-            mk.gemv_gate_up_routed(block, mx.zeros((1, 2048), mx.bfloat16), mx.zeros((1, 5), mx.float32), "cuda")
-    assert len(calls) == len(up_layouts) + 2 and calls[-1][0] == "gemv_gate_up_routed_direct"
+    assert len(calls) == len(up_layouts) + 1
     for name, kw in calls:
         ok, log = compile_cuda(resource_usage._cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"],
                                                          kw["template"]))
@@ -1733,12 +1728,12 @@ def test_decode_step_hands_the_next_layers_input_norm_over(monkeypatch):
 @SETTINGS
 @given(tokens=st.sampled_from([1, 2, 5, 8]), experts_topk=st.sampled_from([(16, 4), (40, 8), (64, 8)]),
        shared=st.sampled_from([64, 128]), norm=st.booleans(), dtype=st.sampled_from(["bfloat16", "float16"]),
-       direct=st.booleans(), seed=st.integers(0, 1000))
+       seed=st.integers(0, 1000))
 def test_gate_up_gemv_with_the_top_k_inside_has_the_bits_of_the_two_kernels(tokens, experts_topk, shared, norm,
-                                                                            dtype, direct, seed):
-    """moe_gemv_gate_up_swiglu_routed (and its direct layout, GATE_UP_DIRECT): h and the top-k kernel's outputs
-    (inds, scores, gate, block map) are those of moe_router_topk_from_logits followed by moe_gemv_gate_up_swiglu,
-    bit for bit; every output element written (poisoned outputs; each written by exactly one threadgroup)."""
+                                                                            dtype, seed):
+    """moe_gemv_gate_up_swiglu_routed: h and the top-k kernel's outputs (inds, scores, gate, block map) are
+    those of moe_router_topk_from_logits followed by moe_gemv_gate_up_swiglu, bit for bit; every output
+    element written (poisoned outputs; each written by exactly one threadgroup)."""
     experts, k = experts_topk
     dt = getattr(mx, dtype)
     block = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=experts, top_k=k, shared_width=shared,
@@ -1747,9 +1742,7 @@ def test_gate_up_gemv_with_the_top_k_inside_has_the_bits_of_the_two_kernels(toke
     block.set_dtype(dt)
     x2d = make_inputs(1, tokens, 128, seed=seed + 1).reshape(tokens, 128).astype(dt)
     logits = mk.router_logits(block, x2d, True, KERNEL_BACKEND)
-    with mock.patch.object(mk, "GATE_UP_DIRECT", direct), record_launches() as rec:
-        h, inds, scores, gate, blocks = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND, init_value=-777)
-    assert rec.names() == ["moe_gemv_gate_up_swiglu_routed" + ("_direct" if direct else "")]
+    h, inds, scores, gate, blocks = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND, init_value=-777)
     want_inds, want_scores, want_gate, want_blocks = mk.route_tokens(block, x2d, True, KERNEL_BACKEND)
     sw = block.switch_mlp
     want_h = mk.gemm_gate_up_swiglu(x2d, mx.arange(tokens * k, dtype=mx.int32), want_blocks, sw.gate_proj,
@@ -1759,12 +1752,9 @@ def test_gate_up_gemv_with_the_top_k_inside_has_the_bits_of_the_two_kernels(toke
 
 
 @needs_sim
-@pytest.mark.parametrize("direct", [False, True])
-def test_gate_up_gemv_with_the_top_k_inside_race_check(monkeypatch, direct):
-    """The simulator's race check on the logits and the block's expert shared through threadgroup memory (and the
-    direct layout's activation row)."""
+def test_gate_up_gemv_with_the_top_k_inside_race_check(monkeypatch):
+    """The simulator's race check on the logits and the block's expert shared through threadgroup memory."""
     monkeypatch.setenv("LILY_MSL_RACE", "1")
-    monkeypatch.setattr(mk, "GATE_UP_DIRECT", direct)
     block = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=40, top_k=8, shared_width=128, seed=3)
     x2d = make_inputs(1, 3, 128, seed=4).reshape(3, 128)
     logits = mk.router_logits(block, x2d, True, KERNEL_BACKEND)
@@ -1920,23 +1910,6 @@ def test_decode_call_takes_the_direct_down_combine_layout_when_chosen(gemm_sim, 
         mx.eval(got)
     assert "moe_gemv_down_combine" in staged.counts() and "moe_gemv_down_combine_direct" not in staged.counts()
     assert "moe_gemv_down_combine_direct" in direct.counts() and "moe_gemv_down_combine" not in direct.counts()
-    assert mx.array_equal(got, want).item()
-
-
-@needs_sim
-def test_decode_call_takes_the_direct_gate_up_layout_when_chosen(gemm_sim, monkeypatch):
-    """With ``GATE_UP_DIRECT`` a decode call of the block launches moe_gemv_gate_up_swiglu_routed_direct instead of
-    the staged routed kernel, with the same bits."""
-    from lily_mlx.ops.moe import sparse_moe_forward
-
-    block, x, want, staged = _decode_call_of_a_small_block(monkeypatch)
-    monkeypatch.setattr(mk, "GATE_UP_DIRECT", True)
-    with record_launches() as direct:
-        got = sparse_moe_forward(block, x)
-        mx.eval(got)
-    assert "moe_gemv_gate_up_swiglu_routed" in staged.counts()
-    assert "moe_gemv_gate_up_swiglu_routed_direct" in direct.counts()
-    assert "moe_gemv_gate_up_swiglu_routed" not in direct.counts()
     assert mx.array_equal(got, want).item()
 
 

@@ -99,19 +99,14 @@ KERNELS: Dict[str, KernelSpec] = {
     # Decode forms of the two GEMMs for one-row blocks (switch row_gemv): same inputs, same bits. The
     # staged forms run; the rowwise ones are their benchmark baseline and test oracle (gemv_layout).
     "gemv_gate_up": KernelSpec("moe_gemv_gate_up_swiglu", GEMM, *_GATE_UP_SIGNATURE, params=_GATE_UP_PARAMS),
-    # The same with each chain's weights read by its own thread (a layout candidate, benchmarks: gemv_layout
-    # ("direct", R, KB)).
+    # The same with each chain's weights read by its own thread (a benchmark layout, gemv_layout ("direct", R, KB):
+    # level as an op, slower in a step on the H100, 2026-12-05; docs/moe.md).
     "gemv_gate_up_direct": KernelSpec("moe_gemv_gate_up_swiglu_direct", GEMM, *_GATE_UP_SIGNATURE,
                                       params=_GATE_UP_PARAMS),
     # The decode gate/up GEMV with the router's top-k inside (switch fused_topk_gemv): logits in, and the
     # top-k kernel's outputs out besides h.
     "gemv_gate_up_routed": KernelSpec(
         "moe_gemv_gate_up_swiglu_routed", GEMM, ("x", "logits") + _GATE_UP_SIGNATURE[0][3:],
-        ("h", "inds", "scores", "gate", "blocks"),
-        params=_GATE_UP_PARAMS + ("norm_topk", "has_gate", "decode_tile", "shared_chunks")),
-    # The same with gate+up's direct layout (a layout candidate: GATE_UP_DIRECT).
-    "gemv_gate_up_routed_direct": KernelSpec(
-        "moe_gemv_gate_up_swiglu_routed_direct", GEMM, ("x", "logits") + _GATE_UP_SIGNATURE[0][3:],
         ("h", "inds", "scores", "gate", "blocks"),
         params=_GATE_UP_PARAMS + ("norm_topk", "has_gate", "decode_tile", "shared_chunks")),
     "gemv_down": KernelSpec("moe_gemv_down", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
@@ -346,8 +341,8 @@ GEMV_THREADGROUP_BYTES = 32 * 1024  # Apple's threadgroup memory limit
 
 
 # K chunks a staged GEMV may take, largest first (the layout's KC is the most it takes). 512 only where a layout asks
-# for it (benchmark variants: at R = 16 gate+up's 4 chunks of K = 2,048 keep twice the bytes in flight a chunk, 25.1 KB
-# of threadgroup memory).
+# for it (benchmark layouts: gate+up at (16, 512) ran 2.8x slower than the product's (16, 256) on the H100, down at
+# (32, 512) 14 % faster as an op, 2026-12-05; docs/moe.md).
 GEMV_CHUNKS = (512, 256, 128, 64)
 
 
@@ -393,20 +388,6 @@ def gemv_direct_geometry(name: str, width: int, k: int, rows: int, batch_groups:
         raise ValueError(f"direct GEMV {name}: layout (R {rows}, KB {batch_groups}) does not fit width {width}, "
                          f"K {k}")
     return rows, batch_groups
-
-
-def _direct_layout(width: int, k: int, other_bytes: int = 0) -> Optional[tuple]:
-    """(R, KB) of gate+up's direct layout at output width ``width`` and reduction length ``k`` beside ``other_bytes``
-    of the kernel's own threadgroup memory: GATE_UP_DIRECT_LAYOUT with KB halved until it divides k / 64; None where
-    it does not fit."""
-    rows, kb = GATE_UP_DIRECT_LAYOUT
-    while kb > 1 and k % 64 == 0 and (k // 64) % kb:
-        kb //= 2
-    try:
-        layout = gemv_direct_geometry("gate_up", width, k, rows, kb)
-    except ValueError:
-        return None
-    return layout if (k + rows) * 4 + other_bytes <= GEMV_THREADGROUP_BYTES else None
 
 
 # Output columns per threadgroup of moe_gemv_down_combine: each block's GEMV in a group of that many threads.
@@ -832,12 +813,6 @@ def router_logits(block, x2d: mx.array, with_gate: bool, backend: Optional[str] 
 
 
 ROUTED_GEMV_PROBS_BYTES = 4 * (ROUTER_MAX_EXPERTS + 1) + 4  # kernels/moe/gemm.metal: the routed form's own
-# The decode gate/up GEMV's direct layout (moe_gemv_gate_up_swiglu_routed_direct: each chain's weight row read by its
-# thread, GATE_UP_DIRECT_LAYOUT = (R, KB) groups a register batch, no staging and no barrier a chunk; the same bits).
-# A candidate until timed on a GPU (op cases gemv_gate_up_swiglu_direct_r16_kb*_x8[1tok] against the staged form,
-# then bench.step_gpu_time --set lily_mlx.ops.moe.kernels.GATE_UP_DIRECT=True); without the K split only.
-GATE_UP_DIRECT = False
-GATE_UP_DIRECT_LAYOUT = (16, 8)
 
 
 def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optional[str] = None, init_value=None):
@@ -853,24 +828,18 @@ def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optiona
     m = shared_chunks(shared, i)
     rows = n * (k + m)
     split = gate_up_split(i, d)  # (switch split_k_gate_up: the GEMM tiles of larger calls split alike)
-    direct = _direct_layout(i, d, ROUTED_GEMV_PROBS_BYTES) if GATE_UP_DIRECT and split == 1 else None
-    if direct:
-        rows_per_tg, kb = direct
-        name, layout = "gemv_gate_up_routed_direct", [("R", rows_per_tg), ("KB", kb), ("KX", d)]
-    else:
-        rows_per_tg, chunk, *_ = gemv_geometry("gate_up", i, d, gate_up_split_layout(split), ROUTED_GEMV_PROBS_BYTES)
-        name, layout = "gemv_gate_up_routed", [("R", rows_per_tg), ("KC", chunk)]
+    rows_per_tg, chunk, *_ = gemv_geometry("gate_up", i, d, gate_up_split_layout(split), ROUTED_GEMV_PROBS_BYTES)
     threads = 2 * rows_per_tg * split
     inputs = [x2d, logits]
     inputs += _weights(sw.gate_proj, True, None, x2d.dtype, backend)
     inputs += _weights(sw.up_proj, True, None, x2d.dtype, backend)
     inputs += _shared_weights(shared.gate_proj, sw.gate_proj) + _shared_weights(shared.up_proj, sw.up_proj)
-    inputs.append(KERNELS[name].pack(
+    inputs.append(KERNELS["gemv_gate_up_routed"].pack(
         top_k=k, D=d, I=i, E=e, A=n * k, N=n, norm_topk=bool(block.norm_topk_prob), has_gate=True,
         decode_tile=SMALL_TILE, shared_chunks=m))
-    return _kernel(name, backend)(
+    return _kernel("gemv_gate_up_routed", backend)(
         inputs=inputs,
-        template=[("T", x2d.dtype)] + layout + [("NPL", -(-e // 32))] + ([] if direct else [("SK", split)]),
+        template=[("T", x2d.dtype), ("R", rows_per_tg), ("KC", chunk), ("NPL", -(-e // 32)), ("SK", split)],
         grid=(i // rows_per_tg * threads, rows, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(rows, i), (n, k), (n, k), (n,), (rows, 4)],
         output_dtypes=[x2d.dtype, mx.int32, x2d.dtype, mx.float32, mx.int32], init_value=init_value)
