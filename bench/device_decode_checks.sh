@@ -93,6 +93,13 @@ W=$OUT/decode_checks
 TAG=decode_checks
 . bench/device_budget.sh
 ENGINES=${ENGINES:-lily,lily-off:fused_add_norm,lily-off:fused_topk_gemv,lily-off:fused_qk_prep}
+switch_ab() {  # switch_ab NAME NEEDED_SECONDS SWITCH CONTEXT BURSTS: decode in alternating bursts, a switch that is off
+  # by default turned on for the process (lily) against its off state (lily-off:SWITCH), one prefill
+  local name=$1 need=$2 sw=$3 context=$4 bursts=$5
+  run "$name" "$need" env LILY_ENABLE="$sw" python -m bench.decode_ab --engines "lily,lily-off:$sw" \
+    --context "$context" --bursts "$bursts" --out "$W/$name"
+  tail -8 "$W/$name.txt" 2>/dev/null
+}
 case "${PART:-1}" in
   1)
     run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
@@ -471,13 +478,8 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
   33) # switch long_live_blocks (off, a candidate: twice the rows a block in the live-length attention kernels, 4-10 %
       # less kernel time on both GPUs): decode in alternating bursts, on against off in one process, at 32K and 128K
       # (one prefill each; bench.decode_ab)
-    export LILY_ENABLE=long_live_blocks
-    run decode_ab_32k 170 python -m bench.decode_ab --engines lily,lily-off:long_live_blocks --context 32768 \
-      --bursts 10 --out "$W/ab_32k"
-    tail -8 "$W/ab_32k.txt" 2>/dev/null
-    run decode_ab_128k 260 python -m bench.decode_ab --engines lily,lily-off:long_live_blocks --context 131072 \
-      --bursts 8 --out "$W/ab_128k"
-    tail -8 "$W/ab_128k.txt" 2>/dev/null
+    switch_ab ab_32k 170 long_live_blocks 32768 10
+    switch_ab ab_128k 260 long_live_blocks 131072 8
     ;;
   34) # issue 12's expert GEMVs at ~13 % of copy, and not bound by their K chains (PART=30, 2026-12-05): gate+up and
       # down in K chunks of 512 (half the chunks a chain, twice the bytes in flight a chunk) and gate+up's direct
@@ -513,13 +515,8 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
   36) # switch direct_down_combine (off, a candidate: the down+combine kernel's direct layout, 25 % less GPU time in a
       # 4K step on the H100, 7 % on the H200; the same bits): decode in alternating bursts on against off in one
       # process at 4K and 32K, then its CUDA tests
-    export LILY_ENABLE=direct_down_combine
-    run decode_ab_4k 150 python -m bench.decode_ab --engines lily,lily-off:direct_down_combine --context 4096 \
-      --bursts 10 --out "$W/ab_4k"
-    tail -8 "$W/ab_4k.txt" 2>/dev/null
-    run decode_ab_32k 170 python -m bench.decode_ab --engines lily,lily-off:direct_down_combine --context 32768 \
-      --bursts 10 --out "$W/ab_32k"
-    tail -8 "$W/ab_32k.txt" 2>/dev/null
+    switch_ab ab_4k 150 direct_down_combine 4096 10
+    switch_ab ab_32k 170 direct_down_combine 32768 10
     run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
       tests/kernels/test_moe_kernels.py -k "down_combine or down_gemv_with"
     tail -3 "$W/tests_cuda.txt" 2>/dev/null
