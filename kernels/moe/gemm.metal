@@ -505,81 +505,6 @@ inline void moe_gemv_gate_up_rows(
   }
 }
 
-// The routed gate/up GEMV's top-k (moe_gemv_gate_up_swiglu_routed): simdgroup 0 reads token
-// `token`'s logits, picks its experts (moe_router_picks: the bits of moe_router_topk_from_logits) and sets the
-// block's expert (pick j = blk % top_k, or shared chunk (blk - A) / N: expert E + chunk) in *block_expert; the
-// `writer` threadgroup (x = 0) of each block writes that block's share of the top-k kernel's outputs. Every thread
-// calls it; the caller's barrier publishes *block_expert.
-template <typename T, int NPL, typename PL, typename PI, typename PS, typename PG, typename PB>
-inline void moe_gemv_routed_pick(int blk, long token, int top_k, int E, int A, int N, int norm_topk, int has_gate,
-                                 int decode_tile, PL logits, threadgroup float* probs,
-                                 threadgroup int* block_expert, bool writer, uint simdgroup, uint lane, PI inds,
-                                 PS scores, PG gate, PB blocks) {
-  const bool shared = blk >= A;
-  const int j = shared ? (blk - A) / N : blk % top_k;  // the pick, or the shared chunk
-  if (simdgroup == 0) {  // uniform: every lane of simdgroup 0 reaches the simd ops
-    for (int row = int(lane); row < E + has_gate; row += 32) {
-      probs[row] = logits[token * (E + 1) + row];
-    }
-    simdgroup_barrier(mem_flags::mem_threadgroup);
-    float picked_sum;
-    const uint mine = moe_router_picks<T, NPL>(probs, lane, E, top_k, picked_sum);
-    const uint key = simd_shuffle(mine, ushort(shared ? 0 : j));
-    if (lane == 0) {
-      if (shared) {
-        *block_expert = E + j;
-        if (writer) {
-          moe_router_write_shared_block(blk, E, j, decode_tile, blocks);
-        }
-      } else {
-        *block_expert = int(MOE_ROUTER_ID_BITS - (key & MOE_ROUTER_ID_BITS));
-        if (writer) {
-          moe_router_write_pick<T>(key, picked_sum, blk, norm_topk, decode_tile, inds, scores, blocks);
-          if (j == 0) {
-            gate[token] = moe_router_gate<T>(probs, E, has_gate);
-          }
-        }
-      }
-    }
-  }
-}
-
-// One block row of the gate/up GEMV's direct layout (moe_gemv_gate_up_swiglu_direct): expert e
-// (E + c: the shared expert's chunk c), output slot `slot`, activation row `token`; each of the 2R threads runs one
-// chain (threads 0 .. R-1 gate, R .. 2R-1 up) over its weight row read straight from device memory
-// (moe_gemv_chain_direct, KB groups a register batch), after the threadgroup stages the activation row as floats in
-// xrow (KX = D floats). The same sums in the same k order as the staged form: the same bits. Every thread calls it
-// (it holds barriers).
-template <int R, int KB, int KX, typename T>
-inline void moe_gemv_gate_up_rows_direct(
-    int e, int slot, long token, int E, int I, int D, int o0, uint tid, const device T* x,
-    const device uint32_t* w_gate, const device T* scales_gate, const device T* biases_gate,
-    const device uint32_t* w_up, const device T* scales_up, const device T* biases_up,
-    const device uint32_t* w_gate_s, const device T* scales_gate_s, const device T* biases_gate_s,
-    const device uint32_t* w_up_s, const device T* scales_up_s, const device T* biases_up_s,
-    threadgroup float4* xrow, threadgroup float* up_sums, device T* h) {
-  const bool shared = e >= E;
-  const bool up = int(tid) >= R;
-  const long row = long(shared ? e - E : e) * I + o0 + int(tid) % R;  // this chain's weight row
-  const device T* xsrc = x + token * D;
-  for (int i = int(tid); i < KX / 4; i += 2 * R) {  // the activations as floats, moe_gemv_staged's values
-    xrow[i] = float4(float(xsrc[4 * i]), float(xsrc[4 * i + 1]), float(xsrc[4 * i + 2]), float(xsrc[4 * i + 3]));
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  const device uint32_t* w = shared ? (up ? w_up_s : w_gate_s) : (up ? w_up : w_gate);
-  const device T* sc = shared ? (up ? scales_up_s : scales_gate_s) : (up ? scales_up : scales_gate);
-  const device T* bi = shared ? (up ? biases_up_s : biases_gate_s) : (up ? biases_up : biases_gate);
-  const float acc = moe_gemv_chain_direct<KB, T>(w + row * (D / 8), sc + row * (D / 64), bi + row * (D / 64), xrow,
-                                                 KX, q4_exponent_unfolded(E));
-  if (up) {
-    up_sums[int(tid) - R] = acc;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (!up) {
-    h[long(slot) * I + o0 + int(tid)] = static_cast<T>(acc / (1.0f + metal::exp(-acc)) * up_sums[tid]);
-  }
-}
-
 // Register-tiled GEMMs (switch register_tiles: moe_gemm_gate_up_swiglu_regtile, moe_gemm_down_regtile).
 // Same block map, same per-element arithmetic as the simdgroup tiles above, so the same bits: every
 // output element has one fp32 accumulator taking acc += x[k] * w[k] for k = 0 .. K - 1 in order, with
@@ -1215,12 +1140,14 @@ moe_gemv_gate_up_rows<R, KC, T, SK>(e, slot, token, E, I, D, int(threadgroup_pos
 // moe_gemv_gate_up_swiglu with each chain's weight row read by its own thread straight from device memory
 // (moe_gemv_chain_direct: KB quantisation groups a register batch, the next batch's loads issued before this batch's
 // sums) instead of staged chunks: no barrier and no threadgroup copy per chunk, a chain's memory latency exposed
-// once per KB groups. The threadgroup first stages its token's activation row as floats (KX = D floats). A layout
-// candidate (benchmarks): same grid, inputs and outputs as moe_gemv_gate_up_swiglu, the same sums in the same k
-// order, so the same bits. grid (I / R * 2R, n_blocks, 1), threadgroup (2R, 1, 1); template T, R (dividing I; 2R
-// whole simdgroups), KB (dividing D / 64), KX (= D). params: [top_k, D, I, E, A, N].
+// once per KB groups. The threadgroup first stages its token's activation row as floats (KX = D floats). A benchmark
+// layout (level with the staged form as an op, slower in a decode step on the H100, 2026-12-05; docs/moe.md): same
+// grid, inputs and outputs as moe_gemv_gate_up_swiglu, the same sums in the same k order, so the same bits.
+// grid (I / R * 2R, n_blocks, 1), threadgroup (2R, 1, 1); template T, R (dividing I; 2R whole simdgroups), KB
+// (dividing D / 64), KX (= D). params: [top_k, D, I, E, A, N]. Threads 0 .. R-1 run the gate chains, R .. 2R-1 up.
 threadgroup float4 gemv_xrow[KX / 4];
 threadgroup float up_sums[R];
+const uint tid = thread_index_in_threadgroup;
 const int blk = int(threadgroup_position_in_grid.y);
 const int e = blocks[4 * blk + 0];
 const int slot = blocks[4 * blk + 1];
@@ -1228,10 +1155,27 @@ if (blocks[4 * blk + 2] == 0) {
   return;  // padding entry: the whole threadgroup leaves
 }
 const long token = e >= E ? long(slot - A - (e - E) * N) : long(sorted_rows[slot] / top_k);
-moe_gemv_gate_up_rows_direct<R, KB, KX, T>(e, slot, token, E, I, D, int(threadgroup_position_in_grid.x) * R,
-                                           thread_index_in_threadgroup, x, w_gate, scales_gate, biases_gate, w_up,
-                                           scales_up, biases_up, w_gate_s, scales_gate_s, biases_gate_s, w_up_s,
-                                           scales_up_s, biases_up_s, gemv_xrow, up_sums, h);
+const bool shared = e >= E;
+const int o0 = int(threadgroup_position_in_grid.x) * R;
+const bool up = int(tid) >= R;
+const long row = long(shared ? e - E : e) * I + o0 + int(tid) % R;  // this chain's weight row
+const device T* xsrc = x + token * D;
+for (int i = int(tid); i < KX / 4; i += 2 * R) {  // the activations as floats, moe_gemv_staged's values
+  gemv_xrow[i] = float4(float(xsrc[4 * i]), float(xsrc[4 * i + 1]), float(xsrc[4 * i + 2]), float(xsrc[4 * i + 3]));
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+const device uint32_t* w = shared ? (up ? w_up_s : w_gate_s) : (up ? w_up : w_gate);
+const device T* sc = shared ? (up ? scales_up_s : scales_gate_s) : (up ? scales_up : scales_gate);
+const device T* bi = shared ? (up ? biases_up_s : biases_gate_s) : (up ? biases_up : biases_gate);
+const float acc = moe_gemv_chain_direct<KB, T>(w + row * (D / 8), sc + row * (D / 64), bi + row * (D / 64), gemv_xrow,
+                                               KX, q4_exponent_unfolded(E));
+if (up) {
+  up_sums[int(tid) - R] = acc;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (!up) {
+  h[long(slot) * I + o0 + int(tid)] = static_cast<T>(acc / (1.0f + metal::exp(-acc)) * up_sums[tid]);
+}
 
 // @kernel moe_gemv_gate_up_swiglu_routed
 // moe_gemv_gate_up_swiglu for a decode call with the router's top-k inside (switch fused_topk_gemv): one
@@ -1255,10 +1199,36 @@ threadgroup float probs[MOE_ROUTER_MAX_E + 1];
 threadgroup int block_expert;
 const uint tid = thread_index_in_threadgroup;
 const int blk = int(threadgroup_position_in_grid.y);
-const long token = blk >= A ? long((blk - A) % N) : long(blk / top_k);
-moe_gemv_routed_pick<T, NPL>(blk, token, top_k, E, A, N, norm_topk, has_gate, decode_tile, logits, probs,
-                             &block_expert, threadgroup_position_in_grid.x == 0, simdgroup_index_in_threadgroup,
-                             thread_index_in_simdgroup, inds, scores, gate, blocks);
+const bool shared = blk >= A;
+const long token = shared ? long((blk - A) % N) : long(blk / top_k);
+const int j = shared ? (blk - A) / N : blk % top_k;  // the pick, or the shared chunk
+if (simdgroup_index_in_threadgroup == 0) {  // uniform: every lane of simdgroup 0 reaches the simd ops
+  const uint lane = thread_index_in_simdgroup;
+  for (int row = int(lane); row < E + has_gate; row += 32) {
+    probs[row] = logits[token * (E + 1) + row];
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  float picked_sum;
+  const uint mine = moe_router_picks<T, NPL>(probs, lane, E, top_k, picked_sum);
+  const uint key = simd_shuffle(mine, ushort(shared ? 0 : j));
+  if (lane == 0) {
+    const bool writer = threadgroup_position_in_grid.x == 0;
+    if (shared) {
+      block_expert = E + j;
+      if (writer) {
+        moe_router_write_shared_block(blk, E, j, decode_tile, blocks);
+      }
+    } else {
+      block_expert = int(MOE_ROUTER_ID_BITS - (key & MOE_ROUTER_ID_BITS));
+      if (writer) {
+        moe_router_write_pick<T>(key, picked_sum, blk, norm_topk, decode_tile, inds, scores, blocks);
+        if (j == 0) {
+          gate[token] = moe_router_gate<T>(probs, E, has_gate);
+        }
+      }
+    }
+  }
+}
 threadgroup_barrier(mem_flags::mem_threadgroup);
 moe_gemv_gate_up_rows<R, KC, T, SK>(block_expert, blk, token, E, I, D, int(threadgroup_position_in_grid.x) * R, tid,
                                     x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, w_gate_s,
