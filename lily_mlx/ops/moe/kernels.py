@@ -392,10 +392,6 @@ def gemv_direct_geometry(name: str, width: int, k: int, rows: int, batch_groups:
 
 # Output columns per threadgroup of moe_gemv_down_combine: each block's GEMV in a group of that many threads.
 DOWN_COMBINE_ROWS = 16
-# Switch direct_down_combine (off, a candidate): a decode call's down+combine in the direct layout
-# (moe_gemv_down_combine_direct: each chain's weights read by its thread, no staging; the same bits). GPU time of a 4K
-# decode step's 40 launches under Nsight Compute: H100 761.2 us against 1,010.6 staged (2026-12-05), H200 911.7
-# against 982.0 (2026-12-04); on by default only after an end-to-end A/B (docs/decode.md).
 
 
 def _down_combine_groups(blocks_per_token: int, width: int, rows: int) -> Optional[int]:
@@ -1204,7 +1200,10 @@ def _decode_block_topk_in_gemv(block, x2d: mx.array, router_backend: str,
     h, inds, scores, gate, blocks = gemv_gate_up_routed(block, x2d, logits, backend)
     chunks = shared_chunks(shared, sw.gate_proj["scales"].shape[1])
     if next_norm is None and switches.is_enabled("fused_down_combine"):
-        direct = switches.is_enabled("direct_down_combine") and down_combine_direct_geometry(block.top_k + chunks, x2d.shape[1], h.shape[1])
+        # Switch direct_down_combine (off, a candidate; the same bits): GPU time of a 4K step's 40 launches under
+        # Nsight Compute, H100 761.2 us against 1,010.6 staged (2026-12-05), H200 911.7 against 982.0 (2026-12-04).
+        direct = (switches.is_enabled("direct_down_combine")
+                  and down_combine_direct_geometry(block.top_k + chunks, x2d.shape[1], h.shape[1]))
         geometry = direct or down_combine_geometry(block.top_k + chunks, x2d.shape[1], h.shape[1])
         if geometry is not None:
             return gemv_down_combine(h, blocks, sw.down_proj, shared, scores, gate, residual2d, geometry, backend,
