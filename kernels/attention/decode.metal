@@ -35,6 +35,8 @@
 //   partials per head and block: max, sum of exp(score - max), unnormalised sum of exp(...) v.
 // - attention_decode_block_partials_live (switch kv_write_in_trace): the same over a buffer's whole
 //   capacity with the live length read from an input array (blocks past it write nothing).
+// - attention_decode_block_partials_rows: the same over a batch's rows (BatchKVCache), each row's blocks from its
+//   left padding on and of its own length's size (attention_decode_merge_row_blocks merges them).
 // - attention_decode_merge_blocks: per (head, slice of D), warps split the blocks, rescale them to
 //   the global max and sum in a fixed order; divides once. attention_decode_merge_live_blocks: the same over
 //   the live form's live blocks; ..._gated (switch fused_output_gate): times the layer's output gate.
@@ -431,6 +433,18 @@ inline void attention_decode_block(
       sg_acc, lane, sg);
 }
 
+// Rows per block of a batch row's own context of L rows (attention_decode_block_partials_rows): the smallest power of
+// two >= L / target, clamped to [min_rows, max_rows] (both powers of two): the host's fixed_block_rows(L, target,
+// min_rows, max_rows), computed here so that no row's length has to reach the host (a sync a step).
+inline int attention_row_block_rows(int L, int target, int min_rows, int max_rows) {
+  const int want = (L + target - 1) / target;
+  int br = min_rows;
+  while (br < want && br < max_rows) {
+    br *= 2;
+  }
+  return br;
+}
+
 // The merge of the block partials of one (head, slice of 32 * MV elements of D): threadgroup `tg` of MW
 // simdgroups (see attention_decode_merge_blocks) over the first nb_used of the head's NB blocks. GATED: the output
 // times sigmoid(gate) ([B * Hq, D] InT, the layer's output gate), rounded as stock's separate ops round them
@@ -775,6 +789,38 @@ inline void attention_decode_block_tiles(
       static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
 }
 
+// @kernel attention_decode_block_partials_rows
+// The fixed-block split over a batch's rows (mlx_lm's BatchKVCache, the server's batches): row b's keys are rows
+// row_start[b] .. S - 1 (its left padding skipped), cut into blocks counted from row_start[b] of its own BR_b =
+// attention_row_block_rows(S - row_start[b], TARGET, MIN_ROWS, MAX_ROWS) rows. So a row's blocks, and its bits, are
+// those of the same sequence alone in attention_decode_block_partials with BR = fixed_block_rows(its length, TARGET):
+// they never depend on the other rows. NB: the most blocks a row of at most S rows can have (the partials' stride);
+// the threadgroups of a row's blocks past its own count leave at once, writing nothing
+// (attention_decode_merge_row_blocks reads each row's own blocks). row_start: [B] int32. Otherwise (grid, inputs,
+// outputs) as attention_decode_block_partials.
+{
+  constexpr int HP = ATTENTION_MERGE_HEADS(GT, SG, D);
+  threadgroup float sg_max[GT * SG];
+  threadgroup float sg_sum[GT * SG];
+  threadgroup float sg_acc[SG * HP * D];
+  const int z = static_cast<int>(threadgroup_position_in_grid.x);
+  const int part = z % NB;
+  const int n = z / NB;
+  const int bh = n / (G / GT);
+  const int begin = static_cast<int>(row_start[bh / Hkv]);
+  const int br = attention_row_block_rows(S - begin, TARGET, MIN_ROWS, MAX_ROWS);
+  const int row_begin = begin + part * br;
+  if (row_begin >= S) {
+    return;  // past the row's own blocks (uniform exit)
+  }
+  const AttentionPlainRows<InT, D, COALESCED> k_rows = {k};
+  const AttentionPlainRows<InT, D, COALESCED> v_rows = {v};
+  attention_decode_rows<InT, D, GT, SG, R, COALESCED, 1, HP>(
+      q, k_rows, v_rows, scale[0], nullptr, part_max, part_sum, part_acc, Hkv * G, S_cap, bh, bh / Hkv,
+      (bh % Hkv) * G + (n % (G / GT)) * GT, row_begin, min(S, row_begin + br), part, NB, sg_max, sg_sum, sg_acc,
+      static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
+}
+
 // @kernel attention_decode_quantized
 // attention_decode over an MLX-LM QuantizedKVCache, dequantised as the rows are read (AttentionQuantizedRows;
 // BITS and GROUP template arguments besides attention_decode's): k, v: packed [B, Hkv, S_cap, D * BITS / 32]
@@ -893,6 +939,23 @@ inline void attention_decode_block_tiles(
       part_max, part_sum, part_acc, nullptr, out, NB, used, static_cast<int>(threadgroup_position_in_grid.x),
       tg_red, tg_sum, tg_acc, static_cast<int>(thread_index_in_simdgroup),
       static_cast<int>(thread_position_in_threadgroup.y));
+}
+
+// @kernel attention_decode_merge_row_blocks
+// attention_decode_merge_blocks over attention_decode_block_partials_rows' partials: each row's own blocks,
+// ceil(L_b / BR_b) of the NB (L_b = S - row_start[b], BR_b its schedule as there). row_start: [B] int32; params Hq,
+// S, TARGET, MIN_ROWS, MAX_ROWS besides NB.
+{
+  threadgroup float tg_red[MW];
+  threadgroup float tg_sum[MW];
+  threadgroup float tg_acc[MW * 32 * MV];
+  const int tg = static_cast<int>(threadgroup_position_in_grid.x);
+  const int head = tg / (D / (32 * MV));
+  const int length = S - static_cast<int>(row_start[head / Hq]);
+  const int br = attention_row_block_rows(length, TARGET, MIN_ROWS, MAX_ROWS);
+  attention_merge_blocks<InT, D, MV, MW, 0>(
+      part_max, part_sum, part_acc, nullptr, out, NB, (length + br - 1) / br, tg, tg_red, tg_sum, tg_acc,
+      static_cast<int>(thread_index_in_simdgroup), static_cast<int>(thread_position_in_threadgroup.y));
 }
 
 // @kernel attention_decode_merge_live_blocks_gated

@@ -37,8 +37,8 @@ def attention_kernels_on(backend: str = KERNEL_BACKEND):
     try:
         with pytest.MonkeyPatch.context() as mp:
             # every backend has the launchers (ops.attention.layer.KERNELS); the dispatch decides
-            for op in ("attention_decode", "attention_decode_long", "attention_decode_quantized", "attention_prefill",
-                       "attention_qk_prep"):
+            for op in ("attention_decode", "attention_decode_long", "attention_decode_batch", "attention_decode_quantized",
+                       "attention_prefill", "attention_qk_prep"):
                 spec = dispatch.OPS[op]
                 if backend not in spec.kernel_backends:
                     mp.setitem(dispatch.OPS, op, replace(spec, kernel_backends=spec.kernel_backends | {backend}))

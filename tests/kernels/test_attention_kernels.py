@@ -153,9 +153,11 @@ def test_left_padded_batch_rows_have_their_own_bits(packed, coalesced):
 
 
 @needs_sim
-def test_dispatch_uses_kernel_for_a_batch_kv_cache_with_its_own_mask(monkeypatch):
-    """mlx_lm's BatchKVCache with the mask it makes for a decode step: the one-pass kernel runs from
-    each row's left padding on and matches stock's masked attention; any other mask falls back."""
+@pytest.mark.parametrize("split", [True, False], ids=["row-blocks", "one-pass"])
+def test_dispatch_uses_kernel_for_a_batch_kv_cache_with_its_own_mask(monkeypatch, split):
+    """mlx_lm's BatchKVCache with the mask it makes for a decode step: the split over the rows' own blocks (op
+    attention_decode_batch), or with fixed_block_attention off the one-pass kernel, runs from each row's left padding
+    on and matches stock's masked attention; any other mask falls back."""
     from mlx_lm.models.base import create_attention_mask
     from mlx_lm.models.cache import BatchKVCache
 
@@ -165,15 +167,17 @@ def test_dispatch_uses_kernel_for_a_batch_kv_cache_with_its_own_mask(monkeypatch
     cache = _filled_cache(BatchKVCache, k[:, :, :19], v[:, :, :19], left_padding=[7, 0])
     mask = create_attention_mask(mx.zeros((2, 1, 8)), cache)  # before the step, as the model makes it
     keys, values = cache.update_and_fetch(k[:, :, 19:], v[:, :, 19:])
-    with record_launches() as rec:
+    with switches.overrides(disable=() if split else ("fixed_block_attention",)), record_launches() as rec:
         out = att.attention(q, keys, values, scale=0.125, mask=mask, cache=cache)
-    assert rec.names() == ["attention_decode"]
+    want_names = (["attention_decode_block_partials_rows", "attention_decode_merge_row_blocks"] if split
+                  else ["attention_decode"])
+    assert rec.names() == want_names
     want = attref.attention_reference(*(x.astype(mx.float32) for x in (q, keys, values)), scale=0.125,
                                       mask=mask).astype(q.dtype)
     _check(out, want, TOL["bfloat16"])
     additive = mx.where(mask, 0.0, -mx.inf).astype(mx.bfloat16)
     assert "another mask" in ak.supports(q, keys, values, additive, cache, batch=True)
-    assert ak.supports(q, keys, values, mask, cache) == "a mask"  # the fixed-block kernels: no batches
+    assert ak.supports(q, keys, values, mask, cache) == "a mask"  # the single sequence's kernels: no batches
 
 
 def _fallback_cases(rng):
@@ -661,6 +665,143 @@ def test_fixed_block_schedule_depends_on_the_context_only():
         nb = -(-S // br)
         assert (nb - 1) * br < S <= nb * br
     assert ak.fixed_block_plan(32768, 256, 2).partial_threadgroups >= 512
+
+
+# ---------------------------------------------------------------------------------------------
+# the split over a batch's rows (op attention_decode_batch): each row's blocks from its own left padding
+
+
+def _rows_alone(q, k, v, pads, S, target, **kw):
+    """Each row of a left-padded batch alone: its live keys in a buffer of their own, through the single sequence's
+    split with the block size and simdgroups the row's own length gives."""
+    outs = []
+    for b, pad in enumerate(pads):
+        L = S - pad
+        outs.append(ak.decode_attention_fixed_blocks(
+            q[b:b + 1], k[b:b + 1, :, pad:S], v[b:b + 1, :, pad:S], kv_length=L, block_rows=ak.fixed_block_rows(L, target),
+            simdgroups=ak.batch_simdgroups(KERNEL_BACKEND), **kw))
+    return outs
+
+
+@needs_sim
+@settings(deadline=None, max_examples=16)
+@given(
+    B=st.integers(1, 3), Hkv=st.integers(1, 2), G=st.sampled_from([1, 4, 8]), D=st.sampled_from([64, 128, 256]),
+    S=st.sampled_from([1, 9, 130, 300]), target=st.sampled_from([1, 3, 8, 128]),
+    dtype=st.sampled_from(["bfloat16", "float16", "float32"]), state=st.sampled_from(SWITCH_STATES),
+    spare=st.sampled_from([0, 5]), sharp=st.booleans(), data=st.data(),
+)
+def test_batch_rows_split_matches_reference_and_each_row_alone(B, Hkv, G, D, S, target, dtype, state, spare, sharp,
+                                                               data):
+    """Rows of a BatchKVCache-like buffer with drawn left padding (a row may hold one key; every row's blocks of its
+    own size, from 64-row blocks with a short last one up to one block): each row bit for bit the same sequence alone
+    in the single sequence's split with its own block size, and the fp32 oracle over its live keys; partials and
+    output poisoned (NaN), so a row's blocks past its own count must be skipped by the merge."""
+    pads = data.draw(st.lists(st.integers(0, S - 1), min_size=B, max_size=B), label="pads")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    q, k, v = _problem(rng, B, Hkv, G, D, S, DTYPES[dtype], spare)
+    packed, coalesced = state
+    scale = 1.0 if sharp else D**-0.5
+    kw = dict(scale=scale, gqa_packed=packed, coalesced=coalesced, backend=KERNEL_BACKEND, init_value=NAN)
+    batch = ak.decode_attention_fixed_blocks_rows(q, k, v, mx.array(pads), kv_length=S, target_blocks=target, **kw)
+    for b, (pad, alone) in enumerate(zip(pads, _rows_alone(q, k, v, pads, S, target, **kw))):
+        assert bool(mx.array_equal(batch[b:b + 1], alone).item()), (b, pad)
+        _check(batch[b:b + 1], _oracle(q[b:b + 1], k[b:b + 1, :, pad:], v[b:b + 1, :, pad:], S - pad, scale), TOL[dtype])
+
+
+@needs_sim
+def test_batch_rows_bits_do_not_depend_on_the_other_rows():
+    """One sequence's row in batches of other companions, other left padding and other padded lengths (a longer
+    companion pads it more, a shorter one not at all), at the schedule's own target: the same bits every time."""
+    rng = np.random.default_rng(31)
+    Hkv, G, D, L = 2, 8, 128, 200
+    q0, k0, v0 = _problem(rng, 1, Hkv, G, D, L, mx.bfloat16)
+    kw = dict(scale=0.1, backend=KERNEL_BACKEND, init_value=NAN, target_blocks=4)
+    outs = []
+    for others in ([], [50], [700], [5, 450]):
+        S = max([L, *others])
+        rows = [(q0, k0, v0, L)] + [(*_problem(rng, 1, Hkv, G, D, n, mx.bfloat16), n) for n in others]
+        pads = [S - n for *_, n in rows]
+        pad_rows = lambda x, p: mx.concatenate([_rand(rng, (1, Hkv, p, D), mx.bfloat16), x], axis=2)
+        q = mx.concatenate([r[0] for r in rows])
+        k = mx.concatenate([pad_rows(r[1], p) for r, p in zip(rows, pads)])
+        v = mx.concatenate([pad_rows(r[2], p) for r, p in zip(rows, pads)])
+        outs.append(ak.decode_attention_fixed_blocks_rows(q, k, v, mx.array(pads), kv_length=S, **kw)[:1])
+    for out in outs[1:]:
+        assert bool(mx.array_equal(out, outs[0]).item())
+
+
+@needs_sim
+def test_batch_rows_through_a_batch_kv_cache_and_its_filter():
+    """The op over mlx_lm's BatchKVCache as the server drives it: a step, then ``filter`` drops a row (which trims the
+    common left padding, so every kept row's keys move in the buffer): the kept rows' bits are the same as the same
+    rows' in a batch built without the dropped row, and match stock's masked attention."""
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import BatchKVCache
+
+    rng = np.random.default_rng(32)
+    Hkv, G, D = 2, 8, 64
+    lengths = [40, 9, 25]  # prompt rows; the first is the longest: dropping it trims 15 rows of everyone's padding
+    S = max(lengths)
+    q, k, v = _problem(rng, 3, Hkv, G, D, S + 1, mx.bfloat16)
+
+    def step(rows):
+        pads = [S - lengths[i] for i in rows]
+        cache = _filled_cache(BatchKVCache, k[mx.array(rows), :, :S], v[mx.array(rows), :, :S], left_padding=pads)
+        return cache
+
+    def attend(cache, rows):
+        mask = create_attention_mask(mx.zeros((len(rows), 1, 8)), cache)
+        keys, values = cache.update_and_fetch(k[mx.array(rows), :, S:], v[mx.array(rows), :, S:])
+        out = ak.decode_attention_fixed_blocks_rows_from_cache(KERNEL_BACKEND)(
+            q[mx.array(rows)], keys, values, scale=0.125, mask=mask, cache=cache)
+        want = attref.attention_reference(*(x.astype(mx.float32) for x in (q[mx.array(rows)], keys, values)),
+                                          scale=0.125, mask=mask).astype(q.dtype)
+        _check(out, want, TOL["bfloat16"])
+        return out
+
+    full = step([0, 1, 2])
+    full.filter(mx.array([1, 2]))  # the longest row leaves: the common padding (15 rows) is trimmed
+    assert full.left_padding.tolist() == [16, 0]
+    kept = attend(full, [1, 2])
+    fresh = attend(step([1, 2]), [1, 2])
+    assert bool(mx.array_equal(kept, fresh).item())
+
+
+def test_row_blocks_bound_is_the_most_blocks_a_row_can_have():
+    for target in (1, 3, 4, 128):
+        for S in (1, 63, 64, 65, 200, 256, 257, 1000, 5000):
+            counts = [-(-L // ak.fixed_block_rows(L, target)) for L in range(1, S + 1)]
+            assert ak.row_blocks_bound(S, target) == max(counts), (target, S)
+
+
+@needs_sim
+@pytest.mark.skipif(KERNEL_BACKEND != "sim", reason="the race check is the simulator's")
+def test_batch_rows_split_race_check(monkeypatch):
+    """The simulator's race check on the row partials' threadgroup merge, rows with one and several blocks."""
+    monkeypatch.setenv("LILY_MSL_RACE", "1")
+    rng = np.random.default_rng(33)
+    q, k, v = _problem(rng, 2, 1, 4, 64, 70, mx.bfloat16)
+    out = ak.decode_attention_fixed_blocks_rows(q, k, v, mx.array([0, 66]), scale=0.125, kv_length=70,
+                                                target_blocks=2, backend=KERNEL_BACKEND, init_value=NAN)
+    for b, pad in enumerate((0, 66)):
+        _check(out[b:b + 1], _oracle(q[b:b + 1], k[b:b + 1, :, pad:], v[b:b + 1, :, pad:], 70 - pad, 0.125),
+               TOL["bfloat16"])
+
+
+def test_batch_rows_split_compiles_for_cuda():
+    q, k = mx.zeros((2, 16, 1, 256), mx.bfloat16), mx.zeros((2, 2, 8, 256), mx.bfloat16)
+    starts = mx.zeros((2,), mx.int32)
+    _assert_compiles_for_cuda(
+        "attention_decode_block_partials_rows", [q, k, k, mx.zeros((1,)), starts, mx.zeros((8,), mx.int32)],
+        [mx.float32] * 3,
+        [[("InT", mx.bfloat16), ("D", 256), ("GT", 8 if packed else 1), ("SG", ak.batch_simdgroups("cuda")),
+          ("R", ak.rows_per_step(8 if packed else 1)), ("COALESCED", int(coalesced))]
+         for packed, coalesced in SWITCH_STATES])
+    _assert_compiles_for_cuda(
+        "attention_decode_merge_row_blocks",
+        [mx.zeros((32, 2)), mx.zeros((32, 2)), mx.zeros((32, 2, 256)), starts, mx.zeros((6,), mx.int32)],
+        [mx.bfloat16], [[("InT", mx.bfloat16), ("D", 256), ("MV", 4), ("MW", ak.MERGE_SIMDGROUPS)]])
 
 
 @needs_sim

@@ -233,8 +233,8 @@ def test_long_context_decode_vs_blockwise_and_math(monkeypatch):
 
 def test_ops_registered_with_their_switches():
     ops = {name: op for name, op in OPS.items() if op.family == "attention"}
-    assert set(ops) == {"attention_qk_prep", "attention_prefill", "attention_decode",
-                        "attention_decode_long", "attention_decode_quantized", "attention_qkv_proj"}
+    assert set(ops) == {"attention_qk_prep", "attention_prefill", "attention_decode", "attention_decode_long",
+                        "attention_decode_batch", "attention_decode_quantized", "attention_qkv_proj"}
     assert ops["attention_qk_prep"].switches == ("fused_qk_prep",)
     assert set(ops["attention_decode"].switches) == {"coalesced_kv", "gqa_packing"}
     assert "fixed_block_attention" in ops["attention_decode_long"].switches
@@ -245,6 +245,7 @@ def test_ops_registered_with_their_switches():
     with_kernels = {"attention_decode": frozenset({"sim"}), "attention_decode_long": frozenset({"sim", "cuda"}),
                     "attention_prefill": frozenset({"sim"}), "attention_qk_prep": frozenset({"sim", "cuda", "metal"}),
                     "attention_decode_quantized": frozenset({"sim", "cuda"}),  # timed on an H100; Metal: trial
+                    "attention_decode_batch": frozenset({"sim"}),  # GPUs: trial until timed against stock's
                     # MLX's own quantised matmul over concatenated weights: every backend (same bits)
                     "attention_qkv_proj": frozenset({"metal", "sim", "cuda"})}
     for op in ops.values():

@@ -6,7 +6,7 @@ Modules: ``layer`` (the forward and the dispatch of each op), ``kernels`` (the a
 launchers and shape rules; kernels/attention/decode.metal and prefill.metal), ``reference`` (plain-MLX
 references and the fixed-block algorithm).
 
-Six ops, each a function of ``layer`` with a reference in plain MLX ops and one dispatch point into
+Seven ops, each a function of ``layer`` with a reference in plain MLX ops and one dispatch point into
 a kernel:
 
 - ``qk_prep``: q_norm, k_norm, partial RoPE and the split of the output gate off ``q_proj``.
@@ -15,14 +15,17 @@ a kernel:
 - ``quantized_decode_attention``: the same over a quantized KV cache (``--kv-bits``), dequantised in the kernel.
 - ``qkv_proj``: the q/k/v projections of a decode-sized call as one quantised matmul (switch
   ``fused_qkv_proj``; ``lily_mlx.core.projections``).
+- ``batch_decode_attention``: one query row for each row of a batch (``BatchKVCache``, the server's batches): the
+  fixed-block split with each row's blocks of its own length, so a row's bits do not depend on the batch.
 - ``long_context_attention``: decode at long context, where the write-up splits the KV cache into
   fixed blocks processed in parallel and merges them (``reference.blockwise_attention`` is that
   algorithm in plain MLX; the reference stays stock's primitive so the reference path is
   token-identical). Its kernels' live-length form serves every context where a decode step attends over
   the KV buffer (switch ``kv_write_in_trace``; ``fused_output_gate``: its merge applies the output gate).
 
-Kernels: ``attention_decode`` and ``attention_decode_long`` (the fixed-block split: block partials,
-then a merge), ``attention_decode_quantized`` (both forms over a quantized cache), ``attention_prefill`` (flash-attention tiles; kernels/attention/prefill.metal),
+Kernels: ``attention_decode``, ``attention_decode_long`` (the fixed-block split: block partials, then a merge),
+``attention_decode_batch`` (the split over a batch's rows), ``attention_decode_quantized`` (both forms over a
+quantized cache), ``attention_prefill`` (flash-attention tiles; kernels/attention/prefill.metal),
 ``attention_qk_prep`` (switch ``fused_qk_prep``; kernels/attention/qk_prep.metal).
 """
 
@@ -61,6 +64,14 @@ LONG_CONTEXT = register_op(Op(
     switches=("fixed_block_attention", "coalesced_kv", "gqa_packing", "fused_output_gate", "long_live_blocks"),
     kernel_backends=kernels.LONG_BACKENDS,
     trial_backends=GPU_BACKENDS - kernels.LONG_BACKENDS,
+))
+DECODE_BATCH = register_op(Op(
+    "attention_decode_batch", "attention",
+    "one query row per sequence of a batch (BatchKVCache, rows of their own lengths): fixed KV blocks of each "
+    "row's own length in parallel, then merged",
+    switches=("fixed_block_attention", "coalesced_kv", "gqa_packing"),
+    kernel_backends=kernels.BATCH_BACKENDS,  # GPUs: trial until timed against stock's masked attention (kernels.py)
+    trial_backends=GPU_BACKENDS - kernels.BATCH_BACKENDS,
 ))
 DECODE_QUANTIZED = register_op(Op(
     "attention_decode_quantized", "attention",

@@ -46,8 +46,14 @@ KERNELS = {
                    ("part_max", "part_sum", "part_acc"), params=("Hkv", "G", "S_cap", "NB", "BR")),
         KernelSpec("attention_decode_block_partials_live_tiles", _FILE, ("q", "k", "v", "scale", "last_row", "params"),
                    ("part_max", "part_sum", "part_acc"), params=("B", "Hkv", "S_cap", "NB")),
+        KernelSpec("attention_decode_block_partials_rows", _FILE, ("q", "k", "v", "scale", "row_start", "params"),
+                   ("part_max", "part_sum", "part_acc"),
+                   params=("Hkv", "G", "S", "S_cap", "NB", "TARGET", "MIN_ROWS", "MAX_ROWS")),
         KernelSpec("attention_decode_merge_blocks", _FILE, ("part_max", "part_sum", "part_acc", "params"), ("out",),
                    params=("NB",)),
+        KernelSpec("attention_decode_merge_row_blocks", _FILE,
+                   ("part_max", "part_sum", "part_acc", "row_start", "params"), ("out",),
+                   params=("NB", "Hq", "S", "TARGET", "MIN_ROWS", "MAX_ROWS")),
         KernelSpec("attention_decode_merge_live_blocks", _FILE, ("part_max", "part_sum", "part_acc", "last_row",
                                                                  "params"), ("out",), params=("NB", "BR")),
         KernelSpec("attention_decode_merge_live_blocks_gated", _FILE, ("part_max", "part_sum", "part_acc", "gate",
@@ -75,6 +81,10 @@ GPU_BACKENDS = frozenset({"metal", "cuda"})
 # 627 / 1,196 at 32K / 64K / 128K) but not at 4K (196 against 154): docs/attention.md.
 DECODE_BACKENDS = frozenset({"sim"})
 LONG_BACKENDS = frozenset({"sim", "cuda"})
+# The fixed-block split over a batch's rows (op ``attention_decode_batch``, mlx_lm's BatchKVCache: the server's
+# batches), each row's blocks from its own left padding and of its own length's size: the simulator until timed
+# against stock's masked attention on a GPU (``attention_batch_*`` op cases); a trial kernel there until then.
+BATCH_BACKENDS = frozenset({"sim"})
 # The decode kernels over a quantized KV cache (op ``attention_decode_quantized``: the one-pass kernel, or the
 # fixed blocks where the rule below takes them, reading the packed rows and dequantising them in registers). On CUDA
 # the split beats stock's quantized attention at every context (H100, kernel time of 8 calls, 4-bit: 572 / 990 /
@@ -173,6 +183,20 @@ def live_simdgroups(S_cap: int, backend: str) -> int:
     (a function of the capacity and backend alone, so never of the batch)."""
     wide = backend in LIVE_WIDE_BACKENDS and S_cap >= LIVE_WIDE_MIN_CAPACITY
     return LIVE_WIDE_SIMDGROUPS if wide else DECODE_SIMDGROUPS
+
+
+def row_blocks_bound(S: int, target_blocks: int) -> int:
+    """The most blocks a batch row of at most S rows can have under the schedule ``fixed_block_rows(L,
+    target_blocks)`` (the row partials' stride, ``decode_attention_fixed_blocks_rows``). A row's block count grows
+    with L between the lengths where its block size doubles, so the most is at S or just below such a length."""
+    lengths = [S] + [br * target_blocks for br in (1 << i for i in range(31)) if br * target_blocks <= S]
+    return max(-(-L // fixed_block_rows(L, target_blocks)) for L in lengths)
+
+
+def batch_simdgroups(backend: str) -> int:
+    """Simdgroups per partials threadgroup of a batch's rows (``decode_attention_fixed_blocks_rows``): the live
+    form's at any capacity on ``backend``, a function of the backend alone (never of the batch's length)."""
+    return LIVE_WIDE_SIMDGROUPS if backend in LIVE_WIDE_BACKENDS else DECODE_SIMDGROUPS
 
 
 def supports(queries: mx.array, keys: Any, values: Any, mask: Any = None,
@@ -439,6 +463,51 @@ def decode_attention_fixed_blocks_live(
                               backend, init_value, gate, last_row)
 
 
+def decode_attention_fixed_blocks_rows(
+    queries: mx.array,  # [B, Hq, 1, D]
+    keys: mx.array,  # [B, Hkv, S_cap, D]: row b's keys are rows row_start[b] .. kv_length - 1
+    values: mx.array,
+    row_start: mx.array,  # [B] int: row b's first live row (its left padding)
+    *,
+    scale: float,
+    kv_length: Optional[int] = None,  # S: the batch's live rows (default: all of S_cap)
+    target_blocks: Optional[int] = None,  # the schedule's aim (default LIVE_TARGET_BLOCKS)
+    gqa_packed: bool = True,
+    coalesced: bool = True,
+    backend: str,
+    init_value=None,
+    simdgroups: Optional[int] = None,  # per partials threadgroup (default batch_simdgroups(backend))
+) -> mx.array:  # [B, Hq, 1, D]
+    """The fixed-block split over a batch's rows of their own lengths (mlx_lm's ``BatchKVCache``): row b's keys from
+    its left padding on, in blocks of ``fixed_block_rows(S - row_start[b], target_blocks)`` rows counted from there,
+    computed in the kernels (no row length reaches the host). A row's output is bit for bit the same sequence's alone
+    through ``decode_attention_fixed_blocks`` with that block size and simdgroups: it does not depend on the other
+    rows. Two launches; the partials' stride is the most blocks a row of at most S rows can have."""
+    target = target_blocks or LIVE_TARGET_BLOCKS
+    g = _geometry(queries, keys, kv_length, gqa_packed, coalesced, simdgroups or batch_simdgroups(backend))
+    B, Hq, _, D = queries.shape
+    nb = row_blocks_bound(g.S, target)
+    schedule = dict(TARGET=target, MIN_ROWS=FIXED_BLOCK_MIN_ROWS, MAX_ROWS=FIXED_BLOCK_MAX_ROWS)
+    partials = KERNELS["attention_decode_block_partials_rows"]
+    row_start = row_start.astype(mx.int32)
+    part_max, part_sum, part_acc = get_kernel(partials, backend)(
+        inputs=[queries, keys, values, float32_scalar(scale), row_start,
+                partials.pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap, NB=nb, **schedule)],
+        template=g.template, grid=(32 * g.threadgroups * nb, g.sg, 1), threadgroup=(32, g.sg, 1),
+        output_shapes=[(B * Hq, nb), (B * Hq, nb), (B * Hq, nb, D)],
+        output_dtypes=[mx.float32] * 3, init_value=init_value,
+    )
+    merge = KERNELS["attention_decode_merge_row_blocks"]
+    mv, mw = min(4, D // 32), MERGE_SIMDGROUPS  # as fixed_block_plan's defaults
+    (out,) = get_kernel(merge, backend)(
+        inputs=[part_max, part_sum, part_acc, row_start, merge.pack(NB=nb, Hq=Hq, S=g.S, **schedule)],
+        template=[("InT", queries.dtype), ("D", D), ("MV", mv), ("MW", mw)],
+        grid=(32 * B * Hq * (D // (32 * mv)), mw, 1), threadgroup=(32, mw, 1),
+        output_shapes=[queries.shape], output_dtypes=[queries.dtype], init_value=init_value,
+    )
+    return out
+
+
 def contiguous_lane_elements(D: int, dtype) -> int:
     """The COALESCED template argument of the quantized decode kernels: 1 where the coalesced layout gives each lane
     contiguous elements (D / 32 elements in one load of at most 16 bytes: the 16-bit types, fp32 up to D = 128),
@@ -661,6 +730,18 @@ def decode_attention_fixed_blocks_from_cache(backend: str):
         return decode_attention_fixed_blocks(queries, cache.keys, cache.values, scale=scale, block_rows=block_size,
                                              kv_length=keys.shape[2], gqa_packed=gqa_packed, coalesced=coalesced,
                                              backend=backend)
+
+    return launch
+
+
+def decode_attention_fixed_blocks_rows_from_cache(backend: str):
+    """The launcher ``layer.batch_decode_attention`` dispatches to on ``backend``: a ``BatchKVCache``'s whole buffers
+    read in place, each row from its left padding on (``supports(batch=True)``)."""
+
+    def launch(queries, keys, values, *, scale, mask=None, cache=None, coalesced=True, gqa_packed=True):
+        return decode_attention_fixed_blocks_rows(queries, cache.keys, cache.values, cache.left_padding, scale=scale,
+                                                  kv_length=keys.shape[2], gqa_packed=gqa_packed, coalesced=coalesced,
+                                                  backend=backend)
 
     return launch
 

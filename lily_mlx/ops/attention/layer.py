@@ -5,7 +5,8 @@ module as ``self``, and the dispatch of each op (``qk_prep``, ``prefill_attentio
 
 On the reference backend it is exactly stock's computation: the same MLX primitives in the same
 order, mlx_lm's own ``scaled_dot_product_attention`` (quantized KV caches included; ``reference``).
-Kernels: ``attention_decode``, ``attention_decode_long`` (``kernels``, kernels/attention/decode.metal)
+Kernels: ``attention_decode``, ``attention_decode_long``, ``attention_decode_batch`` (``kernels``,
+kernels/attention/decode.metal)
 and ``attention_prefill`` (kernels/attention/prefill.metal), ``attention_qk_prep``
 (kernels/attention/qk_prep.metal).
 """
@@ -35,6 +36,8 @@ KERNELS: dict = {
     **{("attention_decode", backend): kernels.decode_attention_from_cache(backend)
        for backend in kernels.WRITTEN_FOR},
     **{("attention_decode_long", backend): kernels.decode_attention_fixed_blocks_from_cache(backend)
+       for backend in kernels.WRITTEN_FOR},
+    **{("attention_decode_batch", backend): kernels.decode_attention_fixed_blocks_rows_from_cache(backend)
        for backend in kernels.WRITTEN_FOR},
     **{("attention_decode_quantized", backend): kernels.decode_attention_quantized_from_cache(backend)
        for backend in kernels.WRITTEN_FOR},
@@ -136,6 +139,20 @@ def decode_attention(queries, keys, values, *, scale, mask=None, cache=None):
     return attention_reference(queries, keys, values, scale=scale, mask=mask, cache=cache)
 
 
+def batch_decode_attention(queries, keys, values, *, scale, mask=None, cache=None):
+    """One query row for each row of a batch (mlx_lm's ``BatchKVCache`` with its own one-row mask: the server's
+    batches) over the KV cache: the fixed-block split, each row's blocks from its left padding on and of its own
+    length's size, so a row's bits never depend on the other rows (``kernels.decode_attention_fixed_blocks_rows``).
+    With ``fixed_block_attention`` off, or where the op has no kernel, the one-pass op (``decode_attention``)."""
+    if is_enabled("fixed_block_attention"):
+        kernel = _kernel_for("attention_decode_batch",
+                             lambda: kernels.supports(queries, keys, values, mask, cache, batch=True))
+        if kernel is not None:
+            return kernel(queries, keys, values, scale=scale, mask=mask, cache=cache,
+                          coalesced=is_enabled("coalesced_kv"), gqa_packed=is_enabled("gqa_packing"))
+    return decode_attention(queries, keys, values, scale=scale, mask=mask, cache=cache)
+
+
 def long_context_attention(queries, keys, values, *, scale, mask=None, cache=None):
     """Decode at long context: the fixed-block split kernels (same shape rules as the decode kernel).
     Reference: stock's attention."""
@@ -186,9 +203,9 @@ def attention(queries, keys, values, *, scale, mask=None, cache=None):
         return quantized_decode_attention(queries, keys, values, scale=scale, mask=mask, cache=cache)
     _, n_kv_heads, kv_length = _kv_shape(keys)[:3]
     if mask is not None and hasattr(cache, "left_padding"):
-        # A batch's rows (BatchKVCache): kv_length is the batch's padded length, not a row's own context,
-        # so the fixed-block rule cannot be applied per row; the one-pass path serves every row alike.
-        return decode_attention(queries, keys, values, scale=scale, mask=mask, cache=cache)
+        # A batch's rows (BatchKVCache): kv_length is the batch's padded length, not a row's own context, so the
+        # single sequence's rule cannot choose a path per row; one path serves every row alike at every length.
+        return batch_decode_attention(queries, keys, values, scale=scale, mask=mask, cache=cache)
     path = decode_path(kv_length, head_dim, n_heads // n_kv_heads)
     op = long_context_attention if path == "fixed_block" else decode_attention
     return op(queries, keys, values, scale=scale, mask=mask, cache=cache)
