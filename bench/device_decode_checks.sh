@@ -83,6 +83,8 @@
 #   PART=35 bash bench/device_decode_checks.sh  # Nsight Compute's sections and stall samples of the routed
 #                                               # gate+up GEMV and the down+combine at 4K
 #   PART=36 bash bench/device_decode_checks.sh  # switch direct_down_combine: decode A/B on / off at 4K and 32K
+#   PART=37 bash bench/device_decode_checks.sh  # op attention_decode_batch (a server batch's rows): CUDA tests, then
+#                                               # kernel time against stock's masked attention at 4K-128K
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -521,7 +523,17 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       tests/kernels/test_moe_kernels.py -k "down_combine or down_gemv_with"
     tail -3 "$W/tests_cuda.txt" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35 or 36" \
+  37) # op attention_decode_batch (the fixed-block split over a server batch's rows, each row's blocks from its own
+      # left padding and of its own length's size; a trial kernel on GPUs): its CUDA tests, then kernel time against
+      # stock's attention with the batch's mask and the one-pass kernel, 4 rows of S, S / 2, S / 4, S / 8 keys
+      # (attention_batch_* op cases, 8 calls an evaluation)
+    run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
+      tests/kernels/test_attention_kernels.py -k "batch or row_blocks"
+    tail -3 "$W/tests_cuda.txt" 2>/dev/null
+    run op_cases 200 python -m bench.run --mode kernels --op-cases on --op-match 'attention_batch_' --out "$W/batch"
+    grep -E "attention_batch" "$W/batch/kernels.md" 2>/dev/null | head -14
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36 or 37" \
        >&2
      exit 2 ;;
 esac

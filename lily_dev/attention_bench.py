@@ -34,6 +34,12 @@ cached keys plus the chunk itself (``PREFILL_CACHED``), causal, bf16, B = 1:
 - ``attention_prefill_lily_sg8_L2K_S*`` / ``_sg2_``: 8 / 2 simdgroups per threadgroup (8 / 2 chunk
   positions per staged K/V tile: half / twice the K/V staging traffic of the default).
 
+A server's batch (``batch_cases``; mlx_lm's BatchKVCache, rows of S, S / 2, S / 4 and S / 8 keys left-padded to S),
+8 calls an evaluation: ``attention_batch_stock_masked_sdpa_b4_x8_S*`` (stock's attention with the batch's bool mask)
+against ``attention_batch_rows_b4_x8_S*`` (op ``attention_decode_batch``: the split over each row's own blocks) and
+``attention_batch_one_pass_b4_x8_S*`` (the one-pass kernel from each row's padding). Bytes: the rows' live K and V
+once, plus q and out.
+
 Quantized KV caches (``quantized_kv_cases``; MLX-LM's ``--kv-bits``, groups of 64), 8 calls an evaluation:
 ``attention_quantized_stock_b*_x8_S*`` (stock's ``quantized_scaled_dot_product_attention``) against
 ``attention_quantized_lily_b*_x8_S*`` (op ``attention_decode_quantized``'s one-pass kernel) and
@@ -67,6 +73,8 @@ PREFILL_CACHED = (2048, 8192, 32768)
 # Prefill variants of lily's kernel: name suffix -> keyword arguments of ak.prefill_attention.
 PREFILL_VARIANTS = {"": {}, "_sg8": {"simdgroups": 8}, "_sg2": {"simdgroups": 2}}
 REPEATS = 8  # calls per evaluation in the _x8 cases
+# A server's batch in the batch cases: its rows' own lengths as fractions of the longest (left-padded to it).
+BATCH_LENGTHS = (1.0, 0.5, 0.25, 0.125)
 BUFFER_SPARE = 256  # rows of capacity past the live ones in the in-buffer cases (MLX-LM's KVCache.step)
 
 # Fixed-block variants: name suffix -> keyword arguments of a call (rows per block as a function of S).
@@ -186,6 +194,7 @@ def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CO
             cases.append((f"attention_fixed_blocks_{variant}_x{REPEATS}_S{label}", blocks_x8, REPEATS * nbytes,
                           REPEATS * flops))
         cases += in_buffer_cases(q, k, v, scales, backend, label, nbytes, flops)
+        cases += batch_cases(S, scales, backend, dtype)
         for bits in kv_bits:
             cases += quantized_kv_cases(q, k, v, scales, backend, label, bits)
     return (cases + prefill_cases(backend, prefill_cached, prefill_chunk, B, dtype)
@@ -218,6 +227,42 @@ def in_buffer_cases(q, k, v, scales, backend, label, nbytes, flops, spare: int =
         for name, sg in (("", None), ("_sg4", ak.DECODE_SIMDGROUPS), ("_sg8", ak.LIVE_WIDE_SIMDGROUPS)):
             cases.append((f"attention_fixed_blocks_live{name}_x{REPEATS}_S{label}",
                           lambda sg=sg: live_x8(sg), REPEATS * nbytes, REPEATS * flops))
+    return cases
+
+
+def batch_cases(S: int, scales, backend, dtype=mx.bfloat16, lengths=BATCH_LENGTHS) -> List[Case]:
+    """A server's batch of decode rows (mlx_lm's BatchKVCache) of S * ``lengths`` keys each, left-padded to S, 8
+    calls an evaluation: stock's attention with the batch's one-row bool mask (what MLX-LM runs for it) against
+    the split over the rows' own blocks (op ``attention_decode_batch``) and the one-pass kernel from each row's
+    padding (op ``attention_decode``)."""
+    Hq, Hkv, D = QWEN36["Hq"], QWEN36["Hkv"], QWEN36["D"]
+    B = len(lengths)
+    live = [max(1, int(S * f)) for f in lengths]
+    kq, kk, kv = mx.random.split(mx.random.key(S + 1), 3)
+    q = mx.random.normal((B, Hq, 1, D), key=kq).astype(dtype)
+    k = mx.random.normal((B, Hkv, S, D), key=kk).astype(dtype)
+    v = mx.random.normal((B, Hkv, S, D), key=kv).astype(dtype)
+    row_start = mx.array([S - n for n in live], dtype=mx.int32)
+    mask = (mx.arange(S)[None, :] >= row_start[:, None]).reshape(B, 1, 1, S)
+    mx.eval(q, k, v, row_start, mask)
+    isz = mx.zeros((), dtype=dtype).itemsize
+    nbytes = REPEATS * (2 * Hkv * sum(live) * D + 2 * B * Hq * D) * isz
+    flops = REPEATS * 4 * Hq * sum(live) * D
+
+    def stock_x8():
+        mx.eval([mx.fast.scaled_dot_product_attention(q, k, v, scale=s, mask=mask) for s in scales])
+
+    def rows_x8():
+        mx.eval([ak.decode_attention_fixed_blocks_rows(q, k, v, row_start, scale=s, backend=backend) for s in scales])
+
+    def one_pass_x8():
+        mx.eval([ak.decode_attention(q, k, v, scale=s, row_start=row_start, backend=backend) for s in scales])
+
+    tag = f"b{B}_x{REPEATS}_S{_label(S)}"
+    cases = [(f"attention_batch_stock_masked_sdpa_{tag}", stock_x8, nbytes, flops)]
+    if backend != "reference":
+        cases.append((f"attention_batch_rows_{tag}", rows_x8, nbytes, flops))
+        cases.append((f"attention_batch_one_pass_{tag}", one_pass_x8, nbytes, flops))
     return cases
 
 

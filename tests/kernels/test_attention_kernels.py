@@ -912,12 +912,16 @@ def test_microbench_cases_for_the_bench_harness():
                      "attention_fixed_blocks_auto_gt4_S100", "attention_fixed_blocks_auto_x8_S100",
                      "attention_fixed_blocks_auto_gt4_x8_S100", "attention_in_buffer_masked_sdpa_x8_S100",
                      "attention_fixed_blocks_live_x8_S100", "attention_fixed_blocks_live_sg4_x8_S100",
-                     "attention_fixed_blocks_live_sg8_x8_S100"]
+                     "attention_fixed_blocks_live_sg8_x8_S100", "attention_batch_stock_masked_sdpa_b4_x8_S100",
+                     "attention_batch_rows_b4_x8_S100", "attention_batch_one_pass_b4_x8_S100"]
     one = (2 * 2 * 100 * 256 + 2 * 16 * 256) * 2, 4 * 16 * 100 * 256
+    live = 100 + 50 + 25 + 12  # the batch's rows: S, S / 2, S / 4, S / 8 keys
+    batch = 8 * (2 * 2 * live * 256 + 2 * 4 * 16 * 256) * 2, 8 * 4 * 16 * live * 256
     for name, run_once, nbytes, flops in cases:
         run_once()
         times = 8 if "_x8_" in name else 1
-        assert (nbytes, flops) == (times * one[0], times * one[1]), name
+        want = batch if "_batch_" in name else (times * one[0], times * one[1])
+        assert (nbytes, flops) == want, name
     # the variants compute the same attention
     rng = np.random.default_rng(9)
     q, k, v = _problem(rng, 1, 2, 8, 256, 300, mx.bfloat16)
