@@ -159,8 +159,8 @@ def test_a_quantized_kv_cache_keeps_every_other_kernel(decoding):
 def test_batched_generation_runs_one_launch_per_kernel_for_all_rows():
     """MLX-LM's batched generation (the server's path: rows of different lengths, left-padded ``BatchKVCache``):
     each MoE and DeltaNet kernel takes every row in one launch, as a single row's step does; the attention of a
-    batch is stock's (lily's decode kernels take one sequence's cache; docs/attention.md), the same traced or
-    built."""
+    batch is stock's (lily's batch kernels are trial kernels on GPUs until timed; docs/attention.md), the same
+    traced or built."""
     from mlx_lm.generate import PromptProcessingBatch
     from mlx_lm.models.cache import make_prompt_cache
 
