@@ -245,7 +245,7 @@ def test_ops_registered_with_their_switches():
     with_kernels = {"attention_decode": frozenset({"sim"}), "attention_decode_long": frozenset({"sim", "cuda"}),
                     "attention_prefill": frozenset({"sim"}), "attention_qk_prep": frozenset({"sim", "cuda", "metal"}),
                     "attention_decode_quantized": frozenset({"sim", "cuda"}),  # timed on an H100; Metal: trial
-                    "attention_decode_batch": frozenset({"sim"}),  # GPUs: trial until timed against stock's
+                    "attention_decode_batch": frozenset({"sim", "cuda"}),  # timed on an H100; Metal: trial
                     # MLX's own quantised matmul over concatenated weights: every backend (same bits)
                     "attention_qkv_proj": frozenset({"metal", "sim", "cuda"})}
     for op in ops.values():

@@ -70,7 +70,7 @@ DECODE_BATCH = register_op(Op(
     "one query row per sequence of a batch (BatchKVCache, rows of their own lengths): fixed KV blocks of each "
     "row's own length in parallel, then merged",
     switches=("fixed_block_attention", "coalesced_kv", "gqa_packing"),
-    kernel_backends=kernels.BATCH_BACKENDS,  # GPUs: trial until timed against stock's masked attention (kernels.py)
+    kernel_backends=kernels.BATCH_BACKENDS,  # Metal: trial until timed against stock's masked attention (kernels.py)
     trial_backends=GPU_BACKENDS - kernels.BATCH_BACKENDS,
 ))
 DECODE_QUANTIZED = register_op(Op(
