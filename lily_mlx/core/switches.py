@@ -111,8 +111,9 @@ _SWITCH_LIST = [
            "With fused_down_combine: each chain of a decode call's down GEMV reads its weight row straight from "
            "device memory in register batches (moe_gemv_down_combine_direct), the next batch's loads in flight "
            "during this one's sums, instead of staging 64-wide chunks through threadgroup memory with a barrier each "
-           "(the same bits). A candidate, off until an end-to-end A/B: 25 % less GPU time of the kernel in a 4K step "
-           "on the H100, 7 % on the H200 (docs/decode.md).",
+           "(the same bits). A candidate, off: 25 % less GPU time of the kernel in a 4K step on the H100, 7 % on the "
+           "H200, but decode in alternating bursts no faster with it (H100: off 1.045x at 4K, 1.030x at 32K; "
+           "docs/decode.md).",
            "The staged layout (moe_gemv_down_combine)."),
     Switch("fused_down_combine", "moe", "decode", True,
            "With fused_topk_gemv, a decode call's down GEMVs (each of a token's k experts and shared-expert chunks "

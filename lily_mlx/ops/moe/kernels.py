@@ -1201,7 +1201,8 @@ def _decode_block_topk_in_gemv(block, x2d: mx.array, router_backend: str,
     chunks = shared_chunks(shared, sw.gate_proj["scales"].shape[1])
     if next_norm is None and switches.is_enabled("fused_down_combine"):
         # Switch direct_down_combine (off, a candidate; the same bits): GPU time of a 4K step's 40 launches under
-        # Nsight Compute, H100 761.2 us against 1,010.6 staged (2026-12-05), H200 911.7 against 982.0 (2026-12-04).
+        # Nsight Compute, H100 761.2 us against 1,010.6 staged (2026-12-05), H200 911.7 against 982.0 (2026-12-04);
+        # decode in bursts no faster with it (H100, 2026-12-05: off 1.045x at 4K, 1.030x at 32K).
         direct = (switches.is_enabled("direct_down_combine")
                   and down_combine_direct_geometry(block.top_k + chunks, x2d.shape[1], h.shape[1]))
         geometry = direct or down_combine_geometry(block.top_k + chunks, x2d.shape[1], h.shape[1])
