@@ -14,6 +14,11 @@ ratios' spread. Written to ``DIR/decode_ab.md`` / ``decode_ab.json`` with ``--ou
 and the end of the run (``bench.host_speed``: microseconds to build 1,000 MLX ops) heads the table: the rates of
 two calls compare only with it.
 
+``--batch-contexts 32768,16384,8192,4096`` decodes a server's batch instead: each context prefilled alone, then
+the rows' caches merged as MLX-LM's ``BatchGenerator`` merges a batch's prompts (``BatchKVCache``: left-padded to the
+longest), and every step decodes one token for each row; the rate counts the tokens of all rows (the ``bursts``
+driver only).
+
 ``--drivers bursts,stream,generate-step,copy,e2e`` times each engine under several ways of driving the same decode,
 each a column of its own (``ENGINE@DRIVER``): ``bursts`` (the loop above, on the default stream), ``stream``
 (the same loop inside ``mx.stream`` of MLX-LM's ``generation_stream``, where ``generate_step`` runs the model),
@@ -95,19 +100,37 @@ def quantize_kv_caches(cache, bits: int, group_size: int = 64):
     return [c.to_quantized(group_size=group_size, bits=bits) if type(c) is KVCache else c for c in cache]
 
 
+def batch_prefill(model, contexts: Sequence[int], vocab: int, seed: int):
+    """A server's batch of rows of ``contexts`` tokens: each prefilled alone, then each layer's row caches merged
+    (``BatchKVCache.merge``, ``ArraysCache.merge``: what ``BatchGenerator`` does when prompts join a batch). (last
+    tokens [B], batch cache)."""
+    rows = [_prefill(model, n, vocab, seed + i) for i, n in enumerate(contexts)]
+    cache = [type(layer[0]).merge(list(layer)) for layer in zip(*(c for _, c in rows))]
+    mx.eval([c.state for c in cache])
+    return mx.concatenate([y for y, _ in rows]), cache
+
+
 def run(model, engines: Sequence[str], context: int, bursts: int, burst_steps: int, vocab: int, seed: int = 0,
-        log=print, drivers: Sequence[str] = ("bursts",), kv_bits: int = 0) -> Dict:
+        log=print, drivers: Sequence[str] = ("bursts",), kv_bits: int = 0,
+        batch_contexts: Sequence[int] = ()) -> Dict:
     for engine in engines:
         validate_engine(engine)
     drivers = tuple(drivers)
     for driver in drivers:
         if driver not in DRIVERS:
             raise ValueError(f"unknown decode driver {driver!r}: one of {', '.join(DRIVERS)}")
+    if batch_contexts and (drivers != ("bursts",) or kv_bits):
+        raise ValueError("a batch (--batch-contexts) decodes with the bursts driver over plain caches only")
     columns = [(_column(e, d, drivers), e, d) for e in engines for d in drivers]
     host_start = graph_build_us()
     switcher = Engines(model)
     switcher.use("lily" if "lily" in engines else engines[0])
-    y0, cache0 = _prefill(model, context, vocab, seed)
+    if batch_contexts:
+        y0, cache0 = batch_prefill(model, batch_contexts, vocab, seed)
+        context = max(batch_contexts)
+    else:
+        y0, cache0 = _prefill(model, context, vocab, seed)
+    rows = len(batch_contexts) or 1  # tokens a step
     if kv_bits:
         cache0 = quantize_kv_caches(cache0, kv_bits)
     states = {}
@@ -125,14 +148,14 @@ def run(model, engines: Sequence[str], context: int, bursts: int, burst_steps: i
         for name, engine, driver in order:
             switcher.use(engine)
             with switches.overrides(disable=switches_off(engine)):
-                turn_rates[name] = _burst(model, states[name], burst_steps, driver)
+                turn_rates[name] = rows * _burst(model, states[name], burst_steps, driver)
         for name in names:
             rates[name].append(turn_rates[name])
             ratios[name].append(turn_rates[name] / turn_rates[names[0]])
         log(f"[decode-ab] turn {turn + 1}/{bursts}: " + ", ".join(f"{n} {turn_rates[n]:.1f}" for n in names)
             + " tok/s")
     switcher.use("stock")
-    return {"context": context, "kv_bits": kv_bits, "bursts": bursts, "burst_steps": burst_steps, "drivers": list(drivers),
+    return {"context": context, "batch_contexts": list(batch_contexts), "kv_bits": kv_bits, "bursts": bursts, "burst_steps": burst_steps, "drivers": list(drivers),
             "host_build_us_per_1000_ops": [round(host_start, 1), round(graph_build_us(), 1)], "engines": {
         n: {"tok_s": statistics.median(rates[n]), "tok_s_bursts": rates[n],
             "ratio": statistics.median(ratios[n]), "ratio_range": [min(ratios[n]), max(ratios[n])]}
@@ -143,7 +166,10 @@ def table_markdown(result: Dict) -> str:
     engines = list(result["engines"])
     first = engines[0]
     kv = f" over a {result['kv_bits']}-bit KV cache" if result.get("kv_bits") else ""
-    lines = [f"Decode at context {result['context']}{kv}: {result['bursts']} turns of {result['burst_steps']} pipelined "
+    batch = result.get("batch_contexts")
+    where = (f"a batch of {len(batch)} rows at contexts {', '.join(map(str, batch))} (tokens of all rows a second)"
+             if batch else f"context {result['context']}")
+    lines = [f"Decode at {where}{kv}: {result['bursts']} turns of {result['burst_steps']} pipelined "
              f"steps per engine, engines alternating burst by burst"]
     if "host_build_us_per_1000_ops" in result:
         start, end = result["host_build_us_per_1000_ops"]
@@ -166,6 +192,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-bits", type=int, default=0, choices=(0, 2, 3, 4, 5, 6, 8),
                     help="quantise the attention layers' KV caches after the prompt, as MLX-LM's --kv-bits (groups of "
                     "64; 0: plain caches); e.g. --engines stock,lily,lily-trial:attention_decode_quantized")
+    ap.add_argument("--batch-contexts", default="",
+                    help="comma-separated contexts of a server's batch (e.g. 32768,16384,8192,4096): each prefilled "
+                    "alone, merged into one batch cache as MLX-LM's BatchGenerator does, every step one token a row "
+                    "(replaces --context)")
     ap.add_argument("--bursts", type=int, default=16, help="turns (each engine decodes one burst per turn)")
     ap.add_argument("--burst-steps", type=int, default=8, help="pipelined decode steps per burst")
     ap.add_argument("--drivers", default="bursts",
@@ -181,8 +211,9 @@ def main(argv=None) -> int:
     model, description = load_model(args.model, args.size, args.seed)
     vocab = model.args.text_config["vocab_size"] if hasattr(model.args, "text_config") else model.args.vocab_size
     drivers = [d.strip() for d in args.drivers.split(",") if d.strip()]
+    batch_contexts = [int(n) for n in args.batch_contexts.split(",") if n.strip()]
     result = run(model, engines, args.context, args.bursts, args.burst_steps, vocab, args.seed, drivers=drivers,
-                 kv_bits=args.kv_bits)
+                 kv_bits=args.kv_bits, batch_contexts=batch_contexts)
     result["model"] = description
     text = table_markdown(result)
     print(text)

@@ -51,7 +51,8 @@ def _prefill(model, context: int, vocab: int, seed: int, step: int = 2048):
 
 
 def _step(model, y, cache):
-    logits = model(y[None], cache=cache)
+    """One greedy decode step from the last token of each row, y [B] -> [B]."""
+    logits = model(y[:, None], cache=cache)
     return mx.argmax(logits[:, -1, :], axis=-1)
 
 
@@ -85,9 +86,9 @@ def pipelined_decode(model, y, cache, steps: int):
     for _ in range(steps):
         following = _step(model, nxt, cache)
         mx.async_eval(following)
-        nxt.item()
+        nxt.tolist()  # the host waits for the token(s), as generate_step's .item() (BatchGenerator's .tolist())
         nxt = following
-    nxt.item()
+    nxt.tolist()
     return steps / (time.perf_counter() - t0), nxt
 
 

@@ -85,6 +85,8 @@
 #   PART=36 bash bench/device_decode_checks.sh  # switch direct_down_combine: decode A/B on / off at 4K and 32K
 #   PART=37 bash bench/device_decode_checks.sh  # op attention_decode_batch (a server batch's rows): CUDA tests, then
 #                                               # kernel time against stock's masked attention at 4K-128K
+#   PART=38 bash bench/device_decode_checks.sh  # a server's batch decoded end to end: lily against lily with stock's
+#                                               # masked attention and the fair baseline, rows of 32K-4K and 8K-1K
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -533,7 +535,18 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     run op_cases 200 python -m bench.run --mode kernels --op-cases on --op-match 'attention_batch_' --out "$W/batch"
     grep -E "attention_batch" "$W/batch/kernels.md" 2>/dev/null | head -14
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36 or 37" \
+  38) # a server's batch decoded end to end (bench.decode_ab --batch-contexts: rows prefilled alone, merged into
+      # MLX-LM's batch caches as BatchGenerator merges them, one token a row a step): lily (attention_decode_batch on
+      # CUDA since 2026-12-05) against lily with stock's masked attention (lily-off:fixed_block_attention) and the fair
+      # baseline, at rows of 32K / 16K / 8K / 4K and of 8K / 4K / 2K / 1K tokens
+    run batch_long 270 python -m bench.decode_ab --engines lily,lily-off:fixed_block_attention,stock-kernels \
+      --batch-contexts 32768,16384,8192,4096 --bursts 6 --out "$W/batch_long"
+    tail -7 "$W/batch_long.txt" 2>/dev/null
+    run batch_short 200 python -m bench.decode_ab --engines lily,lily-off:fixed_block_attention,stock-kernels \
+      --batch-contexts 8192,4096,2048,1024 --bursts 6 --out "$W/batch_short"
+    tail -7 "$W/batch_short.txt" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37 or 38" \
        >&2
      exit 2 ;;
 esac

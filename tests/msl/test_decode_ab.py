@@ -97,3 +97,47 @@ def test_decode_ab_over_a_quantized_kv_cache(monkeypatch):
     quantized = [c for c in decode_ab.quantize_kv_caches(cache, 4) if isinstance(c, QuantizedKVCache)]
     copy = clone_cache(quantized)[0]
     assert all(a is not b for a, b in zip(copy.keys, quantized[0].keys))
+
+
+def test_decode_ab_over_a_servers_batch(monkeypatch):
+    """``--batch-contexts``: rows prefilled alone and merged into MLX-LM's batch caches (the attention layers'
+    ``BatchKVCache`` left-padded to the longest row), every engine decodes one token a row a step from its own copy,
+    lily's attention through the split over the rows' own blocks, and the rate counts every row's tokens. The batch's
+    logits are each row's alone (bit for bit on the simulator today; a tolerance, since MLX's quantised matmuls promise
+    no batch invariance)."""
+    import mlx.core as mx
+    import pytest
+    from mlx_lm.models.cache import BatchKVCache
+
+    from bench.decode_profile import _prefill
+    from lily_mlx.core.kernel_registry import record_launches
+    from tests.ops.deltanet_cases import rel_l2
+
+    monkeypatch.setenv("LILY_BACKEND", "sim")
+    monkeypatch.setenv("LILY_TUNE", "off")
+    model, _ = load_model(None, "tiny", log=None)
+    vocab = model.args.text_config["vocab_size"]
+    contexts = (30, 9, 17)
+    lily_mlx.patch(model)
+    try:
+        y, cache = decode_ab.batch_prefill(model, contexts, vocab, seed=3)
+        batch_caches = [c for c in cache if type(c) is BatchKVCache]
+        assert batch_caches and batch_caches[0].left_padding.tolist() == [0, 21, 13] and y.shape == (3,)
+        with record_launches() as rec:
+            batch_logits = model(y[:, None], cache=cache)[:, -1]
+        assert "attention_decode_block_partials_rows" in rec.names()
+        for i, n in enumerate(contexts):
+            y1, cache1 = _prefill(model, n, vocab, 3 + i)
+            alone = model(y1[:, None], cache=cache1)[:, -1]
+            assert rel_l2(batch_logits[i:i + 1].astype(mx.float32), alone.astype(mx.float32)) < 2e-2, i
+    finally:
+        lily_mlx.unpatch(model)
+    result = decode_ab.run(model, ["lily", "stock"], context=0, bursts=2, burst_steps=2, vocab=vocab,
+                           log=lambda line: None, batch_contexts=contexts)
+    assert result["batch_contexts"] == list(contexts) and result["context"] == 30
+    for r in result["engines"].values():
+        assert len(r["tok_s_bursts"]) == 2 and min(r["tok_s_bursts"]) > 0
+    assert "a batch of 3 rows at contexts 30, 9, 17" in decode_ab.table_markdown(result)
+    with pytest.raises(ValueError, match="bursts driver over plain caches"):
+        decode_ab.run(model, ["lily"], context=0, bursts=1, burst_steps=1, vocab=vocab, batch_contexts=(8, 4),
+                      kv_bits=4)
