@@ -34,10 +34,10 @@ from tests.ops.deltanet_cases import make_cache, make_module, random_inputs, ssm
 SIM_PROBLEM = simulator_problem(need_matrix=True)
 pytestmark = pytest.mark.skipif(SIM_PROBLEM is not None, reason=f"simulator unavailable: {SIM_PROBLEM}")
 
-# Switches whose kernels run in a batched call on the simulator. The decode-attention switches
-# (coalesced_kv, gqa_packing) select variants of a kernel that never runs in a batch (it takes a
-# plain KVCache without a mask; MLX-LM's batch caches always pass one): the attention test below
-# covers it directly. The remaining switches have no kernel yet.
+# Switches whose kernels run in a batched call on the simulator (the MoE and DeltaNet ones; the decode-attention
+# switches, coalesced_kv, gqa_packing and fixed_block_attention, choose among the attention kernels of a plain cache
+# and of MLX-LM's batch cache: the attention tests below cover them directly). The remaining switches have no kernel
+# yet.
 MOE_SWITCHES = ("fused_dequant", "gpu_routing", "adaptive_tile", "fused_combine")
 DELTANET_SWITCHES = ("register_scan", "staged_scan", "fused_recurrent_norm", "fused_conv_step")
 STATES = [()] + [(name,) for name in MOE_SWITCHES + DELTANET_SWITCHES]
@@ -184,6 +184,47 @@ def test_decode_attention_kernel_rows_independent(sim, off):
         batch = run(slice(0, B))
         for r in range(B):
             assert _equal(batch[r:r + 1], run(slice(r, r + 1))), f"row {r}"
+
+
+@pytest.mark.parametrize("off", [(), ("coalesced_kv",), ("gqa_packing",), ("fixed_block_attention",)],
+                         ids=["all-on", "coalesced_kv-off", "gqa_packing-off", "fixed_block_attention-off"])
+def test_batch_cache_attention_rows_independent(sim, off):
+    """MLX-LM's batch cache (``BatchKVCache``, the server's batches) with the mask it makes for a decode step: the
+    split over each row's own blocks (op ``attention_decode_batch``), or with ``fixed_block_attention`` off the one-pass
+    kernel from each row's padding, gives each row the bits of the same row in a batch of its own (no padding), however
+    long the other rows are."""
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import BatchKVCache
+
+    from lily_mlx.ops.attention import layer as att
+
+    rng = np.random.default_rng(4)
+    Hkv, G, D = 2, 4, 64
+    lengths = [12, 140, 3]  # keys a row holds after this step's
+
+    def rand(shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+
+    rows = [(rand((1, Hkv * G, 1, D)), rand((1, Hkv, n, D)), rand((1, Hkv, n, D))) for n in lengths]
+
+    def run(which):
+        S = max(lengths[i] for i in which)
+        pads = [S - lengths[i] for i in which]
+        pad = lambda x, p: mx.concatenate([mx.zeros((1, Hkv, p, D), x.dtype), x], axis=2)  # noqa: E731
+        cache = BatchKVCache(pads)
+        cache.update_and_fetch(mx.concatenate([pad(rows[i][1][:, :, :-1], p) for i, p in zip(which, pads)]),
+                               mx.concatenate([pad(rows[i][2][:, :, :-1], p) for i, p in zip(which, pads)]))
+        mask = create_attention_mask(mx.zeros((len(which), 1, 8)), cache)
+        keys, values = cache.update_and_fetch(mx.concatenate([rows[i][1][:, :, -1:] for i in which]),
+                                              mx.concatenate([rows[i][2][:, :, -1:] for i in which]))
+        q = mx.concatenate([rows[i][0] for i in which])
+        return att.attention(q, keys, values, scale=D ** -0.5, mask=mask, cache=cache)
+
+    with switches.overrides(disable=off), mock.patch.object(att, "log_once",
+                                                            side_effect=lambda *a, **k: pytest.fail(f"fell back: {a}")):
+        batch = run([0, 1, 2])
+        for r in range(len(lengths)):
+            assert _equal(batch[r:r + 1], run([r])), f"row {r}"
 
 
 # ----------------------------------------------------------------------------------------------
