@@ -84,7 +84,8 @@
 #                                               # gate+up GEMV and the down+combine at 4K
 #   PART=36 bash bench/device_decode_checks.sh  # switch direct_down_combine: decode A/B on / off at 4K and 32K
 #   PART=37 bash bench/device_decode_checks.sh  # op attention_decode_batch (a server batch's rows): CUDA tests, then
-#                                               # kernel time against stock's masked attention at 4K-128K
+#                                               # kernel time against stock's masked attention at 4K-128K (with the
+#                                               # schedule's candidates: fewer blocks a row, 4 simdgroups)
 #   PART=38 bash bench/device_decode_checks.sh  # a server's batch decoded end to end: lily against lily with stock's
 #                                               # masked attention and the fair baseline, rows of 32K-4K and 8K-1K
 #
@@ -533,7 +534,7 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       tests/kernels/test_attention_kernels.py -k "batch or row_blocks"
     tail -3 "$W/tests_cuda.txt" 2>/dev/null
     run op_cases 200 python -m bench.run --mode kernels --op-cases on --op-match 'attention_batch_' --out "$W/batch"
-    grep -E "attention_batch" "$W/batch/kernels.md" 2>/dev/null | head -14
+    grep -E "attention_batch" "$W/batch/kernels.md" 2>/dev/null | head -26
     ;;
   38) # a server's batch decoded end to end (bench.decode_ab --batch-contexts: rows prefilled alone, merged into
       # MLX-LM's batch caches as BatchGenerator merges them, one token a row a step): lily (attention_decode_batch on

@@ -36,7 +36,8 @@ cached keys plus the chunk itself (``PREFILL_CACHED``), causal, bf16, B = 1:
 
 A server's batch (``batch_cases``; mlx_lm's BatchKVCache, rows of S, S / 2, S / 4 and S / 8 keys left-padded to S),
 8 calls an evaluation: ``attention_batch_stock_masked_sdpa_b4_x8_S*`` (stock's attention with the batch's bool mask)
-against ``attention_batch_rows_b4_x8_S*`` (op ``attention_decode_batch``: the split over each row's own blocks) and
+against ``attention_batch_rows_b4_x8_S*`` (op ``attention_decode_batch``: the split over each row's own blocks; its
+schedule's candidates ``_t32`` / ``_t8``, 4x / 16x fewer blocks a row, and ``_sg4``, 4 simdgroups a threadgroup) and
 ``attention_batch_one_pass_b4_x8_S*`` (the one-pass kernel from each row's padding). Bytes: the rows' live K and V
 once, plus q and out.
 
@@ -75,6 +76,10 @@ PREFILL_VARIANTS = {"": {}, "_sg8": {"simdgroups": 8}, "_sg2": {"simdgroups": 2}
 REPEATS = 8  # calls per evaluation in the _x8 cases
 # A server's batch in the batch cases: its rows' own lengths as fractions of the longest (left-padded to it).
 BATCH_LENGTHS = (1.0, 0.5, 0.25, 0.125)
+# Candidates for the batch split's schedule (a constant aim of blocks a row, never keyed on the batch): name suffix ->
+# keyword arguments of ak.decode_attention_fixed_blocks_rows ("": the product's).
+BATCH_VARIANTS = {"": {}, "_t32": {"target_blocks": 32}, "_t8": {"target_blocks": 8},
+                  "_sg4": {"simdgroups": ak.DECODE_SIMDGROUPS}}
 BUFFER_SPARE = 256  # rows of capacity past the live ones in the in-buffer cases (MLX-LM's KVCache.step)
 
 # Fixed-block variants: name suffix -> keyword arguments of a call (rows per block as a function of S).
@@ -252,8 +257,9 @@ def batch_cases(S: int, scales, backend, dtype=mx.bfloat16, lengths=BATCH_LENGTH
     def stock_x8():
         mx.eval([mx.fast.scaled_dot_product_attention(q, k, v, scale=s, mask=mask) for s in scales])
 
-    def rows_x8():
-        mx.eval([ak.decode_attention_fixed_blocks_rows(q, k, v, row_start, scale=s, backend=backend) for s in scales])
+    def rows_x8(**kw):
+        mx.eval([ak.decode_attention_fixed_blocks_rows(q, k, v, row_start, scale=s, backend=backend, **kw)
+                 for s in scales])
 
     def one_pass_x8():
         mx.eval([ak.decode_attention(q, k, v, scale=s, row_start=row_start, backend=backend) for s in scales])
@@ -261,7 +267,8 @@ def batch_cases(S: int, scales, backend, dtype=mx.bfloat16, lengths=BATCH_LENGTH
     tag = f"b{B}_x{REPEATS}_S{_label(S)}"
     cases = [(f"attention_batch_stock_masked_sdpa_{tag}", stock_x8, nbytes, flops)]
     if backend != "reference":
-        cases.append((f"attention_batch_rows_{tag}", rows_x8, nbytes, flops))
+        for name, kw in BATCH_VARIANTS.items():
+            cases.append((f"attention_batch_rows{name}_{tag}", lambda kw=kw: rows_x8(**kw), nbytes, flops))
         cases.append((f"attention_batch_one_pass_{tag}", one_pass_x8, nbytes, flops))
     return cases
 

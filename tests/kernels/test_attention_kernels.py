@@ -918,7 +918,9 @@ def test_microbench_cases_for_the_bench_harness():
                      "attention_fixed_blocks_auto_gt4_x8_S100", "attention_in_buffer_masked_sdpa_x8_S100",
                      "attention_fixed_blocks_live_x8_S100", "attention_fixed_blocks_live_sg4_x8_S100",
                      "attention_fixed_blocks_live_sg8_x8_S100", "attention_batch_stock_masked_sdpa_b4_x8_S100",
-                     "attention_batch_rows_b4_x8_S100", "attention_batch_one_pass_b4_x8_S100"]
+                     "attention_batch_rows_b4_x8_S100", "attention_batch_rows_t32_b4_x8_S100",
+                     "attention_batch_rows_t8_b4_x8_S100", "attention_batch_rows_sg4_b4_x8_S100",
+                     "attention_batch_one_pass_b4_x8_S100"]
     one = (2 * 2 * 100 * 256 + 2 * 16 * 256) * 2, 4 * 16 * 100 * 256
     live = 100 + 50 + 25 + 12  # the batch's rows: S, S / 2, S / 4, S / 8 keys
     batch = 8 * (2 * 2 * live * 256 + 2 * 4 * 16 * 256) * 2, 8 * 4 * 16 * live * 256
