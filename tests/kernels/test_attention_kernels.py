@@ -774,6 +774,10 @@ def test_batch_rows_through_a_batch_kv_cache_and_its_filter():
 
 
 def test_row_blocks_bound_is_the_most_blocks_a_row_can_have():
+    # the kernels double MIN_ROWS up to MAX_ROWS (attention_row_block_rows): the host's schedule only while both are
+    # powers of two
+    for rows in (ak.FIXED_BLOCK_MIN_ROWS, ak.FIXED_BLOCK_MAX_ROWS):
+        assert rows & (rows - 1) == 0, rows
     for target in (1, 3, 4, 128):
         for S in (1, 63, 64, 65, 200, 256, 257, 1000, 5000):
             counts = [-(-L // ak.fixed_block_rows(L, target)) for L in range(1, S + 1)]

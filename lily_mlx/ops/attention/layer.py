@@ -6,9 +6,8 @@ module as ``self``, and the dispatch of each op (``qk_prep``, ``prefill_attentio
 On the reference backend it is exactly stock's computation: the same MLX primitives in the same
 order, mlx_lm's own ``scaled_dot_product_attention`` (quantized KV caches included; ``reference``).
 Kernels: ``attention_decode``, ``attention_decode_long``, ``attention_decode_batch`` (``kernels``,
-kernels/attention/decode.metal)
-and ``attention_prefill`` (kernels/attention/prefill.metal), ``attention_qk_prep``
-(kernels/attention/qk_prep.metal).
+kernels/attention/decode.metal), ``attention_prefill`` (kernels/attention/prefill.metal) and
+``attention_qk_prep`` (kernels/attention/qk_prep.metal).
 """
 
 from __future__ import annotations
