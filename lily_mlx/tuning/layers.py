@@ -10,34 +10,46 @@ import mlx.core as mx
 import mlx.nn as nn
 
 PREFILL_CHUNK = 2048  # a context is filled in chunks of MLX-LM's default prefill step
+# A server's batch at a batch shape class: its rows' own contexts as fractions of the class's (left-padded to it).
+BATCH_FRACTIONS = (1.0, 0.5, 0.25, 0.125)
 
 
 @dataclass(frozen=True)
 class ShapeClass:
     """A call shape the model sees: ``tokens`` per sequence (1: decode) after ``context`` tokens; with
-    ``kv_bits`` over a KV cache quantised to that many bits (MLX-LM's ``--kv-bits``, groups of 64)."""
+    ``kv_bits`` over a KV cache quantised to that many bits (MLX-LM's ``--kv-bits``, groups of 64); with ``batch``
+    a server's batch of that many rows (MLX-LM's ``BatchKVCache``, rows of ``BATCH_FRACTIONS`` of the context)."""
 
-    name: str  # decode@4K, prefill@512, decode@16K/kv4
+    name: str  # decode@4K, prefill@512, decode@16K/kv4, decode@16K/b4
     tokens: int
     context: int = 0
     kv_bits: int = 0
+    batch: int = 0
 
     @property
     def phase(self) -> str:
         return "decode" if self.tokens == 1 else "prefill"
 
     def applies_to(self, family: str) -> bool:
-        """Whether a layer of this op family calls differently at this class: a quantized KV cache only changes
-        the attention layers' calls (the other families would repeat the class without it)."""
-        return not self.kv_bits or family == "attention"
+        """Whether a layer of this op family calls differently at this class: a quantized KV cache and a batch
+        cache only change the attention layers' calls (the other families would repeat the class without them: their
+        kernels take a batch's rows as they take one sequence's)."""
+        return not (self.kv_bits or self.batch) or family == "attention"
+
+    @property
+    def rows(self) -> int:
+        return self.batch or 1
 
 
 def _label(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def decode(context: int, kv_bits: int = 0) -> ShapeClass:
-    return ShapeClass(f"decode@{_label(context)}" + (f"/kv{kv_bits}" if kv_bits else ""), 1, context, kv_bits)
+def decode(context: int, kv_bits: int = 0, batch: int = 0) -> ShapeClass:
+    if batch > len(BATCH_FRACTIONS) or (batch and kv_bits):
+        raise ValueError(f"a batch class of at most {len(BATCH_FRACTIONS)} rows over plain caches")
+    return ShapeClass(f"decode@{_label(context)}" + (f"/kv{kv_bits}" if kv_bits else "") + (f"/b{batch}" if batch else ""),
+                      1, context, kv_bits, batch)
 
 
 def prefill(tokens: int) -> ShapeClass:
@@ -54,11 +66,11 @@ class LayerCase:
     norm: nn.Module  # the RMSNorm the decoder layer applies before it
     dtype: Any
 
-    def inputs(self, tokens: int, seed: int) -> mx.array:
+    def inputs(self, tokens: int, seed: int, rows: int = 1) -> mx.array:
         """Random hidden states through the layer's own norm: the input scale the layer sees."""
         hidden = self.norm.weight.shape[-1]
-        x = mx.random.normal((1, tokens, hidden), key=mx.random.key(seed)).astype(self.dtype)
-        return self.norm(x)  # [1, T, hidden]
+        x = mx.random.normal((rows, tokens, hidden), key=mx.random.key(seed)).astype(self.dtype)
+        return self.norm(x)  # [rows, T, hidden]
 
     def __call__(self, x: mx.array, cache=None) -> mx.array:
         from mlx_lm.models.base import create_attention_mask, create_ssm_mask
@@ -93,18 +105,33 @@ class LayerCache:
     """The layer's cache at a shape class's context, rewound to it before every call, so each timed
     call does the same work and every variant of a check starts from the same state."""
 
-    def __init__(self, model, case: LayerCase, context: int, seed: int, kv_bits: int = 0):
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
+    def __init__(self, model, case: LayerCase, context: int, seed: int, kv_bits: int = 0, batch: int = 0):
+        from mlx_lm.models.cache import KVCache
 
-        self.cache = None if case.family == "moe" else make_prompt_cache(model)[case.index]
-        if self.cache is not None and context:
-            for start in range(0, context, PREFILL_CHUNK):
-                x = case.inputs(min(PREFILL_CHUNK, context - start), seed + start)
-                mx.eval(case(x, self.cache), *self.arrays())
+        if case.family == "moe":
+            self.cache = None
+        elif batch:  # each row filled alone, then merged as MLX-LM's BatchGenerator merges a batch's prompts
+            rows = [self._filled(model, case, max(1, int(context * f)), seed + 7919 * r)
+                    for r, f in enumerate(BATCH_FRACTIONS[:batch])]
+            self.cache = type(rows[0]).merge(rows)
+            mx.eval(*self.arrays())
+        else:
+            self.cache = self._filled(model, case, context, seed)
         if kv_bits and type(self.cache) is KVCache:  # as MLX-LM's maybe_quantize_kv_cache does after the prompt
             self.cache = self.cache.to_quantized(group_size=64, bits=kv_bits)
             mx.eval(*self.arrays())
         self._saved = self._snapshot()
+
+    @staticmethod
+    def _filled(model, case: LayerCase, context: int, seed: int):
+        """The layer's own cache after ``context`` tokens (in prefill chunks)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(model)[case.index]
+        for start in range(0, context, PREFILL_CHUNK):
+            x = case.inputs(min(PREFILL_CHUNK, context - start), seed + start)
+            mx.eval(case(x, cache), *[a for a in cache.state if isinstance(a, mx.array)])
+        return cache
 
     def arrays(self) -> List[mx.array]:
         """The cache's arrays (evaluated with a call's output: a state update is part of its work)."""
@@ -120,7 +147,8 @@ class LayerCache:
         """What a call leaves in the cache (for KV caches the part up to the offset)."""
         c = self.cache
         if c is not None and hasattr(c, "offset"):
-            return [a[..., : c.offset, :] for a in self.arrays()]
+            live = c._idx if isinstance(c.offset, mx.array) else c.offset  # a batch cache: its rows' common end
+            return [a[..., :live, :] for a in self.arrays()]
         return self.arrays()
 
     def _snapshot(self):
@@ -128,7 +156,7 @@ class LayerCache:
         if c is None:
             return None
         if hasattr(c, "offset"):  # writes past offset are overwritten by the next call
-            return c.offset
+            return (c.offset, c._idx) if isinstance(c.offset, mx.array) else c.offset  # a batch cache: both
         return list(c.cache), c.lengths, c.left_padding
 
     def rewind(self):
@@ -137,7 +165,10 @@ class LayerCache:
         if c is None:
             return None
         if hasattr(c, "offset"):
-            c.offset = self._saved
+            if isinstance(c.offset, mx.array):
+                c.offset, c._idx = self._saved
+            else:
+                c.offset = self._saved
         else:
             cache, c.lengths, c.left_padding = self._saved
             c.cache = list(cache)

@@ -16,7 +16,8 @@ def markdown(profile: dict) -> str:
            f"- device: {key['device']}; backend: {key['backend']}; MLX {key['mlx']}; lily-mlx {key['lily']}",
            f"- model: {profile['model']}",
            f"- command: `{profile['command']}`; {profile['created']}",
-           f"- shape classes: {', '.join(profile['classes'])} (decode@N: one token after N in the cache; "
+           f"- shape classes: {', '.join(profile['classes'])} (decode@N: one token after N in the cache, /kv4 a 4-bit "
+           "cache, /b4 a server's batch of 4 rows of N, N/2, N/4 and N/8; "
            "prefill@N: a chunk of N tokens); medians of {rounds} alternating rounds".format(rounds=profile["rounds"]),
            f"- error: largest |kernel - reference| of the layer's output over its largest |reference|; "
            f"a kernel counts as wrong beyond {profile['tolerance']:g}, and as slower beyond a time ratio of {profile['slower_ratio']:.2f} (geometric mean "

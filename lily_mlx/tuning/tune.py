@@ -29,9 +29,9 @@ from ..core.kernel_registry import record_launches
 from . import layers
 from .layers import LayerCache, LayerCase, ShapeClass
 
-FULL_CLASSES = (layers.decode(1024), layers.decode(16 * 1024), layers.decode(16 * 1024, kv_bits=4), layers.prefill(512),
-                layers.prefill(2048), layers.prefill(8192))
-QUICK_CLASSES = (layers.decode(32), layers.decode(32, kv_bits=4), layers.prefill(32))
+FULL_CLASSES = (layers.decode(1024), layers.decode(16 * 1024), layers.decode(16 * 1024, kv_bits=4),
+                layers.decode(16 * 1024, batch=4), layers.prefill(512), layers.prefill(2048), layers.prefill(8192))
+QUICK_CLASSES = (layers.decode(32), layers.decode(32, kv_bits=4), layers.decode(32, batch=4), layers.prefill(32))
 
 SLOWER = 1.03  # a kernel (switch state) loses only beyond this time ratio: below it is timing noise
 # Largest |kernel - reference| of a layer's output (or cache) over its largest |reference|: bf16
@@ -97,13 +97,14 @@ class Bench:
         key = (case.family, shape.name)
         if key not in self._caches:
             with variant(reference=tuple(self.cases)):  # every variant starts from the same context
-                self._caches[key] = LayerCache(self.model, case, shape.context, self.seed + 1, shape.kv_bits)
+                self._caches[key] = LayerCache(self.model, case, shape.context, self.seed + 1, shape.kv_bits,
+                                               shape.batch)
         return self._caches[key]
 
     def call(self, case: LayerCase, shape: ShapeClass) -> Callable[[], List[mx.array]]:
         """One call at the shape class from the rewound cache: (output, cache arrays) to evaluate."""
         cache = self.cache(case, shape)
-        x = case.inputs(shape.tokens, self.seed + 2)
+        x = case.inputs(shape.tokens, self.seed + 2, shape.rows)
 
         def run():
             return [case(x, cache.rewind()), *cache.arrays()]
@@ -114,9 +115,9 @@ class Bench:
         """The call at the shape class, the cache it leaves (recurrent and conv state, KV), and one
         decode step on that cache: each compared with the reference's on its own scale."""
         cache = self.cache(case, shape)
-        outs = [case(case.inputs(shape.tokens, self.seed + 2), cache.rewind())]
+        outs = [case(case.inputs(shape.tokens, self.seed + 2, shape.rows), cache.rewind())]
         outs += cache.state()
-        outs.append(case(case.inputs(1, self.seed + 3), cache.cache))
+        outs.append(case(case.inputs(1, self.seed + 3, shape.rows), cache.cache))
         mx.eval(outs)
         return outs
 
@@ -504,7 +505,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "is slower takes its reference; a switch slower on is turned off), and a Markdown report to share. "
         "LILY_TUNE=off makes patch() ignore profiles.",
         epilog="Shape classes: " + ", ".join(c.name for c in FULL_CLASSES) + " (--quick: "
-        + ", ".join(c.name for c in QUICK_CLASSES) + "); decode@N is one token after N in the cache, "
+        + ", ".join(c.name for c in QUICK_CLASSES) + "); decode@N is one token after N in the cache (/kv4: a 4-bit "
+        "cache; /b4: a server's batch of 4 rows of N, N/2, N/4 and N/8), "
         "prefill@N a prompt chunk of N tokens. Choices are per op and per switch, not per shape class: a "
         "token must get the same arithmetic alone (a 1-token prompt chunk is decode-shaped) and padded into "
         "a batch's longer chunk. On a Mac: python -m lily_mlx tune --model mlx-community/Qwen3.6-35B-A3B-4bit",

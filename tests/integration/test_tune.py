@@ -88,11 +88,17 @@ def test_tune_quick_checks_every_kernel_and_writes_a_profile_patch_applies(tune_
     # checks take that class).
     assert {c["class"] for c in profile["checks"] if c["what"] == "attention_decode_quantized" and c["ran"]} == {
         "decode@32/kv4"}
-    assert {c["what"] for c in profile["checks"] if c["class"] == "decode@32/kv4"} <= {
+    attention_checks = {
         "attention kernels together", *[op for op in SIM_KERNEL_OPS if op.startswith("attention_")],
         *[f"{op} ({s} off)" for op in SIM_KERNEL_OPS if op.startswith("attention_")
           for s in ("gqa_packing", "coalesced_kv", "fixed_block_attention", "fused_output_gate", "fused_qk_prep",
                     "fused_qkv_proj")]}
+    assert {c["what"] for c in profile["checks"] if c["class"] == "decode@32/kv4"} <= attention_checks
+    # A server's batch (a BatchKVCache of 4 rows): the batch op's kernel runs there and only there, and only the
+    # attention layer's checks take that class.
+    assert {c["class"] for c in profile["checks"] if c["what"] == "attention_decode_batch" and c["ran"]} == {
+        "decode@32/b4"}
+    assert {c["what"] for c in profile["checks"] if c["class"] == "decode@32/b4"} <= attention_checks
     # Step 2 ran and said so, one line per measurement.
     assert "[tune] check 1/" in proc.stdout and "[tune] time 1/" in proc.stdout
     assert profile["op_timings"] and "## Choices" in path.with_suffix(".md").read_text()
