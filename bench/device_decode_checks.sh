@@ -529,10 +529,13 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
   37) # op attention_decode_batch (the fixed-block split over a server batch's rows, each row's blocks from its own
       # left padding and of its own length's size; a trial kernel on GPUs): its CUDA tests, then kernel time against
       # stock's attention with the batch's mask and the one-pass kernel, 4 rows of S, S / 2, S / 4, S / 8 keys
-      # (attention_batch_* op cases, 8 calls an evaluation)
-    run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
-      tests/kernels/test_attention_kernels.py -k "batch or row_blocks"
-    tail -3 "$W/tests_cuda.txt" 2>/dev/null
+      # (attention_batch_* op cases, 8 calls an evaluation; with the schedule's candidates). SKIP_TESTS=1: the op cases
+      # alone (the tests passed on an H100 on 2026-12-05 and compile ~30 kernels on a fresh machine: ~4 minutes)
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider \
+        -o addopts= tests/kernels/test_attention_kernels.py -k "batch or row_blocks"
+      tail -3 "$W/tests_cuda.txt" 2>/dev/null
+    fi
     run op_cases 200 python -m bench.run --mode kernels --op-cases on --op-match 'attention_batch_' --out "$W/batch"
     grep -E "attention_batch" "$W/batch/kernels.md" 2>/dev/null | head -26
     ;;
