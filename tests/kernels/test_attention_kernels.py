@@ -694,22 +694,25 @@ def _rows_alone(q, k, v, pads, S, target, **kw):
     B=st.integers(1, 3), Hkv=st.integers(1, 2), G=st.sampled_from([1, 4, 8]), D=st.sampled_from([64, 128, 256]),
     S=st.sampled_from([1, 9, 130, 300]), target=st.sampled_from([1, 3, 8, 128]),
     dtype=st.sampled_from(["bfloat16", "float16", "float32"]), state=st.sampled_from(SWITCH_STATES),
-    spare=st.sampled_from([0, 5]), sharp=st.booleans(), data=st.data(),
+    spare=st.sampled_from([0, 5]), sharp=st.booleans(), min_rows=st.sampled_from([4, 16, 64]), data=st.data(),
 )
 def test_batch_rows_split_matches_reference_and_each_row_alone(B, Hkv, G, D, S, target, dtype, state, spare, sharp,
-                                                               data):
+                                                               min_rows, data):
     """Rows of a BatchKVCache-like buffer with drawn left padding (a row may hold one key; every row's blocks of its
-    own size, from 64-row blocks with a short last one up to one block): each row bit for bit the same sequence alone
-    in the single sequence's split with its own block size, and the fp32 oracle over its live keys; partials and
-    output poisoned (NaN), so a row's blocks past its own count must be skipped by the merge."""
+    own size, from many short blocks (the schedule's smallest block lowered) with a short last one up to one block,
+    rows of one launch with different block sizes): each row bit for bit the same sequence alone in the single
+    sequence's split with its own block size, and the fp32 oracle over its live keys; partials and output poisoned
+    (NaN), so a row's blocks past its own count must be skipped by the merge."""
     pads = data.draw(st.lists(st.integers(0, S - 1), min_size=B, max_size=B), label="pads")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
     q, k, v = _problem(rng, B, Hkv, G, D, S, DTYPES[dtype], spare)
     packed, coalesced = state
     scale = 1.0 if sharp else D**-0.5
     kw = dict(scale=scale, gqa_packed=packed, coalesced=coalesced, backend=KERNEL_BACKEND, init_value=NAN)
-    batch = ak.decode_attention_fixed_blocks_rows(q, k, v, mx.array(pads), kv_length=S, target_blocks=target, **kw)
-    for b, (pad, alone) in enumerate(zip(pads, _rows_alone(q, k, v, pads, S, target, **kw))):
+    with mock.patch.object(ak, "FIXED_BLOCK_MIN_ROWS", min_rows):
+        batch = ak.decode_attention_fixed_blocks_rows(q, k, v, mx.array(pads), kv_length=S, target_blocks=target, **kw)
+        alones = _rows_alone(q, k, v, pads, S, target, **kw)
+    for b, (pad, alone) in enumerate(zip(pads, alones)):
         assert bool(mx.array_equal(batch[b:b + 1], alone).item()), (b, pad)
         _check(batch[b:b + 1], _oracle(q[b:b + 1], k[b:b + 1, :, pad:], v[b:b + 1, :, pad:], S - pad, scale), TOL[dtype])
 
