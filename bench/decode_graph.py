@@ -5,6 +5,7 @@ the Python calls of a replayed step and the host's build time of it here.
     python -m bench.decode_graph                       # Qwen3.6's 40 layers at the tiny random model's widths
     python -m bench.decode_graph --layers 4 --steps 50
     python -m bench.decode_graph --kv-bits 4           # over quantized KV caches (MLX-LM's --kv-bits)
+    python -m bench.decode_graph --batch-contexts 40,20,10,5  # a server's batch (MLX-LM's batch caches)
 
 For issue 12's structure (<= 250 non-view primitives a step) without a GPU: the kinds and the count are the
 GPU's (MLX's fused ``rms_norm`` and ``dequantize``, which a CPU computes from their parts, are placeholders
@@ -34,20 +35,27 @@ def main(argv=None) -> int:
     p.add_argument("--kv-bits", type=int, default=0, choices=(0, 2, 3, 4, 5, 6, 8),
                    help="quantise the attention layers' KV caches after the prompt, as MLX-LM's --kv-bits (groups of "
                         "64; 0: plain caches)")
+    p.add_argument("--batch-contexts", default="",
+                   help="comma-separated prompt lengths of a server's batch (rows prefilled alone, merged into MLX-LM's "
+                        "batch caches as its BatchGenerator merges them; replaces --context)")
     args = p.parse_args(argv)
+    batch = [int(n) for n in args.batch_contexts.split(",") if n.strip()]
+    if batch and args.kv_bits:
+        p.error("--batch-contexts takes plain caches (MLX-LM has no batched quantized cache)")
 
     import lily_mlx
     from lily_dev.graph_only import count_step, cuda_graph_only, fast_op_calls
     from lily_mlx.core import switches
     from lily_mlx.core.kernel_registry import record_launches
 
+    from .decode_ab import batch_prefill
     from .decode_profile import VIEW_PRIMITIVES, _prefill, _step
     from .model_setup import build_random_model, model_config
 
     model = build_random_model(model_config("tiny", args.layers), seed=0, log=None)
     with cuda_graph_only():
         lily_mlx.patch(model)
-        y, cache = _prefill(model, args.context, VOCAB, 0)
+        y, cache = batch_prefill(model, batch, VOCAB, 0) if batch else _prefill(model, args.context, VOCAB, 0)
         if args.kv_bits:
             from mlx_lm.generate import maybe_quantize_kv_cache
 
@@ -75,7 +83,8 @@ def main(argv=None) -> int:
             mx.eval(nxt)
             y = nxt
 
-    kv = f", {args.kv_bits}-bit KV caches" if args.kv_bits else ""
+    kv = (f", {args.kv_bits}-bit KV caches" if args.kv_bits else "") + (
+        f", a batch of {len(batch)} rows at contexts {', '.join(map(str, batch))}" if batch else "")
     print(f"decode step of {args.layers} layers (lily's CUDA path, kernels as placeholders{kv})")
     print("\n| kernel | launches a step |\n|---|---|")
     for name, n in sorted(launches.counts().items(), key=lambda t: -t[1]):

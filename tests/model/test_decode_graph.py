@@ -374,3 +374,18 @@ def test_decode_over_a_quantized_kv_cache_on_the_cuda_path(monkeypatch, form):
         quantize = traced.get("Quantize", 0) - fast.get("Quantize", 0)  # (the embedding's dequantisation counts too)
         assert quantize == 2 * n_attention and traced.get("ScatterAxis") == 6 * n_attention, traced
         assert "SliceUpdate" not in traced
+
+
+def test_the_decode_graph_tool_counts_a_servers_batch(capsys):
+    """``python -m bench.decode_graph --batch-contexts``: a server's batch step counted on the CUDA path (rows prefilled
+    alone and merged into MLX-LM's batch caches): its attention through the batch op's two kernels, and the table,
+    the count and the build time printed; a batch over quantized caches is refused (MLX-LM has none)."""
+    from bench import decode_graph
+
+    assert decode_graph.main(["--layers", "4", "--steps", "2", "--batch-contexts", "12,5"]) == 0
+    out = capsys.readouterr().out
+    assert "a batch of 2 rows at contexts 12, 5" in out
+    assert "| attention_decode_block_partials_rows | 1 |" in out and "| attention_decode_merge_row_blocks | 1 |" in out
+    assert "| non-view, in all |" in out and "graph build on this host:" in out
+    with pytest.raises(SystemExit):
+        decode_graph.main(["--batch-contexts", "12,5", "--kv-bits", "4"])

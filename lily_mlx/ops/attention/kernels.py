@@ -190,10 +190,13 @@ def live_simdgroups(S_cap: int, backend: str) -> int:
 
 def row_blocks_bound(S: int, target_blocks: int) -> int:
     """The most blocks a batch row of at most S rows can have under the schedule ``fixed_block_rows(L,
-    target_blocks)`` (the row partials' stride, ``decode_attention_fixed_blocks_rows``). A row's block count grows
-    with L between the lengths where its block size doubles, so the most is at S or just below such a length."""
-    lengths = [S] + [br * target_blocks for br in (1 << i for i in range(31)) if br * target_blocks <= S]
-    return max(-(-L // fixed_block_rows(L, target_blocks)) for L in lengths)
+    target_blocks)`` (the row partials' stride, ``decode_attention_fixed_blocks_rows``; computed each step, so in
+    closed form). Below MIN_ROWS * target a row's blocks are MIN_ROWS long, ceil(L / MIN_ROWS) of them; from there
+    the block size keeps L / BR <= target, reaching target at L = BR * target, until it stops at MAX_ROWS."""
+    min_rows, max_rows = FIXED_BLOCK_MIN_ROWS, FIXED_BLOCK_MAX_ROWS
+    if S < min_rows * target_blocks:
+        return -(-S // min_rows)
+    return max(target_blocks, -(-S // max_rows))
 
 
 def batch_simdgroups(backend: str) -> int:
