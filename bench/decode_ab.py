@@ -155,7 +155,8 @@ def run(model, engines: Sequence[str], context: int, bursts: int, burst_steps: i
         log(f"[decode-ab] turn {turn + 1}/{bursts}: " + ", ".join(f"{n} {turn_rates[n]:.1f}" for n in names)
             + " tok/s")
     switcher.use("stock")
-    return {"context": context, "batch_contexts": list(batch_contexts), "kv_bits": kv_bits, "bursts": bursts, "burst_steps": burst_steps, "drivers": list(drivers),
+    return {"context": context, "batch_contexts": list(batch_contexts), "kv_bits": kv_bits, "bursts": bursts,
+            "burst_steps": burst_steps, "drivers": list(drivers),
             "host_build_us_per_1000_ops": [round(host_start, 1), round(graph_build_us(), 1)], "engines": {
         n: {"tok_s": statistics.median(rates[n]), "tok_s_bursts": rates[n],
             "ratio": statistics.median(ratios[n]), "ratio_range": [min(ratios[n]), max(ratios[n])]}

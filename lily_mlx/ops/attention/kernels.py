@@ -491,27 +491,16 @@ def decode_attention_fixed_blocks_rows(
     rows. Two launches; the partials' stride is the most blocks a row of at most S rows can have."""
     target = target_blocks or LIVE_TARGET_BLOCKS
     g = _geometry(queries, keys, kv_length, gqa_packed, coalesced, simdgroups or batch_simdgroups(backend))
-    B, Hq, _, D = queries.shape
     nb = row_blocks_bound(g.S, target)
+    # block_rows 0: each row's own, computed in the kernels; the merge's geometry as fixed_block_plan's defaults
+    plan = FixedBlockPlan(0, nb, g.threadgroups * nb, MERGE_SIMDGROUPS, min(4, queries.shape[3] // 32))
     schedule = dict(TARGET=target, MIN_ROWS=FIXED_BLOCK_MIN_ROWS, MAX_ROWS=FIXED_BLOCK_MAX_ROWS)
-    partials = KERNELS["attention_decode_block_partials_rows"]
+    partials, merge = KERNELS["attention_decode_block_partials_rows"], KERNELS["attention_decode_merge_row_blocks"]
     row_start = row_start.astype(mx.int32)
-    part_max, part_sum, part_acc = get_kernel(partials, backend)(
-        inputs=[queries, keys, values, float32_scalar(scale), row_start,
-                partials.pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap, NB=nb, **schedule)],
-        template=g.template, grid=(32 * g.threadgroups * nb, g.sg, 1), threadgroup=(32, g.sg, 1),
-        output_shapes=[(B * Hq, nb), (B * Hq, nb), (B * Hq, nb, D)],
-        output_dtypes=[mx.float32] * 3, init_value=init_value,
-    )
-    merge = KERNELS["attention_decode_merge_row_blocks"]
-    mv, mw = min(4, D // 32), MERGE_SIMDGROUPS  # as fixed_block_plan's defaults
-    (out,) = get_kernel(merge, backend)(
-        inputs=[part_max, part_sum, part_acc, row_start, merge.pack(NB=nb, Hq=Hq, S=g.S, **schedule)],
-        template=[("InT", queries.dtype), ("D", D), ("MV", mv), ("MW", mw)],
-        grid=(32 * B * Hq * (D // (32 * mv)), mw, 1), threadgroup=(32, mw, 1),
-        output_shapes=[queries.shape], output_dtypes=[queries.dtype], init_value=init_value,
-    )
-    return out
+    return _blocks_then_merge(queries, [keys, values], g, plan, partials, [float32_scalar(scale), row_start],
+                              partials.pack(Hkv=g.Hkv, G=g.G, S=g.S, S_cap=g.S_cap, NB=nb, **schedule), backend,
+                              init_value, merge=(merge, [row_start, merge.pack(NB=nb, Hq=queries.shape[1], S=g.S,
+                                                                               **schedule)]))
 
 
 def contiguous_lane_elements(D: int, dtype) -> int:
@@ -686,12 +675,13 @@ def decode_attention_tiles_live(
 
 def _blocks_then_merge(queries, kv_inputs: list, g: _Geometry, plan: FixedBlockPlan, partials: KernelSpec,
                        scalars: list, params: mx.array, backend: str, init_value,
-                       gate: Optional[mx.array] = None, last_row: Optional[mx.array] = None) -> mx.array:
+                       gate: Optional[mx.array] = None, last_row: Optional[mx.array] = None,
+                       merge: Optional[Tuple[KernelSpec, list]] = None) -> mx.array:
     """The two launches of the fixed-block split: ``partials`` (inputs q, ``kv_inputs`` (k, v; or a quantized
     cache's six arrays), then ``scalars``, then
     ``params``) writes each block's fp32 partials, the merge kernel combines them: all NB blocks, or with
     ``last_row`` (the live-length form) the live ones only, applying ``gate`` ([B, 1, Hq * D], writing that
-    shape) if given."""
+    shape) if given; ``merge`` (a merge kernel and its inputs after the partials): that merge instead."""
     B, Hq, _, D = queries.shape
     part_max, part_sum, part_acc = get_kernel(partials, backend)(
         inputs=[queries, *kv_inputs, *scalars, params],
@@ -701,14 +691,17 @@ def _blocks_then_merge(queries, kv_inputs: list, g: _Geometry, plan: FixedBlockP
         output_dtypes=[mx.float32] * 3,
         init_value=init_value,
     )
-    return _merge_partials(queries, part_max, part_sum, part_acc, plan, backend, init_value, gate, last_row)
+    return _merge_partials(queries, part_max, part_sum, part_acc, plan, backend, init_value, gate, last_row, merge)
 
 
 def _merge_partials(queries, part_max, part_sum, part_acc, plan: FixedBlockPlan, backend: str, init_value,
-                    gate: Optional[mx.array], last_row: Optional[mx.array]) -> mx.array:
+                    gate: Optional[mx.array], last_row: Optional[mx.array],
+                    merge: Optional[Tuple[KernelSpec, list]] = None) -> mx.array:
     """The merge launch of the fixed-block split (see ``_blocks_then_merge``)."""
     B, Hq, _, D = queries.shape
-    if last_row is None:
+    if merge is not None:
+        merge, merge_inputs = merge
+    elif last_row is None:
         merge = KERNELS["attention_decode_merge_blocks"]
         merge_inputs = [merge.pack(NB=plan.blocks)]
     else:
