@@ -101,6 +101,11 @@ def layer_cases(model) -> Dict[str, LayerCase]:
     return cases
 
 
+def _batch_cache(c) -> bool:
+    """Whether a KV cache is MLX-LM's batch cache: per-row offsets (an array), its rows' common end in ``_idx``."""
+    return isinstance(c.offset, mx.array)
+
+
 class LayerCache:
     """The layer's cache at a shape class's context, rewound to it before every call, so each timed
     call does the same work and every variant of a check starts from the same state."""
@@ -147,7 +152,7 @@ class LayerCache:
         """What a call leaves in the cache (for KV caches the part up to the offset)."""
         c = self.cache
         if c is not None and hasattr(c, "offset"):
-            live = c._idx if isinstance(c.offset, mx.array) else c.offset  # a batch cache: its rows' common end
+            live = c._idx if _batch_cache(c) else c.offset
             return [a[..., :live, :] for a in self.arrays()]
         return self.arrays()
 
@@ -156,7 +161,7 @@ class LayerCache:
         if c is None:
             return None
         if hasattr(c, "offset"):  # writes past offset are overwritten by the next call
-            return (c.offset, c._idx) if isinstance(c.offset, mx.array) else c.offset  # a batch cache: both
+            return (c.offset, c._idx) if _batch_cache(c) else c.offset
         return list(c.cache), c.lengths, c.left_padding
 
     def rewind(self):
@@ -165,7 +170,7 @@ class LayerCache:
         if c is None:
             return None
         if hasattr(c, "offset"):
-            if isinstance(c.offset, mx.array):
+            if _batch_cache(c):
                 c.offset, c._idx = self._saved
             else:
                 c.offset = self._saved
