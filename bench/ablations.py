@@ -73,7 +73,6 @@ ABLATIONS = (
     ("fused_qk_prep", "decode", 4 * K, None),
     ("dense_gemv", "decode", 4 * K, None),
     ("split_k_gate_up", "decode", 4 * K, None),
-    ("long_live_blocks", "decode", 32 * K, None),
     ("direct_down_combine", "decode", 4 * K, None),
     ("coalesced_kv", "decode", 3840, 2.1),
     ("gqa_packing", "decode", 32 * K, 23.8),
@@ -92,8 +91,6 @@ GENERATION_LEVEL = {
                    "(bench.decode_ab --engines lily,lily-off:step_trace)"),
     "split_k_gate_up": ("off by default (a candidate), so lily and lily-off:split_k_gate_up are one configuration: "
                         "time it with LILY_ENABLE=split_k_gate_up (bench/device_decode_checks.sh PART=30)"),
-    "long_live_blocks": ("off by default (a candidate), so lily and lily-off:long_live_blocks are one configuration: "
-                         "time it with LILY_ENABLE=long_live_blocks (bench/device_decode_checks.sh PART=33)"),
     "direct_down_combine": ("off by default (a candidate), so lily and lily-off:direct_down_combine are one "
                             "configuration: time it with LILY_ENABLE=direct_down_combine "
                             "(bench/device_decode_checks.sh PART=36)"),

@@ -76,8 +76,8 @@
 #                                               # 4K-128K, 4 and 8 bits, decode at 32K over a 4-bit and a plain cache
 #   PART=32 bash bench/device_decode_checks.sh  # the merge's one MW: live_check (MW 8 / 32, 2x rows), e2e decode
 #                                               # 4K / 32K two rounds (round 1 no longer compiles a merge)
-#   PART=33 bash bench/device_decode_checks.sh  # switch long_live_blocks (twice the rows a block in the live-length
-#                                               # attention): decode A/B on / off in bursts at 32K and 128K
+#   PART=33                                     # (switch long_live_blocks, removed after this part's A/B on
+#                                               # 2026-12-05: docs/results/2026-12-05-h200-server-batch/)
 #   PART=34 bash bench/device_decode_checks.sh  # issue 12's expert GEMVs: K chunks of 512 and gate+up's direct
 #                                               # layout against the staged ones (op cases, a 4K step's GPU time)
 #   PART=35 bash bench/device_decode_checks.sh  # Nsight Compute's sections and stall samples of the routed
@@ -480,11 +480,9 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     grep -E "\[e2e\] +(4K|32K) round" "$W/e2e_mw.txt" 2>/dev/null
     cat "$W/e2e_mw/e2e.md" 2>/dev/null | head -6
     ;;
-  33) # switch long_live_blocks (off, a candidate: twice the rows a block in the live-length attention kernels, 4-10 %
-      # less kernel time on both GPUs): decode in alternating bursts, on against off in one process, at 32K and 128K
-      # (one prefill each; bench.decode_ab)
-    switch_ab ab_32k 170 long_live_blocks 32768 10
-    switch_ab ab_128k 260 long_live_blocks 131072 8
+  33) # switch long_live_blocks was removed after this part's A/B (off 1.02-1.05x faster at 32K and 128K on the H200,
+      # 2026-12-05: docs/results/2026-12-05-h200-server-batch/)
+    echo "part 33: switch long_live_blocks was removed on 2026-12-05 (docs/attention.md)"
     ;;
   34) # issue 12's expert GEMVs at ~13 % of copy, and not bound by their K chains (PART=30, 2026-12-05): gate+up and
       # down in K chunks of 512 (half the chunks a chain, twice the bytes in flight a chunk) and gate+up's direct

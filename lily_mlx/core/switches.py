@@ -207,11 +207,6 @@ _SWITCH_LIST = [
            "0.16 ms of build fewer a step, but decode 1.008x faster with it off in alternating bursts; "
            "docs/decode.md).",
            "The gate by MLX's sigmoid and multiply after the attention kernels."),
-    Switch("long_live_blocks", "attention", "decode", False,
-           "The live-length attention kernels (kv_write_in_trace) split the KV buffer into half as many blocks, "
-           "each of twice the rows (a function of the buffer's capacity alone, as off). A candidate, off until "
-           "an end-to-end A/B: 4-10 % less kernel time at 4K-128K on the H100 and the H200 (docs/attention.md).",
-           "Blocks of the capacity / kernels.LIVE_TARGET_BLOCKS rows (at least 64)."),
     Switch("fused_qk_prep", "attention", "both", True,
            "q/k RMSNorm, partial RoPE and output-gate split in one kernel.",
            "Separate norm, RoPE and split ops."),

@@ -116,7 +116,7 @@ def test_quantized_decode_kernels_match_the_dequantized_oracle(B, Hkv, G, D, S, 
 def test_quantized_live_length_form_matches_the_dequantized_oracle(B, Hkv, G, D, S, spare, bits, group_size, dtype,
                                                                    packed, gated, block_rows, seed):
     """The live-length form over a quantized cache's whole buffers (``kv_write_in_trace``): blocks over the
-    capacity (the schedule's rows a block, or ``block_rows`` as switch ``long_live_blocks`` passes them), the live
+    capacity (the schedule's rows a block, or ``block_rows`` drawn), the live
     rows 0 .. last_row read from an array, with and without the output gate in the merge; partials and outputs
     poisoned."""
     if D % group_size:

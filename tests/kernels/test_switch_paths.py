@@ -25,7 +25,6 @@ template or geometry:
 | ``coalesced_kv`` | template COALESCED = 1 | COALESCED = 0 |
 | ``kv_write_in_trace`` | decode: ``attention_decode_block_partials_live`` + ``attention_decode_merge_live_blocks`` over the KV buffer | ``attention_decode`` over the live rows |
 | ``fused_output_gate`` | (with ``kv_write_in_trace``) ``attention_decode_merge_live_blocks_gated`` | ``attention_decode_merge_live_blocks`` |
-| ``long_live_blocks`` (off by default) | the same launches with twice the rows a block (tests/model/test_decode_graph.py) | the schedule's rows |
 
 The expected launches are written out here from the documented dispatch rules (README, docs/moe.md,
 ``ops/*/kernels.py`` docstrings), not computed by lily's own schedule code. MoE routings are built
@@ -556,8 +555,7 @@ ADD_NORM_SWITCHES = ("fused_add_norm", "fused_norm_router", "fused_next_norm")
 # buffer's capacity); off, the decode kernel over the live rows. (Its traces: tests/core/test_compiled.py,
 # tests/kernels/test_compiled_decode.py.)
 # fused_output_gate: that merge also applies the layer's output gate (attention_decode_merge_live_blocks_gated).
-# long_live_blocks: the same launches, blocks of twice the rows (their params: tests/model/test_decode_graph.py).
-KV_BUFFER_SWITCHES = ("kv_write_in_trace", "fused_output_gate", "long_live_blocks")
+KV_BUFFER_SWITCHES = ("kv_write_in_trace", "fused_output_gate")
 NORM_ROUTER_NEEDS = ("fused_norm_router", "fused_add_norm", "fused_residual", "fused_expert_up", "fused_expert_down",
                      "fused_combine")
 assert set(NO_KERNEL_SWITCHES) | set(MOE_SWITCHES) | set(MOE_BLOCK_SWITCHES) | set(DELTANET_SWITCHES) | set(

@@ -272,42 +272,6 @@ def test_a_decode_at_a_new_capacity_compiles_no_new_kernel():
     assert kernels_at[40] == kernels_at[600] == kernels_at[2100], kernels_at
 
 
-def _params(launch) -> dict:
-    """An attention kernel launch's ``params`` input by name."""
-    from lily_mlx.ops.attention.kernels import KERNELS
-
-    return dict(zip(KERNELS[launch.name].params, launch.kwargs["inputs"][-1].tolist()))
-
-
-@pytest.mark.parametrize("kv_bits", [None, 4])
-def test_long_live_blocks_gives_the_live_kernels_twice_the_rows_a_block(kv_bits):
-    """Switch ``long_live_blocks`` (off by default): a decode step's live-length partials and merge take blocks of
-    twice the rows (half as many threadgroups) over a plain and a 4-bit cache, and a traced step follows the switch
-    turned on in the process (its state is part of the trace's key)."""
-    from mlx_lm.models.cache import KVCache
-
-    model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
-    rows = {}
-    with _on_the_cuda_path(model):
-        y, cache = _prefill(model, 40, VOCAB, 0)
-        for i, c in enumerate(cache):
-            if type(c) is KVCache:  # as at 4,200 tokens, in a buffer of 5,120 rows: 40 blocks of 128 rows off
-                pad = [(0, 0), (0, 0), (0, 5120 - c.keys.shape[2]), (0, 0)]
-                c.keys, c.values, c.offset = mx.pad(c.keys, pad), mx.pad(c.values, pad), 4200
-                cache[i] = c.to_quantized(group_size=64, bits=kv_bits) if kv_bits else c
-        for on in (False, True):
-            with switches.overrides(enable=["long_live_blocks"] if on else [],
-                                    disable=[] if on else ["long_live_blocks"]), record_launches() as launches:
-                for _ in range(3):  # built, traced, replayed (a step kept from the other state would launch nothing)
-                    y = _step(model, y, cache)
-                    mx.eval(y)
-            rows[on] = {(launch.name, _params(launch)["BR"], _params(launch)["NB"]) for launch in launches
-                        if launch.name.startswith("attention_decode_")}
-    assert len(rows[False]) == len(rows[True]) == 2, rows  # the partials and the merge, one geometry each
-    for (name, br, nb), (name_on, br_on, nb_on) in zip(sorted(rows[False]), sorted(rows[True])):
-        assert name == name_on and br_on == 2 * br and nb_on == -(-nb // 2), rows
-
-
 def test_a_quantized_step_follows_its_op_switched_in_the_process(monkeypatch):
     """The quantized op put on its reference between two steps (as a tune profile or LILY_REFERENCE_OPS can): the next
     traced step attends with stock's masked attention, not a trace kept from the kernel's form."""

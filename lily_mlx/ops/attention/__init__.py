@@ -61,7 +61,7 @@ DECODE = register_op(Op(
 LONG_CONTEXT = register_op(Op(
     "attention_decode_long", "attention",
     "decode attention at long context: fixed KV blocks in parallel, then merged",
-    switches=("fixed_block_attention", "coalesced_kv", "gqa_packing", "fused_output_gate", "long_live_blocks"),
+    switches=("fixed_block_attention", "coalesced_kv", "gqa_packing", "fused_output_gate"),
     kernel_backends=kernels.LONG_BACKENDS,
     trial_backends=GPU_BACKENDS - kernels.LONG_BACKENDS,
 ))
@@ -76,7 +76,7 @@ DECODE_BATCH = register_op(Op(
 DECODE_QUANTIZED = register_op(Op(
     "attention_decode_quantized", "attention",
     "one query row per sequence over a quantized (2/4/8-bit) KV cache, dequantised in the kernel (GQA)",
-    switches=("gqa_packing", "fixed_block_attention", "long_live_blocks"),
+    switches=("gqa_packing", "fixed_block_attention"),
     kernel_backends=kernels.QUANTIZED_DECODE_BACKENDS,  # Metal: trial until timed there (kernels.py)
     trial_backends=GPU_BACKENDS - kernels.QUANTIZED_DECODE_BACKENDS,
 ))

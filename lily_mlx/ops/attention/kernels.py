@@ -126,11 +126,6 @@ FIXED_BLOCK_MAX_ROWS = 4096
 # (lily_dev.live_check, 8 calls an evaluation, 1,024 spare rows, 2026-12-04) twice the rows a block took 4K from
 # 733 to 654 us and 128K from 1,362 to 1,314, 32K level (738 / 744).
 LIVE_TARGET_BLOCKS = FIXED_BLOCK_TARGET_BLOCKS // 2
-# Switch long_live_blocks (a candidate, off): the live form aims at half as many blocks again (twice the rows a
-# block). Kernel time, 8 calls (lily_dev.live_check): H100 654 / 882 / 1,331 us against 710 / 943 / 1,480 at 4K /
-# 32K / 128K (2026-12-05), H200 604 / 947 / 1,377 against 673 / 1,005 / 1,436 (2026-12-04); on by default only after
-# an end-to-end A/B.
-LONG_LIVE_TARGET_BLOCKS = LIVE_TARGET_BLOCKS // 2
 # On CUDA the live form's threadgroups hold 8 simdgroups, not 4: at 32K the blocks give ~1 threadgroup an SM (132
 # on the H200), one warp a scheduler, and a warp issues an instruction every ~2.7 cycles (Nsight Compute,
 # 2026-12-04); 8 simdgroups put two on each scheduler over the same blocks. Partials per decode step, one machine,
@@ -175,10 +170,9 @@ def fixed_block_rows(S: int, target_blocks: int = None, min_rows: int = None, ma
     return max(min_rows, min(max_rows, _pow2_at_least(-(-S // target_blocks))))
 
 
-def live_block_rows(S_cap: int, long_blocks: bool = False) -> int:
-    """Rows per block of the live-length form over a buffer of S_cap rows (a function of the capacity alone; with
-    ``long_blocks``, switch ``long_live_blocks``, twice the rows)."""
-    return fixed_block_rows(S_cap, target_blocks=LONG_LIVE_TARGET_BLOCKS if long_blocks else LIVE_TARGET_BLOCKS)
+def live_block_rows(S_cap: int) -> int:
+    """Rows per block of the live-length form over a buffer of S_cap rows (a function of the capacity alone)."""
+    return fixed_block_rows(S_cap, target_blocks=LIVE_TARGET_BLOCKS)
 
 
 def live_simdgroups(S_cap: int, backend: str) -> int:

@@ -351,8 +351,8 @@ def _attend_in_quantized_buffer(queries, keys, values, gate, k_buffer, v_buffer,
 
 
 def _live_block_rows(k_buffer: mx.array) -> int:
-    """Rows per block of the live-length kernels over this buffer (its capacity and switch ``long_live_blocks``)."""
-    return kernels.live_block_rows(k_buffer.shape[2], long_blocks=is_enabled("long_live_blocks"))
+    """Rows per block of the live-length kernels over this buffer (a function of its capacity alone)."""
+    return kernels.live_block_rows(k_buffer.shape[2])
 
 
 # --- the layer ------------------------------------------------------------------------------------
@@ -593,7 +593,7 @@ def _attention_form() -> tuple:
     """The switch states and kernels that decide how a step attends over the KV buffer (part of its trace's key; a
     quantized cache's step: its op's kernel or stock's masked attention)."""
     return (_live_length_kernel_on(), is_enabled("gqa_packing"), is_enabled("coalesced_kv"),
-            is_enabled("fused_output_gate"), is_enabled("long_live_blocks"),
+            is_enabled("fused_output_gate"),
             _kernel_for("attention_decode_quantized") is not None)
 
 
