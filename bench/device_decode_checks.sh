@@ -88,6 +88,10 @@
 #                                               # schedule's candidates: fewer blocks a row, 4 simdgroups)
 #   PART=38 bash bench/device_decode_checks.sh  # a server's batch decoded end to end: lily against lily with stock's
 #                                               # masked attention and the fair baseline, rows of 32K-4K and 8K-1K
+#   PART=39 bash bench/device_decode_checks.sh  # split_k_gate_up's kernel time in the step: a 4K step's GPU time by
+#                                               # kernel on / off (Nsight Compute), then the split GEMV's sections
+#   PART=40 bash bench/device_decode_checks.sh  # the down+combine's sections and stall samples, a batch step's
+#                                               # build on this host, the batch split's aims at 1 / 2 / 4 / 8 rows
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -548,7 +552,36 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       --batch-contexts 8192,4096,2048,1024 --bursts 6 --out "$W/batch_short"
     tail -7 "$W/batch_short.txt" 2>/dev/null
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37 or 38" \
+  39) # the routed gate+up GEMV's time is one warp's instruction stream (Nsight Compute, H200 2026-12-05: 12.1K
+      # instructions a warp at 2.41 cycles each, 288 warps for 528 schedulers); split_k_gate_up gives each sum 4
+      # chains of 512 in 4 warps a threadgroup, and was judged by op cases (39 us a call against 22 in the step) and
+      # bursts on a slow host. Here its kernel time in the step: GPU time by kernel on / off (clocks and caches as
+      # the run leaves them), then the split GEMV's sections and stall samples
+    export LILY_ENABLE=split_k_gate_up
+    run sgt_split 220 python -m bench.step_gpu_time --compare lily,lily-off:split_k_gate_up --clock-control none \
+      --cache-control none --out "$W/sgt_split"
+    grep -E "^\| lily|gate_up|down_combine" "$W/sgt_split/step_gpu_time.md" 2>/dev/null | head -8
+    rm -f "$W"/sgt_*/*.csv
+    run ks_gate_up_split 200 python -m bench.kernel_sections --kernel gemv_gate_up_swiglu_routed --context 4096 \
+      --out "$W/ks_gate_up_split"
+    cat "$W/ks_gate_up_split/sections.md" 2>/dev/null | head -30
+    rm -f "$W"/ks_*/source.csv
+    ;;
+  40) # what PART=35 left: the down+combine's sections and stall samples in a 4K step; then a server batch's step
+      # build on this host (bench.decode_graph, no GPU work: is a batch's decode host-bound?); then the batch split's
+      # schedule candidates at batches of 1, 2, 4 and 8 rows (attention_batch_* op cases; the aim is a constant of
+      # the schedule, so it has to serve every batch size)
+    run ks_down 200 python -m bench.kernel_sections --kernel gemv_down_combine --context 4096 --out "$W/ks_down"
+    cat "$W/ks_down/sections.md" 2>/dev/null | head -30
+    rm -f "$W"/ks_*/source.csv
+    run graph_batch 60 python -m bench.decode_graph --layers 40 --batch-contexts 40,20,10,5
+    tail -6 "$W/graph_batch.txt" 2>/dev/null
+    run graph_single 60 python -m bench.decode_graph --layers 40
+    tail -6 "$W/graph_single.txt" 2>/dev/null
+    run op_cases 200 python -m bench.run --mode kernels --op-cases on --op-match 'attention_batch_' --out "$W/batch"
+    grep -E "attention_batch" "$W/batch/kernels.md" 2>/dev/null | head -100
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39 or 40" \
        >&2
      exit 2 ;;
 esac

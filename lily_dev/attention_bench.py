@@ -34,7 +34,8 @@ cached keys plus the chunk itself (``PREFILL_CACHED``), causal, bf16, B = 1:
 - ``attention_prefill_lily_sg8_L2K_S*`` / ``_sg2_``: 8 / 2 simdgroups per threadgroup (8 / 2 chunk
   positions per staged K/V tile: half / twice the K/V staging traffic of the default).
 
-A server's batch (``batch_cases``; mlx_lm's BatchKVCache, rows of S, S / 2, S / 4 and S / 8 keys left-padded to S),
+A server's batch (``batch_cases``; mlx_lm's BatchKVCache, rows of S, S / 2, S / 4 and S / 8 keys left-padded to S;
+then batches of 1 row, of S and S / 2, and of 8 rows of S, 7 S / 8, ..., S / 8: ``_b1_`` / ``_b2_`` / ``_b8_``),
 8 calls an evaluation: ``attention_batch_stock_masked_sdpa_b4_x8_S*`` (stock's attention with the batch's bool mask)
 against ``attention_batch_rows_b4_x8_S*`` (op ``attention_decode_batch``: the split over each row's own blocks; its
 schedule's candidates ``_t32`` / ``_t8``, 4x / 16x fewer blocks a row, and ``_sg4``, 4 simdgroups a threadgroup) and
@@ -76,6 +77,10 @@ PREFILL_VARIANTS = {"": {}, "_sg8": {"simdgroups": 8}, "_sg2": {"simdgroups": 2}
 REPEATS = 8  # calls per evaluation in the _x8 cases
 # A server's batch in the batch cases: its rows' own lengths as fractions of the longest (left-padded to it).
 BATCH_LENGTHS = (1.0, 0.5, 0.25, 0.125)
+# The batches timed: 4 rows as above, then 1, 2 and 8 rows. The split's schedule aims at a constant number of blocks a
+# row (never keyed on the batch), so a candidate aim has to be timed at every batch size a server runs: 32 blocks a
+# row won at 4 rows on the H200 (2026-12-05) but gives one row a quarter of the threadgroups.
+BATCH_COMPOSITIONS = (BATCH_LENGTHS, (1.0,), (1.0, 0.5), tuple(1 - i / 8 for i in range(8)))
 # Candidates for the batch split's schedule (a constant aim of blocks a row, never keyed on the batch): name suffix ->
 # keyword arguments of ak.decode_attention_fixed_blocks_rows ("": the product's).
 BATCH_VARIANTS = {"": {}, "_t32": {"target_blocks": 32}, "_t8": {"target_blocks": 8},
@@ -149,8 +154,10 @@ def prefill_cases(backend: Optional[str] = None, cached: Sequence[int] = PREFILL
 def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CONTEXTS, B: int = 1,
                      dtype=mx.bfloat16, prefill_cached: Sequence[int] = PREFILL_CACHED,
                      prefill_chunk: int = PREFILL_CHUNK,
-                     qk_prep_chunks: Sequence[int] = (1, PREFILL_CHUNK), kv_bits: Sequence[int] = (4, 8)) -> List[Case]:
-    """The decode cases at each of `contexts` (with ``quantized_kv_cases`` for each of `kv_bits`), then
+                     qk_prep_chunks: Sequence[int] = (1, PREFILL_CHUNK), kv_bits: Sequence[int] = (4, 8),
+                     batch_compositions: Sequence[Sequence[float]] = BATCH_COMPOSITIONS) -> List[Case]:
+    """The decode cases at each of `contexts` (with ``batch_cases`` for each of `batch_compositions` and
+    ``quantized_kv_cases`` for each of `kv_bits`), then
     ``prefill_cases`` (chunk `prefill_chunk` over each of `prefill_cached`; none when it is empty), then
     ``qk_prep_cases`` for `qk_prep_chunks`."""
     backend = backend or resolve_backend()
@@ -199,7 +206,8 @@ def microbench_cases(backend: Optional[str] = None, contexts: Sequence[int] = CO
             cases.append((f"attention_fixed_blocks_{variant}_x{REPEATS}_S{label}", blocks_x8, REPEATS * nbytes,
                           REPEATS * flops))
         cases += in_buffer_cases(q, k, v, scales, backend, label, nbytes, flops)
-        cases += batch_cases(S, scales, backend, dtype)
+        for lengths in batch_compositions:
+            cases += batch_cases(S, scales, backend, dtype, lengths)
         for bits in kv_bits:
             cases += quantized_kv_cases(q, k, v, scales, backend, label, bits)
     return (cases + prefill_cases(backend, prefill_cached, prefill_chunk, B, dtype)

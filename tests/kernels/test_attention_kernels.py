@@ -914,7 +914,10 @@ def test_microbench_cases_for_the_bench_harness():
     from lily_dev import attention_bench
 
     cases = attention_bench.microbench_cases(backend=KERNEL_BACKEND, contexts=(100,), prefill_cached=(),
-                                             qk_prep_chunks=(), kv_bits=())
+                                             qk_prep_chunks=(), kv_bits=(),
+                                             batch_compositions=(attention_bench.BATCH_LENGTHS,))
+    # the other batches timed by default: 1, 2 and 8 rows, distinct names
+    assert sorted(len(c) for c in attention_bench.BATCH_COMPOSITIONS) == [1, 2, 4, 8]
     names = [name for name, *_ in cases]
     assert names == ["attention_stock_sdpa_S100", "attention_stock_sdpa_x8_S100", "attention_decode_gqa_S100",
                      "attention_decode_per_head_S100", "attention_fixed_blocks_auto_S100",
