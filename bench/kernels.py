@@ -5,7 +5,11 @@ The kernels and their exact arguments are captured from the model itself: one pr
 decode step of the patched model run with a recording wrapper around the kernel registry's factory,
 so every kernel is timed with the inputs, grid and template the model really uses (first call of each
 kernel per phase). Achieved bandwidth counts each input and output byte once (a lower bound on the
-traffic); TFLOP/s is given for the grouped GEMMs only (2 * rows * out * in, gate+up counted twice).
+traffic), except that a decode GEMV reads only its token's experts of a stacked expert array ([E, ...]): top_k / E
+of it (until 2026-12-05 the whole stack was counted, and the routed decode GEMVs showed 160-250 % of copy). Each
+evaluation repeats the call on the same inputs, so a decode kernel's weights (~10 MB for Qwen3.6's gate+up) are
+served from the L2 cache after the first call: its GB/s is not DRAM's; the op cases (``lily_dev.moe_bench``) read
+new experts each call. TFLOP/s is given for the grouped GEMMs only (2 * rows * out * in, gate+up counted twice).
 """
 
 from __future__ import annotations
@@ -86,19 +90,37 @@ def _flops(name: str, kwargs) -> float:
     return 2.0 * out_size * x.shape[-1] * (2 if "gate_up" in name else 1)
 
 
-def microbench(calls: List[Tuple], ceil: Dict[str, float], iters: int = 20, log=print) -> List[Dict]:
+def bytes_read(phase: str, name: str, kwargs, top_k: int = None) -> int:
+    """Bytes a call reads and writes, each once: its inputs and outputs, with a decode GEMV's stacked expert arrays
+    (3-D, more than ``top_k`` along the first axis: the routed experts' weights, scales and biases) counted for the
+    ``top_k`` experts one token reads."""
+    nbytes = 0
+    for a in kwargs["inputs"]:
+        if not isinstance(a, mx.array):
+            continue
+        if top_k and phase == "decode" and "gemv" in name and a.ndim == 3 and a.shape[0] > top_k:
+            nbytes += a.nbytes * top_k // a.shape[0]
+        else:
+            nbytes += a.nbytes
+    for shape, dtype in zip(kwargs["output_shapes"], kwargs["output_dtypes"]):
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes += n * dtype.size
+    return nbytes
+
+
+def microbench(calls: List[Tuple], ceil: Dict[str, float], iters: int = 20, log=print,
+               top_k: int = None) -> List[Dict]:
+    """Each recorded kernel/phase pair timed alone (8 calls an evaluation); ``top_k``: the model's experts a token
+    (``bytes_read``)."""
     rows, seen = [], set()
     for phase, name, kernel, kwargs in calls:
         if (phase, name) in seen:
             continue
         seen.add((phase, name))
         t = _time(lambda: kernel(**kwargs), iters=iters)
-        nbytes = sum(a.nbytes for a in kwargs["inputs"] if isinstance(a, mx.array))
-        for shape, dtype in zip(kwargs["output_shapes"], kwargs["output_dtypes"]):
-            n = 1
-            for d in shape:
-                n *= d
-            nbytes += n * dtype.size
+        nbytes = bytes_read(phase, name, kwargs, top_k)
         flops = _flops(name, kwargs)
         row = {"phase": phase, "kernel": name, "us": t * 1e6, "bytes": nbytes, "GBps": nbytes / t / 1e9,
                "pct_copy": 100 * nbytes / t / 1e9 / ceil["copy_GBps"],

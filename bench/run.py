@@ -276,7 +276,8 @@ def main(argv=None) -> int:
 
         ceil = kernels.ceilings(log=log)
         calls = kernels.record_kernel_calls(model, args.kernel_prefill_tokens, vocab, log=log)
-        rows = kernels.microbench(calls, ceil, log=log)
+        text_config = getattr(getattr(model, "args", None), "text_config", None) or {}
+        rows = kernels.microbench(calls, ceil, log=log, top_k=text_config.get("num_experts_per_tok"))
         results["kernels"] = {"ceilings": ceil, "rows": rows, "prefill_tokens": args.kernel_prefill_tokens}
         text = kernels.table_markdown(rows, ceil) + "\n"
         if args.op_cases == "on" or (args.op_cases == "auto" and mx.default_device() == mx.gpu):
