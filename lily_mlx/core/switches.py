@@ -107,6 +107,14 @@ _SWITCH_LIST = [
            "router logits in one kernel (each logit threadgroup recomputes its token's norm; same bits): 4 "
            "launches after each mixer instead of 5.",
            "The residual-norm kernel, then the router-logits kernel."),
+    Switch("gemv_dequant_warps", "moe", "decode", False,
+           "With fused_topk_gemv: a decode call's routed gate+up GEMV gives each threadgroup 4R producer threads "
+           "that dequantise the next 64-value chunk of its 2R weight rows into threadgroup memory as fp32 while the "
+           "2R chains run only their FMAs (moe_gemv_gate_up_swiglu_routed_dw; the same expression and k order, so "
+           "the same bits). Three times the warps for the same work: Nsight Compute put the staged kernel's 22 us "
+           "(H200, 4K step) at one warp's instruction stream, 288 warps for 528 schedulers (docs/moe.md). A "
+           "candidate, off until timed in the step.",
+           "The staged GEMV: each chain's thread dequantises its own weights (moe_gemv_gate_up_swiglu_routed)."),
     Switch("direct_down_combine", "moe", "decode", False,
            "With fused_down_combine: each chain of a decode call's down GEMV reads its weight row straight from "
            "device memory in register batches (moe_gemv_down_combine_direct), the next batch's loads in flight "

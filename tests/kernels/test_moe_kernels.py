@@ -1763,6 +1763,103 @@ def test_gate_up_gemv_with_the_top_k_inside_race_check(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
+# The routed gate/up GEMV with producer threads dequantising its weights (gemv_dequant_warps)
+
+@needs_sim
+@SETTINGS
+@given(tokens=st.sampled_from([1, 2, 5, 8]), experts_topk=st.sampled_from([(16, 4), (40, 8)]),
+       hidden=st.sampled_from([64, 128, 192, 256, 512]), width=st.sampled_from([16, 32, 48, 64, 128]),
+       shared=st.sampled_from([1, 2]), dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 1000))
+def test_gate_up_gemv_with_dequant_warps_has_the_staged_kernels_bits(tokens, experts_topk, hidden, width, shared,
+                                                                     dtype, seed):
+    """moe_gemv_gate_up_swiglu_routed_dw: every output (h, inds, scores, gate, block map) bit for bit the staged
+    routed kernel's, over hidden sizes of 1 to 8 chunks of 64 (chunks in flight 1, 2 and 4) and expert widths of one
+    to eight threadgroups of 16 outputs; outputs poisoned."""
+    experts, k = experts_topk
+    dt = getattr(mx, dtype)
+    block = make_sparse_moe_block(hidden=hidden, expert_width=width, num_experts=experts, top_k=k,
+                                  shared_width=shared * width, seed=seed)
+    block.set_dtype(dt)
+    x2d = make_inputs(1, tokens, hidden, seed=seed + 1).reshape(tokens, hidden).astype(dt)
+    logits = mk.router_logits(block, x2d, True, KERNEL_BACKEND)
+    with switches.overrides(disable=("gemv_dequant_warps",)), record_launches() as staged:
+        want = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND, init_value=-777)
+        mx.eval(want)
+    with switches.overrides(enable=("gemv_dequant_warps",)), record_launches() as dw:
+        got = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND, init_value=-555)
+        mx.eval(got)
+    assert staged.names() == ["moe_gemv_gate_up_swiglu_routed"] and dw.names() == ["moe_gemv_gate_up_swiglu_routed_dw"]
+    template = dict(dw[0].kwargs["template"])
+    assert template["R"] == 16 and (hidden // 64) % template["PD"] == 0 and template["PD"] == min(
+        4, (hidden // 64) & -(hidden // 64))  # the largest power of two <= 4 dividing the chunks
+    assert dw[0].kwargs["threadgroup"] == (96, 1, 1)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+@needs_sim
+def test_gate_up_gemv_with_dequant_warps_race_check(monkeypatch):
+    """The simulator's race check on the fp32 weight buffers the producers fill and the chains read (two buffers, one
+    barrier a chunk), over 4 chunks with 2 and 4 in flight."""
+    monkeypatch.setenv("LILY_MSL_RACE", "1")
+    for hidden in (128, 256):
+        block = make_sparse_moe_block(hidden=hidden, expert_width=32, num_experts=16, top_k=4, shared_width=32, seed=5)
+        x2d = make_inputs(1, 2, hidden, seed=6).reshape(2, hidden)
+        logits = mk.router_logits(block, x2d, True, KERNEL_BACKEND)
+        with switches.overrides(enable=("gemv_dequant_warps",)):
+            got = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND)
+        with switches.overrides(disable=("gemv_dequant_warps",)):
+            want = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND)
+        assert mx.array_equal(got[0], want[0]).item()
+
+
+def test_dequant_warps_geometry():
+    """16 outputs a threadgroup where the width takes them, chunks in flight halved until they divide K / 64; None
+    where the kernel does not run (with the switch on, the staged kernel then runs, said once in the log)."""
+    assert mk.dequant_warps_geometry(512, 2048) == (16, 4)  # Qwen3.6: 32 chunks, 4 in flight
+    assert mk.dequant_warps_geometry(64, 192) == (16, 1)
+    assert mk.dequant_warps_geometry(64, 128) == (16, 2)
+    assert mk.dequant_warps_geometry(24, 128) is None  # 24 outputs: no whole threadgroup of 16
+    assert mk.dequant_warps_geometry(64, 96) is None  # K not a multiple of 64
+
+
+@needs_sim
+def test_decode_call_takes_the_dequant_warps_when_chosen(gemm_sim, monkeypatch):
+    """With switch ``gemv_dequant_warps`` a decode call of the block launches moe_gemv_gate_up_swiglu_routed_dw in
+    place of the staged routed GEMV, with the same bits for the block's output."""
+    from lily_mlx.ops.moe import sparse_moe_forward
+
+    block, x, want, staged = _decode_call_of_a_small_block(monkeypatch)
+    with switches.overrides(enable=("gemv_dequant_warps",)), record_launches() as dw:
+        got = sparse_moe_forward(block, x)
+        mx.eval(got)
+    assert "moe_gemv_gate_up_swiglu_routed" in staged.counts()
+    assert "moe_gemv_gate_up_swiglu_routed_dw" in dw.counts() and "moe_gemv_gate_up_swiglu_routed" not in dw.counts()
+    assert mx.array_equal(got, want).item()
+
+
+def test_gate_up_gemv_with_dequant_warps_compiles_and_fits_on_the_h200():
+    """The CUDA translation of moe_gemv_gate_up_swiglu_routed_dw at Qwen3.6's template (R 16, 4 chunks in flight)
+    compiles (NVRTC); with ptxas, its 96 threads fit without spills or a stack frame (the ring of chunks in flight
+    indexed by constants only), and its static shared memory is two fp32 buffers of 32 padded rows, two activation
+    chunks, the up sums and the router's probabilities."""
+    from lily_dev import compile_check, resource_usage
+
+    if compile_check.compiler_available() is None:
+        pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
+    unit = resource_usage.gate_up_gemv_unit(dequant_warps=True)
+    threads = 6 * mk.dequant_warps_geometry(512, 2048)[0]
+    ok, log = compile_check.compile_cuda(unit)
+    assert ok and threads == 96, log[-3000:]
+    if compile_check.nvcc_path() is None:
+        return
+    u = resource_usage.ptxas_usage(unit)
+    assert 0 < u["registers"] * threads <= resource_usage.REGISTERS_PER_SM, u
+    assert u["spill_stores"] == 0 and u["spill_loads"] == 0 and u["stack"] == 0, u
+    assert u["smem"] == 2 * 32 * 68 * 4 + 2 * 64 * 4 + 16 * 4 + mk.ROUTED_GEMV_PROBS_BYTES == 22088, u
+
+
+# ----------------------------------------------------------------------------------------------
 # The down GEMV and the combine in one kernel (fused_down_combine)
 
 def _down_combine_case(tokens, experts_topk, expert_width, shared, dtype, seed):

@@ -45,7 +45,8 @@ register_op(Op(
     "Grouped 4-bit (affine, group 64) expert GEMMs (prefill and decode): gate+up+SwiGLU and down, the "
     "shared expert as one more expert, then the routing-weighted sum over each token's experts.",
     switches=("fused_dequant", "adaptive_tile", "fused_combine", "fused_expert_down", "row_gemv", "fused_down_combine",
-              "fused_residual", "register_tiles", "tall_register_blocks", "split_k_gate_up", "direct_down_combine"),
+              "fused_residual", "register_tiles", "tall_register_blocks", "split_k_gate_up", "direct_down_combine",
+              "gemv_dequant_warps"),
     kernel_backends=KERNEL_BACKENDS,
 ))
 register_op(Op(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from functools import lru_cache
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -107,6 +107,11 @@ KERNELS: Dict[str, KernelSpec] = {
     # top-k kernel's outputs out besides h.
     "gemv_gate_up_routed": KernelSpec(
         "moe_gemv_gate_up_swiglu_routed", GEMM, ("x", "logits") + _GATE_UP_SIGNATURE[0][3:],
+        ("h", "inds", "scores", "gate", "blocks"),
+        params=_GATE_UP_PARAMS + ("norm_topk", "has_gate", "decode_tile", "shared_chunks")),
+    # The same with the weights dequantised by producer threads (switch gemv_dequant_warps, a candidate): same bits.
+    "gemv_gate_up_routed_dw": KernelSpec(
+        "moe_gemv_gate_up_swiglu_routed_dw", GEMM, ("x", "logits") + _GATE_UP_SIGNATURE[0][3:],
         ("h", "inds", "scores", "gate", "blocks"),
         params=_GATE_UP_PARAMS + ("norm_topk", "has_gate", "decode_tile", "shared_chunks")),
     "gemv_down": KernelSpec("moe_gemv_down", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
@@ -811,6 +816,30 @@ def router_logits(block, x2d: mx.array, with_gate: bool, backend: Optional[str] 
 ROUTED_GEMV_PROBS_BYTES = 4 * (ROUTER_MAX_EXPERTS + 1) + 4  # kernels/moe/gemm.metal: the routed form's own
 
 
+# Switch gemv_dequant_warps (a candidate, off): the routed gate+up GEMV's 2R chains run only their FMAs while 4R
+# producer threads dequantise the next 64-value chunk into threadgroup memory (moe_gemv_gate_up_swiglu_routed_dw; the
+# same bits). R: DW_ROWS outputs a threadgroup (6R threads), halved while it does not divide the expert width, at
+# least 16 (whole simdgroups of chains); DW_CHUNKS_IN_FLIGHT chunks of packed words in each producer's registers,
+# halved until it divides K / 64.
+DW_ROWS = 16
+DW_CHUNK = 64  # kernels/moe/gemm.metal: MOE_DW_KC
+DW_CHUNKS_IN_FLIGHT = 4
+
+
+def dequant_warps_geometry(width: int, k: int) -> Optional[Tuple[int, int]]:
+    """(R, PD) of moe_gemv_gate_up_swiglu_routed_dw for expert width ``width`` and hidden size ``k``; None where it
+    does not run (R below 16, or k not a multiple of 64)."""
+    rows = DW_ROWS
+    while width % rows and rows > 16:
+        rows //= 2
+    if width % rows or k % DW_CHUNK:
+        return None
+    in_flight = DW_CHUNKS_IN_FLIGHT
+    while (k // DW_CHUNK) % in_flight:
+        in_flight //= 2
+    return rows, in_flight
+
+
 def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optional[str] = None, init_value=None):
     """The decode gate/up GEMV with the router's top-k inside (switch ``fused_topk_gemv``): x [N, D] and the
     router's logits -> (h [N * (k + m), I], inds [N, k], scores [N, k], gate [N] fp32, blocks [N * (k + m), 4]),
@@ -824,8 +853,12 @@ def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optiona
     m = shared_chunks(shared, i)
     rows = n * (k + m)
     split = gate_up_split(i, d)  # (switch split_k_gate_up: the GEMM tiles of larger calls split alike)
-    rows_per_tg, chunk, *_ = gemv_geometry("gate_up", i, d, gate_up_split_layout(split), ROUTED_GEMV_PROBS_BYTES)
-    threads = 2 * rows_per_tg * split
+    dequant_warps = None
+    if switches.is_enabled("gemv_dequant_warps") and split == 1:
+        dequant_warps = dequant_warps_geometry(i, d)
+        if dequant_warps is None:
+            log_once(f"gemv_dequant_warps:{i}:{d}", f"gemv_dequant_warps: expert width {i} / hidden {d} not taken "
+                     f"(16 outputs a threadgroup, K a multiple of 64), running the staged GEMV")
     inputs = [x2d, logits]
     inputs += _weights(sw.gate_proj, True, None, x2d.dtype, backend)
     inputs += _weights(sw.up_proj, True, None, x2d.dtype, backend)
@@ -833,10 +866,16 @@ def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optiona
     inputs.append(KERNELS["gemv_gate_up_routed"].pack(
         top_k=k, D=d, I=i, E=e, A=n * k, N=n, norm_topk=bool(block.norm_topk_prob), has_gate=True,
         decode_tile=SMALL_TILE, shared_chunks=m))
-    return _kernel("gemv_gate_up_routed", backend)(
-        inputs=inputs,
-        template=[("T", x2d.dtype), ("R", rows_per_tg), ("KC", chunk), ("NPL", -(-e // 32)), ("SK", split)],
-        grid=(i // rows_per_tg * threads, rows, 1), threadgroup=(threads, 1, 1),
+    if dequant_warps is not None:
+        rows_per_tg, in_flight = dequant_warps
+        name, threads = "gemv_gate_up_routed_dw", 6 * rows_per_tg
+        template = [("T", x2d.dtype), ("R", rows_per_tg), ("NPL", -(-e // 32)), ("PD", in_flight)]
+    else:
+        rows_per_tg, chunk, *_ = gemv_geometry("gate_up", i, d, gate_up_split_layout(split), ROUTED_GEMV_PROBS_BYTES)
+        name, threads = "gemv_gate_up_routed", 2 * rows_per_tg * split
+        template = [("T", x2d.dtype), ("R", rows_per_tg), ("KC", chunk), ("NPL", -(-e // 32)), ("SK", split)]
+    return _kernel(name, backend)(
+        inputs=inputs, template=template, grid=(i // rows_per_tg * threads, rows, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(rows, i), (n, k), (n, k), (n,), (rows, 4)],
         output_dtypes=[x2d.dtype, mx.int32, x2d.dtype, mx.float32, mx.int32], init_value=init_value)
 
