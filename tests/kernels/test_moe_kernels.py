@@ -1843,19 +1843,13 @@ def test_gate_up_gemv_with_dequant_warps_compiles_and_fits_on_the_h200():
     compiles (NVRTC); with ptxas, its 96 threads fit without spills or a stack frame (the ring of chunks in flight
     indexed by constants only), and its static shared memory is two fp32 buffers of 32 padded rows, two activation
     chunks, the up sums and the router's probabilities."""
-    from lily_dev import compile_check, resource_usage
+    from lily_dev import resource_usage
 
-    if compile_check.compiler_available() is None:
-        pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
-    unit = resource_usage.gate_up_gemv_unit(dequant_warps=True)
     threads = 6 * mk.dequant_warps_geometry(512, 2048)[0]
-    ok, log = compile_check.compile_cuda(unit)
-    assert ok and threads == 96, log[-3000:]
-    if compile_check.nvcc_path() is None:
+    assert threads == 96
+    u = _compiles_and_fits(lambda: resource_usage.gate_up_gemv_unit(dequant_warps=True), threads)
+    if u is None:
         return
-    u = resource_usage.ptxas_usage(unit)
-    assert 0 < u["registers"] * threads <= resource_usage.REGISTERS_PER_SM, u
-    assert u["spill_stores"] == 0 and u["spill_loads"] == 0 and u["stack"] == 0, u
     assert u["smem"] == 2 * 32 * 68 * 4 + 2 * 64 * 4 + 16 * 4 + mk.ROUTED_GEMV_PROBS_BYTES == 22088, u
 
 
@@ -1957,24 +1951,36 @@ def test_down_combine_geometry_fits_its_threadgroup():
     assert mk.down_combine_direct_geometry(9, 2048, 96) is None
 
 
+def _compiles_and_fits(make_unit, threads: int):
+    """Compile a kernel's CUDA translation (NVRTC or nvcc; skip without either) and, with ptxas, check that its
+    registers times ``threads`` fit an SM without spills or a stack frame; ptxas's usage, or None without nvcc."""
+    from lily_dev import compile_check, resource_usage
+
+    if compile_check.compiler_available() is None:
+        pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
+    unit = make_unit()
+    ok, log = compile_check.compile_cuda(unit)
+    assert ok, log[-3000:]
+    if compile_check.nvcc_path() is None:
+        return None
+    u = resource_usage.ptxas_usage(unit)
+    assert 0 < u["registers"] * threads <= resource_usage.REGISTERS_PER_SM, u
+    assert u["spill_stores"] == 0 and u["spill_loads"] == 0 and u["stack"] == 0, u
+    return u
+
+
 @pytest.mark.parametrize("direct", [False, True])
 def test_down_gemv_with_the_combine_compiles_and_fits_on_the_h200(direct):
     """The CUDA translation of moe_gemv_down_combine (and of its direct layout) at Qwen3.6's template compiles
     (NVRTC); with ptxas, its registers times its 160 threads fit an SM, without spills or a stack frame (a register
     array indexed at run time), and its static shared memory is ten groups' double-buffered stagings (23,040 bytes)
     or, direct, ten activation rows of 512 floats and the ten groups' results (21,120 bytes)."""
-    from lily_dev import compile_check, resource_usage
+    from lily_dev import resource_usage
 
-    if compile_check.compiler_available() is None:
-        pytest.skip("no CUDA compiler (NVRTC or nvcc) installed")
-    unit, threads = resource_usage.down_combine_unit(direct=direct)
-    ok, log = compile_check.compile_cuda(unit)
-    assert ok and threads == 160, log[-3000:]
-    if compile_check.nvcc_path() is None:
+    assert resource_usage.down_combine_unit(direct=direct)[1] == 160
+    u = _compiles_and_fits(lambda: resource_usage.down_combine_unit(direct=direct)[0], 160)
+    if u is None:
         return
-    u = resource_usage.ptxas_usage(unit)
-    assert 0 < u["registers"] * threads <= resource_usage.REGISTERS_PER_SM, u
-    assert u["spill_stores"] == 0 and u["spill_loads"] == 0 and u["stack"] == 0, u
     want = 10 * (512 + 16) * 4 if direct else 10 * mk.gemv_stage_bytes(1, 16, 64)
     assert u["smem"] == want == (21120 if direct else 23040), u
 
