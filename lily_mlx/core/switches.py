@@ -251,8 +251,19 @@ _state: Dict[str, bool] = {}
 _user_choices: Dict[str, bool] = {}  # set by enable() / disable(): a tune profile never overrides these
 
 
+# Switches that existed and were removed, with why: a name left in a shell profile or a script gets the reason, not
+# only "unknown".
+REMOVED = {
+    "long_live_blocks": "removed on 2026-12-05: the live-length attention with twice the rows a block decoded 2-5 % "
+                        "slower end to end on the H200 (docs/attention.md)",
+}
+
+
 def suggestion(name: str) -> str:
-    """`` (did you mean 'x'?)`` for a misspelt or wrong-case switch name, else ''."""
+    """`` (did you mean 'x'?)`` for a misspelt or wrong-case switch name, `` (removed ...)`` for a removed one, else
+    ''."""
+    if name in REMOVED:
+        return f" ({REMOVED[name]})"
     lowered = {n.lower(): n for n in SWITCHES}
     match = lowered.get(name.lower()) or next(iter(difflib.get_close_matches(name, SWITCHES, n=1)), None)
     return f" (did you mean {match!r}?)" if match else ""

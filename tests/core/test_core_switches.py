@@ -105,6 +105,16 @@ def test_wrong_case_name_suggests_the_right_one(monkeypatch):
         switches.disable("GPU_Routing")
 
 
+def test_a_removed_switch_is_named_with_why(monkeypatch):
+    """A switch that was removed (switches.REMOVED) is still refused, with the reason it went rather than a guess."""
+    assert "long_live_blocks" not in switches.SWITCHES
+    monkeypatch.setenv("LILY_ENABLE", "long_live_blocks")
+    problem = switches.environment_problems()[0]
+    assert "'long_live_blocks' (removed on 2026-12-05" in problem and "did you mean" not in problem
+    with pytest.raises(ValueError, match="removed on 2026-12-05"):
+        switches.enable("long_live_blocks")
+
+
 @pytest.mark.parametrize("call", [
     lambda: switches.disable("gpu_routing", "bogus"),
     lambda: switches.enable("bogus"),
