@@ -88,12 +88,13 @@
 #                                               # schedule's candidates: fewer blocks a row, 4 simdgroups)
 #   PART=38 bash bench/device_decode_checks.sh  # a server's batch decoded end to end: lily against lily with stock's
 #                                               # masked attention and the fair baseline, rows of 32K-4K and 8K-1K
-#   PART=39 bash bench/device_decode_checks.sh  # the routed gate+up GEMV with more warps, in the step: CUDA tests of
-#                                               # gemv_dequant_warps, a 4K step's GPU time by kernel with it on / off
-#                                               # and with split_k_gate_up, then the new kernel's sections
-#   PART=40 bash bench/device_decode_checks.sh  # the down+combine's sections and stall samples, a batch step's
-#                                               # build on this host, the batch split's aims at 1 / 2 / 4 / 8 rows
+#   PART=39 bash bench/device_decode_checks.sh  # the expert GEMVs' candidates in the step: CUDA tests, a 4K step's
+#                                               # GPU time by kernel with gemv_dequant_warps on / off, with
+#                                               # split_k_gate_up, with the down+combine's 4 chunks in flight
+#   PART=40 bash bench/device_decode_checks.sh  # sections and stall samples of the new gate+up kernel and the
+#                                               # down+combine, a batch step's build on this host
 #   PART=41 bash bench/device_decode_checks.sh  # gemv_dequant_warps: decode A/B on / off in bursts at 4K and 32K
+#   PART=42 bash bench/device_decode_checks.sh  # the batch split's aims at batches of 1 / 2 / 4 / 8 rows (op cases)
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -554,35 +555,33 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       --batch-contexts 8192,4096,2048,1024 --bursts 6 --out "$W/batch_short"
     tail -7 "$W/batch_short.txt" 2>/dev/null
     ;;
-  39) # the routed gate+up GEMV's time is one warp's instruction stream (Nsight Compute, H200 2026-12-05: 12.1K
-      # instructions a warp at 2.41 cycles each, 288 warps for 528 schedulers). Two ways to more warps, timed in the
-      # step (GPU time by kernel, clocks and caches as the run leaves them): gemv_dequant_warps (producer threads
-      # dequantise, the chains run only their FMAs; the same bits) against the staged kernel, and split_k_gate_up
-      # (4 chains of 512 a sum; other bits), whose earlier verdict came from op cases (39 us a call against 22 in
-      # the step) and bursts on a slow host. First the new kernel's CUDA tests; then its sections if time is left
+  39) # the expert GEMVs with more warps or more memory in flight, timed in a 4K step (GPU time by kernel, clocks and
+      # caches as the run leaves them). The routed gate+up's time is one warp's instruction stream (Nsight Compute,
+      # H200 2026-12-05: 12.1K instructions a warp at 2.41 cycles each, 288 warps for 528 schedulers):
+      # gemv_dequant_warps (producer threads dequantise, the chains run only their FMAs; the same bits) against the
+      # staged kernel, and split_k_gate_up (4 chains of 512 a sum; other bits), whose earlier verdict came from op
+      # cases (39 us a call against 22 in the step). The down+combine takes ~4x its instruction time (memory round
+      # trips): its staged chunks with 4 in flight (DOWN_COMBINE_IN_FLIGHT, the same bits). First the CUDA tests
     run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
-      tests/kernels/test_moe_kernels.py -k "dequant_warps or top_k_inside"
+      tests/kernels/test_moe_kernels.py -k "dequant_warps or top_k_inside or chunks_in_flight or down_gemv_with"
     tail -3 "$W/tests_cuda.txt" 2>/dev/null
     run sgt_dw 160 env LILY_ENABLE=gemv_dequant_warps python -m bench.step_gpu_time \
       --compare lily,lily-off:gemv_dequant_warps --clock-control none --cache-control none --out "$W/sgt_dw"
-    grep -E "^\| lily|gate_up" "$W/sgt_dw/step_gpu_time.md" 2>/dev/null | head -8
+    grep -E "^\| lily|gate_up|down_combine" "$W/sgt_dw/step_gpu_time.md" 2>/dev/null | head -8
     run sgt_split 100 env LILY_ENABLE=split_k_gate_up python -m bench.step_gpu_time --compare lily \
       --clock-control none --cache-control none --out "$W/sgt_split"
     grep -E "^\| lily|gate_up" "$W/sgt_split/step_gpu_time.md" 2>/dev/null | head -6
+    run sgt_ring 100 python -m bench.step_gpu_time --compare lily --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_IN_FLIGHT=4 \
+      --clock-control none --cache-control none --out "$W/sgt_ring"
+    grep -E "^\| lily|down_combine" "$W/sgt_ring/step_gpu_time.md" 2>/dev/null | head -6
     rm -f "$W"/sgt_*/*.csv
+    ;;
+  40) # Nsight Compute's sections and stall samples of the new routed gate+up kernel and of the staged down+combine in
+      # a 4K step (PART=35 left the down+combine), then a server batch's step build on this host (bench.decode_graph,
+      # no GPU work: is a batch's decode host-bound?)
     run ks_gate_up_dw 200 env LILY_ENABLE=gemv_dequant_warps python -m bench.kernel_sections \
       --kernel gemv_gate_up_swiglu_routed_dw --context 4096 --out "$W/ks_gate_up_dw"
     cat "$W/ks_gate_up_dw/sections.md" 2>/dev/null | head -30
-    rm -f "$W"/ks_*/source.csv
-    ;;
-  41) # if PART=39 shows gemv_dequant_warps faster in the step: decode in alternating bursts on / off at 4K and 32K
-    switch_ab ab_4k 150 gemv_dequant_warps 4096 10
-    switch_ab ab_32k 170 gemv_dequant_warps 32768 10
-    ;;
-  40) # what PART=35 left: the down+combine's sections and stall samples in a 4K step; then a server batch's step
-      # build on this host (bench.decode_graph, no GPU work: is a batch's decode host-bound?); then the batch split's
-      # schedule candidates at batches of 1, 2, 4 and 8 rows (attention_batch_* op cases; the aim is a constant of
-      # the schedule, so it has to serve every batch size)
     run ks_down 200 python -m bench.kernel_sections --kernel gemv_down_combine --context 4096 --out "$W/ks_down"
     cat "$W/ks_down/sections.md" 2>/dev/null | head -30
     rm -f "$W"/ks_*/source.csv
@@ -590,10 +589,17 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     tail -6 "$W/graph_batch.txt" 2>/dev/null
     run graph_single 60 python -m bench.decode_graph --layers 40
     tail -6 "$W/graph_single.txt" 2>/dev/null
-    run op_cases 200 python -m bench.run --mode kernels --op-cases on --op-match 'attention_batch_' --out "$W/batch"
+    ;;
+  41) # if PART=39 shows gemv_dequant_warps faster in the step: decode in alternating bursts on / off at 4K and 32K
+    switch_ab ab_4k 150 gemv_dequant_warps 4096 10
+    switch_ab ab_32k 170 gemv_dequant_warps 32768 10
+    ;;
+  42) # the batch split's schedule candidates at batches of 1, 2, 4 and 8 rows (attention_batch_* op cases; the aim
+      # is a constant of the schedule, never keyed on the batch, so it has to serve every batch size)
+    run op_cases 300 python -m bench.run --mode kernels --op-cases on --op-match 'attention_batch_' --out "$W/batch"
     grep -E "attention_batch" "$W/batch/kernels.md" 2>/dev/null | head -100
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40 or 41" \
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41 or 42" \
        >&2
      exit 2 ;;
 esac

@@ -163,11 +163,11 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
 
 
 def down_combine_unit(blocks_per_token: int = 9, width: int = 2048, expert_width: int = 512,
-                      direct: bool = False) -> tuple:
+                      direct: bool = False, in_flight: int = 1) -> tuple:
     """(CUDA translation unit, threads per threadgroup) of ``moe_gemv_down_combine`` (``direct``: its direct
-    layout, ``moe_gemv_down_combine_direct``) in bf16 as a decode call launches it, with the template of Qwen3.6's
-    shape (8 experts + 1 shared chunk, hidden 2048, expert width 512); the inputs' shapes do not enter the
-    translation, a small block's stand in."""
+    layout, ``moe_gemv_down_combine_direct``; ``in_flight``: the staged layout's chunks in flight) in bf16 as a
+    decode call launches it, with the template of Qwen3.6's shape (8 experts + 1 shared chunk, hidden 2048, expert
+    width 512); the inputs' shapes do not enter the translation, a small block's stand in."""
     from lily_mlx.ops.moe import kernels as mk
 
     from .moe_testing import make_sparse_moe_block
@@ -185,7 +185,8 @@ def down_combine_unit(blocks_per_token: int = 9, width: int = 2048, expert_width
     (name, kw), = calls
     rows, chunk, groups = geometry
     sizes = [("KB", chunk), ("KX", expert_width)] if direct else [("KC", chunk)]
-    template = [("T", mx.bfloat16), ("R", rows), *sizes, ("NBLK", blocks_per_token), ("NG", groups)]
+    ring = [] if direct else [("PD", mk.chunks_in_flight(expert_width // chunk, in_flight))]
+    template = [("T", mx.bfloat16), ("R", rows), *sizes, ("NBLK", blocks_per_token), ("NG", groups), *ring]
     return _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], template), rows * groups
 
 

@@ -321,6 +321,62 @@ inline float moe_gemv_chain(float acc, const threadgroup uint4* wrow, const thre
   return acc;
 }
 
+// moe_gemv_staged (SK = 1) with PD chunks in flight: each thread keeps the packed words, scales, biases and activations
+// of the PD chunks after the staged one in a ring of registers (chunk n in slot n % PD), loaded PD chunks before they
+// are staged, so that a chunk's trip to memory overlaps PD chunks of sums instead of one (the down+combine's 8 chunks
+// of 64 at K = 512 take ~4x their instruction time: docs/moe.md). The same chains on the same staged values: the
+// same bits. K / KC a multiple of PD; PD = 1 is moe_gemv_staged's schedule.
+template <int NM, int R, int KC, typename T, int PD>
+inline float moe_gemv_staged_ring(
+    const device uint32_t* w0, const device uint32_t* w1, long wstride,
+    const device T* s0, const device T* s1, const device T* b0, const device T* b1, long sstride,
+    const device T* xrow, int K, uint tid,
+    threadgroup uint4* ws, threadgroup float* ss, threadgroup float* bs, threadgroup float4* xs,
+    uint32_t exponent) {
+  typedef MoeGemvShape<NM, R, KC> Shape;
+  constexpr int WS = Shape::NT * Shape::STRIDE, SB = Shape::NT * Shape::G, XS = KC / 4;  // one buffer
+  uint4 wr[PD][Shape::P];
+  T sr[PD][Shape::G];
+  T br[PD][Shape::G];
+  T xr[PD][4 * Shape::XQ];
+  const int chunks = K / KC;
+  #pragma unroll
+  for (int u = 0; u < PD; ++u) {
+    moe_gemv_fetch<NM, R, KC, T>(w0, w1, wstride, s0, s1, b0, b1, sstride, xrow, u * KC, tid, wr[u], sr[u], br[u],
+                                 xr[u]);
+  }
+  moe_gemv_store<NM, R, KC, T>(ws, ss, bs, xs, tid, wr[0], sr[0], br[0], xr[0]);
+  if (PD < chunks) {
+    moe_gemv_fetch<NM, R, KC, T>(w0, w1, wstride, s0, s1, b0, b1, sstride, xrow, PD * KC, tid, wr[0], sr[0], br[0],
+                                 xr[0]);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const int m = int(tid) / R;
+  const int r = int(tid) % R;
+  float acc = 0.0f;
+  for (int c0 = 0; c0 < chunks; c0 += PD) {
+    #pragma unroll
+    for (int u = 0; u < PD; ++u) {
+      const int c = c0 + u;
+      const int cur = c & 1;
+      acc = moe_gemv_chain<R, KC>(acc, ws + cur * WS + (m * R + r) * Shape::STRIDE, ss + cur * SB + m * Shape::G * R,
+                                  bs + cur * SB + m * Shape::G * R, r, xs + cur * XS, exponent);
+      if (c + 1 < chunks) {  // uniform; chunk c + 1 into the other buffer (its last readers passed the last barrier)
+        const int slot = (u + 1) % PD;
+        const int nb = cur ^ 1;
+        moe_gemv_store<NM, R, KC, T>(ws + nb * WS, ss + nb * SB, bs + nb * SB, xs + nb * XS, tid, wr[slot], sr[slot],
+                                     br[slot], xr[slot]);
+        if (c + 1 + PD < chunks) {
+          moe_gemv_fetch<NM, R, KC, T>(w0, w1, wstride, s0, s1, b0, b1, sstride, xrow, (c + 1 + PD) * KC, tid,
+                                       wr[slot], sr[slot], br[slot], xr[slot]);
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+  }
+  return acc;
+}
+
 // The whole K loop of one chain (thread tid = m * R + r: matrix m, row r; with SK > 1, tid = s NM R + m R + r, range
 // s), pipelined as described above; every thread of the threadgroup calls it (it holds barriers). Returns the chain's
 // sum (SK > 1: the first NM R threads return the ranges' sums added in range order).
@@ -1468,7 +1524,8 @@ y[long(slot) * D + o0 + int(tid)] = static_cast<T>(acc);
 // The decode schedule's blocks: routed row j of token n is block (and slot) n * k + j, shared chunk c is block
 // A + c * N + n (moe_router_write_pick, moe_router_write_shared_block).
 // grid (D / R * R * NG, N, 1), threadgroup (R * NG, 1, 1); template T, R (dividing D), KC (a multiple of 64
-// dividing I; the host fits NG double buffers in 32 KB), NBLK, NG. params: [I, D, E, Is, k, A, shared_chunks,
+// dividing I; the host fits NG double buffers in 32 KB), NBLK, NG, PD (chunks in flight, dividing I / KC: 1 is
+// moe_gemv_staged's schedule, more moe_gemv_staged_ring's; the same bits). params: [I, D, E, Is, k, A, shared_chunks,
 // has_residual]. h [A + m N, I] T; blocks [A + m N, 4] int32; the down weights as moe_gemv_down's; scores [N, k] T;
 // gate [N] fp32 (read when m > 0); residual [N, D] T (read when has_residual). out [N, D] T.
 // Each group's two staging buffers (moe_gemv_staged), as moe_gemv_down declares them, one after another.
@@ -1508,9 +1565,15 @@ const long groups = shared ? long(o0) * (Is / 64) + (e - E) * (I / 64) : (long(e
 const device uint32_t* w = (shared ? w_down_s : w_down) + words;
 const device T* s = (shared ? scales_down_s : scales_down) + groups;
 const device T* b = (shared ? biases_down_s : biases_down) + groups;
-const float acc = moe_gemv_staged<1, R, KC, T>(
-    w, w, shared ? Is / 8 : I / 8, s, s, b, b, shared ? Is / 64 : I / 64, h + long(slot) * I, I, r,
-    gemv_ws + group * WS, gemv_ss + group * SB, gemv_bs + group * SB, gemv_xs + group * XS, q4_exponent_unfolded(E));
+const float acc = PD > 1
+    ? moe_gemv_staged_ring<1, R, KC, T, PD>(
+          w, w, shared ? Is / 8 : I / 8, s, s, b, b, shared ? Is / 64 : I / 64, h + long(slot) * I, I, r,
+          gemv_ws + group * WS, gemv_ss + group * SB, gemv_bs + group * SB, gemv_xs + group * XS,
+          q4_exponent_unfolded(E))
+    : moe_gemv_staged<1, R, KC, T>(
+          w, w, shared ? Is / 8 : I / 8, s, s, b, b, shared ? Is / 64 : I / 64, h + long(slot) * I, I, r,
+          gemv_ws + group * WS, gemv_ss + group * SB, gemv_bs + group * SB, gemv_xs + group * XS,
+          q4_exponent_unfolded(E));
 // moe_gemv_staged ends on a barrier: every chain is done with the staging buffers, gemv_ss is free.
 if (group < NBLK) {
   gemv_ss[group * R + int(r)] = float(static_cast<T>(acc));  // y[slot, o0 + r] as moe_gemv_down stores it

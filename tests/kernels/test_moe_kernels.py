@@ -1873,14 +1873,15 @@ def _down_combine_case(tokens, experts_topk, expert_width, shared, dtype, seed):
 @SETTINGS
 @given(tokens=st.sampled_from([1, 2, 5]), experts_topk=st.sampled_from([(16, 4), (40, 8)]),
        expert_width=st.sampled_from([64, 256]), shared=st.sampled_from([1, 2]), residual=st.booleans(),
-       rows=st.sampled_from([None, 8, 4, "direct"]), dtype=st.sampled_from(["bfloat16", "float16"]),
-       seed=st.integers(0, 1000))
+       rows=st.sampled_from([None, 8, 4, "direct"]), in_flight=st.sampled_from([1, 2, 4]),
+       dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 1000))
 def test_down_gemv_with_the_combine_has_the_bits_of_the_two_kernels(tokens, experts_topk, expert_width, shared,
-                                                                    residual, rows, dtype, seed):
+                                                                    residual, rows, in_flight, dtype, seed):
     """moe_gemv_down_combine: out is moe_gemv_down then moe_combine_weighted_rows (with or without the residual),
     bit for bit, for 1 or 2 shared-expert chunks, K of one or several staged chunks, the default layout and 8
     or 4 columns a threadgroup (spare groups or none), and the direct layout (each chain's weights read by its
-    thread, moe_gemv_down_combine_direct); every output element written (poisoned output)."""
+    thread, moe_gemv_down_combine_direct), the staged layout with 1, 2 or 4 chunks in flight (moe_gemv_staged_ring);
+    every output element written (poisoned output)."""
     block, h, scores, gate, blocks, res = _down_combine_case(tokens, experts_topk, expert_width,
                                                              shared * expert_width, getattr(mx, dtype), seed)
     res = res if residual else None
@@ -1891,7 +1892,7 @@ def test_down_gemv_with_the_combine_has_the_bits_of_the_two_kernels(tokens, expe
     elif rows is not None:  # R = 8 or 4: 4 or 8 groups a simdgroup, the blocks rounded up to whole simdgroups
         geometry = mk.down_combine_geometry(k + shared, 128, expert_width, rows, (64,))
     out = mk.gemv_down_combine(h, blocks, sw.down_proj, block.shared_expert, scores, gate, res, geometry,
-                               KERNEL_BACKEND, init_value=float("nan"), direct=rows == "direct")
+                               KERNEL_BACKEND, init_value=float("nan"), direct=rows == "direct", in_flight=in_flight)
     y = mk.gemm_down(h, blocks, sw.down_proj, True, None, KERNEL_BACKEND, shared=block.shared_expert, gemv=True)
     want = mk.combine_rows(y, mx.arange(tokens * k, dtype=mx.int32), scores, KERNEL_BACKEND, gate=gate,
                            chunks=shared, residual=res)
@@ -1917,6 +1918,26 @@ def test_down_gemv_with_the_combine_token_alone_equals_token_in_batch_and_race_c
     alone = mk.gemv_down_combine(rows, alone_blocks, down, shared, scores[1:2], gate[1:2], res[1:2], geometry,
                                  KERNEL_BACKEND, direct=direct)
     assert mx.array_equal(out[1:2], alone).item()
+
+
+@needs_sim
+def test_down_gemv_with_the_combine_chunks_in_flight_at_qwen36_expert_width(monkeypatch):
+    """The staged layout at I = 512 (8 chunks of 64) with 2 and 4 chunks in flight in each thread's registers has the
+    staged schedule's bits; under the simulator's race check (each chunk is stored into the buffer the chains read the
+    chunk before, after the barrier that ends it)."""
+    monkeypatch.setenv("LILY_MSL_RACE", "1")
+    block, h, scores, gate, blocks, res = _down_combine_case(2, (40, 8), 512, 512, mx.bfloat16, 8)
+    down, shared = block.switch_mlp.down_proj, block.shared_expert
+    geometry = mk.down_combine_geometry(9, 128, 512)
+    assert geometry[1] == 64 and mk.chunks_in_flight(512 // 64, 4) == 4 and mk.chunks_in_flight(6, 4) == 2
+    want = mk.gemv_down_combine(h, blocks, down, shared, scores, gate, res, geometry, KERNEL_BACKEND, in_flight=1)
+    for in_flight in (2, 4):
+        with record_launches() as rec:
+            got = mk.gemv_down_combine(h, blocks, down, shared, scores, gate, res, geometry, KERNEL_BACKEND,
+                                       init_value=float("nan"), in_flight=in_flight)
+            mx.eval(got)
+        assert dict(rec[0].kwargs["template"])["PD"] == in_flight
+        assert mx.array_equal(got, want).item(), in_flight
 
 
 @needs_sim
@@ -1969,16 +1990,17 @@ def _compiles_and_fits(make_unit, threads: int):
     return u
 
 
-@pytest.mark.parametrize("direct", [False, True])
-def test_down_gemv_with_the_combine_compiles_and_fits_on_the_h200(direct):
+@pytest.mark.parametrize("direct, in_flight", [(False, 1), (True, 1), (False, 4)])
+def test_down_gemv_with_the_combine_compiles_and_fits_on_the_h200(direct, in_flight):
     """The CUDA translation of moe_gemv_down_combine (and of its direct layout) at Qwen3.6's template compiles
     (NVRTC); with ptxas, its registers times its 160 threads fit an SM, without spills or a stack frame (a register
     array indexed at run time), and its static shared memory is ten groups' double-buffered stagings (23,040 bytes)
-    or, direct, ten activation rows of 512 floats and the ten groups' results (21,120 bytes)."""
+    or, direct, ten activation rows of 512 floats and the ten groups' results (21,120 bytes); with 4 chunks in flight
+    (the ring of registers indexed by constants only) the staged form's memory."""
     from lily_dev import resource_usage
 
     assert resource_usage.down_combine_unit(direct=direct)[1] == 160
-    u = _compiles_and_fits(lambda: resource_usage.down_combine_unit(direct=direct)[0], 160)
+    u = _compiles_and_fits(lambda: resource_usage.down_combine_unit(direct=direct, in_flight=in_flight)[0], 160)
     if u is None:
         return
     want = 10 * (512 + 16) * 4 if direct else 10 * mk.gemv_stage_bytes(1, 16, 64)

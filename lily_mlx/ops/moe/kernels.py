@@ -597,15 +597,30 @@ def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = Tr
                                  gemv_layout, tile_dtype, tiles)
 
 
+# The staged down+combine's chunks in flight (template PD of moe_gemv_down_combine; the same bits at any value): 1, the
+# staged GEMVs' schedule, until timed. Its 8 chunks at Qwen3.6 take ~4x their instruction time in a step, so it waits
+# on memory (docs/moe.md); a candidate, timed by `PART=40` with `--set lily_mlx.ops.moe.kernels.DOWN_COMBINE_IN_FLIGHT=4`.
+DOWN_COMBINE_IN_FLIGHT = 1
+
+
+def chunks_in_flight(chunks: int, most: int) -> int:
+    """The most chunks in flight, halved until it divides ``chunks`` (at least 1)."""
+    in_flight = max(1, most)
+    while chunks % in_flight:
+        in_flight //= 2
+    return in_flight
+
+
 def gemv_down_combine(h: mx.array, blocks: mx.array, down_proj, shared, scores: mx.array, gate: mx.array,
                       residual: Optional[mx.array], geometry: tuple, backend: Optional[str] = None,
-                      init_value=None, direct: bool = False) -> mx.array:
+                      init_value=None, direct: bool = False, in_flight: Optional[int] = None) -> mx.array:
     """out [N, D] = ``combine_rows(gemm_down(h, blocks, ..., gemv=True), identity, scores, gate=gate,
     residual=residual)`` in one launch (switch ``fused_down_combine``), the same bits: a decode call's one-row
     blocks (the gate/up GEMV's schedule: routed rows then ``shared``'s chunks), h [N * (k + m), I], scores [N, k]
     (h's dtype), gate [N] fp32, residual [N, D] or None. ``geometry``: ``down_combine_geometry``'s (R, KC, NG), or
     with ``direct`` (each chain's weights read by its thread, a layout candidate) ``down_combine_direct_geometry``'s
-    (R, KB, NG)."""
+    (R, KB, NG). ``in_flight``: the staged layout's chunks in flight (default ``DOWN_COMBINE_IN_FLIGHT``, halved until
+    it divides I / KC)."""
     n, k = scores.shape
     rows, i = h.shape
     e, d = down_proj["scales"].shape[:2]
@@ -619,9 +634,10 @@ def gemv_down_combine(h: mx.array, blocks: mx.array, down_proj, shared, scores: 
     rows_per_tg, chunk, groups = geometry
     name = "gemv_down_combine_direct" if direct else "gemv_down_combine"
     sizes = [("KB", chunk), ("KX", i)] if direct else [("KC", chunk)]
+    ring = [] if direct else [("PD", chunks_in_flight(i // chunk, in_flight or DOWN_COMBINE_IN_FLIGHT))]
     (out,) = _kernel(name, backend)(
         inputs=inputs, template=[("T", h.dtype), ("R", rows_per_tg), *sizes, ("NBLK", blocks_per_token),
-                                 ("NG", groups)],
+                                 ("NG", groups), *ring],
         grid=(d * groups, n, 1), threadgroup=(rows_per_tg * groups, 1, 1),
         output_shapes=[(n, d)], output_dtypes=[h.dtype], init_value=init_value)
     return out
