@@ -1769,12 +1769,12 @@ def test_gate_up_gemv_with_the_top_k_inside_race_check(monkeypatch):
 @SETTINGS
 @given(tokens=st.sampled_from([1, 2, 5, 8]), experts_topk=st.sampled_from([(16, 4), (40, 8)]),
        hidden=st.sampled_from([64, 128, 192, 256, 512]), width=st.sampled_from([16, 32, 48, 64, 128]),
-       shared=st.sampled_from([1, 2]), dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 1000))
+       shared=st.sampled_from([1, 2]), dtype=st.sampled_from(["bfloat16", "float16", "float32"]), seed=st.integers(0, 1000))
 def test_gate_up_gemv_with_dequant_warps_has_the_staged_kernels_bits(tokens, experts_topk, hidden, width, shared,
                                                                      dtype, seed):
     """moe_gemv_gate_up_swiglu_routed_dw: every output (h, inds, scores, gate, block map) bit for bit the staged
     routed kernel's, over hidden sizes of 1 to 8 chunks of 64 (chunks in flight 1, 2 and 4) and expert widths of one
-    to eight threadgroups of 16 outputs; outputs poisoned."""
+    to eight threadgroups of 16 outputs; bf16, fp16 and fp32 activations; outputs poisoned."""
     experts, k = experts_topk
     dt = getattr(mx, dtype)
     block = make_sparse_moe_block(hidden=hidden, expert_width=width, num_experts=experts, top_k=k,
