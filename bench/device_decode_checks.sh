@@ -91,10 +91,11 @@
 #   PART=39 bash bench/device_decode_checks.sh  # the expert GEMVs' candidates in the step: CUDA tests, a 4K step's
 #                                               # GPU time by kernel with gemv_dequant_warps on / off, with
 #                                               # split_k_gate_up, with the down+combine's 4 chunks in flight
-#   PART=40 bash bench/device_decode_checks.sh  # sections and stall samples of the new gate+up kernel and the
-#                                               # down+combine, a batch step's build on this host
+#   PART=40 bash bench/device_decode_checks.sh  # the new gate+up kernel with 8 chunks in flight in the step; sections
+#                                               # and stall samples of it and of the down+combine
 #   PART=41 bash bench/device_decode_checks.sh  # gemv_dequant_warps: decode A/B on / off in bursts at 4K and 32K
-#   PART=42 bash bench/device_decode_checks.sh  # the batch split's aims at batches of 1 / 2 / 4 / 8 rows (op cases)
+#   PART=42 bash bench/device_decode_checks.sh  # a batch step's build on this host; the batch split's aims at
+#                                               # batches of 1 / 2 / 4 / 8 rows (op cases)
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -576,26 +577,31 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     grep -E "^\| lily|down_combine" "$W/sgt_ring/step_gpu_time.md" 2>/dev/null | head -6
     rm -f "$W"/sgt_*/*.csv
     ;;
-  40) # Nsight Compute's sections and stall samples of the new routed gate+up kernel and of the staged down+combine in
-      # a 4K step (PART=35 left the down+combine), then a server batch's step build on this host (bench.decode_graph,
-      # no GPU work: is a batch's decode host-bound?)
+  40) # the new routed gate+up kernel with 8 chunks in flight (DW_CHUNKS_IN_FLIGHT; 128 registers), a 4K step's GPU
+      # time by kernel; then Nsight Compute's sections and stall samples of it (4 in flight) and of the staged
+      # down+combine in a 4K step (PART=35 left the down+combine)
+    run sgt_dw8 100 env LILY_ENABLE=gemv_dequant_warps python -m bench.step_gpu_time --compare lily \
+      --set lily_mlx.ops.moe.kernels.DW_CHUNKS_IN_FLIGHT=8 --clock-control none --cache-control none --out "$W/sgt_dw8"
+    grep -E "^\| lily|gate_up" "$W/sgt_dw8/step_gpu_time.md" 2>/dev/null | head -6
+    rm -f "$W"/sgt_*/*.csv
     run ks_gate_up_dw 200 env LILY_ENABLE=gemv_dequant_warps python -m bench.kernel_sections \
       --kernel gemv_gate_up_swiglu_routed_dw --context 4096 --out "$W/ks_gate_up_dw"
     cat "$W/ks_gate_up_dw/sections.md" 2>/dev/null | head -30
     run ks_down 200 python -m bench.kernel_sections --kernel gemv_down_combine --context 4096 --out "$W/ks_down"
     cat "$W/ks_down/sections.md" 2>/dev/null | head -30
     rm -f "$W"/ks_*/source.csv
-    run graph_batch 60 python -m bench.decode_graph --layers 40 --batch-contexts 40,20,10,5
-    tail -6 "$W/graph_batch.txt" 2>/dev/null
-    run graph_single 60 python -m bench.decode_graph --layers 40
-    tail -6 "$W/graph_single.txt" 2>/dev/null
     ;;
   41) # if PART=39 shows gemv_dequant_warps faster in the step: decode in alternating bursts on / off at 4K and 32K
     switch_ab ab_4k 150 gemv_dequant_warps 4096 10
     switch_ab ab_32k 170 gemv_dequant_warps 32768 10
     ;;
-  42) # the batch split's schedule candidates at batches of 1, 2, 4 and 8 rows (attention_batch_* op cases; the aim
-      # is a constant of the schedule, never keyed on the batch, so it has to serve every batch size)
+  42) # a server batch's step build on this host (bench.decode_graph, no GPU work: is a batch's decode host-bound?),
+      # then the batch split's schedule candidates at batches of 1, 2, 4 and 8 rows (attention_batch_* op cases; the
+      # aim is a constant of the schedule, never keyed on the batch, so it has to serve every batch size)
+    run graph_batch 60 python -m bench.decode_graph --layers 40 --batch-contexts 40,20,10,5
+    tail -6 "$W/graph_batch.txt" 2>/dev/null
+    run graph_single 60 python -m bench.decode_graph --layers 40
+    tail -6 "$W/graph_single.txt" 2>/dev/null
     run op_cases 300 python -m bench.run --mode kernels --op-cases on --op-match 'attention_batch_' --out "$W/batch"
     grep -E "attention_batch" "$W/batch/kernels.md" 2>/dev/null | head -100
     ;;
