@@ -834,9 +834,8 @@ ROUTED_GEMV_PROBS_BYTES = 4 * (ROUTER_MAX_EXPERTS + 1) + 4  # kernels/moe/gemm.m
 
 # Switch gemv_dequant_warps (a candidate, off): the routed gate+up GEMV's 2R chains run only their FMAs while 4R
 # producer threads dequantise the next 64-value chunk into threadgroup memory (moe_gemv_gate_up_swiglu_routed_dw; the
-# same bits). R: DW_ROWS outputs a threadgroup (6R threads), halved while it does not divide the expert width, at
-# least 16 (whole simdgroups of chains); DW_CHUNKS_IN_FLIGHT chunks of packed words in each producer's registers,
-# halved until it divides K / 64.
+# same bits). R = DW_ROWS outputs a threadgroup (6R threads: the 2R chains one simdgroup); DW_CHUNKS_IN_FLIGHT chunks
+# of packed words in each producer's registers, halved until it divides K / 64.
 DW_ROWS = 16
 DW_CHUNK = 64  # kernels/moe/gemm.metal: MOE_DW_KC
 DW_CHUNKS_IN_FLIGHT = 4
@@ -844,16 +843,10 @@ DW_CHUNKS_IN_FLIGHT = 4
 
 def dequant_warps_geometry(width: int, k: int) -> Optional[Tuple[int, int]]:
     """(R, PD) of moe_gemv_gate_up_swiglu_routed_dw for expert width ``width`` and hidden size ``k``; None where it
-    does not run (R below 16, or k not a multiple of 64)."""
-    rows = DW_ROWS
-    while width % rows and rows > 16:
-        rows //= 2
-    if width % rows or k % DW_CHUNK:
+    does not run (R not dividing the width, or k not a multiple of 64)."""
+    if width % DW_ROWS or k % DW_CHUNK:
         return None
-    in_flight = DW_CHUNKS_IN_FLIGHT
-    while (k // DW_CHUNK) % in_flight:
-        in_flight //= 2
-    return rows, in_flight
+    return DW_ROWS, chunks_in_flight(k // DW_CHUNK, DW_CHUNKS_IN_FLIGHT)
 
 
 def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optional[str] = None, init_value=None):
