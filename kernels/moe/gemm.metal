@@ -1415,13 +1415,7 @@ const device T* sc = shared ? (up ? scales_up_s : scales_gate_s) : (up ? scales_
 const device T* bi = shared ? (up ? biases_up_s : biases_gate_s) : (up ? biases_up : biases_gate);
 const float acc = moe_gemv_chain_direct<KB, T>(w + row * (D / 8), sc + row * (D / 64), bi + row * (D / 64), gemv_xrow,
                                                KX, q4_exponent_unfolded(E));
-if (up) {
-  up_sums[int(tid) - R] = acc;
-}
-threadgroup_barrier(mem_flags::mem_threadgroup);
-if (!up) {
-  h[long(slot) * I + o0 + int(tid)] = static_cast<T>(acc / (1.0f + metal::exp(-acc)) * up_sums[tid]);
-}
+moe_gemv_swiglu_out<R, T>(acc, tid, up, slot, I, o0, up_sums, h);
 
 // @kernel moe_gemv_gate_up_swiglu_routed
 // moe_gemv_gate_up_swiglu for a decode call with the router's top-k inside (switch fused_topk_gemv): one
