@@ -66,6 +66,7 @@ import mlx.core as mx
 
 from lily_mlx.core.backend import resolve_backend
 from lily_mlx.ops.attention import kernels as ak
+from lily_mlx.tuning.layers import BATCH_FRACTIONS
 
 # Qwen3.6-35B-A3B full attention (one rank): 16 query heads over 2 KV heads, head dim 256.
 QWEN36 = dict(Hq=16, Hkv=2, D=256)
@@ -75,8 +76,9 @@ PREFILL_CACHED = (2048, 8192, 32768)
 # Prefill variants of lily's kernel: name suffix -> keyword arguments of ak.prefill_attention.
 PREFILL_VARIANTS = {"": {}, "_sg8": {"simdgroups": 8}, "_sg2": {"simdgroups": 2}}
 REPEATS = 8  # calls per evaluation in the _x8 cases
-# A server's batch in the batch cases: its rows' own lengths as fractions of the longest (left-padded to it).
-BATCH_LENGTHS = (1.0, 0.5, 0.25, 0.125)
+# A server's batch in the batch cases: its rows' own lengths as fractions of the longest (left-padded to it), as tune's
+# batch shape class has them.
+BATCH_LENGTHS = BATCH_FRACTIONS
 # The batches timed: 4 rows as above, then 1, 2 and 8 rows. The split's schedule aims at a constant number of blocks a
 # row (never keyed on the batch), so a candidate aim has to be timed at every batch size a server runs: 32 blocks a
 # row won at 4 rows on the H200 (2026-12-05) but gives one row a quarter of the threadgroups.
