@@ -74,7 +74,8 @@ ABLATIONS = (
     ("dense_gemv", "decode", 4 * K, None),
     ("split_k_gate_up", "decode", 4 * K, None),
     ("direct_down_combine", "decode", 4 * K, None),
-    ("gemv_dequant_warps", "decode", 4 * K, None),
+    ("down_combine_ring", "decode", 4 * K, None),
+    ("down_combine_simd_barriers", "decode", 4 * K, None),
     ("coalesced_kv", "decode", 3840, 2.1),
     ("gqa_packing", "decode", 32 * K, 23.8),
     ("fixed_block_attention", "decode", 32 * K, 7.7),
@@ -92,12 +93,12 @@ GENERATION_LEVEL = {
                    "(bench.decode_ab --engines lily,lily-off:step_trace)"),
     "split_k_gate_up": ("off by default (a candidate), so lily and lily-off:split_k_gate_up are one configuration: "
                         "time it with LILY_ENABLE=split_k_gate_up (bench/device_decode_checks.sh PART=30)"),
-    "gemv_dequant_warps": ("off by default (a candidate), so lily and lily-off:gemv_dequant_warps are one "
-                           "configuration: time it with LILY_ENABLE=gemv_dequant_warps (bench/device_decode_checks.sh "
-                           "PART=39)"),
     "direct_down_combine": ("off by default (a candidate), so lily and lily-off:direct_down_combine are one "
                             "configuration: time it with LILY_ENABLE=direct_down_combine "
                             "(bench/device_decode_checks.sh PART=36)"),
+    "down_combine_simd_barriers": ("off by default (a candidate), so lily and lily-off:down_combine_simd_barriers are "
+                                   "one configuration: time it with LILY_ENABLE=down_combine_simd_barriers "
+                                   "(bench/device_decode_checks.sh PART=39 and 41)"),
 }
 
 

@@ -88,12 +88,13 @@
 #                                               # schedule's candidates: fewer blocks a row, 4 simdgroups)
 #   PART=38 bash bench/device_decode_checks.sh  # a server's batch decoded end to end: lily against lily with stock's
 #                                               # masked attention and the fair baseline, rows of 32K-4K and 8K-1K
-#   PART=39 bash bench/device_decode_checks.sh  # the expert GEMVs' candidates in the step: CUDA tests, a 4K step's
-#                                               # GPU time by kernel with gemv_dequant_warps on / off, with
-#                                               # split_k_gate_up, with the down+combine's 4 chunks in flight
-#   PART=40 bash bench/device_decode_checks.sh  # the new gate+up kernel with 8 chunks in flight in the step; sections
-#                                               # and stall samples of it and of the down+combine
-#   PART=41 bash bench/device_decode_checks.sh  # gemv_dequant_warps: decode A/B on / off in bursts at 4K and 32K
+#   PART=39 bash bench/device_decode_checks.sh  # the down+combine's schedule in the step: CUDA tests, a 4K step's
+#                                               # GPU time by kernel with down_combine_ring on / off, with
+#                                               # down_combine_simd_barriers on / off
+#   PART=40 bash bench/device_decode_checks.sh  # the down+combine with 8 chunks in flight, with 8 columns a
+#                                               # threadgroup (step GPU time); down_combine_ring: decode A/B on / off
+#                                               # in bursts at 4K and 32K
+#   PART=41 bash bench/device_decode_checks.sh  # down_combine_simd_barriers: decode A/B at 4K; its stall samples
 #   PART=42 bash bench/device_decode_checks.sh  # a batch step's build on this host; the batch split's aims at
 #                                               # batches of 1 / 2 / 4 / 8 rows (op cases)
 #
@@ -556,44 +557,43 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       --batch-contexts 8192,4096,2048,1024 --bursts 6 --out "$W/batch_short"
     tail -7 "$W/batch_short.txt" 2>/dev/null
     ;;
-  39) # the expert GEMVs with more warps or more memory in flight, timed in a 4K step (GPU time by kernel, clocks and
-      # caches as the run leaves them). The routed gate+up's time is one warp's instruction stream (Nsight Compute,
-      # H200 2026-12-05: 12.1K instructions a warp at 2.41 cycles each, 288 warps for 528 schedulers):
-      # gemv_dequant_warps (producer threads dequantise, the chains run only their FMAs; the same bits) against the
-      # staged kernel, and split_k_gate_up (4 chains of 512 a sum; other bits), whose earlier verdict came from op
-      # cases (39 us a call against 22 in the step). The down+combine takes ~4x its instruction time (memory round
-      # trips): its staged chunks with 4 in flight (DOWN_COMBINE_IN_FLIGHT, the same bits). First the CUDA tests
+  39) # the down+combine's schedule in a 4K step (GPU time by kernel, clocks and caches as the run leaves them): with
+      # its ring (down_combine_ring, on: 4 chunks in flight) against one chunk in flight in the same process; with the
+      # groups' simdgroup barriers (down_combine_simd_barriers, a candidate: Nsight Compute put 46 % of the kernel's
+      # stall samples at its per-chunk threadgroup barrier, H100 2026-12-05). First the down+combine's CUDA tests (the
+      # same bits in every state)
     run tests_cuda 150 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
-      tests/kernels/test_moe_kernels.py -k "dequant_warps or top_k_inside or chunks_in_flight or down_gemv_with"
+      tests/kernels/test_moe_kernels.py -k "down_gemv_with or down_combine"
     tail -3 "$W/tests_cuda.txt" 2>/dev/null
-    run sgt_dw 160 env LILY_ENABLE=gemv_dequant_warps python -m bench.step_gpu_time \
-      --compare lily,lily-off:gemv_dequant_warps --clock-control none --cache-control none --out "$W/sgt_dw"
-    grep -E "^\| lily|gate_up|down_combine" "$W/sgt_dw/step_gpu_time.md" 2>/dev/null | head -8
-    run sgt_split 100 env LILY_ENABLE=split_k_gate_up python -m bench.step_gpu_time --compare lily \
-      --clock-control none --cache-control none --out "$W/sgt_split"
-    grep -E "^\| lily|gate_up" "$W/sgt_split/step_gpu_time.md" 2>/dev/null | head -6
-    run sgt_ring 100 python -m bench.step_gpu_time --compare lily --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_IN_FLIGHT=4 \
+    run sgt_ring 160 python -m bench.step_gpu_time --compare lily,lily-off:down_combine_ring \
       --clock-control none --cache-control none --out "$W/sgt_ring"
-    grep -E "^\| lily|down_combine" "$W/sgt_ring/step_gpu_time.md" 2>/dev/null | head -6
+    grep -E "^\| lily|down_combine" "$W/sgt_ring/step_gpu_time.md" 2>/dev/null | head -8
+    run sgt_simd 160 env LILY_ENABLE=down_combine_simd_barriers python -m bench.step_gpu_time \
+      --compare lily,lily-off:down_combine_simd_barriers --clock-control none --cache-control none --out "$W/sgt_simd"
+    grep -E "^\| lily|down_combine" "$W/sgt_simd/step_gpu_time.md" 2>/dev/null | head -8
     rm -f "$W"/sgt_*/*.csv
     ;;
-  40) # the new routed gate+up kernel with 8 chunks in flight (DW_CHUNKS_IN_FLIGHT; 128 registers), a 4K step's GPU
-      # time by kernel; then Nsight Compute's sections and stall samples of it (4 in flight) and of the staged
-      # down+combine in a 4K step (PART=35 left the down+combine)
-    run sgt_dw8 100 env LILY_ENABLE=gemv_dequant_warps python -m bench.step_gpu_time --compare lily \
-      --set lily_mlx.ops.moe.kernels.DW_CHUNKS_IN_FLIGHT=8 --clock-control none --cache-control none --out "$W/sgt_dw8"
-    grep -E "^\| lily|gate_up" "$W/sgt_dw8/step_gpu_time.md" 2>/dev/null | head -6
+  40) # the down+combine with 8 chunks in flight (162 registers) and with 8 output columns a threadgroup (256
+      # threadgroups of 12 groups instead of 128 of 10; chunks of 128), a 4K step's GPU time by kernel; then
+      # down_combine_ring end to end: decode in alternating bursts on / off in one process at 4K and 32K (it became
+      # the default on its kernel time: 22-24 % less in a 4K step, H100 2026-12-05)
+    run sgt_ring8 100 python -m bench.step_gpu_time --compare lily --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_IN_FLIGHT=8 \
+      --clock-control none --cache-control none --out "$W/sgt_ring8"
+    grep -E "^\| lily|down_combine" "$W/sgt_ring8/step_gpu_time.md" 2>/dev/null | head -6
+    run sgt_rows8 100 python -m bench.step_gpu_time --compare lily --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_ROWS=8 \
+      --clock-control none --cache-control none --out "$W/sgt_rows8"
+    grep -E "^\| lily|down_combine" "$W/sgt_rows8/step_gpu_time.md" 2>/dev/null | head -6
     rm -f "$W"/sgt_*/*.csv
-    run ks_gate_up_dw 200 env LILY_ENABLE=gemv_dequant_warps python -m bench.kernel_sections \
-      --kernel gemv_gate_up_swiglu_routed_dw --context 4096 --out "$W/ks_gate_up_dw"
-    cat "$W/ks_gate_up_dw/sections.md" 2>/dev/null | head -30
-    run ks_down 200 python -m bench.kernel_sections --kernel gemv_down_combine --context 4096 --out "$W/ks_down"
-    cat "$W/ks_down/sections.md" 2>/dev/null | head -30
+    switch_ab ab_ring_4k 150 down_combine_ring 4096 10
+    switch_ab ab_ring_32k 170 down_combine_ring 32768 10
+    ;;
+  41) # if PART=39 shows down_combine_simd_barriers faster in the step: decode in bursts on / off at 4K, then Nsight
+      # Compute's sections and stall samples of the down+combine with it
+    switch_ab ab_simd_4k 150 down_combine_simd_barriers 4096 10
+    run ks_down_simd 200 env LILY_ENABLE=down_combine_simd_barriers python -m bench.kernel_sections \
+      --kernel gemv_down_combine --context 4096 --out "$W/ks_down_simd"
+    cat "$W/ks_down_simd/sections.md" 2>/dev/null | head -30
     rm -f "$W"/ks_*/source.csv
-    ;;
-  41) # if PART=39 shows gemv_dequant_warps faster in the step: decode in alternating bursts on / off at 4K and 32K
-    switch_ab ab_4k 150 gemv_dequant_warps 4096 10
-    switch_ab ab_32k 170 gemv_dequant_warps 32768 10
     ;;
   42) # a server batch's step build on this host (bench.decode_graph, no GPU work: is a batch's decode host-bound?),
       # then the batch split's schedule candidates at batches of 1, 2, 4 and 8 rows (attention_batch_* op cases; the

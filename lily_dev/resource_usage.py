@@ -15,7 +15,7 @@ import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Dict
+from typing import Dict, Optional
 from unittest import mock
 
 import mlx.core as mx
@@ -163,9 +163,10 @@ def moe_gemm_units(dtypes=(mx.bfloat16,)) -> Dict[str, str]:
 
 
 def down_combine_unit(blocks_per_token: int = 9, width: int = 2048, expert_width: int = 512,
-                      direct: bool = False, in_flight: int = 1) -> tuple:
+                      direct: bool = False, in_flight: Optional[int] = None, simd_barriers: bool = False) -> tuple:
     """(CUDA translation unit, threads per threadgroup) of ``moe_gemv_down_combine`` (``direct``: its direct
-    layout, ``moe_gemv_down_combine_direct``; ``in_flight``: the staged layout's chunks in flight) in bf16 as a
+    layout, ``moe_gemv_down_combine_direct``; ``in_flight``: the staged layout's chunks in flight, by default the
+    product's; ``simd_barriers``: its groups' simdgroup barriers) in bf16 as a
     decode call launches it, with the template of Qwen3.6's shape (8 experts + 1 shared chunk, hidden 2048, expert
     width 512); the inputs' shapes do not enter the translation, a small block's stand in."""
     from lily_mlx.ops.moe import kernels as mk
@@ -185,33 +186,26 @@ def down_combine_unit(blocks_per_token: int = 9, width: int = 2048, expert_width
     (name, kw), = calls
     rows, chunk, groups = geometry
     sizes = [("KB", chunk), ("KX", expert_width)] if direct else [("KC", chunk)]
-    ring = [] if direct else [("PD", mk.chunks_in_flight(expert_width // chunk, in_flight))]
+    ring = [] if direct else [("PD", mk.chunks_in_flight(expert_width // chunk, in_flight or mk.DOWN_COMBINE_IN_FLIGHT)),
+                              ("GS", int(simd_barriers))]
     template = [("T", mx.bfloat16), ("R", rows), *sizes, ("NBLK", blocks_per_token), ("NG", groups), *ring]
     return _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], template), rows * groups
 
 
-def gate_up_gemv_unit(experts: int = 256, width: int = 2048, expert_width: int = 512, split: int = 1,
-                      dequant_warps: bool = False) -> str:
+def gate_up_gemv_unit(experts: int = 256, width: int = 2048, expert_width: int = 512, split: int = 1) -> str:
     """The CUDA translation unit of the decode gate/up GEMV with the router's top-k inside
     (``moe_gemv_gate_up_swiglu_routed``) in bf16 with the template of Qwen3.6's shape (256 experts, hidden 2048,
     expert width 512); a small block's launch stands in for the inputs (their shapes do not enter the translation).
-    ``split`` > 1: its layout under switch split_k_gate_up; ``dequant_warps``: its form under switch
-    gemv_dequant_warps (moe_gemv_gate_up_swiglu_routed_dw, 6R threads)."""
-    from lily_mlx.core import switches
+    ``split`` > 1: its layout under switch split_k_gate_up."""
     from lily_mlx.ops.moe import kernels as mk
 
     from .moe_testing import make_sparse_moe_block
 
     block = make_sparse_moe_block(hidden=128, expert_width=64, num_experts=16, top_k=4, shared_width=64, seed=1)
     block.set_dtype(mx.bfloat16)
-    with _captured_launches(mk) as calls, switches.overrides(
-            **{"enable" if dequant_warps else "disable": ["gemv_dequant_warps"]}):
+    with _captured_launches(mk) as calls:
         mk.gemv_gate_up_routed(block, mx.zeros((1, 128), mx.bfloat16), mx.zeros((1, 16), mx.float32), "cuda")
     (name, kw), = calls
-    if dequant_warps:
-        rows, in_flight = mk.dequant_warps_geometry(expert_width, width)
-        template = [("T", mx.bfloat16), ("R", rows), ("NPL", -(-experts // 32)), ("PD", in_flight)]
-        return _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], template)
     rows, chunk, *_ = mk.gemv_geometry("gate_up", expert_width, width, mk.gate_up_split_layout(split),
                                        mk.ROUTED_GEMV_PROBS_BYTES)
     template = [("T", mx.bfloat16), ("R", rows), ("KC", chunk), ("NPL", -(-experts // 32)), ("SK", split)]

@@ -137,9 +137,9 @@ def units(family: str) -> Dict[str, str]:
         for direct in (False, True):
             name = "moe_gemv_down_combine" + ("_direct" if direct else "")
             units[name] = resource_usage.down_combine_unit(direct=direct)[0]
-        units["moe_gemv_down_combine[PD=4]"] = resource_usage.down_combine_unit(in_flight=4)[0]
+        units["moe_gemv_down_combine[PD=1]"] = resource_usage.down_combine_unit(in_flight=1)[0]
+        units["moe_gemv_down_combine[GS=1]"] = resource_usage.down_combine_unit(simd_barriers=True)[0]
         units["moe_gemv_gate_up_swiglu_routed"] = resource_usage.gate_up_gemv_unit()
-        units["moe_gemv_gate_up_swiglu_routed_dw"] = resource_usage.gate_up_gemv_unit(dequant_warps=True)
         return units
     if family == "attention":
         return resource_usage.attention_units()

@@ -321,12 +321,25 @@ inline float moe_gemv_chain(float acc, const threadgroup uint4* wrow, const thre
   return acc;
 }
 
+// The staged chains' barrier between chunks: the threadgroup's, or with SIMD_SYNC the simdgroup's, for callers whose
+// chains stage and read only their own buffers and lie in one simdgroup with everyone who shares them (the
+// down+combine's groups of R threads, R dividing 32): then a group waits for its own chunk, not for the slowest group's.
+template <bool SIMD_SYNC>
+inline void moe_gemv_chunk_barrier() {
+  if (SIMD_SYNC) {
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+  } else {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
 // moe_gemv_staged (SK = 1) with PD chunks in flight: each thread keeps the packed words, scales, biases and activations
 // of the PD chunks after the staged one in a ring of registers (chunk n in slot n % PD), loaded PD chunks before they
 // are staged, so that a chunk's trip to memory overlaps PD chunks of sums instead of one (the down+combine's 8 chunks
 // of 64 at K = 512 take ~4x their instruction time: docs/moe.md). The same chains on the same staged values: the
-// same bits. K / KC a multiple of PD; PD = 1 is moe_gemv_staged's schedule.
-template <int NM, int R, int KC, typename T, int PD>
+// same bits. K / KC a multiple of PD; PD = 1 is moe_gemv_staged's schedule. SIMD_SYNC: moe_gemv_chunk_barrier's (the
+// caller then synchronises the threadgroup before it reuses another group's buffers).
+template <int NM, int R, int KC, typename T, int PD, bool SIMD_SYNC = false>
 inline float moe_gemv_staged_ring(
     const device uint32_t* w0, const device uint32_t* w1, long wstride,
     const device T* s0, const device T* s1, const device T* b0, const device T* b1, long sstride,
@@ -350,7 +363,7 @@ inline float moe_gemv_staged_ring(
     moe_gemv_fetch<NM, R, KC, T>(w0, w1, wstride, s0, s1, b0, b1, sstride, xrow, PD * KC, tid, wr[0], sr[0], br[0],
                                  xr[0]);
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  moe_gemv_chunk_barrier<SIMD_SYNC>();
   const int m = int(tid) / R;
   const int r = int(tid) % R;
   float acc = 0.0f;
@@ -371,7 +384,7 @@ inline float moe_gemv_staged_ring(
                                        wr[slot], sr[slot], br[slot], xr[slot]);
         }
       }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
+      moe_gemv_chunk_barrier<SIMD_SYNC>();
     }
   }
   return acc;
@@ -569,148 +582,6 @@ inline void moe_gemv_gate_up_rows(
   moe_gemv_swiglu_out<R, T>(acc, tid, int(tid) >= R && (SK == 1 || int(tid) < 2 * R), slot, I, o0, up_sums, h);
 }
 
-
-// The routed gate+up GEMV with its weights dequantised by producer threads (switch gemv_dequant_warps, a candidate;
-// moe_gemv_gate_up_swiglu_routed_dw). The staged form's time at one token is one warp's instruction stream (Nsight
-// Compute on the H200, 2026-12-05: 12.1K instructions a warp, one every 2.41 cycles, 288 warps for 528 schedulers;
-// docs/moe.md), and only one of a weight's ~4.7 instructions, the FMA into the accumulator, belongs to the chain.
-// So the 2R chains (threads 0 .. 2R - 1, chain m R + r as in moe_gemv_staged) run only acc += x[k] * w[k], reading
-// w as fp32 from threadgroup memory, and 4R producer threads (thread 2R + h 2R + v: chain v's 16-byte half h of
-// each 64-value chunk, 32 nibbles) compute w = moe_dequant_q4(...) there: the same expression, the same k order,
-// so the same bits as moe_gemv_staged and the GEMM tiles. K advances one quantisation group a chunk (MOE_DW_KC),
-// two fp32 buffers (one barrier a chunk); the producers keep PD chunks of packed words, scales, biases and
-// activations in flight in registers (a chunk's 64 FMAs, ~300 cycles, do not cover a trip to memory).
-#define MOE_DW_KC 64
-#define MOE_DW_LD (MOE_DW_KC + 4)  // padded fp32 row: the chains' 16-byte reads of 8 rows fall on distinct banks
-
-// Producer p's registers for one chunk: its 16-byte piece, its chain's scale and bias, and (p < MOE_DW_KC / 4) four
-// activations of the chunk.
-template <typename T>
-struct MoeDwChunk {
-  uint4 w;
-  T s;
-  T b;
-  T x[4];
-};
-
-template <typename T>
-inline void moe_dw_fetch(thread MoeDwChunk<T>& into, const device uint32_t* wrow, const device T* srow,
-                         const device T* brow, const device T* xrow, int c, int p, bool stages_x) {
-  into.w = *reinterpret_cast<const device uint4*>(wrow + (MOE_DW_KC / 8) * c);
-  into.s = srow[c];
-  into.b = brow[c];
-  if (stages_x) {
-    for (int i = 0; i < 4; ++i) {
-      into.x[i] = xrow[MOE_DW_KC * c + 4 * p + i];
-    }
-  }
-}
-
-// One chunk's weights of chain v, half h, as floats into wf (rows of MOE_DW_LD), and its activations into xs.
-template <typename T>
-inline void moe_dw_store(const thread MoeDwChunk<T>& from, threadgroup float* wf, threadgroup float4* xs, int v,
-                         int half, int p, bool stages_x, uint32_t exponent) {
-  const float scale = float(from.s);
-  const float bias = float(from.b);
-  threadgroup float4* row = reinterpret_cast<threadgroup float4*>(wf + v * MOE_DW_LD + 32 * half);
-  #pragma unroll
-  for (int wi = 0; wi < 4; ++wi) {
-    const uint32_t word = from.w[wi];
-    float d[8];
-    #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      d[j] = moe_dequant_q4(word, j, scale, bias, exponent);
-    }
-    row[2 * wi] = float4(d[0], d[1], d[2], d[3]);
-    row[2 * wi + 1] = float4(d[4], d[5], d[6], d[7]);
-  }
-  if (stages_x) {
-    xs[p] = float4(float(from.x[0]), float(from.x[1]), float(from.x[2]), float(from.x[3]));
-  }
-}
-
-// The whole K loop (every thread of the 6R calls it: it holds the barriers). Returns chain tid's sum for tid < 2R.
-// wf: two buffers of 2R rows of MOE_DW_LD floats; xs: two of MOE_DW_KC / 4 float4. K / MOE_DW_KC a multiple of PD.
-template <int R, int PD, typename T>
-inline float moe_gemv_dequant_warps(
-    const device uint32_t* w0, const device uint32_t* w1, long wstride,
-    const device T* s0, const device T* s1, const device T* b0, const device T* b1, long sstride,
-    const device T* xrow, int K, uint tid, threadgroup float* wf, threadgroup float4* xs, uint32_t exponent) {
-  constexpr int NC = 2 * R;  // chains
-  constexpr int WB = NC * MOE_DW_LD, XB = MOE_DW_KC / 4;  // one buffer
-  const bool chain = int(tid) < NC;  // whole simdgroups either way (R a multiple of 16)
-  const int p = int(tid) - NC;
-  const int half = chain ? 0 : p / NC;
-  const int v = chain ? int(tid) : p % NC;
-  const int m = v / R;
-  const int r = v % R;
-  const device uint32_t* wrow = (m == 0 ? w0 : w1) + r * wstride + 4 * half;
-  const device T* srow = (m == 0 ? s0 : s1) + r * sstride;
-  const device T* brow = (m == 0 ? b0 : b1) + r * sstride;
-  const bool stages_x = !chain && p < MOE_DW_KC / 4;
-  const int chunks = K / MOE_DW_KC;
-  MoeDwChunk<T> ring[PD];  // chunk n in slot n % PD
-  if (!chain) {
-    #pragma unroll
-    for (int u = 0; u < PD; ++u) {
-      moe_dw_fetch<T>(ring[u], wrow, srow, brow, xrow, u, p, stages_x);
-    }
-    moe_dw_store<T>(ring[0], wf, xs, v, half, p, stages_x, exponent);
-    if (PD < chunks) {
-      moe_dw_fetch<T>(ring[0], wrow, srow, brow, xrow, PD, p, stages_x);
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  float acc = 0.0f;
-  for (int c0 = 0; c0 < chunks; c0 += PD) {
-    #pragma unroll
-    for (int u = 0; u < PD; ++u) {
-      const int c = c0 + u;
-      if (chain) {  // chunk c's FMAs, k in order
-        const threadgroup float4* wv = reinterpret_cast<const threadgroup float4*>(wf + (c & 1) * WB + v * MOE_DW_LD);
-        const threadgroup float4* xv = xs + (c & 1) * XB;
-        #pragma unroll
-        for (int q = 0; q < MOE_DW_KC / 4; ++q) {
-          const float4 w4 = wv[q];
-          const float4 x4 = xv[q];
-          acc += x4.x * w4.x;
-          acc += x4.y * w4.y;
-          acc += x4.z * w4.z;
-          acc += x4.w * w4.w;
-        }
-      } else if (c + 1 < chunks) {  // chunk c + 1 into the other buffer (its readers passed the last barrier)
-        const int slot = (u + 1) % PD;
-        moe_dw_store<T>(ring[slot], wf + ((c + 1) & 1) * WB, xs + ((c + 1) & 1) * XB, v, half, p, stages_x, exponent);
-        if (c + 1 + PD < chunks) {
-          moe_dw_fetch<T>(ring[slot], wrow, srow, brow, xrow, c + 1 + PD, p, stages_x);
-        }
-      }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-    }
-  }
-  return acc;
-}
-
-// moe_gemv_gate_up_rows with moe_gemv_dequant_warps (6R threads: the 2R chains, then the 4R producers).
-template <int R, int PD, typename T>
-inline void moe_gemv_gate_up_rows_dw(
-    int e, int slot, long token, int E, int I, int D, int o0, uint tid, const device T* x,
-    const device uint32_t* w_gate, const device T* scales_gate, const device T* biases_gate,
-    const device uint32_t* w_up, const device T* scales_up, const device T* biases_up,
-    const device uint32_t* w_gate_s, const device T* scales_gate_s, const device T* biases_gate_s,
-    const device uint32_t* w_up_s, const device T* scales_up_s, const device T* biases_up_s,
-    threadgroup float* wf, threadgroup float4* xs, threadgroup float* up_sums, device T* h) {
-  const bool shared = e >= E;
-  const long row0 = long(shared ? e - E : e) * I + o0;
-  const long words = row0 * (D / 8);
-  const long groups = row0 * (D / 64);
-  const float acc = moe_gemv_dequant_warps<R, PD, T>(
-      (shared ? w_gate_s : w_gate) + words, (shared ? w_up_s : w_up) + words, D / 8,
-      (shared ? scales_gate_s : scales_gate) + groups, (shared ? scales_up_s : scales_up) + groups,
-      (shared ? biases_gate_s : biases_gate) + groups, (shared ? biases_up_s : biases_up) + groups, D / 64,
-      x + token * D, D, tid, wf, xs, q4_exponent_unfolded(E));
-  moe_gemv_swiglu_out<R, T>(acc, tid, int(tid) >= R && int(tid) < 2 * R, slot, I, o0, up_sums, h);
-}
 
 // The routed decode GEMVs' first step, by simdgroup 0 (the others pass by; the caller's barrier follows): token
 // `token`'s experts from moe_router_logits_q's logits (moe_router_picks, the bits of moe_router_topk_from_logits),
@@ -1451,30 +1322,6 @@ moe_gemv_gate_up_rows<R, KC, T, SK>(block_expert, blk, token, E, I, D, int(threa
                                     scales_gate_s, biases_gate_s, w_up_s, scales_up_s, biases_up_s, gemv_ws, gemv_ss,
                                     gemv_bs, gemv_xs, up_sums, h);
 
-// @kernel moe_gemv_gate_up_swiglu_routed_dw
-// moe_gemv_gate_up_swiglu_routed with the weights dequantised by producer threads (switch gemv_dequant_warps, a
-// candidate; moe_gemv_dequant_warps): the same inputs, outputs, blocks and bits; 6R threads a threadgroup.
-// grid (I / R * 6R, N * (k + m), 1), threadgroup (6R, 1, 1); template T, R (a multiple of 16 dividing I), NPL, PD
-// (chunks in flight; D / 64 a multiple of it). params: moe_gemv_gate_up_swiglu_routed's.
-threadgroup float4 gemv_wf[2 * 2 * R * MOE_DW_LD / 4];  // float4: the 16-byte reads and writes stay aligned
-threadgroup float4 gemv_xs[2 * (MOE_DW_KC / 4)];
-threadgroup float up_sums[R];
-threadgroup float probs[MOE_ROUTER_MAX_E + 1];
-threadgroup int block_expert;
-const uint tid = thread_index_in_threadgroup;
-const int blk = int(threadgroup_position_in_grid.y);
-const bool shared = blk >= A;
-const long token = shared ? long((blk - A) % N) : long(blk / top_k);
-const int j = shared ? (blk - A) / N : blk % top_k;  // the pick, or the shared chunk
-moe_routed_block_expert<T, NPL>(logits, token, j, shared, blk, E, top_k, has_gate, norm_topk, decode_tile,
-                                threadgroup_position_in_grid.x == 0, simdgroup_index_in_threadgroup,
-                                thread_index_in_simdgroup, probs, &block_expert, inds, scores, gate, blocks);
-threadgroup_barrier(mem_flags::mem_threadgroup);
-moe_gemv_gate_up_rows_dw<R, PD, T>(block_expert, blk, token, E, I, D, int(threadgroup_position_in_grid.x) * R, tid,
-                                   x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, w_gate_s,
-                                   scales_gate_s, biases_gate_s, w_up_s, scales_up_s, biases_up_s,
-                                   reinterpret_cast<threadgroup float*>(gemv_wf), gemv_xs, up_sums, h);
-
 // @kernel moe_gemv_down
 // grid (D / R * R, n_blocks, 1), threadgroup (R, 1, 1); template T, R (outputs per threadgroup,
 // dividing D), KC (a multiple of 64 dividing I). params: [I, D, E, Is].
@@ -1519,7 +1366,8 @@ y[long(slot) * D + o0 + int(tid)] = static_cast<T>(acc);
 // A + c * N + n (moe_router_write_pick, moe_router_write_shared_block).
 // grid (D / R * R * NG, N, 1), threadgroup (R * NG, 1, 1); template T, R (dividing D), KC (a multiple of 64
 // dividing I; the host fits NG double buffers in 32 KB), NBLK, NG, PD (chunks in flight, dividing I / KC: 1 is
-// moe_gemv_staged's schedule, more moe_gemv_staged_ring's; the same bits). params: [I, D, E, Is, k, A, shared_chunks,
+// moe_gemv_staged's schedule, more moe_gemv_staged_ring's; the same bits; switch down_combine_ring), GS (1: each group
+// waits for its own chunks at a simdgroup barrier, R dividing 32; switch down_combine_simd_barriers). params: [I, D, E, Is, k, A, shared_chunks,
 // has_residual]. h [A + m N, I] T; blocks [A + m N, 4] int32; the down weights as moe_gemv_down's; scores [N, k] T;
 // gate [N] fp32 (read when m > 0); residual [N, D] T (read when has_residual). out [N, D] T.
 // Each group's two staging buffers (moe_gemv_staged), as moe_gemv_down declares them, one after another.
@@ -1559,8 +1407,8 @@ const long groups = shared ? long(o0) * (Is / 64) + (e - E) * (I / 64) : (long(e
 const device uint32_t* w = (shared ? w_down_s : w_down) + words;
 const device T* s = (shared ? scales_down_s : scales_down) + groups;
 const device T* b = (shared ? biases_down_s : biases_down) + groups;
-const float acc = PD > 1
-    ? moe_gemv_staged_ring<1, R, KC, T, PD>(
+const float acc = PD > 1 || GS != 0
+    ? moe_gemv_staged_ring<1, R, KC, T, PD, GS != 0>(
           w, w, shared ? Is / 8 : I / 8, s, s, b, b, shared ? Is / 64 : I / 64, h + long(slot) * I, I, r,
           gemv_ws + group * WS, gemv_ss + group * SB, gemv_bs + group * SB, gemv_xs + group * XS,
           q4_exponent_unfolded(E))
@@ -1568,7 +1416,11 @@ const float acc = PD > 1
           w, w, shared ? Is / 8 : I / 8, s, s, b, b, shared ? Is / 64 : I / 64, h + long(slot) * I, I, r,
           gemv_ws + group * WS, gemv_ss + group * SB, gemv_bs + group * SB, gemv_xs + group * XS,
           q4_exponent_unfolded(E));
-// moe_gemv_staged ends on a barrier: every chain is done with the staging buffers, gemv_ss is free.
+// moe_gemv_staged ends on a barrier: every chain is done with the staging buffers, gemv_ss is free (with GS, only the
+// group's own chains: the threadgroup's barrier first, as the sums below land in other groups' buffers).
+if (GS != 0) {
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
 if (group < NBLK) {
   gemv_ss[group * R + int(r)] = float(static_cast<T>(acc));  // y[slot, o0 + r] as moe_gemv_down stores it
 }

@@ -107,14 +107,18 @@ _SWITCH_LIST = [
            "router logits in one kernel (each logit threadgroup recomputes its token's norm; same bits): 4 "
            "launches after each mixer instead of 5.",
            "The residual-norm kernel, then the router-logits kernel."),
-    Switch("gemv_dequant_warps", "moe", "decode", False,
-           "With fused_topk_gemv: a decode call's routed gate+up GEMV gives each threadgroup 4R producer threads "
-           "that dequantise the next 64-value chunk of its 2R weight rows into threadgroup memory as fp32 while the "
-           "2R chains run only their FMAs (moe_gemv_gate_up_swiglu_routed_dw; the same expression and k order, so "
-           "the same bits). Three times the warps for the same work: Nsight Compute put the staged kernel's 22 us "
-           "(H200, 4K step) at one warp's instruction stream, 288 warps for 528 schedulers (docs/moe.md). A "
-           "candidate, off until timed in the step.",
-           "The staged GEMV: each chain's thread dequantises its own weights (moe_gemv_gate_up_swiglu_routed)."),
+    Switch("down_combine_ring", "moe", "decode", True,
+           "With fused_down_combine: the staged down+combine keeps DOWN_COMBINE_IN_FLIGHT = 4 chunks of packed "
+           "weights, scales and activations in flight in a ring of registers (moe_gemv_staged_ring; the same bits): "
+           "22-24 % less time of the kernel in a 4K step (H100, 2026-12-05; docs/moe.md).",
+           "One chunk in flight (moe_gemv_staged's schedule)."),
+    Switch("down_combine_simd_barriers", "moe", "decode", False,
+           "With fused_down_combine: each group of the staged down+combine's chains (one block's GEMV, 16 threads, "
+           "half a simdgroup) waits between chunks at a simdgroup barrier for its own staging, not at the "
+           "threadgroup's for all ten groups; one threadgroup barrier before the combine (the same bits). Nsight "
+           "Compute put 46 % of the kernel's stall samples at its per-chunk barrier (H100, 2026-12-05). A candidate, "
+           "off until timed in the step.",
+           "One threadgroup barrier a chunk for all groups."),
     Switch("direct_down_combine", "moe", "decode", False,
            "With fused_down_combine: each chain of a decode call's down GEMV reads its weight row straight from "
            "device memory in register batches (moe_gemv_down_combine_direct), the next batch's loads in flight "
@@ -256,6 +260,8 @@ _user_choices: Dict[str, bool] = {}  # set by enable() / disable(): a tune profi
 REMOVED = {
     "long_live_blocks": "removed on 2026-12-05: the live-length attention with twice the rows a block decoded 2-5 % "
                         "slower end to end on the H200 (docs/attention.md)",
+    "gemv_dequant_warps": "removed on 2026-12-05: the routed gate+up GEMV with producer threads dequantising for its "
+                          "chains took 1.37x the staged kernel's time in a 4K decode step on the H100 (docs/moe.md)",
 }
 
 

@@ -1763,97 +1763,6 @@ def test_gate_up_gemv_with_the_top_k_inside_race_check(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
-# The routed gate/up GEMV with producer threads dequantising its weights (gemv_dequant_warps)
-
-@needs_sim
-@SETTINGS
-@given(tokens=st.sampled_from([1, 2, 5, 8]), experts_topk=st.sampled_from([(16, 4), (40, 8)]),
-       hidden=st.sampled_from([64, 128, 192, 256, 512]), width=st.sampled_from([16, 32, 48, 64, 128]),
-       shared=st.sampled_from([1, 2]), dtype=st.sampled_from(["bfloat16", "float16", "float32"]), seed=st.integers(0, 1000))
-def test_gate_up_gemv_with_dequant_warps_has_the_staged_kernels_bits(tokens, experts_topk, hidden, width, shared,
-                                                                     dtype, seed):
-    """moe_gemv_gate_up_swiglu_routed_dw: every output (h, inds, scores, gate, block map) bit for bit the staged
-    routed kernel's, over hidden sizes of 1 to 8 chunks of 64 (chunks in flight 1, 2 and 4) and expert widths of one
-    to eight threadgroups of 16 outputs; bf16, fp16 and fp32 activations; outputs poisoned."""
-    experts, k = experts_topk
-    dt = getattr(mx, dtype)
-    block = make_sparse_moe_block(hidden=hidden, expert_width=width, num_experts=experts, top_k=k,
-                                  shared_width=shared * width, seed=seed)
-    block.set_dtype(dt)
-    x2d = make_inputs(1, tokens, hidden, seed=seed + 1).reshape(tokens, hidden).astype(dt)
-    logits = mk.router_logits(block, x2d, True, KERNEL_BACKEND)
-    with switches.overrides(disable=("gemv_dequant_warps",)), record_launches() as staged:
-        want = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND, init_value=-777)
-        mx.eval(want)
-    with switches.overrides(enable=("gemv_dequant_warps",)), record_launches() as dw:
-        got = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND, init_value=-555)
-        mx.eval(got)
-    assert staged.names() == ["moe_gemv_gate_up_swiglu_routed"] and dw.names() == ["moe_gemv_gate_up_swiglu_routed_dw"]
-    template = dict(dw[0].kwargs["template"])
-    assert template["R"] == 16 and (hidden // 64) % template["PD"] == 0 and template["PD"] == min(
-        4, (hidden // 64) & -(hidden // 64))  # the largest power of two <= 4 dividing the chunks
-    assert dw[0].kwargs["threadgroup"] == (96, 1, 1)
-    for a, b in zip(got, want):
-        assert a.shape == b.shape and mx.array_equal(a, b).item()
-
-
-@needs_sim
-def test_gate_up_gemv_with_dequant_warps_race_check(monkeypatch):
-    """The simulator's race check on the fp32 weight buffers the producers fill and the chains read (two buffers, one
-    barrier a chunk), over 4 chunks with 2 and 4 in flight."""
-    monkeypatch.setenv("LILY_MSL_RACE", "1")
-    for hidden in (128, 256):
-        block = make_sparse_moe_block(hidden=hidden, expert_width=32, num_experts=16, top_k=4, shared_width=32, seed=5)
-        x2d = make_inputs(1, 2, hidden, seed=6).reshape(2, hidden)
-        logits = mk.router_logits(block, x2d, True, KERNEL_BACKEND)
-        with switches.overrides(enable=("gemv_dequant_warps",)):
-            got = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND)
-        with switches.overrides(disable=("gemv_dequant_warps",)):
-            want = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND)
-        assert mx.array_equal(got[0], want[0]).item()
-
-
-def test_dequant_warps_geometry():
-    """16 outputs a threadgroup where the width takes them, chunks in flight halved until they divide K / 64; None
-    where the kernel does not run (with the switch on, the staged kernel then runs, said once in the log)."""
-    assert mk.dequant_warps_geometry(512, 2048) == (16, 4)  # Qwen3.6: 32 chunks, 4 in flight
-    assert mk.dequant_warps_geometry(64, 192) == (16, 1)
-    assert mk.dequant_warps_geometry(64, 128) == (16, 2)
-    assert mk.dequant_warps_geometry(24, 128) is None  # 24 outputs: no whole threadgroup of 16
-    assert mk.dequant_warps_geometry(64, 96) is None  # K not a multiple of 64
-
-
-@needs_sim
-def test_decode_call_takes_the_dequant_warps_when_chosen(gemm_sim, monkeypatch):
-    """With switch ``gemv_dequant_warps`` a decode call of the block launches moe_gemv_gate_up_swiglu_routed_dw in
-    place of the staged routed GEMV, with the same bits for the block's output."""
-    from lily_mlx.ops.moe import sparse_moe_forward
-
-    block, x, want, staged = _decode_call_of_a_small_block(monkeypatch)
-    with switches.overrides(enable=("gemv_dequant_warps",)), record_launches() as dw:
-        got = sparse_moe_forward(block, x)
-        mx.eval(got)
-    assert "moe_gemv_gate_up_swiglu_routed" in staged.counts()
-    assert "moe_gemv_gate_up_swiglu_routed_dw" in dw.counts() and "moe_gemv_gate_up_swiglu_routed" not in dw.counts()
-    assert mx.array_equal(got, want).item()
-
-
-def test_gate_up_gemv_with_dequant_warps_compiles_and_fits_on_the_h200():
-    """The CUDA translation of moe_gemv_gate_up_swiglu_routed_dw at Qwen3.6's template (R 16, 4 chunks in flight)
-    compiles (NVRTC); with ptxas, its 96 threads fit without spills or a stack frame (the ring of chunks in flight
-    indexed by constants only), and its static shared memory is two fp32 buffers of 32 padded rows, two activation
-    chunks, the up sums and the router's probabilities."""
-    from lily_dev import resource_usage
-
-    threads = 6 * mk.dequant_warps_geometry(512, 2048)[0]
-    assert threads == 96
-    u = _compiles_and_fits(lambda: resource_usage.gate_up_gemv_unit(dequant_warps=True), threads)
-    if u is None:
-        return
-    assert u["smem"] == 2 * 32 * 68 * 4 + 2 * 64 * 4 + 16 * 4 + mk.ROUTED_GEMV_PROBS_BYTES == 22088, u
-
-
-# ----------------------------------------------------------------------------------------------
 # The down GEMV and the combine in one kernel (fused_down_combine)
 
 def _down_combine_case(tokens, experts_topk, expert_width, shared, dtype, seed):
@@ -1874,14 +1783,15 @@ def _down_combine_case(tokens, experts_topk, expert_width, shared, dtype, seed):
 @given(tokens=st.sampled_from([1, 2, 5]), experts_topk=st.sampled_from([(16, 4), (40, 8)]),
        expert_width=st.sampled_from([64, 256]), shared=st.sampled_from([1, 2]), residual=st.booleans(),
        rows=st.sampled_from([None, 8, 4, "direct"]), in_flight=st.sampled_from([1, 2, 4]),
-       dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 1000))
+       simd_barriers=st.booleans(), dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 1000))
 def test_down_gemv_with_the_combine_has_the_bits_of_the_two_kernels(tokens, experts_topk, expert_width, shared,
-                                                                    residual, rows, in_flight, dtype, seed):
+                                                                    residual, rows, in_flight, simd_barriers, dtype,
+                                                                    seed):
     """moe_gemv_down_combine: out is moe_gemv_down then moe_combine_weighted_rows (with or without the residual),
     bit for bit, for 1 or 2 shared-expert chunks, K of one or several staged chunks, the default layout and 8
     or 4 columns a threadgroup (spare groups or none), and the direct layout (each chain's weights read by its
-    thread, moe_gemv_down_combine_direct), the staged layout with 1, 2 or 4 chunks in flight (moe_gemv_staged_ring);
-    every output element written (poisoned output)."""
+    thread, moe_gemv_down_combine_direct), the staged layout with 1, 2 or 4 chunks in flight (moe_gemv_staged_ring),
+    its groups waiting at simdgroup or threadgroup barriers; every output element written (poisoned output)."""
     block, h, scores, gate, blocks, res = _down_combine_case(tokens, experts_topk, expert_width,
                                                              shared * expert_width, getattr(mx, dtype), seed)
     res = res if residual else None
@@ -1892,7 +1802,8 @@ def test_down_gemv_with_the_combine_has_the_bits_of_the_two_kernels(tokens, expe
     elif rows is not None:  # R = 8 or 4: 4 or 8 groups a simdgroup, the blocks rounded up to whole simdgroups
         geometry = mk.down_combine_geometry(k + shared, 128, expert_width, rows, (64,))
     out = mk.gemv_down_combine(h, blocks, sw.down_proj, block.shared_expert, scores, gate, res, geometry,
-                               KERNEL_BACKEND, init_value=float("nan"), direct=rows == "direct", in_flight=in_flight)
+                               KERNEL_BACKEND, init_value=float("nan"), direct=rows == "direct", in_flight=in_flight,
+                               simd_barriers=simd_barriers and rows != "direct")
     y = mk.gemm_down(h, blocks, sw.down_proj, True, None, KERNEL_BACKEND, shared=block.shared_expert, gemv=True)
     want = mk.combine_rows(y, mx.arange(tokens * k, dtype=mx.int32), scores, KERNEL_BACKEND, gate=gate,
                            chunks=shared, residual=res)
@@ -1922,22 +1833,25 @@ def test_down_gemv_with_the_combine_token_alone_equals_token_in_batch_and_race_c
 
 @needs_sim
 def test_down_gemv_with_the_combine_chunks_in_flight_at_qwen36_expert_width(monkeypatch):
-    """The staged layout at I = 512 (8 chunks of 64) with 2 and 4 chunks in flight in each thread's registers has the
-    staged schedule's bits; under the simulator's race check (each chunk is stored into the buffer the chains read the
-    chunk before, after the barrier that ends it)."""
+    """The staged layout at I = 512 (8 chunks of 64) with 2 and 4 chunks in flight in each thread's registers, its
+    groups waiting at threadgroup or simdgroup barriers, has the staged schedule's bits; under the simulator's race
+    check (each chunk is stored into the buffer the chains read the chunk before, after the barrier that ends it; with
+    simdgroup barriers each group's buffers are touched by its own half simdgroup only, and the results handed to the
+    combine cross groups after one threadgroup barrier)."""
     monkeypatch.setenv("LILY_MSL_RACE", "1")
     block, h, scores, gate, blocks, res = _down_combine_case(2, (40, 8), 512, 512, mx.bfloat16, 8)
     down, shared = block.switch_mlp.down_proj, block.shared_expert
     geometry = mk.down_combine_geometry(9, 128, 512)
     assert geometry[1] == 64 and mk.chunks_in_flight(512 // 64, 4) == 4 and mk.chunks_in_flight(6, 4) == 2
     want = mk.gemv_down_combine(h, blocks, down, shared, scores, gate, res, geometry, KERNEL_BACKEND, in_flight=1)
-    for in_flight in (2, 4):
+    for in_flight, simd in ((2, False), (4, False), (1, True), (4, True)):
         with record_launches() as rec:
             got = mk.gemv_down_combine(h, blocks, down, shared, scores, gate, res, geometry, KERNEL_BACKEND,
-                                       init_value=float("nan"), in_flight=in_flight)
+                                       init_value=float("nan"), in_flight=in_flight, simd_barriers=simd)
             mx.eval(got)
-        assert dict(rec[0].kwargs["template"])["PD"] == in_flight
-        assert mx.array_equal(got, want).item(), in_flight
+        template = dict(rec[0].kwargs["template"])
+        assert (template["PD"], template["GS"]) == (in_flight, int(simd))
+        assert mx.array_equal(got, want).item(), (in_flight, simd)
 
 
 @needs_sim
@@ -1972,6 +1886,17 @@ def test_down_combine_geometry_fits_its_threadgroup():
     assert mk.down_combine_direct_geometry(9, 2048, 96) is None
 
 
+def test_down_combine_geometry_reads_its_default_columns_at_the_call(monkeypatch):
+    """A benchmark's ``--set lily_mlx.ops.moe.kernels.DOWN_COMBINE_ROWS=8`` (set before the first call) reaches the
+    geometry: 8 columns a threadgroup, 12 groups (9 blocks rounded up to whole simdgroups), chunks of 128."""
+    mk.down_combine_geometry.cache_clear()
+    monkeypatch.setattr(mk, "DOWN_COMBINE_ROWS", 8)
+    try:
+        assert mk.down_combine_geometry(9, 2048, 512) == (8, 128, 12)
+    finally:
+        mk.down_combine_geometry.cache_clear()
+
+
 def _compiles_and_fits(make_unit, threads: int):
     """Compile a kernel's CUDA translation (NVRTC or nvcc; skip without either) and, with ptxas, check that its
     registers times ``threads`` fit an SM without spills or a stack frame; ptxas's usage, or None without nvcc."""
@@ -1990,17 +1915,20 @@ def _compiles_and_fits(make_unit, threads: int):
     return u
 
 
-@pytest.mark.parametrize("direct, in_flight", [(False, 1), (True, 1), (False, 4)])
-def test_down_gemv_with_the_combine_compiles_and_fits_on_the_h200(direct, in_flight):
+@pytest.mark.parametrize("direct, in_flight, simd", [(False, 1, False), (True, 1, False), (False, 4, False),
+                                                     (False, 4, True)])
+def test_down_gemv_with_the_combine_compiles_and_fits_on_the_h200(direct, in_flight, simd):
     """The CUDA translation of moe_gemv_down_combine (and of its direct layout) at Qwen3.6's template compiles
     (NVRTC); with ptxas, its registers times its 160 threads fit an SM, without spills or a stack frame (a register
     array indexed at run time), and its static shared memory is ten groups' double-buffered stagings (23,040 bytes)
     or, direct, ten activation rows of 512 floats and the ten groups' results (21,120 bytes); with 4 chunks in flight
-    (the ring of registers indexed by constants only) the staged form's memory."""
+    (the ring of registers indexed by constants only), and with the groups' simdgroup barriers, the staged form's
+    memory."""
     from lily_dev import resource_usage
 
     assert resource_usage.down_combine_unit(direct=direct)[1] == 160
-    u = _compiles_and_fits(lambda: resource_usage.down_combine_unit(direct=direct, in_flight=in_flight)[0], 160)
+    u = _compiles_and_fits(lambda: resource_usage.down_combine_unit(direct=direct, in_flight=in_flight,
+                                                                    simd_barriers=simd)[0], 160)
     if u is None:
         return
     want = 10 * (512 + 16) * 4 if direct else 10 * mk.gemv_stage_bytes(1, 16, 64)
@@ -2035,6 +1963,29 @@ def test_decode_call_takes_the_direct_down_combine_layout_when_chosen(gemm_sim, 
         mx.eval(got)
     assert "moe_gemv_down_combine" in staged.counts() and "moe_gemv_down_combine_direct" not in staged.counts()
     assert "moe_gemv_down_combine_direct" in direct.counts() and "moe_gemv_down_combine" not in direct.counts()
+    assert mx.array_equal(got, want).item()
+
+
+@needs_sim
+@pytest.mark.parametrize("ring, simd", [(False, False), (True, True), (False, True)])
+def test_decode_call_takes_the_down_combine_schedule_of_its_switches(gemm_sim, monkeypatch, ring, simd):
+    """Switches down_combine_ring (on by default) and down_combine_simd_barriers (off, a candidate) set the staged
+    down+combine's template: PD = DOWN_COMBINE_IN_FLIGHT (halved until it divides the chunks) or 1, GS = 1 or 0; the
+    block's output has the default schedule's bits in every state."""
+    from lily_mlx.ops.moe import sparse_moe_forward
+
+    block, x, want, default = _decode_call_of_a_small_block(monkeypatch)
+    states = {"down_combine_ring": ring, "down_combine_simd_barriers": simd}
+    with switches.overrides(enable=[n for n, on in states.items() if on],
+                            disable=[n for n, on in states.items() if not on]), record_launches() as launches:
+        got = sparse_moe_forward(block, x)
+        mx.eval(got)
+    (call,) = [c for c in launches if c.name == "moe_gemv_down_combine"]
+    (product,) = [c for c in default if c.name == "moe_gemv_down_combine"]
+    template, product = dict(call.kwargs["template"]), dict(product.kwargs["template"])
+    chunks = block.switch_mlp.down_proj["weight"].shape[-1] * 8 // template["KC"]
+    assert product["PD"] == mk.chunks_in_flight(chunks, mk.DOWN_COMBINE_IN_FLIGHT) and product["GS"] == 0
+    assert template["PD"] == (product["PD"] if ring else 1) and template["GS"] == int(simd)
     assert mx.array_equal(got, want).item()
 
 

@@ -34,7 +34,8 @@ def test_ops_registered():
     assert set(OPS["moe_grouped_gemm"].switches) == {"fused_dequant", "adaptive_tile", "fused_combine", "fused_expert_down",
                                                       "row_gemv", "fused_down_combine", "fused_residual",
                                                       "register_tiles", "tall_register_blocks", "split_k_gate_up",
-                                                      "direct_down_combine", "gemv_dequant_warps"}
+                                                      "direct_down_combine", "down_combine_ring",
+                                                      "down_combine_simd_barriers"}
     assert OPS["moe_router"].switches == ("fused_expert_up", "split_router", "fused_topk_gemv", "fused_norm_router",
                                           "fused_next_norm")
     assert op_backend("moe_grouped_gemm", "reference") == "reference"

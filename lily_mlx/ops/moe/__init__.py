@@ -46,7 +46,7 @@ register_op(Op(
     "shared expert as one more expert, then the routing-weighted sum over each token's experts.",
     switches=("fused_dequant", "adaptive_tile", "fused_combine", "fused_expert_down", "row_gemv", "fused_down_combine",
               "fused_residual", "register_tiles", "tall_register_blocks", "split_k_gate_up", "direct_down_combine",
-              "gemv_dequant_warps"),
+              "down_combine_ring", "down_combine_simd_barriers"),
     kernel_backends=KERNEL_BACKENDS,
 ))
 register_op(Op(

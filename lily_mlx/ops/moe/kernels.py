@@ -109,11 +109,6 @@ KERNELS: Dict[str, KernelSpec] = {
         "moe_gemv_gate_up_swiglu_routed", GEMM, ("x", "logits") + _GATE_UP_SIGNATURE[0][3:],
         ("h", "inds", "scores", "gate", "blocks"),
         params=_GATE_UP_PARAMS + ("norm_topk", "has_gate", "decode_tile", "shared_chunks")),
-    # The same with the weights dequantised by producer threads (switch gemv_dequant_warps, a candidate): same bits.
-    "gemv_gate_up_routed_dw": KernelSpec(
-        "moe_gemv_gate_up_swiglu_routed_dw", GEMM, ("x", "logits") + _GATE_UP_SIGNATURE[0][3:],
-        ("h", "inds", "scores", "gate", "blocks"),
-        params=_GATE_UP_PARAMS + ("norm_topk", "has_gate", "decode_tile", "shared_chunks")),
     "gemv_down": KernelSpec("moe_gemv_down", GEMM, *_DOWN_SIGNATURE, params=_DOWN_PARAMS),
     # The decode down GEMV and the combine (+ the residual) in one launch (switch fused_down_combine).
     "gemv_down_combine": KernelSpec("moe_gemv_down_combine", GEMM, *_DOWN_COMBINE_SIGNATURE,
@@ -407,13 +402,15 @@ def _down_combine_groups(blocks_per_token: int, width: int, rows: int) -> Option
 
 
 @lru_cache(maxsize=None)
-def down_combine_geometry(blocks_per_token: int, width: int, k: int, rows: int = DOWN_COMBINE_ROWS,
+def down_combine_geometry(blocks_per_token: int, width: int, k: int, rows: Optional[int] = None,
                           chunks: tuple = (256, 128, 64)) -> Optional[tuple]:
     """(R, KC, NG) of ``moe_gemv_down_combine`` for a token's ``blocks_per_token`` down GEMVs (k routed + m
     shared chunks) of output width ``width`` and reduction length ``k``: R = ``rows`` columns a threadgroup
-    (benchmarks and tests try others), NG groups of R threads (the blocks, rounded up to whole simdgroups), KC
-    the first of ``chunks`` dividing k whose double-buffered staging, once per group, fits 32 KB; None where
-    nothing fits or R does not divide the width."""
+    (default ``DOWN_COMBINE_ROWS``, read at the first call so that a benchmark's ``--set`` reaches it; benchmarks and
+    tests try others), NG groups of R threads (the blocks, rounded up to whole simdgroups), KC the first of
+    ``chunks`` dividing k whose double-buffered staging, once per group, fits 32 KB; None where nothing fits or R
+    does not divide the width."""
+    rows = rows or DOWN_COMBINE_ROWS
     groups = _down_combine_groups(blocks_per_token, width, rows)
     if groups is None:
         return None
@@ -597,10 +594,10 @@ def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = Tr
                                  gemv_layout, tile_dtype, tiles)
 
 
-# The staged down+combine's chunks in flight (template PD of moe_gemv_down_combine; the same bits at any value): 1, the
-# staged GEMVs' schedule, until timed. Its 8 chunks at Qwen3.6 take ~4x their instruction time in a step, so it waits
-# on memory (docs/moe.md); a candidate, timed by `PART=40` with `--set lily_mlx.ops.moe.kernels.DOWN_COMBINE_IN_FLIGHT=4`.
-DOWN_COMBINE_IN_FLIGHT = 1
+# The staged down+combine's chunks in flight with switch down_combine_ring (template PD of moe_gemv_down_combine; the
+# same bits at any value; off: 1, the staged GEMVs' schedule). At 4 the kernel took 22-24 % less time in a 4K step
+# (H100, 2026-12-05: 15.9 against 19.3-21.0 us a layer; docs/moe.md).
+DOWN_COMBINE_IN_FLIGHT = 4
 
 
 def chunks_in_flight(chunks: int, most: int) -> int:
@@ -611,16 +608,29 @@ def chunks_in_flight(chunks: int, most: int) -> int:
     return in_flight
 
 
+def down_combine_schedule(rows_per_tg: int, direct: bool) -> dict:
+    """The staged down+combine's switches as ``gemv_down_combine``'s arguments: chunks in flight (switch
+    ``down_combine_ring``: ``DOWN_COMBINE_IN_FLIGHT``, else 1) and the groups' simdgroup barriers (switch
+    ``down_combine_simd_barriers``, where a group of ``rows_per_tg`` threads lies in one simdgroup)."""
+    if direct:
+        return {}
+    simd = switches.is_enabled("down_combine_simd_barriers") and 32 % rows_per_tg == 0
+    return {"in_flight": DOWN_COMBINE_IN_FLIGHT if switches.is_enabled("down_combine_ring") else 1,
+            "simd_barriers": simd}
+
+
 def gemv_down_combine(h: mx.array, blocks: mx.array, down_proj, shared, scores: mx.array, gate: mx.array,
                       residual: Optional[mx.array], geometry: tuple, backend: Optional[str] = None,
-                      init_value=None, direct: bool = False, in_flight: Optional[int] = None) -> mx.array:
+                      init_value=None, direct: bool = False, in_flight: Optional[int] = None,
+                      simd_barriers: bool = False) -> mx.array:
     """out [N, D] = ``combine_rows(gemm_down(h, blocks, ..., gemv=True), identity, scores, gate=gate,
     residual=residual)`` in one launch (switch ``fused_down_combine``), the same bits: a decode call's one-row
     blocks (the gate/up GEMV's schedule: routed rows then ``shared``'s chunks), h [N * (k + m), I], scores [N, k]
     (h's dtype), gate [N] fp32, residual [N, D] or None. ``geometry``: ``down_combine_geometry``'s (R, KC, NG), or
     with ``direct`` (each chain's weights read by its thread, a layout candidate) ``down_combine_direct_geometry``'s
     (R, KB, NG). ``in_flight``: the staged layout's chunks in flight (default ``DOWN_COMBINE_IN_FLIGHT``, halved until
-    it divides I / KC)."""
+    it divides I / KC). ``simd_barriers`` (staged layout, R dividing 32): each group of R chains waits between chunks
+    at a simdgroup barrier instead of the threadgroup's (switch ``down_combine_simd_barriers``; the same bits)."""
     n, k = scores.shape
     rows, i = h.shape
     e, d = down_proj["scales"].shape[:2]
@@ -634,7 +644,8 @@ def gemv_down_combine(h: mx.array, blocks: mx.array, down_proj, shared, scores: 
     rows_per_tg, chunk, groups = geometry
     name = "gemv_down_combine_direct" if direct else "gemv_down_combine"
     sizes = [("KB", chunk), ("KX", i)] if direct else [("KC", chunk)]
-    ring = [] if direct else [("PD", chunks_in_flight(i // chunk, in_flight or DOWN_COMBINE_IN_FLIGHT))]
+    ring = [] if direct else [("PD", chunks_in_flight(i // chunk, in_flight or DOWN_COMBINE_IN_FLIGHT)),
+                              ("GS", int(simd_barriers))]
     (out,) = _kernel(name, backend)(
         inputs=inputs, template=[("T", h.dtype), ("R", rows_per_tg), *sizes, ("NBLK", blocks_per_token),
                                  ("NG", groups), *ring],
@@ -832,23 +843,6 @@ def router_logits(block, x2d: mx.array, with_gate: bool, backend: Optional[str] 
 ROUTED_GEMV_PROBS_BYTES = 4 * (ROUTER_MAX_EXPERTS + 1) + 4  # kernels/moe/gemm.metal: the routed form's own
 
 
-# Switch gemv_dequant_warps (a candidate, off): the routed gate+up GEMV's 2R chains run only their FMAs while 4R
-# producer threads dequantise the next 64-value chunk into threadgroup memory (moe_gemv_gate_up_swiglu_routed_dw; the
-# same bits). R = DW_ROWS outputs a threadgroup (6R threads: the 2R chains one simdgroup); DW_CHUNKS_IN_FLIGHT chunks
-# of packed words in each producer's registers, halved until it divides K / 64.
-DW_ROWS = 16
-DW_CHUNK = 64  # kernels/moe/gemm.metal: MOE_DW_KC
-DW_CHUNKS_IN_FLIGHT = 4
-
-
-def dequant_warps_geometry(width: int, k: int) -> Optional[Tuple[int, int]]:
-    """(R, PD) of moe_gemv_gate_up_swiglu_routed_dw for expert width ``width`` and hidden size ``k``; None where it
-    does not run (R not dividing the width, or k not a multiple of 64)."""
-    if width % DW_ROWS or k % DW_CHUNK:
-        return None
-    return DW_ROWS, chunks_in_flight(k // DW_CHUNK, DW_CHUNKS_IN_FLIGHT)
-
-
 def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optional[str] = None, init_value=None):
     """The decode gate/up GEMV with the router's top-k inside (switch ``fused_topk_gemv``): x [N, D] and the
     router's logits -> (h [N * (k + m), I], inds [N, k], scores [N, k], gate [N] fp32, blocks [N * (k + m), 4]),
@@ -862,12 +856,6 @@ def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optiona
     m = shared_chunks(shared, i)
     rows = n * (k + m)
     split = gate_up_split(i, d)  # (switch split_k_gate_up: the GEMM tiles of larger calls split alike)
-    dequant_warps = None
-    if switches.is_enabled("gemv_dequant_warps") and split == 1:
-        dequant_warps = dequant_warps_geometry(i, d)
-        if dequant_warps is None:
-            log_once(f"gemv_dequant_warps:{i}:{d}", f"gemv_dequant_warps: expert width {i} / hidden {d} not taken "
-                     f"(16 outputs a threadgroup, K a multiple of 64), running the staged GEMV")
     inputs = [x2d, logits]
     inputs += _weights(sw.gate_proj, True, None, x2d.dtype, backend)
     inputs += _weights(sw.up_proj, True, None, x2d.dtype, backend)
@@ -875,15 +863,10 @@ def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optiona
     inputs.append(KERNELS["gemv_gate_up_routed"].pack(
         top_k=k, D=d, I=i, E=e, A=n * k, N=n, norm_topk=bool(block.norm_topk_prob), has_gate=True,
         decode_tile=SMALL_TILE, shared_chunks=m))
-    if dequant_warps is not None:
-        rows_per_tg, in_flight = dequant_warps
-        name, threads = "gemv_gate_up_routed_dw", 6 * rows_per_tg
-        template = [("T", x2d.dtype), ("R", rows_per_tg), ("NPL", -(-e // 32)), ("PD", in_flight)]
-    else:
-        rows_per_tg, chunk, *_ = gemv_geometry("gate_up", i, d, gate_up_split_layout(split), ROUTED_GEMV_PROBS_BYTES)
-        name, threads = "gemv_gate_up_routed", 2 * rows_per_tg * split
-        template = [("T", x2d.dtype), ("R", rows_per_tg), ("KC", chunk), ("NPL", -(-e // 32)), ("SK", split)]
-    return _kernel(name, backend)(
+    rows_per_tg, chunk, *_ = gemv_geometry("gate_up", i, d, gate_up_split_layout(split), ROUTED_GEMV_PROBS_BYTES)
+    threads = 2 * rows_per_tg * split
+    template = [("T", x2d.dtype), ("R", rows_per_tg), ("KC", chunk), ("NPL", -(-e // 32)), ("SK", split)]
+    return _kernel("gemv_gate_up_routed", backend)(
         inputs=inputs, template=template, grid=(i // rows_per_tg * threads, rows, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(rows, i), (n, k), (n, k), (n,), (rows, 4)],
         output_dtypes=[x2d.dtype, mx.int32, x2d.dtype, mx.float32, mx.int32], init_value=init_value)
@@ -1256,7 +1239,7 @@ def _decode_block_topk_in_gemv(block, x2d: mx.array, router_backend: str,
         geometry = direct or down_combine_geometry(block.top_k + chunks, x2d.shape[1], h.shape[1])
         if geometry is not None:
             return gemv_down_combine(h, blocks, sw.down_proj, shared, scores, gate, residual2d, geometry, backend,
-                                     direct=bool(direct))
+                                     direct=bool(direct), **down_combine_schedule(geometry[0], bool(direct)))
         log_once("fused_down_combine:shape", f"fused_down_combine: {block.top_k} + {chunks} down GEMVs of width "
                  f"{x2d.shape[1]} do not fit one threadgroup, running the down GEMV and the combine apart")
     y = gemm_down(h, blocks, sw.down_proj, True, None, backend, shared=shared, gemv=True)
