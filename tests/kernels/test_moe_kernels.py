@@ -1989,6 +1989,21 @@ def test_decode_call_takes_the_down_combine_schedule_of_its_switches(gemm_sim, m
     assert mx.array_equal(got, want).item()
 
 
+def test_down_combine_schedule_keeps_threadgroup_barriers_where_a_group_spans_simdgroups(caplog):
+    """With down_combine_simd_barriers on, groups of 64 threads (two simdgroups each) keep the threadgroup's barrier,
+    said once in the log; groups of 16 or 8 take the simdgroup's; the direct layout has no schedule of chunks."""
+    reset_log_once()
+    with switches.overrides(enable=("down_combine_simd_barriers",)), caplog.at_level(logging.INFO):
+        assert mk.down_combine_schedule(16, False) == {"in_flight": mk.DOWN_COMBINE_IN_FLIGHT, "simd_barriers": True}
+        assert mk.down_combine_schedule(8, False)["simd_barriers"]
+        assert mk.down_combine_schedule(64, False)["simd_barriers"] is False
+        assert mk.down_combine_schedule(64, False)["simd_barriers"] is False
+        assert mk.down_combine_schedule(16, True) == {}
+    assert sum("groups of 64 threads do not lie in one simdgroup" in r.getMessage() for r in caplog.records) == 1
+    with switches.overrides(disable=("down_combine_ring",)):
+        assert mk.down_combine_schedule(16, False) == {"in_flight": 1, "simd_barriers": False}
+
+
 @needs_sim
 def test_down_gemv_with_the_combine_falls_back_to_the_two_kernels_where_it_does_not_fit(gemm_sim, monkeypatch, caplog):
     """A shape whose down GEMVs do not fit one threadgroup (down_combine_geometry None) runs the down GEMV and the

@@ -614,7 +614,11 @@ def down_combine_schedule(rows_per_tg: int, direct: bool) -> dict:
     ``down_combine_simd_barriers``, where a group of ``rows_per_tg`` threads lies in one simdgroup)."""
     if direct:
         return {}
-    simd = switches.is_enabled("down_combine_simd_barriers") and 32 % rows_per_tg == 0
+    simd = switches.is_enabled("down_combine_simd_barriers")
+    if simd and 32 % rows_per_tg:
+        log_once(f"down_combine_simd_barriers:{rows_per_tg}", f"down_combine_simd_barriers: groups of {rows_per_tg} "
+                 "threads do not lie in one simdgroup, the down+combine waits at threadgroup barriers")
+        simd = False
     return {"in_flight": DOWN_COMBINE_IN_FLIGHT if switches.is_enabled("down_combine_ring") else 1,
             "simd_barriers": simd}
 
