@@ -186,8 +186,8 @@ def down_combine_unit(blocks_per_token: int = 9, width: int = 2048, expert_width
     (name, kw), = calls
     rows, chunk, groups = geometry
     sizes = [("KB", chunk), ("KX", expert_width)] if direct else [("KC", chunk)]
-    ring = [] if direct else [("PD", mk.chunks_in_flight(expert_width // chunk, in_flight or mk.DOWN_COMBINE_IN_FLIGHT)),
-                              ("GS", int(simd_barriers))]
+    in_flight = mk.chunks_in_flight(expert_width // chunk, in_flight or mk.DOWN_COMBINE_IN_FLIGHT)
+    ring = [] if direct else [("PD", in_flight), ("GS", int(simd_barriers))]
     template = [("T", mx.bfloat16), ("R", rows), *sizes, ("NBLK", blocks_per_token), ("NG", groups), *ring]
     return _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], template), rows * groups
 

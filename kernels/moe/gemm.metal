@@ -323,7 +323,8 @@ inline float moe_gemv_chain(float acc, const threadgroup uint4* wrow, const thre
 
 // The staged chains' barrier between chunks: the threadgroup's, or with SIMD_SYNC the simdgroup's, for callers whose
 // chains stage and read only their own buffers and lie in one simdgroup with everyone who shares them (the
-// down+combine's groups of R threads, R dividing 32): then a group waits for its own chunk, not for the slowest group's.
+// down+combine's groups of R threads, R dividing 32): then a group waits for its own chunk, not for the slowest
+// group's.
 template <bool SIMD_SYNC>
 inline void moe_gemv_chunk_barrier() {
   if (SIMD_SYNC) {
@@ -1367,8 +1368,8 @@ y[long(slot) * D + o0 + int(tid)] = static_cast<T>(acc);
 // grid (D / R * R * NG, N, 1), threadgroup (R * NG, 1, 1); template T, R (dividing D), KC (a multiple of 64
 // dividing I; the host fits NG double buffers in 32 KB), NBLK, NG, PD (chunks in flight, dividing I / KC: 1 is
 // moe_gemv_staged's schedule, more moe_gemv_staged_ring's; the same bits; switch down_combine_ring), GS (1: each group
-// waits for its own chunks at a simdgroup barrier, R dividing 32; switch down_combine_simd_barriers). params: [I, D, E, Is, k, A, shared_chunks,
-// has_residual]. h [A + m N, I] T; blocks [A + m N, 4] int32; the down weights as moe_gemv_down's; scores [N, k] T;
+// waits for its own chunks at a simdgroup barrier, R dividing 32; switch down_combine_simd_barriers). params: [I, D,
+// E, Is, k, A, shared_chunks, has_residual]. h [A + m N, I] T; blocks [A + m N, 4] int32; the down weights as moe_gemv_down's; scores [N, k] T;
 // gate [N] fp32 (read when m > 0); residual [N, D] T (read when has_residual). out [N, D] T.
 // Each group's two staging buffers (moe_gemv_staged), as moe_gemv_down declares them, one after another.
 constexpr int WS = 2 * R * (KC / 32 + 1);  // uint4, padded rows
