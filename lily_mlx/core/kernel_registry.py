@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from .dispatch import active_backend
+from .msl_header import header_for, strip_comments
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # lily_mlx/
 # Installed wheel: lily_mlx/_kernels; source checkout: <repo>/kernels.
@@ -130,11 +131,13 @@ def params_prologue(params: Tuple[str, ...]) -> str:
 
 
 def kernel_source(spec: KernelSpec) -> Tuple[str, str]:
-    """(header, body) of ``spec``: the body as written in its file, after the named-params prologue."""
+    """(header, body) of ``spec`` as every backend gets them: the body as written in its file after the named-params
+    prologue, and the items of the file's header that it uses (``msl_header.header_for``), both without comments."""
     header, bodies = load_kernel_file(spec.file)
     if spec.name not in bodies:
         raise KeyError(f"kernel {spec.name!r} not found in {spec.file} (has: {', '.join(bodies)})")
-    return header, params_prologue(spec.params) + bodies[spec.name]
+    body = strip_comments(params_prologue(spec.params) + bodies[spec.name])
+    return header_for(header, body), body
 
 
 def _factory(backend: str) -> Callable:
