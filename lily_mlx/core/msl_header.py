@@ -27,34 +27,9 @@ _CALLED_NAME = re.compile(r"([A-Za-z_]\w*)\s*\(")
 _ASSIGNED_NAME = re.compile(r"([A-Za-z_]\w*)\s*(?:\[[^\]]*\])?\s*=")
 
 
-def strip_comments(text: str) -> str:
-    """``text`` without ``//`` comments (outside string and character literals) and without blank lines."""
-    lines = []
-    for line in text.splitlines():
-        quote = None
-        cut = len(line)
-        i = 0
-        while i < len(line):
-            c = line[i]
-            if quote:
-                if c == "\\":
-                    i += 1
-                elif c == quote:
-                    quote = None
-            elif c in "\"'":
-                quote = c
-            elif line.startswith("//", i):
-                cut = i
-                break
-            i += 1
-        code = line[:cut].rstrip()
-        if code.strip():
-            lines.append(code)
-    return "\n".join(lines) + "\n" if lines else ""
-
-
-def _depth_change(line: str) -> int:
-    """Opening minus closing braces and parentheses of a comment-free line, outside literals."""
+def _scan(line: str) -> Tuple[int, int]:
+    """(where the line's ``//`` comment starts, or its length; opening minus closing braces and parentheses before
+    it), outside string and character literals."""
     depth, quote, i = 0, None, 0
     while i < len(line):
         c = line[i]
@@ -65,12 +40,21 @@ def _depth_change(line: str) -> int:
                 quote = None
         elif c in "\"'":
             quote = c
+        elif line.startswith("//", i):
+            return i, depth
         elif c in "{(":
             depth += 1
         elif c in "})":
             depth -= 1
         i += 1
-    return depth
+    return len(line), depth
+
+
+def strip_comments(text: str) -> str:
+    """``text`` without ``//`` comments (outside string and character literals) and without blank lines."""
+    lines = [line[:_scan(line)[0]].rstrip() for line in text.splitlines()]
+    lines = [line for line in lines if line.strip()]
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def top_level_items(code: str) -> List[str]:
@@ -81,7 +65,7 @@ def top_level_items(code: str) -> List[str]:
             items.append(line)
             continue
         current.append(line)
-        depth += _depth_change(line)
+        depth += _scan(line)[1]
         tail = line.rstrip()
         if depth == 0 and (tail.endswith(";") or tail.endswith("}")):
             items.append("".join(current))
