@@ -97,6 +97,7 @@
 #   PART=41 bash bench/device_decode_checks.sh  # down_combine_simd_barriers: decode A/B at 4K; its stall samples
 #   PART=42 bash bench/device_decode_checks.sh  # a batch step's build on this host; the batch split's aims at
 #                                               # batches of 1 / 2 / 4 / 8 rows (op cases)
+#   PART=43 bash bench/device_decode_checks.sh  # the routed gate+up with 2 / 4 / 8 chunks in flight (step GPU time)
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -605,7 +606,23 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     run op_cases 300 python -m bench.run --mode kernels --op-cases on --op-match 'attention_batch_' --out "$W/batch"
     grep -E "attention_batch" "$W/batch/kernels.md" 2>/dev/null | head -100
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41 or 42" \
+  43) # the routed gate+up GEMV with chunks in flight (GATE_UP_IN_FLIGHT, moe_gemv_staged_ring; the same bits), a 4K
+      # step's GPU time by kernel: 2 in flight at the product's chunks of 256 (218 registers), 4 at chunks of 128 (162)
+      # and 8 at chunks of 64 (164); the product took 18.2 us a layer (H100, 2026-12-05)
+    run sgt_gu2 100 python -m bench.step_gpu_time --compare lily --set lily_mlx.ops.moe.kernels.GATE_UP_IN_FLIGHT=2 \
+      --clock-control none --cache-control none --out "$W/sgt_gu2"
+    grep -E "^\| lily|gate_up" "$W/sgt_gu2/step_gpu_time.md" 2>/dev/null | head -4
+    run sgt_gu4 100 python -m bench.step_gpu_time --compare lily --set lily_mlx.ops.moe.kernels.GATE_UP_IN_FLIGHT=4 \
+      --set "lily_mlx.ops.moe.kernels.GEMV_LAYOUT={'gate_up': (16, 128), 'down': (32, 256)}" \
+      --clock-control none --cache-control none --out "$W/sgt_gu4"
+    grep -E "^\| lily|gate_up" "$W/sgt_gu4/step_gpu_time.md" 2>/dev/null | head -4
+    run sgt_gu8 100 python -m bench.step_gpu_time --compare lily --set lily_mlx.ops.moe.kernels.GATE_UP_IN_FLIGHT=8 \
+      --set "lily_mlx.ops.moe.kernels.GEMV_LAYOUT={'gate_up': (16, 64), 'down': (32, 256)}" \
+      --clock-control none --cache-control none --out "$W/sgt_gu8"
+    grep -E "^\| lily|gate_up" "$W/sgt_gu8/step_gpu_time.md" 2>/dev/null | head -4
+    rm -f "$W"/sgt_*/*.csv
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42 or 43" \
        >&2
      exit 2 ;;
 esac

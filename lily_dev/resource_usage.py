@@ -192,11 +192,13 @@ def down_combine_unit(blocks_per_token: int = 9, width: int = 2048, expert_width
     return _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], template), rows * groups
 
 
-def gate_up_gemv_unit(experts: int = 256, width: int = 2048, expert_width: int = 512, split: int = 1) -> str:
+def gate_up_gemv_unit(experts: int = 256, width: int = 2048, expert_width: int = 512, split: int = 1,
+                      in_flight: int = 1, layout=None) -> str:
     """The CUDA translation unit of the decode gate/up GEMV with the router's top-k inside
     (``moe_gemv_gate_up_swiglu_routed``) in bf16 with the template of Qwen3.6's shape (256 experts, hidden 2048,
     expert width 512); a small block's launch stands in for the inputs (their shapes do not enter the translation).
-    ``split`` > 1: its layout under switch split_k_gate_up."""
+    ``split`` > 1: its layout under switch split_k_gate_up; ``in_flight``: chunks in flight (without the split);
+    ``layout``: (R, KC) in place of ``GEMV_LAYOUT``'s (candidates)."""
     from lily_mlx.ops.moe import kernels as mk
 
     from .moe_testing import make_sparse_moe_block
@@ -206,9 +208,11 @@ def gate_up_gemv_unit(experts: int = 256, width: int = 2048, expert_width: int =
     with _captured_launches(mk) as calls:
         mk.gemv_gate_up_routed(block, mx.zeros((1, 128), mx.bfloat16), mx.zeros((1, 16), mx.float32), "cuda")
     (name, kw), = calls
-    rows, chunk, *_ = mk.gemv_geometry("gate_up", expert_width, width, mk.gate_up_split_layout(split),
+    rows, chunk, *_ = mk.gemv_geometry("gate_up", expert_width, width, layout or mk.gate_up_split_layout(split),
                                        mk.ROUTED_GEMV_PROBS_BYTES)
-    template = [("T", mx.bfloat16), ("R", rows), ("KC", chunk), ("NPL", -(-experts // 32)), ("SK", split)]
+    ring = mk.chunks_in_flight(width // chunk, in_flight) if split == 1 else 1
+    template = [("T", mx.bfloat16), ("R", rows), ("KC", chunk), ("NPL", -(-experts // 32)), ("SK", split),
+                ("PD", ring)]
     return _cuda_unit(mk.KERNELS[name], kw["inputs"], kw["output_dtypes"], template)
 
 

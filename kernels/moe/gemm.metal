@@ -561,8 +561,9 @@ inline void moe_gemv_swiglu_out(float acc, uint tid, bool holds_up, int slot, in
 // One block row of the gate/up GEMV (moe_gemv_gate_up_swiglu and its routed form): expert e (E + c: the
 // shared expert's chunk c), output slot `slot`, activation row `token`; h[slot, o0 .. o0 + R) =
 // silu(gate) * up from the staged chains (threads 0 .. R-1 the gate chains, R .. 2R-1 the up chains).
-// Every thread of the threadgroup calls it (it holds barriers).
-template <int R, int KC, typename T, int SK = 1>
+// Every thread of the threadgroup calls it (it holds barriers). PD > 1 (SK = 1): PD chunks in flight
+// (moe_gemv_staged_ring; the same bits).
+template <int R, int KC, typename T, int SK = 1, int PD = 1>
 inline void moe_gemv_gate_up_rows(
     int e, int slot, long token, int E, int I, int D, int o0, uint tid, const device T* x,
     const device uint32_t* w_gate, const device T* scales_gate, const device T* biases_gate,
@@ -575,11 +576,17 @@ inline void moe_gemv_gate_up_rows(
   const long row0 = long(shared ? e - E : e) * I + o0;
   const long words = row0 * (D / 8);
   const long groups = row0 * (D / 64);
-  const float acc = moe_gemv_staged<2, R, KC, T, SK>(
-      (shared ? w_gate_s : w_gate) + words, (shared ? w_up_s : w_up) + words, D / 8,
-      (shared ? scales_gate_s : scales_gate) + groups, (shared ? scales_up_s : scales_up) + groups,
-      (shared ? biases_gate_s : biases_gate) + groups, (shared ? biases_up_s : biases_up) + groups, D / 64,
-      x + token * D, D, tid, ws, ss, bs, xs, q4_exponent_unfolded(E));
+  const device uint32_t* w0 = (shared ? w_gate_s : w_gate) + words;
+  const device uint32_t* w1 = (shared ? w_up_s : w_up) + words;
+  const device T* s0 = (shared ? scales_gate_s : scales_gate) + groups;
+  const device T* s1 = (shared ? scales_up_s : scales_up) + groups;
+  const device T* b0 = (shared ? biases_gate_s : biases_gate) + groups;
+  const device T* b1 = (shared ? biases_up_s : biases_up) + groups;
+  const float acc = PD > 1
+      ? moe_gemv_staged_ring<2, R, KC, T, PD>(w0, w1, D / 8, s0, s1, b0, b1, D / 64, x + token * D, D, tid, ws, ss, bs,
+                                               xs, q4_exponent_unfolded(E))
+      : moe_gemv_staged<2, R, KC, T, SK>(w0, w1, D / 8, s0, s1, b0, b1, D / 64, x + token * D, D, tid, ws, ss, bs, xs,
+                                         q4_exponent_unfolded(E));
   moe_gemv_swiglu_out<R, T>(acc, tid, int(tid) >= R && (SK == 1 || int(tid) < 2 * R), slot, I, o0, up_sums, h);
 }
 
@@ -1297,7 +1304,8 @@ moe_gemv_swiglu_out<R, T>(acc, tid, up, slot, I, o0, up_sums, h);
 // The x = 0 threadgroup of each block writes that block's share of the top-k kernel's outputs (each
 // element written once): pick j's inds / scores / block row, the gate (pick 0's), a shared chunk's block row.
 // grid (I / R * 2R SK, N * (k + m), 1), threadgroup (2R SK, 1, 1); template T, R, KC, NPL (ceil(E / 32)), SK (1;
-// switch split_k_gate_up: the K split of moe_gemv_gate_up_swiglu, KC dividing D / SK).
+// switch split_k_gate_up: the K split of moe_gemv_gate_up_swiglu, KC dividing D / SK), PD (chunks in flight, with SK
+// = 1, dividing D / KC; the same bits at any value: GATE_UP_IN_FLIGHT).
 // params: [top_k, D, I, E, A, N, norm_topk, has_gate, decode_tile, shared_chunks] (A = N * top_k, m =
 // shared_chunks). Block b < A: assignment b (token b / k, pick b % k); b >= A: shared chunk (b - A) / N of
 // token (b - A) % N. x [N, D]; logits [N, E + 1] fp32; weights as moe_gemv_gate_up_swiglu's.
@@ -1318,10 +1326,10 @@ moe_routed_block_expert<T, NPL>(logits, token, j, shared, blk, E, top_k, has_gat
                                 threadgroup_position_in_grid.x == 0, simdgroup_index_in_threadgroup,
                                 thread_index_in_simdgroup, probs, &block_expert, inds, scores, gate, blocks);
 threadgroup_barrier(mem_flags::mem_threadgroup);
-moe_gemv_gate_up_rows<R, KC, T, SK>(block_expert, blk, token, E, I, D, int(threadgroup_position_in_grid.x) * R, tid,
-                                    x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, w_gate_s,
-                                    scales_gate_s, biases_gate_s, w_up_s, scales_up_s, biases_up_s, gemv_ws, gemv_ss,
-                                    gemv_bs, gemv_xs, up_sums, h);
+moe_gemv_gate_up_rows<R, KC, T, SK, PD>(block_expert, blk, token, E, I, D, int(threadgroup_position_in_grid.x) * R,
+                                        tid, x, w_gate, scales_gate, biases_gate, w_up, scales_up, biases_up, w_gate_s,
+                                        scales_gate_s, biases_gate_s, w_up_s, scales_up_s, biases_up_s, gemv_ws,
+                                        gemv_ss, gemv_bs, gemv_xs, up_sums, h);
 
 // @kernel moe_gemv_down
 // grid (D / R * R, n_blocks, 1), threadgroup (R, 1, 1); template T, R (outputs per threadgroup,

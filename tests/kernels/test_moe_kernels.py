@@ -8,6 +8,7 @@ experts with 0, 1, 15, 16, 17, 31, 32, 33, 55 and 200 rows, calls across the 256
 chunks. Which kernels each switch state launches: tests/kernels/test_switch_paths.py.
 """
 
+import contextlib
 import logging
 
 import ml_dtypes
@@ -1760,6 +1761,68 @@ def test_gate_up_gemv_with_the_top_k_inside_race_check(monkeypatch):
     logits = mk.router_logits(block, x2d, True, KERNEL_BACKEND)
     h, inds, scores, gate, blocks = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND)
     assert mx.array_equal(inds, mk.route_tokens(block, x2d, True, KERNEL_BACKEND)[0]).item()
+
+
+@contextlib.contextmanager
+def _gate_up_layout(layout):
+    """GEMV_LAYOUT's gate+up entry set to ``layout`` for the block (gemv_geometry's cache cleared on either side)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mk.gemv_geometry.cache_clear()
+        mp.setitem(mk.GEMV_LAYOUT, "gate_up", layout)
+        try:
+            yield
+        finally:
+            mk.gemv_geometry.cache_clear()
+
+
+@needs_sim
+@SETTINGS
+@given(tokens=st.sampled_from([1, 3]), hidden=st.sampled_from([256, 512]), chunk=st.sampled_from([64, 128, 256]),
+       in_flight=st.sampled_from([2, 4, 8]), dtype=st.sampled_from(["bfloat16", "float16"]), seed=st.integers(0, 1000))
+def test_gate_up_gemv_with_chunks_in_flight_has_the_staged_bits(tokens, hidden, chunk, in_flight, dtype, seed):
+    """moe_gemv_gate_up_swiglu_routed with PD chunks in flight (moe_gemv_staged_ring, GATE_UP_IN_FLIGHT; halved until
+    it divides the chunks): every output bit for bit the staged schedule's (PD = 1), chunks of 64-256 over hidden
+    sizes of 1 to 8 chunks; poisoned outputs."""
+    block = make_sparse_moe_block(hidden=hidden, expert_width=32, num_experts=16, top_k=4, shared_width=32, seed=seed)
+    block.set_dtype(getattr(mx, dtype))
+    x2d = make_inputs(1, tokens, hidden, seed=seed + 1).reshape(tokens, hidden).astype(getattr(mx, dtype))
+    logits = mk.router_logits(block, x2d, True, KERNEL_BACKEND)
+    with _gate_up_layout((16, chunk)), record_launches() as rec:
+        want = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND, init_value=-777, in_flight=1)
+        got = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND, init_value=-555, in_flight=in_flight)
+        mx.eval(want, got)
+    template = dict(rec[1].kwargs["template"])
+    assert template["KC"] == chunk and template["PD"] == mk.chunks_in_flight(hidden // chunk, in_flight)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+@needs_sim
+def test_gate_up_gemv_with_chunks_in_flight_race_check(monkeypatch):
+    """The simulator's race check on the ring's staging at 8 chunks of 64 with 4 in flight; the product's template
+    takes GATE_UP_IN_FLIGHT."""
+    monkeypatch.setenv("LILY_MSL_RACE", "1")
+    block = make_sparse_moe_block(hidden=512, expert_width=32, num_experts=16, top_k=4, shared_width=32, seed=3)
+    x2d = make_inputs(1, 2, 512, seed=4).reshape(2, 512)
+    logits = mk.router_logits(block, x2d, True, KERNEL_BACKEND)
+    with _gate_up_layout((16, 64)), record_launches() as rec:
+        want = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND, in_flight=1)
+        got = mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND, in_flight=4)
+        mx.eval(want, got)
+    assert dict(rec[1].kwargs["template"])["PD"] == 4 and mx.array_equal(got[0], want[0]).item()
+    with record_launches() as rec:
+        mk.gemv_gate_up_routed(block, x2d, logits, KERNEL_BACKEND)
+    assert dict(rec[0].kwargs["template"])["PD"] == mk.chunks_in_flight(2, mk.GATE_UP_IN_FLIGHT)  # 2 chunks of 256
+
+
+@pytest.mark.parametrize("in_flight, layout", [(2, None), (4, (16, 128)), (8, (16, 64))])
+def test_gate_up_gemv_with_chunks_in_flight_compiles_and_fits_on_the_h200(in_flight, layout):
+    """The CUDA translation of the routed gate+up GEMV with chunks in flight at Qwen3.6's template compiles, and
+    with ptxas fits its 32 threads without spills or a stack frame: 2 in flight at chunks of 256, 4 at 128, 8 at 64
+    (4 at 256 would spill: ~44 registers a chunk)."""
+    from lily_dev import resource_usage
+
+    _compiles_and_fits(lambda: resource_usage.gate_up_gemv_unit(in_flight=in_flight, layout=layout), 32)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -847,11 +847,20 @@ def router_logits(block, x2d: mx.array, with_gate: bool, backend: Optional[str] 
 ROUTED_GEMV_PROBS_BYTES = 4 * (ROUTER_MAX_EXPERTS + 1) + 4  # kernels/moe/gemm.metal: the routed form's own
 
 
-def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optional[str] = None, init_value=None):
+# The routed gate+up GEMV's chunks in flight (template PD of moe_gemv_gate_up_swiglu_routed, moe_gemv_staged_ring; the
+# same bits at any value): 1, the staged schedule, until timed. A candidate after the down+combine's ring took 22-24 %
+# off that kernel (H100, 2026-12-05); at R = 16 each thread holds ~44 registers of a 256-wide chunk (so PD 2 there, or
+# PD 4 with chunks of 128 / 64 through GEMV_LAYOUT: see the CUDA fit test).
+GATE_UP_IN_FLIGHT = 1
+
+
+def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optional[str] = None, init_value=None,
+                        in_flight: Optional[int] = None):
     """The decode gate/up GEMV with the router's top-k inside (switch ``fused_topk_gemv``): x [N, D] and the
     router's logits -> (h [N * (k + m), I], inds [N, k], scores [N, k], gate [N] fp32, blocks [N * (k + m), 4]),
     the same bits as ``route_tokens`` followed by the one-row gate/up GEMV. The block's shared expert is fused
-    (m of its chunks, experts E .. E + m - 1); 4-bit weights (the caller checks)."""
+    (m of its chunks, experts E .. E + m - 1); 4-bit weights (the caller checks). ``in_flight``: chunks in flight
+    (default ``GATE_UP_IN_FLIGHT``, halved until it divides the chunks; without the K split only)."""
     n, d = x2d.shape
     sw = block.switch_mlp
     e, i = sw.gate_proj["scales"].shape[:2]
@@ -869,7 +878,9 @@ def gemv_gate_up_routed(block, x2d: mx.array, logits: mx.array, backend: Optiona
         decode_tile=SMALL_TILE, shared_chunks=m))
     rows_per_tg, chunk, *_ = gemv_geometry("gate_up", i, d, gate_up_split_layout(split), ROUTED_GEMV_PROBS_BYTES)
     threads = 2 * rows_per_tg * split
-    template = [("T", x2d.dtype), ("R", rows_per_tg), ("KC", chunk), ("NPL", -(-e // 32)), ("SK", split)]
+    ring = chunks_in_flight(d // chunk, in_flight or GATE_UP_IN_FLIGHT) if split == 1 else 1
+    template = [("T", x2d.dtype), ("R", rows_per_tg), ("KC", chunk), ("NPL", -(-e // 32)), ("SK", split),
+                ("PD", ring)]
     return _kernel("gemv_gate_up_routed", backend)(
         inputs=inputs, template=template, grid=(i // rows_per_tg * threads, rows, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(rows, i), (n, k), (n, k), (n,), (rows, 4)],
