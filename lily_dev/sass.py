@@ -140,6 +140,9 @@ def units(family: str) -> Dict[str, str]:
         units["moe_gemv_down_combine[PD=1]"] = resource_usage.down_combine_unit(in_flight=1)[0]
         units["moe_gemv_down_combine[GS=1]"] = resource_usage.down_combine_unit(simd_barriers=True)[0]
         units["moe_gemv_gate_up_swiglu_routed"] = resource_usage.gate_up_gemv_unit()
+        for in_flight, layout in ((2, None), (4, (16, 128)), (8, (16, 64))):  # candidates: GATE_UP_IN_FLIGHT
+            units[f"moe_gemv_gate_up_swiglu_routed[PD={in_flight}]"] = resource_usage.gate_up_gemv_unit(
+                in_flight=in_flight, layout=layout)
         return units
     if family == "attention":
         return resource_usage.attention_units()
