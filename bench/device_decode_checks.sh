@@ -577,7 +577,7 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
   40) # the down+combine with 8 chunks in flight (162 registers) and with 8 output columns a threadgroup (256
       # threadgroups of 12 groups instead of 128 of 10; chunks of 128), a 4K step's GPU time by kernel; then
       # down_combine_ring end to end: decode in alternating bursts on / off in one process at 4K and 32K (it became
-      # the default on its kernel time: 22-24 % less in a 4K step, H100 2026-12-05)
+      # the default on its kernel time: 18-24 % less in a 4K step, H100 2026-12-05)
     run sgt_ring8 100 python -m bench.step_gpu_time --compare lily \
       --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_IN_FLIGHT=8 --clock-control none --cache-control none --out "$W/sgt_ring8"
     grep -E "^\| lily|down_combine" "$W/sgt_ring8/step_gpu_time.md" 2>/dev/null | head -6

@@ -110,7 +110,7 @@ _SWITCH_LIST = [
     Switch("down_combine_ring", "moe", "decode", True,
            "With fused_down_combine: the staged down+combine keeps DOWN_COMBINE_IN_FLIGHT = 4 chunks of packed "
            "weights, scales and activations in flight in a ring of registers (moe_gemv_staged_ring; the same bits): "
-           "22-24 % less time of the kernel in a 4K step (H100, 2026-12-05; docs/moe.md).",
+           "18-24 % less time of the kernel in a 4K step (H100, 2026-12-05; docs/moe.md).",
            "One chunk in flight (moe_gemv_staged's schedule)."),
     Switch("down_combine_simd_barriers", "moe", "decode", False,
            "With fused_down_combine: each group of the staged down+combine's chains (one block's GEMV, 16 threads, "

@@ -595,7 +595,7 @@ def gemm_down(h: mx.array, blocks: mx.array, down_proj, fused_dequant: bool = Tr
 
 
 # The staged down+combine's chunks in flight with switch down_combine_ring (template PD of moe_gemv_down_combine; the
-# same bits at any value; off: 1, the staged GEMVs' schedule). At 4 the kernel took 22-24 % less time in a 4K step
+# same bits at any value; off: 1, the staged GEMVs' schedule). At 4 the kernel took 18-24 % less time in a 4K step
 # (H100, 2026-12-05: 15.9 against 19.3-21.0 us a layer; docs/moe.md).
 DOWN_COMBINE_IN_FLIGHT = 4
 
@@ -848,7 +848,7 @@ ROUTED_GEMV_PROBS_BYTES = 4 * (ROUTER_MAX_EXPERTS + 1) + 4  # kernels/moe/gemm.m
 
 
 # The routed gate+up GEMV's chunks in flight (template PD of moe_gemv_gate_up_swiglu_routed, moe_gemv_staged_ring; the
-# same bits at any value): 1, the staged schedule, until timed. A candidate after the down+combine's ring took 22-24 %
+# same bits at any value): 1, the staged schedule, until timed. A candidate after the down+combine's ring took 18-24 %
 # off that kernel (H100, 2026-12-05); at R = 16 each thread holds ~44 registers of a 256-wide chunk (so PD 2 there, or
 # PD 4 with chunks of 128 / 64 through GEMV_LAYOUT: see the CUDA fit test).
 GATE_UP_IN_FLIGHT = 1
