@@ -608,7 +608,11 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     ;;
   43) # the routed gate+up GEMV with chunks in flight (GATE_UP_IN_FLIGHT, moe_gemv_staged_ring; the same bits), a 4K
       # step's GPU time by kernel: 2 in flight at the product's chunks of 256 (218 registers), 4 at chunks of 128 (162)
-      # and 8 at chunks of 64 (164); the product took 18.2 us a layer (H100, 2026-12-05)
+      # and 8 at chunks of 64 (164); the product took 18.2 us a layer (H100, 2026-12-05). First their CUDA tests (the
+      # staged schedule's bits)
+    run tests_cuda 120 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
+      tests/kernels/test_moe_kernels.py -k "gate_up_gemv_with_chunks_in_flight"
+    tail -3 "$W/tests_cuda.txt" 2>/dev/null
     run sgt_gu2 100 python -m bench.step_gpu_time --compare lily --set lily_mlx.ops.moe.kernels.GATE_UP_IN_FLIGHT=2 \
       --clock-control none --cache-control none --out "$W/sgt_gu2"
     grep -E "^\| lily|gate_up" "$W/sgt_gu2/step_gpu_time.md" 2>/dev/null | head -4
