@@ -572,6 +572,7 @@ inline void moe_gemv_gate_up_rows(
     const device uint32_t* w_up_s, const device T* scales_up_s, const device T* biases_up_s,
     threadgroup uint4* ws, threadgroup float* ss, threadgroup float* bs, threadgroup float4* xs,
     threadgroup float* up_sums, device T* h) {
+  static_assert(PD == 1 || SK == 1, "chunks in flight without the K split only (moe_gemv_staged_ring has no ranges)");
   const bool shared = e >= E;
   const long row0 = long(shared ? e - E : e) * I + o0;
   const long words = row0 * (D / 8);

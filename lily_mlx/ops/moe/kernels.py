@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from functools import lru_cache
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
