@@ -96,9 +96,6 @@ GENERATION_LEVEL = {
     "direct_down_combine": ("off by default (a candidate), so lily and lily-off:direct_down_combine are one "
                             "configuration: time it with LILY_ENABLE=direct_down_combine "
                             "(bench/device_decode_checks.sh PART=36)"),
-    "down_combine_simd_barriers": ("off by default (a candidate), so lily and lily-off:down_combine_simd_barriers are "
-                                   "one configuration: time it with LILY_ENABLE=down_combine_simd_barriers "
-                                   "(bench/device_decode_checks.sh PART=39 and 41)"),
 }
 
 

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
         p.error("--batch-contexts takes plain caches (MLX-LM has no batched quantized cache)")
 
     import lily_mlx
-    from lily_dev.graph_only import count_step, cuda_graph_only, fast_op_calls
+    from lily_dev.graph_only import count_step, cuda_graph_only
     from lily_mlx.core import switches
     from lily_mlx.core.kernel_registry import record_launches
 
@@ -63,11 +63,11 @@ def main(argv=None) -> int:
         for _ in range(3):
             y = _step(model, y, cache)
             mx.eval(y)
-        with switches.overrides(disable=["compiled_decode"]), record_launches() as launches, fast_op_calls() as fast:
+        with switches.overrides(disable=["compiled_decode"]), record_launches() as launches:
             nxt = _step(model, y, cache)
-        built = count_step(nxt, fast)
+        built = count_step(nxt)
         mx.eval(nxt)
-        traced = count_step(_step(model, nxt, cache), fast)  # (the trace holds the same fused ops: tests)
+        traced = count_step(_step(model, nxt, cache))
         y = nxt = _step(model, nxt, cache)  # (the graph counted above is dropped unevaluated)
         mx.eval(y)
         profile = cProfile.Profile()

@@ -98,6 +98,8 @@
 #   PART=42 bash bench/device_decode_checks.sh  # a batch step's build on this host; the batch split's aims at
 #                                               # batches of 1 / 2 / 4 / 8 rows (op cases)
 #   PART=43 bash bench/device_decode_checks.sh  # the routed gate+up with 2 / 4 / 8 chunks in flight (step GPU time)
+#   PART=44 bash bench/device_decode_checks.sh  # the dense row GEMV with each layer's input norm inside it
+#                                               # (gemv_input_norm): CUDA tests, step GPU time, decode A/B at 4K
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -588,8 +590,8 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     switch_ab ab_ring_4k 150 down_combine_ring 4096 10
     switch_ab ab_ring_32k 170 down_combine_ring 32768 10
     ;;
-  41) # if PART=39 shows down_combine_simd_barriers faster in the step: decode in bursts on / off at 4K, then Nsight
-      # Compute's sections and stall samples of the down+combine with it
+  41) # down_combine_simd_barriers (on by default since 2026-12-05: 18 % less kernel time in a 4K step): decode in
+      # bursts on / off at 4K, then Nsight Compute's sections and stall samples of the down+combine with it
     switch_ab ab_simd_4k 150 down_combine_simd_barriers 4096 10
     run ks_down_simd 200 env LILY_ENABLE=down_combine_simd_barriers python -m bench.kernel_sections \
       --kernel gemv_down_combine --context 4096 --out "$W/ks_down_simd"
@@ -626,7 +628,25 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     grep -E "^\| lily|gate_up" "$W/sgt_gu8/step_gpu_time.md" 2>/dev/null | head -4
     rm -f "$W"/sgt_*/*.csv
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42 or 43" \
+  44) # the dense row GEMV (trial kernel linear_gemv) with each decoder layer's input RMSNorm inside the GEMV of the
+      # projection after it (switch gemv_input_norm; its first build, H100 2026-12-05: 17.5 us a launch, no faster than
+      # the norm's own launch plus the plain GEMV; now the weights' loads go out before the norm's sum of squares):
+      # CUDA tests, a 4K step's GPU time by kernel (lily, the trial with the norm inside, the trial without), then
+      # decode in alternating bursts of the three at 4K
+    run tests_cuda 220 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
+      tests/kernels/test_linear_kernels.py
+    tail -3 "$W/tests_cuda.txt"
+    run sgt_gemv_norm 260 python -m bench.step_gpu_time \
+      --compare lily,lily-trial:linear_gemv,lily-trial:linear_gemv@off-gemv_input_norm --clock-control none \
+      --cache-control none --out "$W/sgt_gemv_norm"
+    grep -E "^\| lily|qmv|gemv|rms_norm" "$W/sgt_gemv_norm/step_gpu_time.md" 2>/dev/null | head -16
+    rm -f "$W"/sgt_*/*.csv
+    run decode_ab 170 python -m bench.decode_ab \
+      --engines lily,lily-trial:linear_gemv,lily-trial:linear_gemv@off-gemv_input_norm --context 4096 --bursts 8 \
+      --out "$W/decode_ab"
+    tail -8 "$W/decode_ab.txt"
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43 or 44" \
        >&2
      exit 2 ;;
 esac

@@ -58,17 +58,27 @@ STOCK_KERNELS = "stock-kernels"
 #   diagnostic, not an optimisation: it tests whether peak memory comes from the host encoding a whole chunk ahead of
 #   the GPU (docs/moe.md, "Peak memory"). ``stock@eval-per-layer``, ``lily@eval-per-layer``.
 # - ``@chunk-N``: prefill in chunks of N tokens instead of the run's ``--prefill-step-size``, so that two chunk sizes
-#   are timed in one process, alternating (``lily,lily@chunk-4096``). Both may be given, in either order.
+#   are timed in one process, alternating (``lily,lily@chunk-4096``).
+# - ``@off-a+b``: switches a and b off as well, for an engine whose name cannot say so (a trial kernel with one of its
+#   switches off: ``lily-trial:linear_gemv,lily-trial:linear_gemv@off-gemv_input_norm``).
+# Any of them may be given, in any order.
 EVAL_PER_LAYER = "@eval-per-layer"
 CHUNK_MODIFIER = "@chunk-"
+OFF_MODIFIER = "@off-"
 
 
-def _split_modifiers(engine: str) -> Tuple[str, bool, Optional[int]]:
-    """``engine`` -> (base engine, eval per layer, chunk size or None). Raises ValueError on a bad chunk size."""
-    base, per_layer, chunk = engine, False, None
+def _split_modifiers(engine: str) -> Tuple[str, bool, Optional[int], Tuple[str, ...]]:
+    """``engine`` -> (base engine, eval per layer, chunk size or None, switches off by ``@off-``). Raises ValueError
+    on a bad chunk size."""
+    base, per_layer, chunk, off = engine, False, None, ()
     while True:
         if base.endswith(EVAL_PER_LAYER):
             base, per_layer = base[: -len(EVAL_PER_LAYER)], True
+            continue
+        at = base.rfind(OFF_MODIFIER)
+        if at >= 0 and "@" not in base[at + len(OFF_MODIFIER):]:
+            off = tuple(switches.parse_list(base[at + len(OFF_MODIFIER):].replace("+", ","))) + off
+            base = base[:at]
             continue
         at = base.rfind(CHUNK_MODIFIER)
         if at >= 0 and "@" not in base[at + len(CHUNK_MODIFIER):]:
@@ -78,7 +88,7 @@ def _split_modifiers(engine: str) -> Tuple[str, bool, Optional[int]]:
                                  f"not {text!r}")
             base, chunk = base[:at], int(text)
             continue
-        return base, per_layer, chunk
+        return base, per_layer, chunk, off
 
 
 def base_engine(engine: str) -> str:
@@ -97,14 +107,15 @@ def chunk_size(engine: str, requested: int) -> int:
 
 
 def switches_off(engine: str) -> Tuple[str, ...]:
-    """Switches an engine runs with off: ``lily-off:gpu_routing+fused_dequant`` -> both; ``lily`` -> none.
+    """Switches an engine runs with off: ``lily-off:gpu_routing+fused_dequant`` -> both; ``lily`` -> none; an
+    ``@off-`` modifier's too (``lily-trial:linear_gemv@off-gemv_input_norm`` -> gemv_input_norm).
 
     An ablation engine is lily-mlx with those switches off (the write-up's ablation variants), so
     ``--engines stock,lily,lily-off:register_scan`` measures one switch end to end."""
-    engine = base_engine(engine)
-    if not engine.startswith(ABLATION_PREFIX):
-        return ()
-    return tuple(switches.parse_list(engine[len(ABLATION_PREFIX):].replace("+", ",")))
+    base, _, _, off = _split_modifiers(engine)
+    if not base.startswith(ABLATION_PREFIX):
+        return off
+    return tuple(switches.parse_list(base[len(ABLATION_PREFIX):].replace("+", ","))) + off
 
 
 def trial_ops(engine: str) -> Tuple[str, ...]:
@@ -122,12 +133,13 @@ def is_lily(engine: str) -> bool:
 
 def validate_engine(engine: str) -> None:
     """Raise ValueError unless ``engine`` is stock, lily, lily-off:<switches> or lily-trial:<ops>,
-    optionally with the @eval-per-layer and @chunk-N modifiers (unknown switch names are reported by ``switches_off``)."""
+    optionally with the @eval-per-layer, @chunk-N and @off-<switches> modifiers (unknown switch names are reported by
+    ``switches_off``)."""
     base = base_engine(engine)
     if base not in ("stock", STOCK_KERNELS, "lily") and not base.startswith((ABLATION_PREFIX, TRIAL_PREFIX)):
         raise ValueError(f"unknown engine {engine!r}: use stock, {STOCK_KERNELS}, lily, "
                          f"{ABLATION_PREFIX}<switch>[+<switch>] or {TRIAL_PREFIX}<op>[+<op>], each optionally "
-                         f"followed by {EVAL_PER_LAYER} and/or {CHUNK_MODIFIER}N")
+                         f"followed by {EVAL_PER_LAYER}, {CHUNK_MODIFIER}N and/or {OFF_MODIFIER}<switch>[+<switch>]")
     switches_off(engine)
     ops = trial_ops(engine)
     if base.startswith(TRIAL_PREFIX):

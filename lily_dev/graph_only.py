@@ -8,7 +8,8 @@ So on the development CPU one can
 
 - count a step's primitives by kind as the H200's decode profile counts them (a placeholder is counted as
   the ``CustomKernel`` it stands for: :func:`count_step`; MLX's fused ops that a CPU would compute from their
-  parts, ``mx.fast.rms_norm`` and ``mx.dequantize``, are placeholders too, counted by their GPU names);
+  parts, ``mx.fast.rms_norm`` and ``mx.dequantize``, are placeholders too, each marked in the graph by a
+  primitive no decode step has, so that they are counted by their GPU names where the step keeps them);
 - time the host's graph build of that step (the kernels then evaluate in no time; MLX's quantised
   matmuls and norms still compute on the CPU).
 
@@ -36,6 +37,12 @@ _LABEL = re.compile(r'\[label ="([A-Za-z_]+)[^"]*", shape=rectangle\]')
 # that a step's graph has the GPU's kinds; their calls are counted by the GPU's primitive name while a
 # :func:`fast_op_calls` block is open.
 _fast_calls: list = []
+# The marker after each fused op's placeholder (one node of a kind no decode step holds): the graph then says
+# which placeholders are fused ops, including whether an op built in Python reached the step at all (an output
+# nothing reads is not in the graph).
+# Not elementwise, so that mx.compile keeps them (it drops a StopGradient and fuses unary ops).
+FAST_OP_MARKERS = {"RMSNorm": ("Sort", lambda z: mx.sort(z, axis=-1)),
+                   "Quantize": ("Partition", lambda z: mx.partition(z, 0, axis=-1))}
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,7 +77,7 @@ def _fast_op(kind: str):
             scales = kwargs["scales"] if "scales" in kwargs else args[0]
             shape, dtype = (*shape[:-1], shape[-1] * 32 // bits), kwargs.get("dtype") or scales.dtype
         deps = [a for a in (x, *args, *kwargs.values()) if isinstance(a, mx.array)]
-        return mx.depends([_zeros(shape, dtype)], deps)[0]
+        return FAST_OP_MARKERS[kind][1](mx.depends([_zeros(shape, dtype)], deps)[0])
 
     return op
 
@@ -129,15 +136,17 @@ def count_primitives(outputs) -> Dict[str, int]:
     return dict(collections.Counter(_LABEL.findall(text)))
 
 
-def count_step(outputs, fast_ops: Dict[str, int] = None) -> Dict[str, int]:
-    """Primitive kind -> nodes in the graph of ``outputs`` (unevaluated), as the GPU's graph counts them: the
-    placeholders are the ``CustomKernel`` launches they stand for, less the fused ops ``fast_ops`` says they
-    include (:func:`fast_op_calls` of the step's build), which are counted by their own names."""
+def count_step(outputs) -> Dict[str, int]:
+    """Primitive kind -> nodes in the graph of ``outputs`` (unevaluated), as the GPU's graph counts them: a fused
+    op's placeholder and its marker count as that op (``RMSNorm``, ``Quantize``), every other placeholder as the
+    ``CustomKernel`` launch it stands for."""
     counts = count_primitives(outputs)
     placeholders = counts.pop(PLACEHOLDER, 0)
-    for kind, n in (fast_ops or {}).items():
-        counts[kind] = counts.get(kind, 0) + n
-        placeholders -= n
+    for kind, (marker, _) in FAST_OP_MARKERS.items():
+        n = counts.pop(marker, 0)
+        if n:
+            counts[kind] = counts.get(kind, 0) + n
+            placeholders -= n
     if placeholders:
         counts["CustomKernel"] = counts.get("CustomKernel", 0) + placeholders
     return counts

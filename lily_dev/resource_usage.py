@@ -281,19 +281,22 @@ def router_units(shapes=((256, 8, 8, 2048), (1024, 32, 8, 4096), (16, 4, 4, 64))
 
 
 def linear_gemv_units(rows=(1, 2, 4, 8), k: int = 2048, n: int = 4096, group_size: int = 64) -> Dict[str, tuple]:
-    """{name: (CUDA translation unit, threads per threadgroup)} of the dense row GEMV
-    (``linear_gemv_q4``) for calls of ``rows`` rows of x, bf16, as ``gemv_q4`` launches them."""
+    """{name: (CUDA translation unit, threads per threadgroup)} of the dense row GEMV (``linear_gemv_q4``) and of
+    it with the input norm inside (``linear_gemv_q4_rms_norm``) for calls of ``rows`` rows of x, bf16, as
+    ``gemv_q4`` / ``gemv_q4_rms_norm`` launch them."""
+    from lily_mlx.core.kernel_registry import float32_scalar
     from lily_mlx.ops.linear import kernels as lk
 
-    spec = lk.KERNELS["gemv_q4"]
     wq, scales, biases = mx.quantize(mx.zeros((n, k), mx.bfloat16), group_size=group_size, bits=4, stream=mx.cpu)
     units = {}
-    for m in rows:
-        x = mx.zeros((m, k), mx.bfloat16)
-        inputs = [x, wq, scales, biases, spec.pack(K=k, N=n, B=m)]
-        template = [("T", mx.bfloat16), ("M", min(m, lk.MAX_ROWS_PER_LAUNCH)), ("GS", group_size)]
-        unit = _cuda_unit(spec, inputs, [mx.bfloat16], template)
-        units[f"{spec.name}[M={m}, K={k}, GS={group_size}]"] = (unit, lk.SIMDGROUPS * 32)
+    for name, extra in (("gemv_q4", []), ("gemv_q4_rms_norm", [mx.ones((k,), mx.bfloat16), float32_scalar(1e-6)])):
+        spec = lk.KERNELS[name]
+        for m in rows:
+            x = mx.zeros((m, k), mx.bfloat16)
+            inputs = [x, wq, scales, biases, *extra, spec.pack(K=k, N=n, B=m)]
+            template = [("T", mx.bfloat16), ("M", min(m, lk.MAX_ROWS_PER_LAUNCH)), ("GS", group_size)]
+            unit = _cuda_unit(spec, inputs, [mx.bfloat16], template)
+            units[f"{spec.name}[M={m}, K={k}, GS={group_size}]"] = (unit, lk.SIMDGROUPS * 32)
     return units
 
 

@@ -1,8 +1,10 @@
 // Decode GEMVs of the dense quantised projections (lily_mlx/ops/linear/kernels.py dispatches them):
-//   linear_gemv_q4   y[m] = x[m] . W^T for M <= 8 rows of x, W 4-bit affine (MLX's quantised layout)
+//   linear_gemv_q4           y[m] = x[m] . W^T for M <= 8 rows of x, W 4-bit affine (MLX's quantised layout)
+//   linear_gemv_q4_rms_norm  y[m] = RMSNorm(x[m]) . W^T: the layer's input norm computed as x is read
 // used by a decode step's projections (DeltaNet in/out, attention q/k/v/o, lm_head) in place of MLX's
-// quantised matmul. MLX's layout: w [N, K / 8] uint32, eight nibbles per word, low nibble first; one
-// scale and one bias per GS weights of a row (scales, biases [N, K / GS]); a weight is scale * q + bias.
+// quantised matmul (and, for the projections right after an RMSNorm, of the norm's launch as well).
+// MLX's layout: w [N, K / 8] uint32, eight nibbles per word, low nibble first; one scale and one bias per
+// GS weights of a row (scales, biases [N, K / GS]); a weight is scale * q + bias.
 //
 // Every loop but the one over K carries `#pragma unroll`: without it NVRTC kept the accumulators and the
 // weight pieces in local memory (a 192-320 byte stack frame).
@@ -54,35 +56,78 @@ inline float linear_q4_piece_dot(uint4 w4, const thread float* xv, uint32_t expo
   return dot;
 }
 
-// @kernel linear_gemv_q4
-// grid (ceil(N / (LINEAR_GEMV_SIMDGROUPS * LINEAR_GEMV_ROWS)) * LINEAR_GEMV_SIMDGROUPS * 32, ceil(B / M), 1),
-// threadgroup (LINEAR_GEMV_SIMDGROUPS * 32, 1, 1); template T (activation dtype), M (rows of x per
-// threadgroup, 1..8), GS (group size: 32, 64 or 128). params: [K, N, B] (K a multiple of 32).
-// x [B, K] T; w [N, K / 8] uint32; scales, biases [N, K / GS] T. y [B, N] T.
-// A simdgroup computes LINEAR_GEMV_ROWS consecutive outputs for the M rows of x of its threadgroup's
-// y index. Lane l reads the 16-byte pieces l, l + 32, ... of each weight row (adjacent lanes, adjacent
-// bytes), LINEAR_GEMV_UNROLL of them per row before using any, and the 32 matching x values of each row
-// of x (L1 hits: every simdgroup reads the same x). Per piece and (row of x, output):
+// The pieces p0, p0 + 32, ... (LINEAR_GEMV_UNROLL of them) of each of a simdgroup's LINEAR_GEMV_ROWS weight rows, with
+// their groups' scales and biases, into registers ([u * LINEAR_GEMV_ROWS + r]); a piece past the row loads the
+// row's last piece, which the caller skips.
+// wrow[r], srow[r]: row r's first piece (in 16-byte pieces of w) and first group.
+template <int GS, typename PW, typename PS>
+inline void linear_gemv_q4_load(PW w, const thread long* wrow, const thread long* srow, PS scales, PS biases, int p0,
+                                int pieces, thread uint4* wq, thread float* sc, thread float* bi) {
+  const device uint4* pieces_of_w = reinterpret_cast<const device uint4*>(w);
+  #pragma unroll
+  for (int u = 0; u < LINEAR_GEMV_UNROLL; ++u) {
+    const int p = min(p0 + 32 * u, pieces - 1);
+    const int g = (32 * p) / GS;
+    #pragma unroll
+    for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
+      wq[u * LINEAR_GEMV_ROWS + r] = pieces_of_w[wrow[r] + p];
+      sc[u * LINEAR_GEMV_ROWS + r] = float(scales[srow[r] + g]);
+      bi[u * LINEAR_GEMV_ROWS + r] = float(biases[srow[r] + g]);
+    }
+  }
+}
+
+// One simdgroup's LINEAR_GEMV_ROWS outputs n0.. for the rows b0 .. b0 + M - 1 of x (both kernels' body).
+// Lane l reads the 16-byte pieces l, l + 32, ... of each weight row (adjacent lanes, adjacent bytes),
+// LINEAR_GEMV_UNROLL of them per row before using any, and the 32 matching x values of each row of x (L1
+// hits: every simdgroup reads the same x). Per piece and (row of x, output):
 //   acc = fma(bias, sum(x), fma(scale, sum(q * x), acc))
 // then the lanes' partial sums add in simd_sum's order.
-{
-  const int lane = int(thread_index_in_simdgroup);
-  const int n0 = (int(threadgroup_position_in_grid.x) * LINEAR_GEMV_SIMDGROUPS + int(simdgroup_index_in_threadgroup)) *
-                 LINEAR_GEMV_ROWS;
-  if (n0 >= N) {
-    return;  // the whole simdgroup leaves (no barrier in this kernel)
-  }
-  const int b0 = int(threadgroup_position_in_grid.y) * M;
+// NORM: x is the input of an RMSNorm whose output the projection takes (norm_weight [K], eps), so each value
+// of x is normalised as it is read, with stock's rounding points: n = T(w * T(x * rsqrt(mean(x^2) + eps))).
+// The sum of squares is this function's own (each lane's pieces in order, fma per element, then simd_sum):
+// n may differ from MLX's rms_norm in the last bit where the sum rounds differently; it is the same for a
+// row whatever M and the other rows.
+// (The pointers' types are template parameters: MLX passes an input of fewer than 8 elements in constant memory.)
+template <typename T, int M, int GS, bool NORM, typename PX, typename PW, typename PS, typename PN, typename PY>
+inline void linear_gemv_q4_simdgroup(PX x, PW w, PS scales, PS biases, PN norm_weight, float eps, PY y, int K, int N,
+                                     int B, int n0, int b0, int lane) {
   const int pieces = K / 32;  // 16-byte pieces per weight row
   const int groups = K / GS;
   const uint32_t exponent = q4_exponent_unfolded(N);
-  const device uint4* wrow[LINEAR_GEMV_ROWS];
-  long srow[LINEAR_GEMV_ROWS];
+  long wrow[LINEAR_GEMV_ROWS];  // each row's first 16-byte piece
+  long srow[LINEAR_GEMV_ROWS];  // and first group
   #pragma unroll
   for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
     const long n = long(min(n0 + r, N - 1));  // rows past N read row N - 1 and are not written
-    wrow[r] = reinterpret_cast<const device uint4*>(w + n * (K / 8));
+    wrow[r] = n * pieces;
     srow[r] = n * groups;
+  }
+  // The first pieces' loads go out before the norm's sum of squares (which ends in a simd_sum the compiler does not
+  // move loads across), so that the weights' trip to memory overlaps it.
+  uint4 wq[LINEAR_GEMV_UNROLL * LINEAR_GEMV_ROWS];
+  float sc[LINEAR_GEMV_UNROLL * LINEAR_GEMV_ROWS];
+  float bi[LINEAR_GEMV_UNROLL * LINEAR_GEMV_ROWS];
+  linear_gemv_q4_load<GS>(w, wrow, srow, scales, biases, lane, pieces, wq, sc, bi);
+  float inv_rms[M];
+  #pragma unroll
+  for (int m = 0; m < M; ++m) {
+    inv_rms[m] = 1.0f;
+    if (NORM && b0 + m < B) {  // uniform over the simdgroup (simd_sum below)
+      const device vec<T, 4>* xr = reinterpret_cast<const device vec<T, 4>*>(x + long(b0 + m) * K);
+      float squares = 0.0f;
+      for (int p = lane; p < pieces; p += 32) {
+        #pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const vec<T, 4> v = xr[8 * p + q];
+          #pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            squares = metal::fma(float(v[c]), float(v[c]), squares);
+          }
+        }
+      }
+      inv_rms[m] = metal::precise::rsqrt(simd_sum(squares) / float(K) + eps);
+    }
   }
   float acc[M][LINEAR_GEMV_ROWS];
   #pragma unroll
@@ -93,23 +138,24 @@ inline float linear_q4_piece_dot(uint4 w4, const thread float* xv, uint32_t expo
     }
   }
   for (int p0 = lane; p0 < pieces; p0 += 32 * LINEAR_GEMV_UNROLL) {
-    uint4 wq[LINEAR_GEMV_UNROLL][LINEAR_GEMV_ROWS];
-    float sc[LINEAR_GEMV_UNROLL][LINEAR_GEMV_ROWS];
-    float bi[LINEAR_GEMV_UNROLL][LINEAR_GEMV_ROWS];
-    #pragma unroll
-    for (int u = 0; u < LINEAR_GEMV_UNROLL; ++u) {
-      const int p = min(p0 + 32 * u, pieces - 1);  // a piece past the row is loaded, then skipped
-      const int g = (32 * p) / GS;
-      #pragma unroll
-      for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
-        wq[u][r] = wrow[r][p];
-        sc[u][r] = float(scales[srow[r] + g]);
-        bi[u][r] = float(biases[srow[r] + g]);
-      }
+    if (p0 != lane) {
+      linear_gemv_q4_load<GS>(w, wrow, srow, scales, biases, p0, pieces, wq, sc, bi);
     }
     #pragma unroll
     for (int u = 0; u < LINEAR_GEMV_UNROLL; ++u) {
       const int p = p0 + 32 * u;
+      float nw[32];  // the norm's weights of piece p (NORM only)
+      if (NORM && p < pieces) {
+        const device vec<T, 4>* wp = reinterpret_cast<const device vec<T, 4>*>(norm_weight + 32 * p);
+        #pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const vec<T, 4> v = wp[q];
+          #pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            nw[4 * q + c] = float(v[c]);
+          }
+        }
+      }
       #pragma unroll
       for (int m = 0; m < M; ++m) {
         if (p < pieces && b0 + m < B) {
@@ -123,6 +169,13 @@ inline float linear_q4_piece_dot(uint4 w4, const thread float* xv, uint32_t expo
               xv[4 * q + c] = float(v[c]);
             }
           }
+          if (NORM) {
+            #pragma unroll
+            for (int i = 0; i < 32; ++i) {
+              const float normalised = float(static_cast<T>(xv[i] * inv_rms[m]));
+              xv[i] = float(static_cast<T>(nw[i] * normalised));
+            }
+          }
           float xsum = 0.0f;
           #pragma unroll
           for (int i = 0; i < 32; ++i) {
@@ -130,8 +183,9 @@ inline float linear_q4_piece_dot(uint4 w4, const thread float* xv, uint32_t expo
           }
           #pragma unroll
           for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
-            const float dot = linear_q4_piece_dot(wq[u][r], xv, exponent);
-            acc[m][r] = metal::fma(bi[u][r], xsum, metal::fma(sc[u][r], dot, acc[m][r]));
+            const int i = u * LINEAR_GEMV_ROWS + r;
+            const float dot = linear_q4_piece_dot(wq[i], xv, exponent);
+            acc[m][r] = metal::fma(bi[i], xsum, metal::fma(sc[i], dot, acc[m][r]));
           }
         }
       }
@@ -147,4 +201,36 @@ inline float linear_q4_piece_dot(uint4 w4, const thread float* xv, uint32_t expo
       }
     }
   }
+}
+
+// @kernel linear_gemv_q4
+// grid (ceil(N / (LINEAR_GEMV_SIMDGROUPS * LINEAR_GEMV_ROWS)) * LINEAR_GEMV_SIMDGROUPS * 32, ceil(B / M), 1),
+// threadgroup (LINEAR_GEMV_SIMDGROUPS * 32, 1, 1); template T (activation dtype), M (rows of x per
+// threadgroup, 1..8), GS (group size: 32, 64 or 128). params: [K, N, B] (K a multiple of 32).
+// x [B, K] T; w [N, K / 8] uint32; scales, biases [N, K / GS] T. y [B, N] T.
+// A simdgroup computes LINEAR_GEMV_ROWS consecutive outputs for the M rows of x of its threadgroup's
+// y index (linear_gemv_q4_simdgroup).
+{
+  const int n0 = (int(threadgroup_position_in_grid.x) * LINEAR_GEMV_SIMDGROUPS + int(simdgroup_index_in_threadgroup)) *
+                 LINEAR_GEMV_ROWS;
+  if (n0 >= N) {
+    return;  // the whole simdgroup leaves (no barrier in this kernel)
+  }
+  linear_gemv_q4_simdgroup<T, M, GS, false>(x, w, scales, biases, x, 0.0f, y, K, N, B, n0,
+                                            int(threadgroup_position_in_grid.y) * M, int(thread_index_in_simdgroup));
+}
+
+// @kernel linear_gemv_q4_rms_norm
+// linear_gemv_q4 of RMSNorm(x): grid, threadgroup, template and params as linear_gemv_q4's; x [B, K] T is the
+// norm's input, norm_weight [K] T its weight, eps [1] fp32 its epsilon. Every simdgroup computes the sum of
+// squares of its rows of x itself (x is 4 KB at K = 2048, read from L1/L2), so the norm needs no launch and
+// no grid-wide dependency of its own.
+{
+  const int n0 = (int(threadgroup_position_in_grid.x) * LINEAR_GEMV_SIMDGROUPS + int(simdgroup_index_in_threadgroup)) *
+                 LINEAR_GEMV_ROWS;
+  if (n0 >= N) {
+    return;  // the whole simdgroup leaves (no barrier in this kernel)
+  }
+  linear_gemv_q4_simdgroup<T, M, GS, true>(x, w, scales, biases, norm_weight, eps[0], y, K, N, B, n0,
+                                           int(threadgroup_position_in_grid.y) * M, int(thread_index_in_simdgroup));
 }

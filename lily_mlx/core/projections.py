@@ -55,6 +55,29 @@ def _mlx_quantized_matmul(x, weight, scales, biases, group_size, bits, mode):
 # (``lily_mlx.ops.linear``: the row GEMV for a decode call, switch ``dense_gemv``; core imports no family).
 QUANTIZED_MATMUL = [_mlx_quantized_matmul]
 
+# A decode call's input norm handed to the projections that take its output (switch ``gemv_input_norm``): a
+# decoder layer notes (normed, x, norm) when it normalises its input, and a projection handed that very array
+# may compute the norm from x inside its GEMV; the norm's own primitive is then left unused, so MLX never
+# builds it into the step. Matched by identity, so any other array (or a note another thread overwrote) is
+# projected as it is. Core only keeps the note: the linear family reads it.
+_INPUT_NORM: list = [None]
+
+
+def note_input_norm(normed: mx.array, x: mx.array, norm) -> None:
+    """``normed`` is ``norm(x)`` (an ``nn.RMSNorm``): a projection of it may compute it from x itself."""
+    _INPUT_NORM[0] = (normed, x, norm)
+
+
+def input_norm_of(normed: mx.array):
+    """(x, norm) when ``normed`` is the array last noted by :func:`note_input_norm`, else None."""
+    noted = _INPUT_NORM[0]
+    return (noted[1], noted[2]) if noted is not None and noted[0] is normed else None
+
+
+def forget_input_norm() -> None:
+    _INPUT_NORM[0] = None
+
+
 _ATTR = "_lily_fused_projections"  # in the module's __dict__: not a parameter, not saved
 
 

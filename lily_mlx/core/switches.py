@@ -77,6 +77,11 @@ _SWITCH_LIST = [
            "GEMV: 16-byte weight loads, four outputs per simdgroup sharing each x load, every row of the batch "
            "computed alike (a trial kernel on every backend: LILY_TRIAL_OPS=linear_gemv).",
            "MLX's quantised matmul (its vector kernel for a few rows, its GEMM for more)."),
+    Switch("gemv_input_norm", "linear", "decode", True,
+           "With dense_gemv: a decoder layer's input RMSNorm is computed inside the GEMV of the projections that "
+           "take it (each simdgroup sums the squares of its rows of x itself; stock's rounding points), so the "
+           "norm has no launch of its own: 40 primitives and launches fewer in a Qwen3.6 decode step.",
+           "The input norm as its own launch (MLX's rms_norm), the GEMV over its output."),
     Switch("row_gemv", "moe", "decode", True,
            "One-row GEMV forms of the expert GEMMs for decode calls (one thread per output, the GEMMs' "
            "exact per-element arithmetic).",
@@ -112,12 +117,11 @@ _SWITCH_LIST = [
            "weights, scales and activations in flight in a ring of registers (moe_gemv_staged_ring; the same bits): "
            "18-24 % less time of the kernel in a 4K step (H100, 2026-12-05; docs/moe.md).",
            "One chunk in flight (moe_gemv_staged's schedule)."),
-    Switch("down_combine_simd_barriers", "moe", "decode", False,
+    Switch("down_combine_simd_barriers", "moe", "decode", True,
            "With fused_down_combine: each group of the staged down+combine's chains (one block's GEMV, 16 threads, "
            "half a simdgroup) waits between chunks at a simdgroup barrier for its own staging, not at the "
-           "threadgroup's for all ten groups; one threadgroup barrier before the combine (the same bits). Nsight "
-           "Compute put 46 % of the kernel's stall samples at its per-chunk barrier (H100, 2026-12-05). A candidate, "
-           "off until timed in the step.",
+           "threadgroup's for all ten groups; one threadgroup barrier before the combine (the same bits): 18 % less "
+           "time of the kernel in a 4K step with the ring (H100, 2026-12-05; docs/moe.md).",
            "One threadgroup barrier a chunk for all groups."),
     Switch("direct_down_combine", "moe", "decode", False,
            "With fused_down_combine: each chain of a decode call's down GEMV reads its weight row straight from "

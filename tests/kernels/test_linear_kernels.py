@@ -89,6 +89,77 @@ def test_gemv_q4_row_alone_equals_row_in_batch(rows, monkeypatch):
         assert mx.array_equal(batch[i:i + 1], alone).item(), i
 
 
+def _rms_norm_oracle(x: mx.array, norm_weight: mx.array, eps: float) -> mx.array:
+    """The norm as stock computes it (MLX's rms_norm on the CPU): the GEMV with the norm inside may differ from it in
+    the last bit of an element, where its own sum of squares rounds the other way."""
+    return mx.fast.rms_norm(x, norm_weight, eps, stream=mx.cpu)
+
+
+@needs_sim
+@SETTINGS
+@given(rows=st.sampled_from([1, 2, 3, 8, 9]), k_gs=st.sampled_from([(96, 32), (128, 64), (1024, 64), (2176, 64),
+                                                                  (2048, 128)]),
+       n=st.sampled_from([1, 5, 8, 37]), dtype=st.sampled_from(["bfloat16", "float16"]),
+       scale=st.sampled_from([0.01, 1.0, 40.0]), seed=st.integers(0, 1000))
+def test_gemv_q4_rms_norm_matches_the_oracle(rows, k_gs, n, dtype, scale, seed):
+    """``linear_gemv_q4_rms_norm`` (switch gemv_input_norm): x normalised inside the GEMV with stock's rounding points.
+    Against the fp64 product of stock's norm output: within one rounding of the type, plus one unit of the type per
+    normalised element (its sum of squares is the kernel's own), plus the fp32 sums' walk; every output written
+    (poisoned); inputs from tiny to large (the norm's scale must not show)."""
+    k, gs = k_gs
+    dt = getattr(mx, dtype)
+    rng = np.random.default_rng(seed)
+    wq, scales, biases = _weights(n, k, gs, dt, seed)
+    x = mx.array((scale * rng.standard_normal((rows, 1, k))).astype(np.float32)).astype(dt)
+    weight = mx.array((1.0 + 0.2 * rng.standard_normal(k)).astype(np.float32)).astype(dt)
+    got = lk.gemv_q4_rms_norm(x, weight, 1e-6, wq, scales, biases, gs, backend=KERNEL_BACKEND,
+                              init_value=float("nan"))
+    assert got.shape == (rows, 1, n) and got.dtype == dt
+    want, magnitude = _oracle(_rms_norm_oracle(x, weight, 1e-6), wq, scales, biases, gs)
+    got64 = np.asarray(got.astype(mx.float32), dtype=np.float64).reshape(want.shape)
+    assert not np.isnan(got64).any(), "an output element was not written (poisoned with NaN)"
+    tol = EPS[dtype] * (np.abs(want) + magnitude) + 4 * np.sqrt(k) * 2.0 ** -24 * magnitude + 1e-30
+    bad = np.abs(got64 - want) > tol
+    assert not bad.any(), f"{bad.sum()} of {bad.size} elements off, worst {np.abs(got64 - want)[bad].max()}"
+
+
+@needs_sim
+def test_gemv_q4_rms_norm_equals_the_gemv_of_the_same_norm():
+    """Where the kernel's sum of squares rounds as MLX's (Qwen3.6's width, bf16, these draws), the norm inside the GEMV
+    gives the plain GEMV's bits over stock's norm output: the normalised values are rounded at stock's points and then
+    take the GEMV's own arithmetic."""
+    rng = np.random.default_rng(5)
+    wq, scales, biases = _weights(40, 2048, 64, mx.bfloat16, 5)
+    x = mx.array(rng.standard_normal((3, 1, 2048)).astype(np.float32)).astype(mx.bfloat16)
+    weight = mx.array((1.0 + 0.2 * rng.standard_normal(2048)).astype(np.float32)).astype(mx.bfloat16)
+    fused = lk.gemv_q4_rms_norm(x, weight, 1e-6, wq, scales, biases, 64, backend=KERNEL_BACKEND)
+    plain = lk.gemv_q4(_rms_norm_oracle(x, weight, 1e-6), wq, scales, biases, 64, backend=KERNEL_BACKEND)
+    assert mx.array_equal(fused, plain).item()
+
+
+@needs_sim
+@pytest.mark.parametrize("rows", [1, 8, 11])
+def test_gemv_q4_rms_norm_row_alone_equals_row_in_batch(rows, monkeypatch):
+    """Batch invariance with the norm inside: a row's sum of squares and products are its own, whatever the batch
+    (race-checked)."""
+    monkeypatch.setenv("LILY_MSL_RACE", "1")
+    rng = np.random.default_rng(rows)
+    wq, scales, biases = _weights(24, 640, 64, mx.bfloat16, 3)
+    x = mx.array(rng.standard_normal((rows, 1, 640)).astype(np.float32)).astype(mx.bfloat16)
+    weight = mx.array((1.0 + 0.2 * rng.standard_normal(640)).astype(np.float32)).astype(mx.bfloat16)
+    batch = lk.gemv_q4_rms_norm(x, weight, 1e-5, wq, scales, biases, 64, backend=KERNEL_BACKEND)
+    for i in {0, rows // 2, rows - 1}:
+        alone = lk.gemv_q4_rms_norm(x[i:i + 1], weight, 1e-5, wq, scales, biases, 64, backend=KERNEL_BACKEND)
+        assert mx.array_equal(batch[i:i + 1], alone).item(), i
+
+
+def test_rms_norm_reason_refuses_a_norm_it_does_not_compute():
+    x = mx.zeros((1, 1, 128), mx.bfloat16)
+    assert lk.rms_norm_reason(x, mx.ones((128,), mx.bfloat16)) is None
+    assert "norm weight" in lk.rms_norm_reason(x, mx.ones((64,), mx.bfloat16))
+    assert "norm weight" in lk.rms_norm_reason(x, mx.ones((128,), mx.float32))
+
+
 def test_gemv_reason_refuses_what_it_does_not_compute():
     x = mx.zeros((1, 1, 128), mx.bfloat16)
     wq, scales, biases = _weights(8, 128, 64, mx.bfloat16, 0)
@@ -198,6 +269,40 @@ def test_fused_in_projections_and_single_pieces_give_the_same_bits(embedded_mode
         assert rec.names() == [GEMV] * (1 + len(names))
         for a, b in zip(fused, pieces):
             assert mx.array_equal(a, b).item()
+    finally:
+        lily_mlx.unpatch(model)
+
+
+@needs_sim
+def test_a_decode_step_takes_the_input_norm_inside_the_gemv(embedded_model, monkeypatch):
+    """The patched embedded model, trial GEMV on, one decode step: with switch gemv_input_norm each decoder layer's
+    in-projection launch is the GEMV with the norm inside (one a layer) and MLX's norm of the layer input is never
+    evaluated; the step's logits are those of the step with the switch off (the norm a launch of its own) within
+    bf16 noise, and its greedy token the same."""
+    import lily_mlx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
+    monkeypatch.setenv("LILY_TRIAL_OPS", "linear_gemv")
+    model, tokenizer = embedded_model
+    prompt = mx.array([tokenizer.encode("The decoder layer's input norm")])
+    lily_mlx.patch(model)
+    try:
+        logits = {}
+        for on in (True, False):
+            with switches.overrides(disable=[] if on else ["gemv_input_norm"]):
+                cache = make_prompt_cache(model)
+                mx.eval(model(prompt, cache=cache))
+                with record_launches() as rec:
+                    out = model(prompt[:, -1:], cache=cache)
+                    mx.eval(out)
+                names = rec.names()
+            n_layers = len(model.layers)
+            assert names.count("linear_gemv_q4_rms_norm") == (n_layers if on else 0), names
+            logits[on] = out.astype(mx.float32)
+        diff = mx.abs(logits[True] - logits[False]).max().item()
+        assert diff <= 0.05 * mx.abs(logits[False]).max().item(), diff
+        assert mx.array_equal(mx.argmax(logits[True], -1), mx.argmax(logits[False], -1)).item()
     finally:
         lily_mlx.unpatch(model)
 

@@ -2030,9 +2030,9 @@ def test_decode_call_takes_the_direct_down_combine_layout_when_chosen(gemm_sim, 
 
 
 @needs_sim
-@pytest.mark.parametrize("ring, simd", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("ring, simd", [(False, False), (True, True), (False, True), (True, False)])
 def test_decode_call_takes_the_down_combine_schedule_of_its_switches(gemm_sim, monkeypatch, ring, simd):
-    """Switches down_combine_ring (on by default) and down_combine_simd_barriers (off, a candidate) set the staged
+    """Switches down_combine_ring and down_combine_simd_barriers (both on by default) set the staged
     down+combine's template: PD = DOWN_COMBINE_IN_FLIGHT (halved until it divides the chunks) or 1, GS = 1 or 0; the
     block's output has the default schedule's bits in every state."""
     from lily_mlx.ops.moe import sparse_moe_forward
@@ -2047,7 +2047,7 @@ def test_decode_call_takes_the_down_combine_schedule_of_its_switches(gemm_sim, m
     (product,) = [c for c in default if c.name == "moe_gemv_down_combine"]
     template, product = dict(call.kwargs["template"]), dict(product.kwargs["template"])
     chunks = block.switch_mlp.down_proj["weight"].shape[-1] * 8 // template["KC"]
-    assert product["PD"] == mk.chunks_in_flight(chunks, mk.DOWN_COMBINE_IN_FLIGHT) and product["GS"] == 0
+    assert product["PD"] == mk.chunks_in_flight(chunks, mk.DOWN_COMBINE_IN_FLIGHT) and product["GS"] == 1
     assert template["PD"] == (product["PD"] if ring else 1) and template["GS"] == int(simd)
     assert mx.array_equal(got, want).item()
 

@@ -18,7 +18,7 @@ template or geometry:
 | ``split_k_gate_up`` (off by default) | gate+up's register tiles and one-row GEMV with template SK = the split | SK = 1 |
 | ``direct_down_combine`` (off by default) | decode: ``moe_gemv_down_combine_direct`` (with ``fused_down_combine``) | ``moe_gemv_down_combine`` |
 | ``down_combine_ring`` | decode: ``moe_gemv_down_combine`` template PD = 4 | PD = 1 |
-| ``down_combine_simd_barriers`` (off by default) | decode: ``moe_gemv_down_combine`` template GS = 1 | GS = 0 |
+| ``down_combine_simd_barriers`` | decode: ``moe_gemv_down_combine`` template GS = 1 | GS = 0 |
 | ``register_scan`` | ``deltanet_scan_staged`` / ``deltanet_scan_register`` | ``deltanet_scan_blockwise``, ceil(T / 16) state blocks |
 | ``staged_scan`` | ``deltanet_scan_staged`` (with ``register_scan``) | ``deltanet_scan_register`` |
 | ``fused_recurrent_norm`` | ``deltanet_decode_fused`` | gates, scan (T = 1), gated norm kernels |
@@ -354,7 +354,7 @@ def test_tall_register_blocks_paths(sim, state):
 
 K_SPLIT_SWITCHES = ("split_k_gate_up",)
 # direct_down_combine (off by default): with the decode path of fused_down_combine, moe_gemv_down_combine_direct in
-# place of moe_gemv_down_combine, the same bits; down_combine_ring (on) and down_combine_simd_barriers (off): that
+# place of moe_gemv_down_combine, the same bits; down_combine_ring and down_combine_simd_barriers (both on): that
 # kernel's template PD and GS, the same bits (tests/kernels/test_moe_kernels.py).
 DIRECT_SWITCHES = ("direct_down_combine", "down_combine_ring", "down_combine_simd_barriers")
 

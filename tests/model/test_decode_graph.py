@@ -84,7 +84,7 @@ def _built_step(model, y, cache):
     kinds), and the calls of MLX's fused ops it made."""
     with switches.overrides(disable=["compiled_decode"]), record_launches() as launches, fast_op_calls() as fast:
         nxt = _step(model, y, cache)
-    kinds = count_step(nxt, fast)
+    kinds = count_step(nxt)
     mx.eval(nxt)
     return nxt, launches.counts(), kinds, fast
 
@@ -108,7 +108,7 @@ def test_a_decode_step_runs_the_kernels_and_builds_little_else(decoding):
 def test_the_traced_step_holds_the_built_steps_launches(decoding):
     model, y, cache = decoding
     y, _, built, fast = _built_step(model, y, cache)
-    traced = count_step(_step(model, y, cache), fast)  # through the layers' traces (replayed)
+    traced = count_step(_step(model, y, cache))  # through the layers' traces (replayed)
     for kind in ("CustomKernel", "RMSNorm", "QuantizedMatmul", "ScatterAxis"):
         assert traced.get(kind) == built.get(kind), kind
     non_view = lambda counts: sum(n for k, n in counts.items() if k not in VIEW_PRIMITIVES)  # noqa: E731
@@ -152,7 +152,7 @@ def test_a_quantized_kv_cache_keeps_every_other_kernel(decoding):
     assert launches == expected
     n_attention = sum(not layer.is_linear for layer in model.language_model.model.layers)
     assert "SliceUpdate" not in kinds and kinds.get("ScatterAxis") == 6 * n_attention  # a row into 3 parts a side
-    traced = count_step(_step(model, y, cache), fast)
+    traced = count_step(_step(model, y, cache))
     assert traced.get("CustomKernel") == kinds.get("CustomKernel")
 
 
@@ -210,7 +210,7 @@ def test_constant_weights_on_the_cuda_path():
             mx.eval(y)
         epoch = generation.weights_epoch()
         y, _, built, fast = _built_step(model, y, cache)
-        traced = count_step(_step(model, y, cache), fast)
+        traced = count_step(_step(model, y, cache))
         for _ in range(3):
             y = _step(model, y, cache)
             mx.eval(y)
@@ -246,7 +246,7 @@ def test_step_trace_on_the_cuda_path():
         profile.enable()
         nxt = _step(model, y, cache)
         profile.disable()
-        traced = count_step(nxt, fast)
+        traced = count_step(nxt)
         made = model.language_model.__dict__["_lily_step_traces"]
         assert [v[1] is not None for v in made.values()] == [True]
     calls = pstats.Stats(profile).total_calls
@@ -327,7 +327,7 @@ def test_decode_over_a_quantized_kv_cache_on_the_cuda_path(monkeypatch, form):
             mx.eval(y)
         assert [c.offset for c in cache if hasattr(c, "offset")] == [n + 3 for n in start]
         y, launches, built, fast = _built_step(model, y, cache)
-        traced = count_step(_step(model, y, cache), fast)
+        traced = count_step(_step(model, y, cache))
     if form == "in-buffer-reference":
         assert not any(name.startswith("attention_decode") for name in launches), launches
     else:
@@ -353,3 +353,32 @@ def test_the_decode_graph_tool_counts_a_servers_batch(capsys):
     assert "| non-view, in all |" in out and "graph build on this host:" in out
     with pytest.raises(SystemExit):
         decode_graph.main(["--batch-contexts", "12,5", "--kv-bits", "4"])
+
+
+@pytest.mark.parametrize("input_norm", [True, False])
+def test_the_dense_gemv_takes_each_layers_input_norm(monkeypatch, input_norm):
+    """With the trial row GEMV (``LILY_TRIAL_OPS=linear_gemv``) every dense projection of a decode step is one of
+    lily's launches, and with switch ``gemv_input_norm`` each layer's input RMSNorm is computed inside the GEMV of the
+    projection after it (``linear_gemv_q4_rms_norm``): the norms leave the step's graph (the final norm stays: stock's
+    model code applies it), one primitive fewer a layer, built and traced alike. Off: the norms are their own
+    primitives and every projection takes the plain GEMV."""
+    monkeypatch.setenv("LILY_TRIAL_OPS", "linear_gemv")
+    model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
+    with switches.overrides(disable=[] if input_norm else ["gemv_input_norm"]), _on_the_cuda_path(model):
+        y, cache = _prefill(model, 40, VOCAB, 0)
+        for _ in range(3):
+            y = _step(model, y, cache)
+            mx.eval(y)
+        expected, n_deltanet, n_attention = _expected_launches(model)
+        y, launches, built, _ = _built_step(model, y, cache)
+        traced = count_step(_step(model, y, cache))
+    layers = n_deltanet + n_attention
+    normed = layers if input_norm else 0
+    assert launches.get("linear_gemv_q4_rms_norm", 0) == normed, launches
+    assert launches.get("linear_gemv_q4") == 2 * layers + 1 - normed, launches  # in/out projections, lm_head
+    for counts in (built, traced):
+        assert counts.get("RMSNorm") == layers + 1 - normed, counts
+        assert "QuantizedMatmul" not in counts, counts
+    non_view = sum(n for k, n in built.items() if k not in VIEW_PRIMITIVES)
+    assert non_view == (PRIMITIVES_DELTANET_LAYER * n_deltanet + PRIMITIVES_ATTENTION_LAYER * n_attention
+                        + PRIMITIVES_OUTSIDE_LAYERS - normed), built

@@ -84,6 +84,13 @@ def test_ablation_engines_run_lily_with_switches_off(monkeypatch):
 
     assert e2e.switches_off("lily-off:gpu_routing+chunked_prefill") == ("gpu_routing", "chunked_prefill")
     assert e2e.switches_off("lily") == () and e2e.switches_off("stock") == ()
+    # the @off- modifier: switches off for an engine whose name cannot say so (a trial kernel's switch), with others
+    assert e2e.switches_off("lily-trial:linear_gemv@off-gemv_input_norm") == ("gemv_input_norm",)
+    assert e2e.switches_off("lily-off:gpu_routing@off-fused_dequant+row_gemv@chunk-512") == (
+        "gpu_routing", "fused_dequant", "row_gemv")
+    assert e2e.trial_ops("lily-trial:linear_gemv@off-gemv_input_norm") == ("linear_gemv",)
+    assert e2e.chunk_size("lily@off-gpu_routing@chunk-512", 2048) == 512
+    e2e.validate_engine("lily-trial:linear_gemv@off-gemv_input_norm")
     with pytest.raises(ValueError, match="Valid switches"):
         e2e.switches_off("lily-off:no_such_switch")
 
@@ -261,7 +268,7 @@ def test_decode_profile_shared_prefill_decodes_every_engine_from_one_cache(monke
     assert set(profile["engines"]) == {"stock", "lily"}
 
 
-@pytest.mark.parametrize("name, parts", [("device_decode_checks.sh", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42 or 43"),
+@pytest.mark.parametrize("name, parts", [("device_decode_checks.sh", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43 or 44"),
                                          ("device_register_tiles.sh", "1, 2, 3, 4, 5, 6, 7 or 8")])
 def test_device_scripts_are_valid_bash_and_refuse_an_unknown_part(tmp_path, name, parts):
     script = str(REPO / "bench" / name)

@@ -8,13 +8,16 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from ...core.dispatch import op_backend
-from ...core.kernel_registry import KernelSpec, get_kernel
+from ...core.kernel_registry import KernelSpec, float32_scalar, get_kernel
 
 GEMV = "linear/gemv.metal"
 
 KERNELS: Dict[str, KernelSpec] = {
     "gemv_q4": KernelSpec("linear_gemv_q4", GEMV, ("x", "w", "scales", "biases", "params"), ("y",),
                           params=("K", "N", "B")),
+    "gemv_q4_rms_norm": KernelSpec("linear_gemv_q4_rms_norm", GEMV,
+                                   ("x", "w", "scales", "biases", "norm_weight", "eps", "params"), ("y",),
+                                   params=("K", "N", "B")),
 }
 
 # A trial kernel on every backend (on with LILY_TRIAL_OPS=linear_gemv; `python -m lily_mlx tune` has no
@@ -49,20 +52,40 @@ def gemv_reason(x: mx.array, weight: mx.array, scales: mx.array, biases: Optiona
     return None
 
 
-def gemv_q4(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-            backend: Optional[str] = None, init_value=None) -> mx.array:
-    """x [..., K] . W^T -> [..., N] in one launch; every row of x computed alike (batch invariant).
-    x goes in and y comes out in their call shapes (the kernel reads rows of K): a reshape on either side
-    would be one more primitive for MLX to evaluate per call, host time a decode step is bound by."""
+def _launch(name: str, x: mx.array, extra: list, weight: mx.array, scales: mx.array, biases: mx.array,
+            group_size: int, backend: Optional[str], init_value) -> mx.array:
     k, n = x.shape[-1], weight.shape[0]
     rows = x.size // k
     m = min(rows, MAX_ROWS_PER_LAUNCH)
     per_group = ROWS * SIMDGROUPS
-    spec = KERNELS["gemv_q4"]
+    spec = KERNELS[name]
     (y,) = get_kernel(spec, backend or op_backend("linear_gemv"))(
-        inputs=[x, weight, scales, biases, spec.pack(K=k, N=n, B=rows)],
+        inputs=[x, weight, scales, biases, *extra, spec.pack(K=k, N=n, B=rows)],
         template=[("T", x.dtype), ("M", m), ("GS", group_size)],
         grid=(-(-n // per_group) * SIMDGROUPS * 32, -(-rows // m), 1), threadgroup=(SIMDGROUPS * 32, 1, 1),
         output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype], init_value=init_value,
     )
     return y
+
+
+def gemv_q4(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+            backend: Optional[str] = None, init_value=None) -> mx.array:
+    """x [..., K] . W^T -> [..., N] in one launch; every row of x computed alike (batch invariant).
+    x goes in and y comes out in their call shapes (the kernel reads rows of K): a reshape on either side
+    would be one more primitive for MLX to evaluate per call, host time a decode step is bound by."""
+    return _launch("gemv_q4", x, [], weight, scales, biases, group_size, backend, init_value)
+
+
+def gemv_q4_rms_norm(x: mx.array, norm_weight: mx.array, eps: float, weight: mx.array, scales: mx.array,
+                     biases: mx.array, group_size: int, backend: Optional[str] = None, init_value=None) -> mx.array:
+    """RMSNorm(x; norm_weight, eps) [..., K] . W^T -> [..., N] in one launch (the norm with stock's rounding
+    points, its sum of squares the kernel's own); batch invariant as ``gemv_q4``."""
+    return _launch("gemv_q4_rms_norm", x, [norm_weight, float32_scalar(eps)], weight, scales, biases, group_size,
+                   backend, init_value)
+
+
+def rms_norm_reason(x: mx.array, norm_weight: mx.array) -> Optional[str]:
+    """None when ``gemv_q4_rms_norm`` computes the norm of x with this weight, else why not."""
+    if norm_weight.shape != (x.shape[-1],) or norm_weight.dtype != x.dtype:
+        return f"norm weight {norm_weight.shape} {norm_weight.dtype} for input {x.shape} {x.dtype}"
+    return None

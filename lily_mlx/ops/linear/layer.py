@@ -14,7 +14,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ...core import switches
+from ...core import projections, switches
 from ...core.dispatch import REFERENCE, op_backend
 from ...core.log import log_once
 from . import kernels
@@ -41,7 +41,24 @@ def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: Op
     backend = _gemv_backend(x, weight, scales, biases, group_size, bits, mode)
     if backend is None:
         return quantized_matmul_reference(x, weight, scales, biases, group_size, bits, mode)
+    source = _input_norm_source(x)
+    if source is not None:
+        x_in, norm = source
+        return kernels.gemv_q4_rms_norm(x_in, norm["weight"], norm.eps, weight, scales, biases, group_size, backend)
     return kernels.gemv_q4(x, weight, scales, biases, group_size, backend)
+
+
+def _input_norm_source(x: mx.array):
+    """(the norm's input, the ``nn.RMSNorm``) when x is a decoder layer's input norm that the GEMV may compute
+    itself (switch ``gemv_input_norm``; ``projections.note_input_norm``), else None."""
+    source = projections.input_norm_of(x)
+    if source is None or not switches.is_enabled("gemv_input_norm"):
+        return None
+    reason = kernels.rms_norm_reason(source[0], source[1]["weight"])
+    if reason is not None:
+        log_once(f"gemv_input_norm:{reason}", f"gemv_input_norm: {reason}; the norm as its own launch")
+        return None
+    return source
 
 
 def quantized_linear_forward(self, x: mx.array) -> mx.array:

@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.nn.layers.distributed import sum_gradients
 
-from ...core import compiled, generation, lookahead, step_trace, switches
+from ...core import compiled, generation, lookahead, projections, step_trace, switches
 from ...core.dispatch import op_backend
 from ...core.log import log_once
 from .reference import (
@@ -230,7 +231,7 @@ def _traced_layer(self, x: mx.array, mask, cache, normed=None, next_weight=None)
            None if next_weight is None else (next_weight.shape, next_weight.dtype))
     replayable = switches.is_enabled("layer_replay")
     step = trace(mixer, x, mask, cache, owner=self, key=key,
-                 pre=_use_handed if normed is not None else self.input_layernorm,
+                 pre=_use_handed if normed is not None else lambda x: _input_norm(self, x),
                  post=lambda x, mixed, *w: post_mixer(self, x, mixed, *w), pre_args=pre_args, post_args=post_args,
                  replayable=replayable)
     if step is None:
@@ -273,6 +274,17 @@ def _use_handed(x: mx.array, normed: mx.array) -> mx.array:
     return normed
 
 
+def _input_norm(self, x: mx.array) -> mx.array:
+    """``self.input_layernorm(x)``; for a decode call with switch ``gemv_input_norm`` on and an ``nn.RMSNorm``,
+    noted for the projections that take it (``projections.note_input_norm``: the dense GEMV may compute the
+    norm itself, and MLX then never evaluates this array)."""
+    norm = self.input_layernorm
+    normed = norm(x)
+    if x.shape[1] == 1 and type(norm) is nn.RMSNorm and switches.is_enabled("gemv_input_norm"):
+        projections.note_input_norm(normed, x, norm)
+    return normed
+
+
 def decoder_layer_forward(self, x: mx.array, mask=None, cache=None) -> mx.array:
     """A Qwen3.5/3.6/Next decoder layer (``DecoderLayer`` / ``Qwen3NextDecoderLayer.__call__``): stock's
     computation, except that a lily sparse-MoE block is handed the residual, so that its combine kernel
@@ -289,10 +301,12 @@ def decoder_layer_forward(self, x: mx.array, mask=None, cache=None) -> mx.array:
         out = _replayed(self, x, mask, cache, normed, next_weight)
         if out is None:
             out = _traced_layer(self, x, mask, cache, normed, next_weight)
+            projections.forget_input_norm()
         if out is not None:
             return _hand_over(self, out)
     mixer = self.linear_attn if self.is_linear else self.self_attn
-    mixed = mixer(normed if normed is not None else self.input_layernorm(x), mask, cache)
+    mixed = mixer(normed if normed is not None else _input_norm(self, x), mask, cache)
+    projections.forget_input_norm()
     return _hand_over(self, post_mixer(self, x, mixed, next_weight))
 
 
