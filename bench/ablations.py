@@ -72,6 +72,8 @@ ABLATIONS = (
     ("fused_combine", "decode", 4 * K, None),
     ("fused_qk_prep", "decode", 4 * K, None),
     ("dense_gemv", "decode", 4 * K, None),
+    ("gemv_input_norm", "decode", 4 * K, None),
+    ("fused_in_proj_step", "decode", 4 * K, None),
     ("split_k_gate_up", "decode", 4 * K, None),
     ("direct_down_combine", "decode", 4 * K, None),
     ("down_combine_ring", "decode", 4 * K, None),
@@ -96,6 +98,12 @@ GENERATION_LEVEL = {
     "direct_down_combine": ("off by default (a candidate), so lily and lily-off:direct_down_combine are one "
                             "configuration: time it with LILY_ENABLE=direct_down_combine "
                             "(bench/device_decode_checks.sh PART=36)"),
+    "gemv_input_norm": ("acts only with the trial row GEMV: time it with bench.decode_ab --engines "
+                        "lily-trial:linear_gemv,lily-trial:linear_gemv@off-gemv_input_norm "
+                        "(bench/device_decode_checks.sh PART=44 and 45)"),
+    "fused_in_proj_step": ("acts only with the trial row GEMV: time it with bench.decode_ab --engines "
+                           "lily-trial:linear_gemv,lily-trial:linear_gemv@off-fused_in_proj_step "
+                           "(bench/device_decode_checks.sh PART=44 and 45)"),
 }
 
 

@@ -98,8 +98,10 @@
 #   PART=42 bash bench/device_decode_checks.sh  # a batch step's build on this host; the batch split's aims at
 #                                               # batches of 1 / 2 / 4 / 8 rows (op cases)
 #   PART=43 bash bench/device_decode_checks.sh  # the routed gate+up with 2 / 4 / 8 chunks in flight (step GPU time)
-#   PART=44 bash bench/device_decode_checks.sh  # the dense row GEMV with each layer's input norm inside it
-#                                               # (gemv_input_norm): CUDA tests, step GPU time, decode A/B at 4K
+#   PART=44 bash bench/device_decode_checks.sh  # the trial row GEMV with each layer's input norm inside it
+#                                               # (gemv_input_norm) and the DeltaNet in-projection inside its
+#                                               # step (fused_in_proj_step): CUDA tests, step GPU time
+#   PART=45 bash bench/device_decode_checks.sh  # PART=44's engines: decode A/B at 4K, decode profile
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -110,6 +112,10 @@ W=$OUT/decode_checks
 TAG=decode_checks
 . bench/device_budget.sh
 ENGINES=${ENGINES:-lily,lily-off:fused_add_norm,lily-off:fused_topk_gemv,lily-off:fused_qk_prep}
+# The trial row GEMV's forms (PART=44, 45): with the input norm and the DeltaNet in-projection inside, without the
+# latter, without both
+GEMV_ENGINES="lily-trial:linear_gemv,lily-trial:linear_gemv@off-fused_in_proj_step"
+GEMV_ENGINES="$GEMV_ENGINES,lily-trial:linear_gemv@off-fused_in_proj_step+gemv_input_norm"
 switch_ab() {  # switch_ab NAME NEEDED_SECONDS SWITCH CONTEXT BURSTS: decode in alternating bursts, a switch that is off
   # by default turned on for the process (lily) against its off state (lily-off:SWITCH), one prefill
   local name=$1 need=$2 sw=$3 context=$4 bursts=$5
@@ -630,23 +636,29 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     ;;
   44) # the dense row GEMV (trial kernel linear_gemv) with each decoder layer's input RMSNorm inside the GEMV of the
       # projection after it (switch gemv_input_norm; its first build, H100 2026-12-05: 17.5 us a launch, no faster than
-      # the norm's own launch plus the plain GEMV; now the weights' loads go out before the norm's sum of squares):
-      # CUDA tests, a 4K step's GPU time by kernel (lily, the trial with the norm inside, the trial without), then
-      # decode in alternating bursts of the three at 4K
-    run tests_cuda 220 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
-      tests/kernels/test_linear_kernels.py
+      # the norm's own launch plus the plain GEMV; now the weights' loads go out before the norm's sum of squares) and
+      # a DeltaNet layer's in-projection inside its step's kernel (switch fused_in_proj_step, deltanet_decode_from_hidden:
+      # 32 threadgroups read the 12 MB in-projection; untimed): CUDA tests, then a 4K step's GPU time by kernel for lily,
+      # the trial with both, without fused_in_proj_step, without both
+    run tests_cuda 240 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
+      tests/kernels/test_linear_kernels.py tests/kernels/test_deltanet_from_hidden.py
     tail -3 "$W/tests_cuda.txt"
-    run sgt_gemv_norm 260 python -m bench.step_gpu_time \
-      --compare lily,lily-trial:linear_gemv,lily-trial:linear_gemv@off-gemv_input_norm --clock-control none \
+    run sgt_gemv_norm 300 python -m bench.step_gpu_time --compare "lily,$GEMV_ENGINES" --clock-control none \
       --cache-control none --out "$W/sgt_gemv_norm"
-    grep -E "^\| lily|qmv|gemv|rms_norm" "$W/sgt_gemv_norm/step_gpu_time.md" 2>/dev/null | head -16
+    grep -E "^\| lily|qmv|gemv|rms_norm|deltanet_decode" "$W/sgt_gemv_norm/step_gpu_time.md" 2>/dev/null | head -24
     rm -f "$W"/sgt_*/*.csv
-    run decode_ab 170 python -m bench.decode_ab \
-      --engines lily,lily-trial:linear_gemv,lily-trial:linear_gemv@off-gemv_input_norm --context 4096 --bursts 8 \
-      --out "$W/decode_ab"
-    tail -8 "$W/decode_ab.txt"
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43 or 44" \
+  45) # PART=44's engines end to end: decode in alternating bursts at 4K (lily, the trial row GEMV with the input norm
+      # and the DeltaNet in-projection inside, without the latter, without both), then the decode profile (primitives,
+      # build and eval a step) of lily and the trial with both
+    run decode_ab 260 python -m bench.decode_ab --engines "lily,$GEMV_ENGINES" --context 4096 --bursts 8 \
+      --out "$W/decode_ab"
+    tail -9 "$W/decode_ab.txt"
+    run profile 200 python -m bench.run --mode decode-profile --engines lily,lily-trial:linear_gemv --context 4096 \
+      --out "$W/profile"
+    tail -8 "$W/profile.txt"
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44 or 45" \
        >&2
      exit 2 ;;
 esac

@@ -19,7 +19,13 @@
 // state and gates fp32; activations InT (bf16 in the model).
 
 // @header
+// @include linear/gemv.metal
 #define DELTANET_EPL 32
+// Weight pieces per row and lane in flight in deltanet_decode_from_hidden's GEMV (the row GEMV's LINEAR_GEMV_UNROLL is
+// 2): its 512-thread threadgroups allow 128 registers a thread, and NVRTC cannot be told the bound (no launch bounds
+// through MLX). ptxas for sm_90a at Qwen3.6's shape: 118-120 registers with 1, 127 with 2 (too close to the bound for
+// another compiler version).
+#define DELTANET_GEMV_UNROLL 1
 
 // Sum over the LANES consecutive lanes owning one state row (called by all 32 lanes).
 template <int LANES>
@@ -51,16 +57,17 @@ inline float deltanet_beta(float b) {
 // Row i of the conv input [conv_state; masked tokens] of batch row b, channel c, in fp32: rows
 // i < K-1 are the conv state (zeros without one), row K-1 + t is token t (zero where masked).
 // Pointer types are template parameters as a whole: MLX passes inputs of fewer than 8 elements (a
-// 1-element stand-in, a small mask) in the constant address space, larger ones in device.
+// 1-element stand-in, a small mask) in the constant address space, larger ones in device. qkv's element of channel
+// c is qkv[bt * ld + c - c0] (c0: the channel qkv's first element holds; 0 for a whole row).
 template <typename QKV, typename CS, typename M>
 inline float deltanet_conv_input(
     QKV qkv, CS conv_state, M mask, int b, int i, int c, int T, int C, int K, bool has_state, bool has_mask,
-    int ld) {
+    int ld, int c0 = 0) {
   if (i < K - 1) {
     return has_state ? static_cast<float>(conv_state[(static_cast<size_t>(b) * (K - 1) + i) * C + c]) : 0.0f;
   }
   const size_t bt = static_cast<size_t>(b) * T + (i - (K - 1));
-  return (!has_mask || mask[bt]) ? static_cast<float>(qkv[bt * ld + c]) : 0.0f;  // ld: qkv's row stride
+  return (!has_mask || mask[bt]) ? static_cast<float>(qkv[bt * ld + c - c0]) : 0.0f;  // ld: qkv's row stride
 }
 
 // Conv row r (the Dk channels r * Dk + lane + 32 i, i < Dk / 32) of token t of batch row b_idx, as
@@ -74,7 +81,7 @@ inline float deltanet_conv_input(
 template <int Dk, int K, typename QKV, typename CS, typename W, typename M>
 inline void deltanet_conv_row(
     thread float* vals, QKV qkv, CS conv_state, W weight, M mask, int b_idx, int t, int r, int lane,
-    int T, int C, int Hk, bool has_state, bool has_mask, float eps, int ld) {
+    int T, int C, int Hk, bool has_state, bool has_mask, float eps, int ld, int c0 = 0) {
   constexpr int PER_LANE = Dk / 32;
   float ss = 0.0f;
   for (int i = 0; i < PER_LANE; ++i) {
@@ -82,7 +89,8 @@ inline void deltanet_conv_row(
     // Window of token t: conv-input rows t .. t + K - 1 (the token itself last).
     float acc = 0.0f;
     for (int j = 0; j < K; ++j) {
-      const float x = deltanet_conv_input(qkv, conv_state, mask, b_idx, t + j, c, T, C, K, has_state, has_mask, ld);
+      const float x = deltanet_conv_input(qkv, conv_state, mask, b_idx, t + j, c, T, C, K, has_state, has_mask, ld,
+                                          c0);
       acc += x * static_cast<float>(weight[c * K + j]);
     }
     vals[i] = acc / (1.0f + exp(-acc));
@@ -105,14 +113,15 @@ inline void deltanet_conv_row(
 template <typename InT, int Dk, int K, typename O, typename QKV, typename CS, typename M, typename L>
 inline void deltanet_conv_state_row(
     O conv_state_out, QKV qkv, CS conv_state, M mask, L lengths, int b_idx, int r, int lane, int T, int C,
-    bool has_state, bool has_mask, bool has_lengths, int ld) {
+    bool has_state, bool has_mask, bool has_lengths, int ld, int c0 = 0) {
   constexpr int PER_LANE = Dk / 32;
   const int end = has_lengths ? min(max(static_cast<int>(lengths[b_idx]), 0), T) : T;
   const size_t state_row0 = static_cast<size_t>(b_idx) * (K - 1) * C;
   for (int i = 0; i < PER_LANE; ++i) {
     const int c = r * Dk + lane + 32 * i;
     for (int j = 0; j < K - 1; ++j) {
-      const float x = deltanet_conv_input(qkv, conv_state, mask, b_idx, end + j, c, T, C, K, has_state, has_mask, ld);
+      const float x = deltanet_conv_input(qkv, conv_state, mask, b_idx, end + j, c, T, C, K, has_state, has_mask, ld,
+                                          c0);
       conv_state_out[state_row0 + static_cast<size_t>(j) * C + c] = static_cast<InT>(x);
     }
   }
@@ -239,6 +248,70 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
   const float normed = y * inv_rms * w;
   const float silu_z = zc / (1.0f + exp(-zc));
   return silu_z * normed;
+}
+
+// deltanet_decode_conv_fused's work for value head n = (b_idx, hv) once the gates (g_t, beta_t) and this thread's z
+// element (zc) are known: the conv rows of q (head hk), k (head hk) and v (head hv), the step, the gated norm.
+// Threadgroup memory (declared by the kernel): qkv_head [3 Dk] (16-byte aligned: the conv rows of q, k, v as fp32 of
+// their InT values), y_head [Dv] (the head's fp32 read-outs, for the norm). The
+// token's q|k|v values come from qkv (row stride qkv_ld; qkv_c0[j]: the channel that qkv's first element holds for row
+// j = q, k, v, deltanet_conv_input's c0), so the kernel that computes them in threadgroup memory
+// (deltanet_decode_from_hidden) shares this code and its bits.
+template <typename InT, int Dk, int Dv, int K, int PARTIALS, typename QKV, typename CS, typename CW, typename M,
+          typename L, typename S, typename W, typename O, typename SO, typename CSO>
+inline void deltanet_decode_conv_step(
+    QKV qkv, int qkv_ld, int q_c0, int k_c0, int v_c0, CS conv_state, CW conv_weight, M mask, L lengths, S state_in,
+    float g_t, float beta_t, float zc, W weight, O out, SO state_out, CSO conv_state_out, int Hk, int Hv, int C,
+    bool has_conv_state, bool has_state, bool has_mask, bool has_lengths, float qk_eps, float norm_eps, int n,
+    int lane, int sg, threadgroup float* qkv_head, threadgroup float* y_head) {
+  constexpr int LANES = Dk / DELTANET_EPL;
+  constexpr int ROWS = 32 / LANES;
+  constexpr int PER_LANE = Dk / 32;
+  constexpr int SIMDGROUPS = Dv / ROWS;
+  const int b_idx = n / Hv;
+  const int hv = n % Hv;
+  const int rep = Hv / Hk;
+  const int hk = hv / rep;
+  const int col0 = lane % LANES;
+  const int dv = sg * ROWS + lane / LANES;
+  const bool live = !has_mask || mask[b_idx];  // uniform over the threadgroup
+
+  // This lane's state elements, loaded first: the loads are in flight while the conv rows are computed.
+  const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
+  float state[DELTANET_EPL];
+  deltanet_load_state<LANES>(state, state_in + row, col0, has_state);
+  const float w_dv = static_cast<float>(weight[dv]);
+
+  // The conv rows (uniform per simdgroup: each simd_sum inside is reached by all 32 lanes).
+  for (int j = sg; j < 3; j += SIMDGROUPS) {
+    const int r = j == 0 ? hk : (j == 1 ? Hk + hk : 2 * Hk + hv);
+    const int c0 = j == 0 ? q_c0 : (j == 1 ? k_c0 : v_c0);
+    float vals[PER_LANE];
+    deltanet_conv_row<Dk, K>(vals, qkv, conv_state, conv_weight, mask, b_idx, 0, r, lane, 1, C, Hk,
+                             has_conv_state, has_mask, qk_eps, qkv_ld, c0);
+    for (int i = 0; i < PER_LANE; ++i) {
+      qkv_head[j * Dk + lane + 32 * i] = static_cast<float>(static_cast<InT>(vals[i]));
+    }
+    if (j == 2 || hv % rep == 0) {
+      deltanet_conv_state_row<InT, Dk, K>(conv_state_out, qkv, conv_state, mask, lengths, b_idx, r, lane, 1, C,
+                                          has_conv_state, has_mask, has_lengths, qkv_ld, c0);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  float y_dv = 0.0f;  // the read-out stays fp32 into the norm
+  if (live) {
+    const threadgroup float* q_t = qkv_head;
+    const threadgroup float* k_t = qkv_head + Dk;
+    y_dv = deltanet_decode_row<LANES, PARTIALS, true>(state, q_t, k_t, col0, qkv_head[2 * Dk + dv], g_t, beta_t);
+  }
+
+  deltanet_store_state<LANES>(state_out + row, state, col0);
+
+  const float inv_rms = deltanet_head_inv_rms<Dv>(y_head, y_dv, dv, col0 == 0, lane, norm_eps);
+  if (col0 == 0) {
+    out[static_cast<size_t>(n) * Dv + dv] = static_cast<InT>(deltanet_gated_out(y_dv, inv_rms, w_dv, zc));
+  }
 }
 
 // @kernel deltanet_gates
@@ -628,64 +701,127 @@ inline float deltanet_gated_out(float y, float inv_rms, float w, float zc) {
 // out: [B, Hv, Dv] InT; state_out: [B, Hv, Dv, Dk] fp32; conv_state_out: [B, K-1, C] InT.
 // params: named in the launcher's KernelSpec (a generated prologue declares them).
 {
-  constexpr int LANES = Dk / DELTANET_EPL;
-  constexpr int ROWS = 32 / LANES;
-  constexpr int PER_LANE = Dk / 32;
-  constexpr int SIMDGROUPS = Dv / ROWS;
-  // q (head hk), k (head hk), v (head hv), InT values held in fp32; float4: 16-byte aligned chunks.
-  threadgroup float4 qkv_head4[3 * Dk / 4];
-  threadgroup float* qkv_head = reinterpret_cast<threadgroup float*>(qkv_head4);
-  threadgroup float y_head[Dv];        // the head's fp32 read-outs, for the norm
+  threadgroup float4 qkv_head4[3 * Dk / 4];  // q (head hk), k (head hk), v (head hv); float4: 16-byte aligned
+  threadgroup float y_head[Dv];
   const int n = static_cast<int>(thread_position_in_grid.z);
   const int b_idx = n / Hv;
   const int hv = n % Hv;
-  const int rep = Hv / Hk;
-  const int hk = hv / rep;
   const int lane = static_cast<int>(thread_index_in_simdgroup);
   const int sg = static_cast<int>(thread_position_in_grid.y);
-  const int col0 = lane % LANES;
-  const int dv = sg * ROWS + lane / LANES;
-  const bool live = !has_mask || mask[b_idx];  // uniform over the threadgroup
-
-  // This lane's state elements, the gates and the norm's inputs, loaded first: the loads are in flight
-  // while the conv rows are computed (they depend on nothing the kernel writes).
-  const size_t row = (static_cast<size_t>(n) * Dv + dv) * Dk;
-  float state[DELTANET_EPL];
-  deltanet_load_state<LANES>(state, state_in + row, col0, has_state);
+  const int dv = sg * (32 / (Dk / DELTANET_EPL)) + lane / (Dk / DELTANET_EPL);
+  // The gates and the norm's inputs, loaded before the conv rows (they depend on nothing the kernel writes).
   const size_t ab_row = static_cast<size_t>(b_idx) * ab_ld + hv;
   const float g_t = deltanet_decay(static_cast<float>(a[ab_row + a_off]), static_cast<float>(A_log[hv]),
                                    static_cast<float>(dt_bias[hv]));
   const float beta_t = deltanet_beta(static_cast<float>(b[ab_row + b_off]));
   const float zc = static_cast<float>(z[static_cast<size_t>(b_idx) * z_ld + z_off + hv * Dv + dv]);
-  const float w_dv = static_cast<float>(weight[dv]);
+  deltanet_decode_conv_step<InT, Dk, Dv, K, PARTIALS>(
+      qkv, qkv_ld, 0, 0, 0, conv_state, conv_weight, mask, lengths, state_in, g_t, beta_t, zc, weight, out,
+      state_out, conv_state_out, Hk, Hv, C, has_conv_state, has_state, has_mask, has_lengths, qk_eps[0], norm_eps[0],
+      n, lane, sg, reinterpret_cast<threadgroup float*>(qkv_head4), y_head);
+}
 
-  // The conv rows (uniform per simdgroup: each simd_sum inside is reached by all 32 lanes).
-  for (int j = sg; j < 3; j += SIMDGROUPS) {
-    const int r = j == 0 ? hk : (j == 1 ? Hk + hk : 2 * Hk + hv);
-    float vals[PER_LANE];
-    deltanet_conv_row<Dk, K>(vals, qkv, conv_state, conv_weight, mask, b_idx, 0, r, lane, 1, C, Hk,
-                             has_conv_state, has_mask, qk_eps[0], qkv_ld);
-    for (int i = 0; i < PER_LANE; ++i) {
-      qkv_head[j * Dk + lane + 32 * i] = static_cast<float>(static_cast<InT>(vals[i]));
+// @kernel deltanet_decode_from_hidden
+// One decode token of a Qwen3.5/3.6 DeltaNet layer from the layer's input (switch fused_in_proj_step, with the dense
+// row GEMV): the rows of the fused in-projection this value head needs, by the row GEMV's arithmetic
+// (linear_gemv_q4_accumulate; NORM = 1: the layer's input RMSNorm inside it, as linear_gemv_q4_rms_norm), rounded to
+// InT into threadgroup memory, then deltanet_decode_conv_fused's work from there (deltanet_decode_conv_step). So the
+// same bits as linear_gemv_q4[_rms_norm] over the whole in-projection followed by deltanet_decode_conv_fused, in one
+// launch: the in-projection's output never goes to memory, and the layer's input norm needs no launch.
+// Rows of the fused in-projection W [P, Hd] (q | k | v (C = 2 Hk Dk + Hv Dv), z (Hv Dv), b (Hv), a (Hv)) this head
+// reads: q and k of head hk (Dk each, from hk Dk and Hk Dk + hk Dk), v and z of head hv (Dv each, from 2 Hk Dk + hv Dv
+// and C + hv Dv), b and a of head hv (C + Hv Dv + hv, C + Hv Dv + Hv + hv): 4 Dk + 2 rows (Dv == Dk) in groups of
+// LINEAR_GEMV_ROWS, group g taken by simdgroup g % SIMDGROUPS; the q and k rows are read by each of the Hv / Hk heads
+// sharing them.
+// Geometry as deltanet_decode_conv_fused: grid (32, Dv / ROWS, B * Hv), one threadgroup per value head.
+// x [B, 1, Hd] InT (the layer's input: the norm's input with NORM); in_norm_weight [Hd] InT, in_norm_eps [1] fp32 (NORM
+// only); w [P, Hd / 8] uint32, scales, biases [P, Hd / GS] InT; the rest as deltanet_decode_conv_fused's (conv_state
+// [B, K-1, C], conv_weight, mask, lengths, A_log, dt_bias, state_in, weight, qk_eps, norm_eps).
+// out: [B, Hv, Dv] InT; state_out: [B, Hv, Dv, Dk] fp32; conv_state_out: [B, K-1, C] InT.
+{
+  constexpr int ROWS = 32 / (Dk / DELTANET_EPL);
+  constexpr int SIMDGROUPS = Dv / ROWS;
+  constexpr int SEGMENT_GROUPS = Dk / LINEAR_GEMV_ROWS;   // groups of one segment (q, k, v or z)
+  constexpr int GROUPS = 4 * SEGMENT_GROUPS + 1;           // and one for b and a
+  threadgroup float4 proj4[Dk + 1];                        // q | k | v | z | b, a (fp32 of InT values; 16-byte aligned)
+  threadgroup vec<InT, 4> x4[Hd / 4];                      // the GEMV's input row (normalised with NORM)
+  threadgroup float4 qkv_head4[3 * Dk / 4];
+  threadgroup float y_head[Dv];
+  threadgroup float* proj = reinterpret_cast<threadgroup float*>(proj4);
+  const int n = static_cast<int>(thread_position_in_grid.z);
+  const int b_idx = n / Hv;
+  const int hv = n % Hv;
+  const int hk = hv / (Hv / Hk);
+  const int lane = static_cast<int>(thread_index_in_simdgroup);
+  const int sg = static_cast<int>(thread_position_in_grid.y);
+  const int P = C + Hv * Dv + 2 * Hv;
+  const uint32_t exponent = q4_exponent_unfolded(P);
+
+  // The GEMV's input row into threadgroup memory once: x, or with NORM the layer's input norm of it, each value as
+  // linear_gemv_q4_accumulate normalises it (every simdgroup computes the same inv_rms, the norm GEMV's way).
+  float inv_rms[1] = {1.0f};
+  if (NORM != 0) {
+    linear_gemv_q4_inv_rms<InT, 1>(x, in_norm_eps[0], Hd, B, b_idx, lane, inv_rms);
+  }
+  const device vec<InT, 4>* x_row = reinterpret_cast<const device vec<InT, 4>*>(x + static_cast<size_t>(b_idx) * Hd);
+  const device vec<InT, 4>* nw4 = reinterpret_cast<const device vec<InT, 4>*>(in_norm_weight);
+  for (int i = sg * 32 + lane; i < Hd / 4; i += SIMDGROUPS * 32) {
+    vec<InT, 4> v = x_row[i];
+    if (NORM != 0) {
+      const vec<InT, 4> nw = nw4[i];
+      for (int c = 0; c < 4; ++c) {
+        const float normalised = float(static_cast<InT>(float(v[c]) * inv_rms[0]));
+        v[c] = static_cast<InT>(float(nw[c]) * normalised);
+      }
     }
-    if (j == 2 || hv % rep == 0) {
-      deltanet_conv_state_row<InT, Dk, K>(conv_state_out, qkv, conv_state, mask, lengths, b_idx, r, lane, 1, C,
-                                          has_conv_state, has_mask, has_lengths, qkv_ld);
+    x4[i] = v;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const threadgroup vec<InT, 4>* x_staged = x4;
+  for (int g = sg; g < GROUPS; g += SIMDGROUPS) {  // uniform per simdgroup (simd_sums inside)
+    long wrow[LINEAR_GEMV_ROWS];
+    long srow[LINEAR_GEMV_ROWS];
+    int slot[LINEAR_GEMV_ROWS];  // where row r's value goes in proj (-1: a padding row, not stored)
+    const int segment = g / SEGMENT_GROUPS;
+    const int first = (g % SEGMENT_GROUPS) * LINEAR_GEMV_ROWS;
+    const int base = segment == 0 ? hk * Dk : (segment == 1 ? (Hk + hk) * Dk : (segment == 2 ? 2 * Hk * Dk + hv * Dv
+                                                                                               : C + hv * Dv));
+    #pragma unroll
+    for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
+      long row = base + first + r;
+      slot[r] = segment * Dk + first + r;
+      if (segment == 4) {  // b, then a; the padding rows read a again
+        row = C + Hv * Dv + (r == 0 ? hv : Hv + hv);
+        slot[r] = r < 2 ? 4 * Dk + r : -1;
+      }
+      wrow[r] = row * (Hd / 32);
+      srow[r] = row * (Hd / GS);
+    }
+    uint4 wq[DELTANET_GEMV_UNROLL * LINEAR_GEMV_ROWS];
+    float sc[DELTANET_GEMV_UNROLL * LINEAR_GEMV_ROWS];
+    float bi[DELTANET_GEMV_UNROLL * LINEAR_GEMV_ROWS];
+    linear_gemv_q4_load<GS, DELTANET_GEMV_UNROLL>(w, wrow, srow, scales, biases, lane, Hd / 32, wq, sc, bi);
+    float acc[LINEAR_GEMV_ROWS];
+    linear_gemv_q4_accumulate<InT, 1, GS, false, DELTANET_GEMV_UNROLL>(
+        x_staged, w, scales, biases, x_staged, inv_rms, wrow, srow, Hd, 1, 0, lane, exponent, wq, sc, bi, acc);
+    #pragma unroll
+    for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
+      const float total = simd_sum(acc[r]);
+      if (lane == r && slot[r] >= 0) {
+        proj[slot[r]] = static_cast<float>(static_cast<InT>(total));
+      }
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  float y_dv = 0.0f;  // the read-out stays fp32 into the norm
-  if (live) {
-    const threadgroup float* q_t = qkv_head;
-    const threadgroup float* k_t = qkv_head + Dk;
-    y_dv = deltanet_decode_row<LANES, PARTIALS, true>(state, q_t, k_t, col0, qkv_head[2 * Dk + dv], g_t, beta_t);
-  }
-
-  deltanet_store_state<LANES>(state_out + row, state, col0);
-
-  const float inv_rms = deltanet_head_inv_rms<Dv>(y_head, y_dv, dv, col0 == 0, lane, norm_eps[0]);
-  if (col0 == 0) {
-    out[static_cast<size_t>(n) * Dv + dv] = static_cast<InT>(deltanet_gated_out(y_dv, inv_rms, w_dv, zc));
-  }
+  const int dv = sg * ROWS + lane / (Dk / DELTANET_EPL);
+  const float g_t = deltanet_decay(proj[4 * Dk + 1], static_cast<float>(A_log[hv]), static_cast<float>(dt_bias[hv]));
+  const float beta_t = deltanet_beta(proj[4 * Dk]);
+  const float zc = proj[3 * Dk + dv];
+  // q, k, v of this head sit at proj[0 ..], proj[Dk ..], proj[2 Dk ..]: row j's channel c is proj[c - c0_j].
+  deltanet_decode_conv_step<InT, Dk, Dv, K, PARTIALS>(
+      proj, 0, hk * Dk, (Hk + hk) * Dk - Dk, (2 * Hk + hv) * Dk - 2 * Dk, conv_state, conv_weight, mask, lengths,
+      state_in, g_t, beta_t, zc, weight, out, state_out, conv_state_out, Hk, Hv, C, has_conv_state, has_state,
+      has_mask, has_lengths, qk_eps[0], norm_eps[0], n, lane, sg, reinterpret_cast<threadgroup float*>(qkv_head4),
+      y_head);
 }

@@ -56,16 +56,16 @@ inline float linear_q4_piece_dot(uint4 w4, const thread float* xv, uint32_t expo
   return dot;
 }
 
-// The pieces p0, p0 + 32, ... (LINEAR_GEMV_UNROLL of them) of each of a simdgroup's LINEAR_GEMV_ROWS weight rows, with
-// their groups' scales and biases, into registers ([u * LINEAR_GEMV_ROWS + r]); a piece past the row loads the
-// row's last piece, which the caller skips.
+// The pieces p0, p0 + 32, ... (U of them, LINEAR_GEMV_UNROLL by default) of each of a simdgroup's LINEAR_GEMV_ROWS
+// weight rows, with their groups' scales and biases, into registers ([u * LINEAR_GEMV_ROWS + r]); a piece past the row
+// loads the row's last piece, which the caller skips.
 // wrow[r], srow[r]: row r's first piece (in 16-byte pieces of w) and first group.
-template <int GS, typename PW, typename PS>
+template <int GS, int U = LINEAR_GEMV_UNROLL, typename PW, typename PS>
 inline void linear_gemv_q4_load(PW w, const thread long* wrow, const thread long* srow, PS scales, PS biases, int p0,
                                 int pieces, thread uint4* wq, thread float* sc, thread float* bi) {
   const device uint4* pieces_of_w = reinterpret_cast<const device uint4*>(w);
   #pragma unroll
-  for (int u = 0; u < LINEAR_GEMV_UNROLL; ++u) {
+  for (int u = 0; u < U; ++u) {
     const int p = min(p0 + 32 * u, pieces - 1);
     const int g = (32 * p) / GS;
     #pragma unroll
@@ -77,43 +77,16 @@ inline void linear_gemv_q4_load(PW w, const thread long* wrow, const thread long
   }
 }
 
-// One simdgroup's LINEAR_GEMV_ROWS outputs n0.. for the rows b0 .. b0 + M - 1 of x (both kernels' body).
-// Lane l reads the 16-byte pieces l, l + 32, ... of each weight row (adjacent lanes, adjacent bytes),
-// LINEAR_GEMV_UNROLL of them per row before using any, and the 32 matching x values of each row of x (L1
-// hits: every simdgroup reads the same x). Per piece and (row of x, output):
-//   acc = fma(bias, sum(x), fma(scale, sum(q * x), acc))
-// then the lanes' partial sums add in simd_sum's order.
-// NORM: x is the input of an RMSNorm whose output the projection takes (norm_weight [K], eps), so each value
-// of x is normalised as it is read, with stock's rounding points: n = T(w * T(x * rsqrt(mean(x^2) + eps))).
-// The sum of squares is this function's own (each lane's pieces in order, fma per element, then simd_sum):
-// n may differ from MLX's rms_norm in the last bit where the sum rounds differently; it is the same for a
-// row whatever M and the other rows.
-// (The pointers' types are template parameters: MLX passes an input of fewer than 8 elements in constant memory.)
-template <typename T, int M, int GS, bool NORM, typename PX, typename PW, typename PS, typename PN, typename PY>
-inline void linear_gemv_q4_simdgroup(PX x, PW w, PS scales, PS biases, PN norm_weight, float eps, PY y, int K, int N,
-                                     int B, int n0, int b0, int lane) {
-  const int pieces = K / 32;  // 16-byte pieces per weight row
-  const int groups = K / GS;
-  const uint32_t exponent = q4_exponent_unfolded(N);
-  long wrow[LINEAR_GEMV_ROWS];  // each row's first 16-byte piece
-  long srow[LINEAR_GEMV_ROWS];  // and first group
-  #pragma unroll
-  for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
-    const long n = long(min(n0 + r, N - 1));  // rows past N read row N - 1 and are not written
-    wrow[r] = n * pieces;
-    srow[r] = n * groups;
-  }
-  // The first pieces' loads go out before the norm's sum of squares (which ends in a simd_sum the compiler does not
-  // move loads across), so that the weights' trip to memory overlaps it.
-  uint4 wq[LINEAR_GEMV_UNROLL * LINEAR_GEMV_ROWS];
-  float sc[LINEAR_GEMV_UNROLL * LINEAR_GEMV_ROWS];
-  float bi[LINEAR_GEMV_UNROLL * LINEAR_GEMV_ROWS];
-  linear_gemv_q4_load<GS>(w, wrow, srow, scales, biases, lane, pieces, wq, sc, bi);
-  float inv_rms[M];
+// inv_rms[m] = rsqrt(mean(x[b0 + m]^2) + eps) for the rows b0 .. b0 + M - 1 of x [B, K] (rows past B: 1): each lane's
+// pieces in order (an fp32 fma per element), then simd_sum. A row's own arithmetic whatever M and the other rows.
+// All 32 lanes call it (one simd_sum per row).
+template <typename T, int M, typename PX>
+inline void linear_gemv_q4_inv_rms(PX x, float eps, int K, int B, int b0, int lane, thread float* inv_rms) {
+  const int pieces = K / 32;
   #pragma unroll
   for (int m = 0; m < M; ++m) {
     inv_rms[m] = 1.0f;
-    if (NORM && b0 + m < B) {  // uniform over the simdgroup (simd_sum below)
+    if (b0 + m < B) {  // uniform over the simdgroup
       const device vec<T, 4>* xr = reinterpret_cast<const device vec<T, 4>*>(x + long(b0 + m) * K);
       float squares = 0.0f;
       for (int p = lane; p < pieces; p += 32) {
@@ -129,51 +102,55 @@ inline void linear_gemv_q4_simdgroup(PX x, PW w, PS scales, PS biases, PN norm_w
       inv_rms[m] = metal::precise::rsqrt(simd_sum(squares) / float(K) + eps);
     }
   }
-  float acc[M][LINEAR_GEMV_ROWS];
+}
+
+// The lane's partial sums acc[m * LINEAR_GEMV_ROWS + r] (zeroed here) of the simdgroup's LINEAR_GEMV_ROWS weight rows
+// (wrow, srow: each row's first piece and group) against the rows b0 .. b0 + M - 1 of x. Lane l reads the 16-byte
+// pieces l, l + 32, ... of each weight row (adjacent lanes, adjacent bytes), U of them per row before using any
+// (LINEAR_GEMV_UNROLL by default; the caller has loaded the first ones into wq, sc, bi: linear_gemv_q4_load), and the
+// 32 matching x values of each row of x (L1 hits: every simdgroup reads the same x; x4 and norm_weight4 are x [B, K]
+// and the norm's weight [K] as 4-element vectors, in device or threadgroup memory). Per piece and (row of x, output):
+//   acc = fma(bias, sum(x), fma(scale, sum(q * x), acc))
+// NORM: x is the input of an RMSNorm whose output the projection takes (norm_weight [K], inv_rms[m] from
+// linear_gemv_q4_inv_rms), each value normalised as it is read with stock's rounding points:
+// n = T(w * T(x * inv_rms)).
+template <typename T, int M, int GS, bool NORM, int U = LINEAR_GEMV_UNROLL, typename PX, typename PW, typename PS,
+          typename PN>
+inline void linear_gemv_q4_accumulate(PX x4, PW w, PS scales, PS biases, PN norm_weight4, const thread float* inv_rms,
+                                      const thread long* wrow, const thread long* srow, int K, int B, int b0,
+                                      int lane, uint32_t exponent, thread uint4* wq, thread float* sc,
+                                      thread float* bi, thread float* acc) {
+  const int pieces = K / 32;
   #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    #pragma unroll
-    for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
-      acc[m][r] = 0.0f;
-    }
+  for (int i = 0; i < M * LINEAR_GEMV_ROWS; ++i) {
+    acc[i] = 0.0f;
   }
-  for (int p0 = lane; p0 < pieces; p0 += 32 * LINEAR_GEMV_UNROLL) {
+  for (int p0 = lane; p0 < pieces; p0 += 32 * U) {
     if (p0 != lane) {
-      linear_gemv_q4_load<GS>(w, wrow, srow, scales, biases, p0, pieces, wq, sc, bi);
+      linear_gemv_q4_load<GS, U>(w, wrow, srow, scales, biases, p0, pieces, wq, sc, bi);
     }
     #pragma unroll
-    for (int u = 0; u < LINEAR_GEMV_UNROLL; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int p = p0 + 32 * u;
-      float nw[32];  // the norm's weights of piece p (NORM only)
-      if (NORM && p < pieces) {
-        const device vec<T, 4>* wp = reinterpret_cast<const device vec<T, 4>*>(norm_weight + 32 * p);
-        #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          const vec<T, 4> v = wp[q];
-          #pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            nw[4 * q + c] = float(v[c]);
-          }
-        }
-      }
       #pragma unroll
       for (int m = 0; m < M; ++m) {
         if (p < pieces && b0 + m < B) {
-          const device vec<T, 4>* xp = reinterpret_cast<const device vec<T, 4>*>(x + long(b0 + m) * K + 32 * p);
+          const long xp = long(b0 + m) * (K / 4) + 8 * p;  // piece p of row b0 + m, in 4-element vectors
           float xv[32];
           #pragma unroll
           for (int q = 0; q < 8; ++q) {
-            const vec<T, 4> v = xp[q];
+            const vec<T, 4> v = x4[xp + q];
             #pragma unroll
             for (int c = 0; c < 4; ++c) {
               xv[4 * q + c] = float(v[c]);
             }
-          }
-          if (NORM) {
-            #pragma unroll
-            for (int i = 0; i < 32; ++i) {
-              const float normalised = float(static_cast<T>(xv[i] * inv_rms[m]));
-              xv[i] = float(static_cast<T>(nw[i] * normalised));
+            if (NORM) {  // the norm's weights of these 4 values (L1 hits, as x)
+              const vec<T, 4> nw = norm_weight4[8 * p + q];
+              #pragma unroll
+              for (int c = 0; c < 4; ++c) {
+                const float normalised = float(static_cast<T>(xv[4 * q + c] * inv_rms[m]));
+                xv[4 * q + c] = float(static_cast<T>(float(nw[c]) * normalised));
+              }
             }
           }
           float xsum = 0.0f;
@@ -184,18 +161,51 @@ inline void linear_gemv_q4_simdgroup(PX x, PW w, PS scales, PS biases, PN norm_w
           #pragma unroll
           for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
             const int i = u * LINEAR_GEMV_ROWS + r;
+            const int o = m * LINEAR_GEMV_ROWS + r;
             const float dot = linear_q4_piece_dot(wq[i], xv, exponent);
-            acc[m][r] = metal::fma(bi[i], xsum, metal::fma(sc[i], dot, acc[m][r]));
+            acc[o] = metal::fma(bi[i], xsum, metal::fma(sc[i], dot, acc[o]));
           }
         }
       }
     }
   }
+}
+
+// One simdgroup's LINEAR_GEMV_ROWS outputs n0.. for the rows b0 .. b0 + M - 1 of x (both kernels' body), each the lanes'
+// partial sums (linear_gemv_q4_accumulate) added in simd_sum's order and rounded once to T.
+// NORM: the sum of squares is this file's own (linear_gemv_q4_inv_rms): n may differ from MLX's rms_norm in the last
+// bit where the sum rounds differently; it is the same for a row whatever M and the other rows.
+// (The pointers' types are template parameters: MLX passes an input of fewer than 8 elements in constant memory.)
+template <typename T, int M, int GS, bool NORM, typename PX, typename PW, typename PS, typename PN, typename PY>
+inline void linear_gemv_q4_simdgroup(PX x, PW w, PS scales, PS biases, PN norm_weight, float eps, PY y, int K, int N,
+                                     int B, int n0, int b0, int lane) {
+  long wrow[LINEAR_GEMV_ROWS];  // each row's first 16-byte piece
+  long srow[LINEAR_GEMV_ROWS];  // and first group
+  #pragma unroll
+  for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
+    const long n = long(min(n0 + r, N - 1));  // rows past N read row N - 1 and are not written
+    wrow[r] = n * (K / 32);
+    srow[r] = n * (K / GS);
+  }
+  // The first pieces' loads go out before the norm's sum of squares (which ends in a simd_sum the compiler does not
+  // move loads across), so that the weights' trip to memory overlaps it.
+  uint4 wq[LINEAR_GEMV_UNROLL * LINEAR_GEMV_ROWS];
+  float sc[LINEAR_GEMV_UNROLL * LINEAR_GEMV_ROWS];
+  float bi[LINEAR_GEMV_UNROLL * LINEAR_GEMV_ROWS];
+  linear_gemv_q4_load<GS>(w, wrow, srow, scales, biases, lane, K / 32, wq, sc, bi);
+  float inv_rms[M];
+  if (NORM) {
+    linear_gemv_q4_inv_rms<T, M>(x, eps, K, B, b0, lane, inv_rms);
+  }
+  float acc[M * LINEAR_GEMV_ROWS];
+  linear_gemv_q4_accumulate<T, M, GS, NORM>(reinterpret_cast<const device vec<T, 4>*>(x), w, scales, biases,
+                                            reinterpret_cast<const device vec<T, 4>*>(norm_weight), inv_rms, wrow, srow,
+                                            K, B, b0, lane, q4_exponent_unfolded(N), wq, sc, bi, acc);
   #pragma unroll
   for (int m = 0; m < M; ++m) {
     #pragma unroll
     for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
-      const float total = simd_sum(acc[m][r]);
+      const float total = simd_sum(acc[m * LINEAR_GEMV_ROWS + r]);
       if (lane == r && n0 + r < N && b0 + m < B) {
         y[long(b0 + m) * N + n0 + r] = static_cast<T>(total);
       }

@@ -78,6 +78,17 @@ def forget_input_norm() -> None:
     _INPUT_NORM[0] = None
 
 
+def _no_gemv(x: mx.array, record: "FusedProjection"):
+    return None
+
+
+# Whether the linear family's row GEMV computes ``matmul(record, x)`` for this call, and from what: (backend, the
+# GEMV's input, the ``nn.RMSNorm`` computed inside it or None), else None (MLX's matmul). A kernel that takes a
+# projection's rows into its own work (a DeltaNet decode step from the layer's input) asks this, so that it gives
+# the GEMV's bits. Filled by ``lily_mlx.ops.linear`` (core imports no family).
+GEMV_PLAN = [_no_gemv]
+
+
 _ATTR = "_lily_fused_projections"  # in the module's __dict__: not a parameter, not saved
 
 

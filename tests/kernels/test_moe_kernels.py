@@ -2064,6 +2064,8 @@ def test_down_combine_schedule_keeps_threadgroup_barriers_where_a_group_spans_si
         assert mk.down_combine_schedule(16, True) == {}
     assert sum("groups of 64 threads do not lie in one simdgroup" in r.getMessage() for r in caplog.records) == 1
     with switches.overrides(disable=("down_combine_ring",)):
+        assert mk.down_combine_schedule(16, False) == {"in_flight": 1, "simd_barriers": True}
+    with switches.overrides(disable=("down_combine_ring", "down_combine_simd_barriers")):
         assert mk.down_combine_schedule(16, False) == {"in_flight": 1, "simd_barriers": False}
 
 

@@ -355,16 +355,18 @@ def test_the_decode_graph_tool_counts_a_servers_batch(capsys):
         decode_graph.main(["--batch-contexts", "12,5", "--kv-bits", "4"])
 
 
-@pytest.mark.parametrize("input_norm", [True, False])
-def test_the_dense_gemv_takes_each_layers_input_norm(monkeypatch, input_norm):
+@pytest.mark.parametrize("input_norm, from_hidden", [(True, True), (True, False), (False, True), (False, False)])
+def test_the_dense_gemv_takes_each_layers_input_norm(monkeypatch, input_norm, from_hidden):
     """With the trial row GEMV (``LILY_TRIAL_OPS=linear_gemv``) every dense projection of a decode step is one of
-    lily's launches, and with switch ``gemv_input_norm`` each layer's input RMSNorm is computed inside the GEMV of the
+    lily's launches. With switch ``gemv_input_norm`` each layer's input RMSNorm is computed inside the GEMV of the
     projection after it (``linear_gemv_q4_rms_norm``): the norms leave the step's graph (the final norm stays: stock's
-    model code applies it), one primitive fewer a layer, built and traced alike. Off: the norms are their own
-    primitives and every projection takes the plain GEMV."""
+    model code applies it), one primitive fewer a layer. With ``fused_in_proj_step`` a DeltaNet layer's in-projection
+    is computed inside its step's kernel (``deltanet_decode_from_hidden``, the input norm too where the GEMV would take
+    it): one launch and one primitive fewer a DeltaNet layer. Built and traced alike."""
     monkeypatch.setenv("LILY_TRIAL_OPS", "linear_gemv")
     model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
-    with switches.overrides(disable=[] if input_norm else ["gemv_input_norm"]), _on_the_cuda_path(model):
+    off = ([] if input_norm else ["gemv_input_norm"]) + ([] if from_hidden else ["fused_in_proj_step"])
+    with switches.overrides(disable=off), _on_the_cuda_path(model):
         y, cache = _prefill(model, 40, VOCAB, 0)
         for _ in range(3):
             y = _step(model, y, cache)
@@ -374,11 +376,16 @@ def test_the_dense_gemv_takes_each_layers_input_norm(monkeypatch, input_norm):
         traced = count_step(_step(model, y, cache))
     layers = n_deltanet + n_attention
     normed = layers if input_norm else 0
-    assert launches.get("linear_gemv_q4_rms_norm", 0) == normed, launches
-    assert launches.get("linear_gemv_q4") == 2 * layers + 1 - normed, launches  # in/out projections, lm_head
+    folded = n_deltanet if from_hidden else 0
+    assert launches.get("deltanet_decode_from_hidden", 0) == folded, launches
+    assert launches.get("deltanet_decode_conv_fused", 0) == n_deltanet - folded, launches
+    # the in-projections a GEMV launch of their own takes the norm inside: every layer's but the folded ones
+    assert launches.get("linear_gemv_q4_rms_norm", 0) == (layers - folded if input_norm else 0), launches
+    # in- and out-projections, lm_head
+    assert launches.get("linear_gemv_q4") == 2 * layers + 1 - folded - (layers - folded if input_norm else 0), launches
     for counts in (built, traced):
         assert counts.get("RMSNorm") == layers + 1 - normed, counts
         assert "QuantizedMatmul" not in counts, counts
     non_view = sum(n for k, n in built.items() if k not in VIEW_PRIMITIVES)
     assert non_view == (PRIMITIVES_DELTANET_LAYER * n_deltanet + PRIMITIVES_ATTENTION_LAYER * n_attention
-                        + PRIMITIVES_OUTSIDE_LAYERS - normed), built
+                        + PRIMITIVES_OUTSIDE_LAYERS - normed - folded), built

@@ -56,6 +56,13 @@ KERNELS = {
             params=("B", "Hk", "Hv", "C", "has_conv_state", "has_state", "has_mask", "has_lengths", "qkv_ld", "z_ld",
                     "z_off", "ab_ld", "a_off", "b_off"),
         ),
+        KernelSpec(
+            "deltanet_decode_from_hidden", _FILE,
+            ("x", "in_norm_weight", "in_norm_eps", "w", "scales", "biases", "conv_state", "conv_weight", "mask",
+             "lengths", "A_log", "dt_bias", "state_in", "weight", "qk_eps", "norm_eps", "params"),
+            ("out", "state_out", "conv_state_out"),
+            params=("B", "Hk", "Hv", "C", "has_conv_state", "has_state", "has_mask", "has_lengths"),
+        ),
     )
 }
 
@@ -406,6 +413,72 @@ def decode_conv(qkv, conv_state, conv_weight, mask, a, b, A_log, dt_bias, state,
         threadgroup=(32, simdgroups, 1),
         output_shapes=[(B, 1, Hv, Dv), (B, Hv, Dv, Dk), (B, K - 1, C)],
         output_dtypes=[qkv.dtype, mx.float32, qkv.dtype],
+        init_value=init_value,
+    )
+    return out, conv_state_out, state_out
+
+
+# One decode token from the layer's input: the in-projection rows each head needs by the dense row GEMV, then
+# deltanet_decode_conv_fused's work, in one launch (switch fused_in_proj_step, with the trial row GEMV)
+
+IN_PROJ_GROUP_SIZES = (32, 64, 128)
+# The layer's input row is staged in threadgroup memory (2 bytes an element): 16 KB at most, beside the ~4 KB the
+# step's rows take, within Apple GPUs' 32 KB.
+IN_PROJ_MAX_HIDDEN = 8192
+
+
+def decode_from_hidden_reason(x: mx.array, weight: mx.array, scales: mx.array, biases: Optional[mx.array],
+                              group_size: int, bits: int, mode: str, Hk: int, Dk: int, Hv: int, Dv: int,
+                              in_norm_weight: Optional[mx.array] = None) -> Optional[str]:
+    """Why ``deltanet_decode_from_hidden`` cannot take this decode call's in-projection (x [B, 1, Hd]; the fused
+    weight W [C + Hv Dv + 2 Hv, Hd] 4-bit, q|k|v, z, b, a); None when it can. The conv step's own rules are
+    ``decode_conv_unsupported_reason``'s."""
+    if mode != "affine" or bits != 4 or biases is None or group_size not in IN_PROJ_GROUP_SIZES:
+        return f"{mode} {bits}-bit in-projection, group size {group_size} (4-bit affine, {IN_PROJ_GROUP_SIZES})"
+    hd = x.shape[-1]
+    rows = 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv
+    if x.ndim != 3 or x.shape[1] != 1 or hd % 32 or weight.shape != (rows, hd // 8):
+        return f"input {tuple(x.shape)} for in-projection {tuple(weight.shape)} (one token, {rows} rows, K % 32 == 0)"
+    if hd > IN_PROJ_MAX_HIDDEN:
+        return f"hidden size {hd} > {IN_PROJ_MAX_HIDDEN} (the input row is staged in threadgroup memory)"
+    if x.dtype not in (mx.bfloat16, mx.float16) or scales.dtype != x.dtype or biases.dtype != x.dtype:
+        return f"activations {x.dtype} with scales {scales.dtype} (bfloat16 or float16, alike)"
+    if in_norm_weight is not None and (in_norm_weight.shape != (hd,) or in_norm_weight.dtype != x.dtype):
+        return f"input norm weight {tuple(in_norm_weight.shape)} {in_norm_weight.dtype} for input {tuple(x.shape)}"
+    return None
+
+
+def decode_from_hidden(x, weight, scales, biases, group_size: int, conv_state, conv_weight, mask, A_log, dt_bias,
+                       state, norm_weight, eps: float, Hk: int, Dk: int, Hv: int, Dv: int, *, in_norm=None,
+                       lengths=None, qk_eps: float = 1e-6, backend: str, init_value=None,
+                       partials: int = ROW_SUM_PARTIALS) -> Tuple[mx.array, mx.array, mx.array]:
+    """``decode_conv(gemv(x))`` in one launch: (normed out [B, 1, Hv, Dv], new conv state [B, K-1, C], new recurrent
+    state [B, Hv, Dv, Dk] fp32) with the bits of the dense row GEMV over the fused in-projection (weight, scales,
+    biases, group_size: q|k|v, z, b, a) followed by ``decode_conv(..., joint=...)``. x: [B, 1, Hd], the layer's input;
+    ``in_norm`` = (weight [Hd], eps): x is the input of the layer's RMSNorm, computed inside (as the GEMV with the
+    norm inside). The rest as ``decode_conv``'s; callers check ``decode_from_hidden_reason`` and
+    ``decode_conv_unsupported_reason`` first."""
+    B, _, hd = x.shape
+    C = 2 * Hk * Dk + Hv * Dv
+    K = conv_weight.shape[1]
+    simdgroups = Dv // rows_per_simdgroup(Dk)
+    has_conv_state, has_state = conv_state is not None, state is not None
+    has_mask, has_lengths = mask is not None, lengths is not None
+    spec = KERNELS["deltanet_decode_from_hidden"]
+    out, state_out, conv_state_out = get_kernel(spec, backend)(
+        inputs=[x, in_norm[0] if in_norm is not None else x, float32_scalar(in_norm[1] if in_norm is not None else 0.0),
+                weight, scales, biases, conv_state if has_conv_state else _ONE_ZERO[x.dtype], conv_weight,
+                mask if has_mask else _ONE_BOOL, lengths.astype(mx.int32) if has_lengths else _ONE_INT,
+                A_log, dt_bias, state if has_state else _NO_STATE, norm_weight, float32_scalar(qk_eps),
+                float32_scalar(eps),
+                spec.pack(B=B, Hk=Hk, Hv=Hv, C=C, has_conv_state=has_conv_state, has_state=has_state,
+                          has_mask=has_mask, has_lengths=has_lengths)],
+        template=[("InT", x.dtype), ("Dk", Dk), ("Dv", Dv), ("K", K), ("PARTIALS", partials), ("GS", group_size),
+                  ("NORM", int(in_norm is not None)), ("Hd", hd)],
+        grid=(32, simdgroups, B * Hv),
+        threadgroup=(32, simdgroups, 1),
+        output_shapes=[(B, 1, Hv, Dv), (B, Hv, Dv, Dk), (B, K - 1, C)],
+        output_dtypes=[x.dtype, mx.float32, x.dtype],
         init_value=init_value,
     )
     return out, conv_state_out, state_out

@@ -163,6 +163,49 @@ def _decode_conv_kernel(self, qkv, z, b, a, mask, cache, joint=None):
     return None
 
 
+def _decode_from_hidden(self, inputs: mx.array, fused: projections.FusedProjection, mask, cache) -> Optional[mx.array]:
+    """A one-token step of a Qwen3.5/3.6 DeltaNet layer straight from its input through ``deltanet_decode_from_hidden``
+    (switch ``fused_in_proj_step``), with the cache updated: normalised out [B, 1, Hv, Dv], or None (nothing done)
+    where it does not apply. It applies where the decode call would take the linear family's row GEMV for the fused
+    in-projection (``projections.GEMV_PLAN``: the trial kernel on, with the layer's input norm inside where that GEMV
+    would compute it) and then ``deltanet_decode_conv_fused`` on the same backend: the kernel gives those two launches'
+    bits, so this choice never changes a result."""
+    if not (switches.is_enabled("fused_in_proj_step") and switches.is_enabled("fused_conv_step")
+            and switches.is_enabled("fused_recurrent_norm")):
+        return None
+    plan = projections.GEMV_PLAN[0](inputs, fused)
+    if plan is None:
+        return None
+    backend, x, norm = plan
+    if _kernel_backend("deltanet_conv1d_silu", self) != backend or _kernel_backend("deltanet_decode", self) != backend:
+        return None
+    from . import kernels as dk
+
+    conv_state = cache[0] if cache is not None else None
+    state = cache[1] if cache else None
+    Hk, Dk, Hv, Dv = self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim
+    in_norm_weight = None if norm is None else norm["weight"]
+    reason = (dk.decode_conv_unsupported_reason(self.conv1d, inputs, Hk, Dk, Hv, Dv, conv_state, state,
+                                                channels=fused.split_at[0])
+              or dk.decode_from_hidden_reason(x, fused.weight, fused.scales, fused.biases, fused.group_size,
+                                              fused.bits, fused.mode, Hk, Dk, Hv, Dv, in_norm_weight)
+              or dk.backend_unavailable_reason(backend))
+    if reason is not None:
+        log_once(f"fused_in_proj_step:{reason}", f"fused_in_proj_step: {reason}; the in-projection's GEMV, then the "
+                 "conv step")
+        return None
+    out, conv_state, state = dk.decode_from_hidden(
+        x, fused.weight, fused.scales, fused.biases, fused.group_size, conv_state, self.conv1d.weight, mask,
+        self.A_log, self.dt_bias, state, self.norm.weight, self.norm.eps, Hk, Dk, Hv, Dv,
+        in_norm=None if norm is None else (in_norm_weight, norm.eps),
+        lengths=cache.lengths if cache is not None else None, backend=backend)
+    if cache is not None:
+        cache[0] = conv_state
+        cache[1] = state
+        cache.advance(1)
+    return out
+
+
 def _decode_conv_step(self, qkv, z, b, a, mask, cache, joint=None) -> Optional[mx.array]:
     """A one-token step through ``_decode_conv_kernel`` with the cache updated: normalised out [B, 1, Hv, Dv],
     or None (nothing done) where that kernel does not apply."""
@@ -362,6 +405,10 @@ def _in_projections(self, names: Tuple[str, ...], inputs: mx.array) -> Optional[
 def _qwen3_5_mixer(self, inputs: mx.array, mask, cache, fused=None) -> mx.array:
     B, S, _ = inputs.shape
     if fused is not None:
+        if S == 1:  # the in-projection's rows computed inside the step's kernel
+            out = _decode_from_hidden(self, inputs, fused, mask, cache)
+            if out is not None:
+                return self.out_proj(out.reshape(B, S, -1))
         y = projections.matmul(fused, inputs)  # [B, S, qkv | z | b | a]
         if S == 1:  # the decode kernel reads the pieces in place: no split primitive
             out = _decode_conv_step(self, y, None, None, None, mask, cache, joint=fused.split_at)

@@ -15,13 +15,16 @@ from __future__ import annotations
 from ...core import projections
 from ...core.dispatch import Op, register_op
 from . import kernels
-from .layer import quantized_linear_forward, quantized_matmul  # noqa: F401
+from .layer import gemv_plan, quantized_linear_forward, quantized_matmul  # noqa: F401
 
 projections.QUANTIZED_MATMUL[0] = quantized_matmul  # a layer's fused in-projections take the GEMV too
+projections.GEMV_PLAN[0] = gemv_plan
 
 register_op(Op(
     "linear_gemv", "linear",
     "Dense 4-bit affine projection of a decode call's rows (one token per sequence): row GEMV with "
     "vectorised weight loads, four output rows per simdgroup.",
-    switches=("dense_gemv",), kernel_backends=kernels.GEMV_BACKENDS, trial_backends=kernels.GEMV_TRIAL_BACKENDS,
+    # gemv_input_norm and fused_in_proj_step (the DeltaNet in-projection inside its step's kernel) act through it
+    switches=("dense_gemv", "gemv_input_norm", "fused_in_proj_step"), kernel_backends=kernels.GEMV_BACKENDS,
+    trial_backends=kernels.GEMV_TRIAL_BACKENDS,
 ))

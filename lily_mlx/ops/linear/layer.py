@@ -48,6 +48,16 @@ def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: Op
     return kernels.gemv_q4(x, weight, scales, biases, group_size, backend)
 
 
+def gemv_plan(x: mx.array, record: projections.FusedProjection):
+    """(backend, the GEMV's input, the norm inside or None) when ``quantized_matmul`` computes ``record``'s projection
+    of x by the row GEMV, else None (``projections.GEMV_PLAN``)."""
+    backend = _gemv_backend(x, record.weight, record.scales, record.biases, record.group_size, record.bits, record.mode)
+    if backend is None:
+        return None
+    source = _input_norm_source(x)
+    return (backend, x, None) if source is None else (backend, source[0], source[1])
+
+
 def _input_norm_source(x: mx.array):
     """(the norm's input, the ``nn.RMSNorm``) when x is a decoder layer's input norm that the GEMV may compute
     itself (switch ``gemv_input_norm``; ``projections.note_input_norm``), else None."""
