@@ -396,7 +396,6 @@ def decode_conv(qkv, conv_state, conv_weight, mask, a, b, A_log, dt_bias, state,
         reason = f"recurrent state in {state.dtype}: the kernels keep it in float32"
     if reason is not None:
         raise ValueError(f"DeltaNet kernel: {reason}")
-    simdgroups = Dv // rows_per_simdgroup(Dk)
     has_conv_state, has_state = conv_state is not None, state is not None
     has_mask, has_lengths = mask is not None, lengths is not None
     spec = KERNELS["deltanet_decode_conv_fused"]
@@ -409,13 +408,17 @@ def decode_conv(qkv, conv_state, conv_weight, mask, a, b, A_log, dt_bias, state,
                           has_mask=has_mask, has_lengths=has_lengths, qkv_ld=strides[0], z_ld=strides[1],
                           z_off=offsets[0], ab_ld=strides[2], a_off=offsets[2], b_off=offsets[1])],
         template=[("InT", qkv.dtype), ("Dk", Dk), ("Dv", Dv), ("K", K), ("PARTIALS", partials)],
-        grid=(32, simdgroups, B * Hv),
-        threadgroup=(32, simdgroups, 1),
-        output_shapes=[(B, 1, Hv, Dv), (B, Hv, Dv, Dk), (B, K - 1, C)],
-        output_dtypes=[qkv.dtype, mx.float32, qkv.dtype],
-        init_value=init_value,
-    )
+        **_conv_step_launch(qkv.dtype, B, Hv, Dk, Dv, K, C, init_value))
     return out, conv_state_out, state_out
+
+
+def _conv_step_launch(dtype, B: int, Hv: int, Dk: int, Dv: int, K: int, C: int, init_value) -> dict:
+    """Geometry and outputs of a launch that ends in the conv step (one threadgroup per value head): (out [B, 1, Hv,
+    Dv], state_out [B, Hv, Dv, Dk] fp32, conv_state_out [B, K-1, C])."""
+    simdgroups = Dv // rows_per_simdgroup(Dk)
+    return dict(grid=(32, simdgroups, B * Hv), threadgroup=(32, simdgroups, 1),
+                output_shapes=[(B, 1, Hv, Dv), (B, Hv, Dv, Dk), (B, K - 1, C)],
+                output_dtypes=[dtype, mx.float32, dtype], init_value=init_value)
 
 
 # One decode token from the layer's input: the in-projection rows each head needs by the dense row GEMV, then
@@ -461,7 +464,6 @@ def decode_from_hidden(x, weight, scales, biases, group_size: int, conv_state, c
     B, _, hd = x.shape
     C = 2 * Hk * Dk + Hv * Dv
     K = conv_weight.shape[1]
-    simdgroups = Dv // rows_per_simdgroup(Dk)
     has_conv_state, has_state = conv_state is not None, state is not None
     has_mask, has_lengths = mask is not None, lengths is not None
     spec = KERNELS["deltanet_decode_from_hidden"]
@@ -475,10 +477,5 @@ def decode_from_hidden(x, weight, scales, biases, group_size: int, conv_state, c
                           has_mask=has_mask, has_lengths=has_lengths)],
         template=[("InT", x.dtype), ("Dk", Dk), ("Dv", Dv), ("K", K), ("PARTIALS", partials), ("GS", group_size),
                   ("NORM", int(in_norm is not None)), ("Hd", hd)],
-        grid=(32, simdgroups, B * Hv),
-        threadgroup=(32, simdgroups, 1),
-        output_shapes=[(B, 1, Hv, Dv), (B, Hv, Dv, Dk), (B, K - 1, C)],
-        output_dtypes=[x.dtype, mx.float32, x.dtype],
-        init_value=init_value,
-    )
+        **_conv_step_launch(x.dtype, B, Hv, Dk, Dv, K, C, init_value))
     return out, conv_state_out, state_out
