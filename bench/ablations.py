@@ -74,6 +74,7 @@ ABLATIONS = (
     ("dense_gemv", "decode", 4 * K, None),
     ("gemv_input_norm", "decode", 4 * K, None),
     ("fused_in_proj_step", "decode", 4 * K, None),
+    ("fused_qkv_prep", "decode", 4 * K, None),
     ("split_k_gate_up", "decode", 4 * K, None),
     ("direct_down_combine", "decode", 4 * K, None),
     ("down_combine_ring", "decode", 4 * K, None),
@@ -104,6 +105,9 @@ GENERATION_LEVEL = {
     "fused_in_proj_step": ("acts only with the trial row GEMV: time it with bench.decode_ab --engines "
                            "lily-trial:linear_gemv,lily-trial:linear_gemv@off-fused_in_proj_step "
                            "(bench/device_decode_checks.sh PART=44 and 45)"),
+    "fused_qkv_prep": ("acts only with the trial row GEMV: time it with bench.decode_ab --engines "
+                       "lily-trial:linear_gemv,lily-trial:linear_gemv@off-fused_qkv_prep "
+                       "(bench/device_decode_checks.sh PART=44 and 45)"),
 }
 
 

@@ -99,8 +99,9 @@
 #                                               # batches of 1 / 2 / 4 / 8 rows (op cases)
 #   PART=43 bash bench/device_decode_checks.sh  # the routed gate+up with 2 / 4 / 8 chunks in flight (step GPU time)
 #   PART=44 bash bench/device_decode_checks.sh  # the trial row GEMV with each layer's input norm inside it
-#                                               # (gemv_input_norm) and the DeltaNet in-projection inside its
-#                                               # step (fused_in_proj_step): CUDA tests, step GPU time
+#                                               # (gemv_input_norm), the DeltaNet in-projection inside its step
+#                                               # (fused_in_proj_step), the attention q/k/v projection inside its
+#                                               # q/k preparation (fused_qkv_prep): CUDA tests, step GPU time
 #   PART=45 bash bench/device_decode_checks.sh  # PART=44's engines: decode A/B at 4K, decode profile
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
@@ -112,10 +113,11 @@ W=$OUT/decode_checks
 TAG=decode_checks
 . bench/device_budget.sh
 ENGINES=${ENGINES:-lily,lily-off:fused_add_norm,lily-off:fused_topk_gemv,lily-off:fused_qk_prep}
-# The trial row GEMV's forms (PART=44, 45): with the input norm and the DeltaNet in-projection inside, without the
-# latter, without both
-GEMV_ENGINES="lily-trial:linear_gemv,lily-trial:linear_gemv@off-fused_in_proj_step"
-GEMV_ENGINES="$GEMV_ENGINES,lily-trial:linear_gemv@off-fused_in_proj_step+gemv_input_norm"
+# The trial row GEMV's forms (PART=44, 45): with the input norm inside and the projections inside the kernels after them
+# (the DeltaNet in-projection in its step, the attention q/k/v projection in its q/k preparation), without the latter,
+# without both
+GEMV_ENGINES="lily-trial:linear_gemv,lily-trial:linear_gemv@off-fused_in_proj_step+fused_qkv_prep"
+GEMV_ENGINES="$GEMV_ENGINES,lily-trial:linear_gemv@off-fused_in_proj_step+fused_qkv_prep+gemv_input_norm"
 switch_ab() {  # switch_ab NAME NEEDED_SECONDS SWITCH CONTEXT BURSTS: decode in alternating bursts, a switch that is off
   # by default turned on for the process (lily) against its off state (lily-off:SWITCH), one prefill
   local name=$1 need=$2 sw=$3 context=$4 bursts=$5
@@ -638,14 +640,16 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       # projection after it (switch gemv_input_norm; its first build, H100 2026-12-05: 17.5 us a launch, no faster than
       # the norm's own launch plus the plain GEMV; now the weights' loads go out before the norm's sum of squares) and
       # a DeltaNet layer's in-projection inside its step's kernel (switch fused_in_proj_step, deltanet_decode_from_hidden:
-      # 32 threadgroups read the 12 MB in-projection; untimed): CUDA tests, then a 4K step's GPU time by kernel for lily,
-      # the trial with both, without fused_in_proj_step, without both
-    run tests_cuda 240 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
-      tests/kernels/test_linear_kernels.py tests/kernels/test_deltanet_from_hidden.py
+      # 32 threadgroups read the 12 MB in-projection) and an attention layer's q/k/v projection inside its q/k
+      # preparation (fused_qkv_prep, attention_qk_prep_from_hidden: 36 threadgroups read 9 MB); untimed: CUDA tests,
+      # then a 4K step's GPU time by kernel for lily, the trial with all, without the two folds, without all three
+    run tests_cuda 270 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
+      tests/kernels/test_linear_kernels.py tests/kernels/test_deltanet_from_hidden.py \
+      tests/kernels/test_attention_qkv_prep.py
     tail -3 "$W/tests_cuda.txt"
     run sgt_gemv_norm 300 python -m bench.step_gpu_time --compare "lily,$GEMV_ENGINES" --clock-control none \
       --cache-control none --out "$W/sgt_gemv_norm"
-    grep -E "^\| lily|qmv|gemv|rms_norm|deltanet_decode" "$W/sgt_gemv_norm/step_gpu_time.md" 2>/dev/null | head -24
+    grep -E "^\| lily|qmv|gemv|rms_norm|deltanet_decode|qk_prep" "$W/sgt_gemv_norm/step_gpu_time.md" 2>/dev/null | head -28
     rm -f "$W"/sgt_*/*.csv
     ;;
   45) # PART=44's engines end to end: decode in alternating bursts at 4K (lily, the trial row GEMV with the input norm

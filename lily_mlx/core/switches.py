@@ -241,12 +241,18 @@ _SWITCH_LIST = [
            "DeltaNet decode step from the in_proj output in one kernel: conv1d + SiLU + q/k norm + conv-state "
            "update fused with the fused decode step (bit-identical; with fused_recurrent_norm, Dk = Dv).",
            "The conv + q/k-norm kernel, then the fused decode kernel (two launches per layer and token)."),
-    Switch("fused_in_proj_step", "deltanet", "decode", True,
+    Switch("fused_in_proj_step", "linear", "decode", True,
            "With the dense row GEMV (a trial kernel): a Qwen3.5/3.6 DeltaNet decode step from the layer's input in one "
            "kernel, each value head computing the in-projection rows it needs (and the layer's input norm, with "
            "gemv_input_norm) by the GEMV's arithmetic, then the fused conv step (the same bits as the GEMV and the "
            "conv-step kernel in turn): the in-projection's launch and output leave the step.",
            "The in-projection's GEMV, then the conv-step kernel (fused_conv_step)."),
+    Switch("fused_qkv_prep", "linear", "decode", True,
+           "With the dense row GEMV (a trial kernel): an attention layer's decode q/k/v projection computed inside the "
+           "q/k preparation kernel (with fused_qk_prep), each threadgroup one head's block of projection rows by the "
+           "GEMV's arithmetic (the layer's input norm too, with gemv_input_norm), then that head's norm and RoPE, gate "
+           "or values (the same bits as the GEMV and the preparation kernel in turn): 10 primitives fewer a step.",
+           "The q/k/v projection's GEMV, then the q/k preparation kernel."),
     Switch("coalesced_kv", "attention", "decode", True,
            "Decode attention reads K/V so adjacent threads read adjacent bytes.",
            "Strided per-thread K/V reads."),

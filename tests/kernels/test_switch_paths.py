@@ -539,13 +539,14 @@ MODEL_ERROR_FACTOR = 1.25
 # quantised matmuls (no lily kernel; same bits): tests/core/test_projections.py. fused_residual hands the
 # combine kernel one more input (same launches, same bits): tests/kernels/test_moe_model.py. dense_gemv's
 # kernel is a trial kernel on every backend (off unless LILY_TRIAL_OPS names it):
-# tests/kernels/test_linear_kernels.py; so are gemv_input_norm's and fused_in_proj_step's, which act only with it
-# (tests/kernels/test_linear_kernels.py, tests/kernels/test_deltanet_from_hidden.py, tests/model/test_decode_graph.py).
+# tests/kernels/test_linear_kernels.py; so are gemv_input_norm's, fused_in_proj_step's and fused_qkv_prep's, which act
+# only with it (tests/kernels/test_linear_kernels.py, tests/kernels/test_deltanet_from_hidden.py,
+# tests/kernels/test_attention_qk_prep.py, tests/model/test_decode_graph.py).
 NO_KERNEL_SWITCHES = ("fixed_block_attention", "chunked_prefill", "compiled_decode", "compiled_layers", "compiled_attention",
                       "layer_replay", "one_trace_attention", "device_positions", "constant_weights", "step_trace",
                       "bounded_lookahead",
                       "fused_in_proj", "fused_qkv_proj", "fused_residual", "dense_gemv", "gemv_input_norm",
-                      "fused_in_proj_step")
+                      "fused_in_proj_step", "fused_qkv_prep")
 # fused_qk_prep: on, attention_qk_prep before each attention kernel; off, stock's ops
 # (expected_model_launches; tests/kernels/test_attention_qk_prep.py).
 QK_PREP_SWITCHES = ("fused_qk_prep",)

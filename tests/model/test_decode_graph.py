@@ -355,17 +355,19 @@ def test_the_decode_graph_tool_counts_a_servers_batch(capsys):
         decode_graph.main(["--batch-contexts", "12,5", "--kv-bits", "4"])
 
 
-@pytest.mark.parametrize("input_norm, from_hidden", [(True, True), (True, False), (False, True), (False, False)])
-def test_the_dense_gemv_takes_each_layers_input_norm(monkeypatch, input_norm, from_hidden):
+@pytest.mark.parametrize("input_norm, folds", [(True, True), (True, False), (False, True), (False, False)])
+def test_the_dense_gemv_takes_each_layers_input_norm_and_projections(monkeypatch, input_norm, folds):
     """With the trial row GEMV (``LILY_TRIAL_OPS=linear_gemv``) every dense projection of a decode step is one of
     lily's launches. With switch ``gemv_input_norm`` each layer's input RMSNorm is computed inside the GEMV of the
     projection after it (``linear_gemv_q4_rms_norm``): the norms leave the step's graph (the final norm stays: stock's
-    model code applies it), one primitive fewer a layer. With ``fused_in_proj_step`` a DeltaNet layer's in-projection
-    is computed inside its step's kernel (``deltanet_decode_from_hidden``, the input norm too where the GEMV would take
-    it): one launch and one primitive fewer a DeltaNet layer. Built and traced alike."""
+    model code applies it), one primitive fewer a layer. With ``fused_in_proj_step`` and ``fused_qkv_prep`` (``folds``)
+    a DeltaNet layer's in-projection is computed inside its step's kernel (``deltanet_decode_from_hidden``) and an
+    attention layer's q/k/v projection inside its q/k preparation (``attention_qk_prep_from_hidden``), the input norm
+    too where the GEMV would take it: one launch and one primitive fewer a layer. Built and traced alike; with
+    ``fused_output_gate`` as well, the <= 250 of issue 12 at Qwen3.6's 40 layers (247)."""
     monkeypatch.setenv("LILY_TRIAL_OPS", "linear_gemv")
     model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
-    off = ([] if input_norm else ["gemv_input_norm"]) + ([] if from_hidden else ["fused_in_proj_step"])
+    off = ([] if input_norm else ["gemv_input_norm"]) + ([] if folds else ["fused_in_proj_step", "fused_qkv_prep"])
     with switches.overrides(disable=off), _on_the_cuda_path(model):
         y, cache = _prefill(model, 40, VOCAB, 0)
         for _ in range(3):
@@ -376,10 +378,12 @@ def test_the_dense_gemv_takes_each_layers_input_norm(monkeypatch, input_norm, fr
         traced = count_step(_step(model, y, cache))
     layers = n_deltanet + n_attention
     normed = layers if input_norm else 0
-    folded = n_deltanet if from_hidden else 0
-    assert launches.get("deltanet_decode_from_hidden", 0) == folded, launches
-    assert launches.get("deltanet_decode_conv_fused", 0) == n_deltanet - folded, launches
-    # the in-projections a GEMV launch of their own takes the norm inside: every layer's but the folded ones
+    folded = layers if folds else 0
+    assert launches.get("deltanet_decode_from_hidden", 0) == (n_deltanet if folds else 0), launches
+    assert launches.get("deltanet_decode_conv_fused", 0) == (0 if folds else n_deltanet), launches
+    assert launches.get("attention_qk_prep_from_hidden", 0) == (n_attention if folds else 0), launches
+    assert launches.get("attention_qk_prep", 0) == (0 if folds else n_attention), launches
+    # the in-projections a GEMV launch of their own takes, the norm inside: every layer's unless folded
     assert launches.get("linear_gemv_q4_rms_norm", 0) == (layers - folded if input_norm else 0), launches
     # in- and out-projections, lm_head
     assert launches.get("linear_gemv_q4") == 2 * layers + 1 - folded - (layers - folded if input_norm else 0), launches

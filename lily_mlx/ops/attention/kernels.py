@@ -64,6 +64,10 @@ KERNELS = {
         KernelSpec("attention_qk_prep", _QK_PREP_FILE,
                    ("q_proj", "k_proj", "q_weight", "k_weight", "positions", "eps", "log2_base", "rope_scale",
                     "params"), ("q_out", "k_out", "gate"), params=("H", "Hkv", "L", "q_ld", "k_ld", "k_off")),
+        KernelSpec("attention_qk_prep_from_hidden", _QK_PREP_FILE,
+                   ("x", "in_norm_weight", "in_norm_eps", "w", "scales", "biases", "q_weight", "k_weight", "positions",
+                    "eps", "log2_base", "rope_scale", "params"), ("q_out", "k_out", "v_out", "gate"),
+                   params=("B", "H", "Hkv")),
     )
 }
 
@@ -934,3 +938,63 @@ def qk_prep(q_proj_out: mx.array, k_proj_out: Optional[mx.array], *, n_heads: in
         init_value=init_value,
     )
     return q_out, k_out, gate
+
+
+# --- the q/k/v projection inside the q/k preparation (switch fused_qkv_prep, with the trial row GEMV) ------------
+
+QKV_PREP_SIMDGROUPS = 16  # kernels/attention/qk_prep.metal: QK_PREP_SIMDGROUPS
+QKV_PREP_MAX_HIDDEN = 8192  # the input row is staged in threadgroup memory (2 bytes an element, 16 KB at most)
+
+
+def qkv_prep_from_hidden_reason(x: mx.array, weight: mx.array, scales: mx.array, biases: Optional[mx.array],
+                                group_size: int, bits: int, mode: str, n_heads: int, n_kv_heads: int,
+                                in_norm_weight: Optional[mx.array] = None) -> Optional[str]:
+    """Why ``attention_qk_prep_from_hidden`` cannot take this decode call's fused q/k/v projection (x [B, 1, Hd], W
+    [(2 H + 2 Hkv) D, Hd] 4-bit affine); None when it can. The q/k preparation's own rules are ``qk_prep_supports``'s."""
+    if mode != "affine" or bits != 4 or biases is None or group_size not in (32, 64, 128):
+        return f"{mode} {bits}-bit q/k/v projection, group size {group_size} (4-bit affine, 32 / 64 / 128)"
+    hd = x.shape[-1]
+    blocks = 2 * n_heads + 2 * n_kv_heads
+    if x.ndim != 3 or x.shape[1] != 1 or hd % 32 or weight.shape[1] * 8 != hd or weight.shape[0] % blocks:
+        return f"input {tuple(x.shape)} for q/k/v projection {tuple(weight.shape)} (one token, K % 32 == 0)"
+    if (weight.shape[0] // blocks) % 32:
+        return f"head dim {weight.shape[0] // blocks} (a multiple of 32)"
+    if hd > QKV_PREP_MAX_HIDDEN:
+        return f"hidden size {hd} > {QKV_PREP_MAX_HIDDEN} (the input row is staged in threadgroup memory)"
+    if x.dtype not in (mx.bfloat16, mx.float16) or scales.dtype != x.dtype or biases.dtype != x.dtype:
+        return f"activations {x.dtype} with scales {scales.dtype} (bfloat16 or float16, alike)"
+    if in_norm_weight is not None and (in_norm_weight.shape != (hd,) or in_norm_weight.dtype != x.dtype):
+        return f"input norm weight {tuple(in_norm_weight.shape)} {in_norm_weight.dtype} for input {tuple(x.shape)}"
+    return None
+
+
+def qkv_prep_from_hidden(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, *,
+                         n_heads: int, n_kv_heads: int, q_norm, k_norm, rope, offset: Any = 0, in_norm=None,
+                         backend: str, init_value=None) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Queries [B, H, 1, D], keys and values [B, Hkv, 1, D], gate [B, 1, H * D] of a decode call from the layer's input
+    x [B, 1, Hd] in one launch: the bits of the row GEMV over the fused q/k/v projection (weight, scales, biases: q_proj's
+    rows, then k_proj's, then v_proj's; ``in_norm`` = (weight, eps): the layer's input norm inside, as the norm GEMV)
+    followed by ``qk_prep`` of its output read in place (the values: the GEMV's). Callers check
+    ``qkv_prep_from_hidden_reason`` and ``qk_prep_supports`` first."""
+    B, _, hd = x.shape
+    blocks = 2 * n_heads + 2 * n_kv_heads
+    D = weight.shape[0] // blocks
+    if isinstance(offset, mx.array):
+        positions = mx.broadcast_to(offset.astype(mx.int32), (B,))
+    else:
+        positions = mx.array([int(offset)] * B, dtype=mx.int32)  # a constant: no graph primitive
+    spec = KERNELS["attention_qk_prep_from_hidden"]
+    dtype = x.dtype
+    q_out, k_out, v_out, gate = get_kernel(spec, backend)(
+        inputs=[x, in_norm[0] if in_norm is not None else x, float32_scalar(in_norm[1] if in_norm is not None else 0.0),
+                weight, scales, biases, q_norm.weight, k_norm.weight, positions, float32_scalar(q_norm.eps),
+                float32_scalar(math.log2(rope.base)), float32_scalar(rope.scale),
+                spec.pack(B=B, H=n_heads, Hkv=n_kv_heads)],
+        template=[("T", dtype), ("D", D), ("DIMS", rope.dims), ("GS", group_size), ("NORM", int(in_norm is not None)),
+                  ("Hd", hd)],
+        grid=(32, QKV_PREP_SIMDGROUPS * blocks, B), threadgroup=(32, QKV_PREP_SIMDGROUPS, 1),
+        output_shapes=[(B, n_heads, 1, D), (B, n_kv_heads, 1, D), (B, n_kv_heads, 1, D), (B, 1, n_heads * D)],
+        output_dtypes=[dtype] * 4,
+        init_value=init_value,
+    )
+    return q_out, k_out, v_out, gate

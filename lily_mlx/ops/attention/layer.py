@@ -97,6 +97,47 @@ def _qk_prep_in_place(y, fused: projections.FusedProjection, *, n_heads, n_kv_he
     return queries, keys, values, gate
 
 
+@dataclasses.dataclass(frozen=True)
+class _Shaped:
+    """The shape and dtype of a projection output a kernel computes itself (for ``qk_prep_supports``'s rules)."""
+    shape: tuple
+    dtype: Any
+
+
+def _prepared_from_hidden(x, fused: projections.FusedProjection, *, n_heads, n_kv_heads, q_norm, k_norm, rope,
+                          offset):
+    """A decode call's (queries, keys, values, gate) from the layer's input x [B, 1, hidden] in one launch
+    (``attention_qk_prep_from_hidden``, switch ``fused_qkv_prep``), or None where it does not apply. It applies where the
+    call would take the linear family's row GEMV for the fused q/k/v projection (``projections.GEMV_PLAN``: the trial
+    kernel on, with the layer's input norm inside where that GEMV would compute it) and then the q/k preparation kernel
+    on the same backend: the kernel gives those two launches' bits, so this choice never changes a result."""
+    if x.shape[1] != 1 or not (is_enabled("fused_qkv_prep") and is_enabled("fused_qk_prep")):
+        return None
+    plan = projections.GEMV_PLAN[0](x, fused)
+    if plan is None:
+        return None
+    backend, source, norm = plan
+    B, _, hidden = x.shape
+    D = fused.weight.shape[0] // (2 * n_heads + 2 * n_kv_heads)
+    if fused.split_at != (2 * n_heads * D, (2 * n_heads + n_kv_heads) * D):
+        return None
+    if _kernel_for("attention_qk_prep", lambda: kernels.qk_prep_supports(
+            _Shaped((B, 1, 2 * n_heads * D), x.dtype), _Shaped((B, 1, n_kv_heads * D), x.dtype), n_heads,
+            n_kv_heads, q_norm, k_norm, rope, offset)) is None or active_backend() != backend:
+        return None
+    in_norm_weight = None if norm is None else norm["weight"]
+    reason = kernels.qkv_prep_from_hidden_reason(source, fused.weight, fused.scales, fused.biases, fused.group_size,
+                                                 fused.bits, fused.mode, n_heads, n_kv_heads, in_norm_weight)
+    if reason is not None:
+        log_once(f"fused_qkv_prep:{reason}", f"fused_qkv_prep: {reason}; the q/k/v projection's GEMV, then the q/k "
+                 "preparation")
+        return None
+    return kernels.qkv_prep_from_hidden(source, fused.weight, fused.scales, fused.biases, fused.group_size,
+                                        n_heads=n_heads, n_kv_heads=n_kv_heads, q_norm=q_norm, k_norm=k_norm, rope=rope,
+                                        offset=offset, backend=backend,
+                                        in_norm=None if norm is None else (in_norm_weight, norm.eps))
+
+
 def qk_prep(q_proj_out, k_proj_out, v_proj_out, *, n_heads, n_kv_heads, q_norm, k_norm, rope,
             offset=0):
     """q/k preparation; see ``qk_prep_reference`` for shapes. Kernel (switch ``fused_qk_prep``; off: the
@@ -370,6 +411,9 @@ def _projected_and_prepared(self, x: mx.array, fused: Optional[projections.Fused
     heads = dict(n_heads=self.num_attention_heads, n_kv_heads=self.num_key_value_heads, q_norm=self.q_norm,
                  k_norm=self.k_norm, rope=self.rope, offset=offset)
     if fused is not None:
+        prepared = _prepared_from_hidden(x, fused, **heads)
+        if prepared is not None:
+            return prepared
         y = projections.matmul(fused, x)  # [B, L, q | k | v]
         prepared = _qk_prep_in_place(y, fused, **heads)
         if prepared is not None:

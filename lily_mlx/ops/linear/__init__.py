@@ -24,7 +24,9 @@ register_op(Op(
     "linear_gemv", "linear",
     "Dense 4-bit affine projection of a decode call's rows (one token per sequence): row GEMV with "
     "vectorised weight loads, four output rows per simdgroup.",
-    # gemv_input_norm and fused_in_proj_step (the DeltaNet in-projection inside its step's kernel) act through it
-    switches=("dense_gemv", "gemv_input_norm", "fused_in_proj_step"), kernel_backends=kernels.GEMV_BACKENDS,
+    # gemv_input_norm, fused_in_proj_step and fused_qkv_prep (a DeltaNet in-projection inside its step's kernel, an
+    # attention layer's q/k/v projection inside its q/k preparation) act through it
+    switches=("dense_gemv", "gemv_input_norm", "fused_in_proj_step", "fused_qkv_prep"),
+    kernel_backends=kernels.GEMV_BACKENDS,
     trial_backends=kernels.GEMV_TRIAL_BACKENDS,
 ))
