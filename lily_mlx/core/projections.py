@@ -88,6 +88,30 @@ def _no_gemv(x: mx.array, record: "FusedProjection"):
 # the GEMV's bits. Filled by ``lily_mlx.ops.linear`` (core imports no family).
 GEMV_PLAN = [_no_gemv]
 
+# A kernel that computes a projection's rows itself stages the layer's input row in threadgroup memory (2 bytes an
+# element): 16 KB at most, within Apple GPUs' 32 KB beside its own arrays.
+FOLD_MAX_HIDDEN = 8192
+FOLD_GROUP_SIZES = (32, 64, 128)
+
+
+def fold_reason(x: mx.array, weight: mx.array, scales: mx.array, biases: Optional[mx.array], group_size: int,
+                bits: int, mode: str, in_norm_weight: Optional[mx.array] = None) -> Optional[str]:
+    """Why a decode kernel cannot compute this 4-bit projection of x [B, 1, Hd] itself by the row GEMV's arithmetic
+    (``GEMV_PLAN``'s folds: rows of W [N, Hd / 8] inside the kernel after the projection, the input norm's weight
+    [Hd] inside too when given); None when it can. The kernel's own row layout is its caller's to check."""
+    if mode != "affine" or bits != 4 or biases is None or group_size not in FOLD_GROUP_SIZES:
+        return f"{mode} {bits}-bit projection, group size {group_size} (4-bit affine, {FOLD_GROUP_SIZES})"
+    hd = x.shape[-1]
+    if x.ndim != 3 or x.shape[1] != 1 or hd % 32 or weight.ndim != 2 or weight.shape[1] * 8 != hd:
+        return f"input {tuple(x.shape)} for projection {tuple(weight.shape)} (one token, K % 32 == 0)"
+    if hd > FOLD_MAX_HIDDEN:
+        return f"hidden size {hd} > {FOLD_MAX_HIDDEN} (the input row is staged in threadgroup memory)"
+    if x.dtype not in (mx.bfloat16, mx.float16) or scales.dtype != x.dtype or biases.dtype != x.dtype:
+        return f"activations {x.dtype} with scales {scales.dtype} (bfloat16 or float16, alike)"
+    if in_norm_weight is not None and (in_norm_weight.shape != (hd,) or in_norm_weight.dtype != x.dtype):
+        return f"input norm weight {tuple(in_norm_weight.shape)} {in_norm_weight.dtype} for input {tuple(x.shape)}"
+    return None
+
 
 _ATTR = "_lily_fused_projections"  # in the module's __dict__: not a parameter, not saved
 

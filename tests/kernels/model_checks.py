@@ -49,3 +49,21 @@ def check_fallbacks_match_stock(op, cases, caplog, equal_nan: bool = False):
     for (reason, *_), note in zip(cases, notes):
         assert reason in note, (reason, note)
     reset_log_once()
+
+
+def one_decode_step(model, tokenizer, text: str, disable=()):
+    """(logits, names of the kernels launched) of ``model``'s first decode step after a prompt of ``text``, with the
+    switches ``disable`` off for the prefill and the step."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from lily_mlx.core import switches
+    from lily_mlx.core.kernel_registry import record_launches
+
+    prompt = mx.array([tokenizer.encode(text)])
+    with switches.overrides(disable=list(disable)):
+        cache = make_prompt_cache(model)
+        mx.eval(model(prompt, cache=cache))
+        with record_launches() as rec:
+            out = model(prompt[:, -1:], cache=cache)
+            mx.eval(out)
+    return out, rec.names()

@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from lily_mlx.core import switches
-from lily_mlx.core.kernel_registry import record_launches
 from lily_mlx.ops.attention import kernels as ak
 from lily_mlx.ops.linear import kernels as lk
 from tests.kernels.kernel_backend import KERNEL_BACKEND
+from tests.kernels.model_checks import one_decode_step
 from tests.kernels.test_attention_qk_prep import SIM_MISSING
 
 needs_sim = pytest.mark.skipif(SIM_MISSING is not None, reason=f"{KERNEL_BACKEND} kernels not available: {SIM_MISSING}")
@@ -103,7 +102,7 @@ def test_qkv_prep_from_hidden_reason_refuses_what_it_does_not_compute():
     assert ak.qkv_prep_from_hidden_reason(x, *ok, mx.ones((128,), mx.bfloat16)) is None
     assert "4-bit affine" in ak.qkv_prep_from_hidden_reason(x, wq, scales, None, 64, 4, "affine", 4, 2)
     assert "one token" in ak.qkv_prep_from_hidden_reason(mx.zeros((1, 3, 128), mx.bfloat16), *ok)
-    assert "one token" in ak.qkv_prep_from_hidden_reason(x, wq, scales, biases, 64, 4, "affine", 5, 2)
+    assert "blocks" in ak.qkv_prep_from_hidden_reason(x, wq, scales, biases, 64, 4, "affine", 5, 2)
     assert "activations" in ak.qkv_prep_from_hidden_reason(x.astype(mx.float32), *ok)
     assert "norm weight" in ak.qkv_prep_from_hidden_reason(x, *ok, mx.ones((64,), mx.bfloat16))
 
@@ -123,24 +122,17 @@ def test_a_decode_step_prepares_each_attention_layer_from_its_input(embedded_mod
     GEMV and no separate q/k preparation there), and its logits equal, bit for bit, those of the step with switch
     fused_qkv_prep off."""
     import lily_mlx
-    from mlx_lm.models.cache import make_prompt_cache
 
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     monkeypatch.setenv("LILY_TRIAL_OPS", "linear_gemv")
     model, tokenizer = embedded_model
-    prompt = mx.array([tokenizer.encode("An attention layer from its input")])
     n_attention = sum(not layer.is_linear for layer in model.layers)
     lily_mlx.patch(model)
     try:
         logits, launched = {}, {}
         for on in (True, False):
-            with switches.overrides(disable=[] if on else ["fused_qkv_prep"]):
-                cache = make_prompt_cache(model)
-                mx.eval(model(prompt, cache=cache))
-                with record_launches() as rec:
-                    out = model(prompt[:, -1:], cache=cache)
-                    mx.eval(out)
-            logits[on], launched[on] = out, rec.names()
+            logits[on], launched[on] = one_decode_step(model, tokenizer, "An attention layer from its input",
+                                                       disable=[] if on else ["fused_qkv_prep"])
         assert launched[True].count(KERNEL) == n_attention and "attention_qk_prep" not in launched[True]
         assert KERNEL not in launched[False] and launched[False].count("attention_qk_prep") == n_attention
         assert mx.array_equal(logits[True], logits[False]).item()

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from lily_mlx.core import switches
-from lily_mlx.core.kernel_registry import record_launches
 from lily_mlx.ops.deltanet import kernels as dk
 from lily_mlx.ops.linear import kernels as lk
 from tests.kernels.kernel_backend import KERNEL_BACKEND
+from tests.kernels.model_checks import one_decode_step
 from tests.kernels.test_deltanet_kernels import NAN, SIM_MISSING, _bitwise, _conv_step_problem
 from tests.ops.deltanet_cases import rand_array as _rand
 
@@ -107,6 +106,7 @@ def test_decode_from_hidden_reason_refuses_what_it_does_not_compute():
     assert "4-bit affine" in dk.decode_from_hidden_reason(x, wq, scales, biases, 16, 4, "affine", 2, 32, 4, 32)
     assert "one token" in dk.decode_from_hidden_reason(mx.zeros((1, 2, 128), mx.bfloat16), *ok)
     assert "rows" in dk.decode_from_hidden_reason(x, wq, scales, biases, 64, 4, "affine", 2, 32, 2, 32)
+    assert "K % 32" in dk.decode_from_hidden_reason(mx.zeros((1, 1, 96), mx.bfloat16), *ok)
     assert "activations" in dk.decode_from_hidden_reason(x.astype(mx.float32), *ok)
     assert "norm weight" in dk.decode_from_hidden_reason(x, *ok, mx.ones((64,), mx.bfloat16))
     wide = mx.zeros((1, 1, 8192 + 32), mx.bfloat16)
@@ -133,24 +133,17 @@ def test_a_decode_step_takes_each_deltanet_layer_from_its_input(embedded_model, 
     in-projection GEMV there), and its logits equal, bit for bit, those of the step with switch fused_in_proj_step off
     (the in-projection's GEMV with the input norm inside, then the conv step), whose launches it replaces."""
     import lily_mlx
-    from mlx_lm.models.cache import make_prompt_cache
 
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     monkeypatch.setenv("LILY_TRIAL_OPS", "linear_gemv")
     model, tokenizer = embedded_model
-    prompt = mx.array([tokenizer.encode("A DeltaNet layer from its input")])
     n_deltanet = sum(layer.is_linear for layer in model.layers)
     lily_mlx.patch(model)
     try:
         logits, launched = {}, {}
         for on in (True, False):
-            with switches.overrides(disable=[] if on else ["fused_in_proj_step"]):
-                cache = make_prompt_cache(model)
-                mx.eval(model(prompt, cache=cache))
-                with record_launches() as rec:
-                    out = model(prompt[:, -1:], cache=cache)
-                    mx.eval(out)
-            logits[on], launched[on] = out, rec.names()
+            logits[on], launched[on] = one_decode_step(model, tokenizer, "A DeltaNet layer from its input",
+                                                       disable=[] if on else ["fused_in_proj_step"])
         assert launched[True].count(KERNEL) == n_deltanet, launched[True]
         assert KERNEL not in launched[False]
         assert (launched[False].count("linear_gemv_q4_rms_norm") - launched[True].count("linear_gemv_q4_rms_norm")

@@ -20,6 +20,7 @@ from lily_mlx.core.kernel_registry import record_launches
 from lily_mlx.ops.linear import kernels as lk
 from lily_dev.moe_testing import simulator_problem
 from tests.kernels.kernel_backend import KERNEL_BACKEND, kernel_backend_problem
+from tests.kernels.model_checks import one_decode_step
 
 SETTINGS = settings(deadline=None, max_examples=12, derandomize=True)
 SIM_PROBLEM = kernel_backend_problem() or (simulator_problem() if KERNEL_BACKEND == "sim" else None)
@@ -280,24 +281,18 @@ def test_a_decode_step_takes_the_input_norm_inside_the_gemv(embedded_model, monk
     evaluated; the step's logits are those of the step with the switch off (the norm a launch of its own) within
     bf16 noise, and its greedy token the same."""
     import lily_mlx
-    from mlx_lm.models.cache import make_prompt_cache
 
     monkeypatch.setenv("LILY_BACKEND", KERNEL_BACKEND)
     monkeypatch.setenv("LILY_TRIAL_OPS", "linear_gemv")
     model, tokenizer = embedded_model
-    prompt = mx.array([tokenizer.encode("The decoder layer's input norm")])
     lily_mlx.patch(model)
     try:
         logits = {}
         for on in (True, False):
-            # (fused_in_proj_step off: the DeltaNet layers' in-projections are GEMV launches of their own then)
-            with switches.overrides(disable=["fused_in_proj_step"] + ([] if on else ["gemv_input_norm"])):
-                cache = make_prompt_cache(model)
-                mx.eval(model(prompt, cache=cache))
-                with record_launches() as rec:
-                    out = model(prompt[:, -1:], cache=cache)
-                    mx.eval(out)
-                names = rec.names()
+            # (the folds off: the layers' in-projections are GEMV launches of their own then)
+            out, names = one_decode_step(model, tokenizer, "The decoder layer's input norm",
+                                         disable=["fused_in_proj_step", "fused_qkv_prep"]
+                                         + ([] if on else ["gemv_input_norm"]))
             n_layers = len(model.layers)
             assert names.count("linear_gemv_q4_rms_norm") == (n_layers if on else 0), names
             logits[on] = out.astype(mx.float32)

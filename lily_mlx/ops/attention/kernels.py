@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from ...core import projections
 from ...core.compiled import stock_type
 from ...core.kernel_registry import KernelSpec, constant_input, float32_scalar, get_kernel
 
@@ -910,6 +911,13 @@ def qk_prep_supports(q_proj_out: mx.array, k_proj_out: mx.array, n_heads: int, n
     return None
 
 
+def _positions(offset: Any, B: int) -> mx.array:
+    """The q/k preparation's positions input: each row's cache offset, int32 [B]."""
+    if isinstance(offset, mx.array):
+        return mx.broadcast_to(offset.astype(mx.int32), (B,))
+    return mx.array([int(offset)] * B, dtype=mx.int32)  # a constant: no graph primitive
+
+
 def qk_prep(q_proj_out: mx.array, k_proj_out: Optional[mx.array], *, n_heads: int, n_kv_heads: int, q_norm, k_norm,
             rope, offset: Any = 0, backend: str, init_value=None) -> Tuple[mx.array, mx.array, mx.array]:
     """Queries [B, H, L, D] and keys [B, Hkv, L, D] (normalised, rotated) and the output gate
@@ -921,10 +929,7 @@ def qk_prep(q_proj_out: mx.array, k_proj_out: Optional[mx.array], *, n_heads: in
         q_ld, k_ld, k_off, k_proj_out = width, width, 2 * n_heads * D, q_proj_out
     else:
         q_ld, k_ld, k_off = width, k_proj_out.shape[-1], 0
-    if isinstance(offset, mx.array):
-        positions = mx.broadcast_to(offset.astype(mx.int32), (B,))
-    else:
-        positions = mx.array([int(offset)] * B, dtype=mx.int32)  # a constant: no graph primitive
+    positions = _positions(offset, B)
     spec = KERNELS["attention_qk_prep"]
     dtype = q_proj_out.dtype
     q_out, k_out, gate = get_kernel(spec, backend)(
@@ -943,7 +948,6 @@ def qk_prep(q_proj_out: mx.array, k_proj_out: Optional[mx.array], *, n_heads: in
 # --- the q/k/v projection inside the q/k preparation (switch fused_qkv_prep, with the trial row GEMV) ------------
 
 QKV_PREP_SIMDGROUPS = 16  # kernels/attention/qk_prep.metal: QK_PREP_SIMDGROUPS
-QKV_PREP_MAX_HIDDEN = 8192  # the input row is staged in threadgroup memory (2 bytes an element, 16 KB at most)
 
 
 def qkv_prep_from_hidden_reason(x: mx.array, weight: mx.array, scales: mx.array, biases: Optional[mx.array],
@@ -951,21 +955,11 @@ def qkv_prep_from_hidden_reason(x: mx.array, weight: mx.array, scales: mx.array,
                                 in_norm_weight: Optional[mx.array] = None) -> Optional[str]:
     """Why ``attention_qk_prep_from_hidden`` cannot take this decode call's fused q/k/v projection (x [B, 1, Hd], W
     [(2 H + 2 Hkv) D, Hd] 4-bit affine); None when it can. The q/k preparation's own rules are ``qk_prep_supports``'s."""
-    if mode != "affine" or bits != 4 or biases is None or group_size not in (32, 64, 128):
-        return f"{mode} {bits}-bit q/k/v projection, group size {group_size} (4-bit affine, 32 / 64 / 128)"
-    hd = x.shape[-1]
+    reason = projections.fold_reason(x, weight, scales, biases, group_size, bits, mode, in_norm_weight)
     blocks = 2 * n_heads + 2 * n_kv_heads
-    if x.ndim != 3 or x.shape[1] != 1 or hd % 32 or weight.shape[1] * 8 != hd or weight.shape[0] % blocks:
-        return f"input {tuple(x.shape)} for q/k/v projection {tuple(weight.shape)} (one token, K % 32 == 0)"
-    if (weight.shape[0] // blocks) % 32:
-        return f"head dim {weight.shape[0] // blocks} (a multiple of 32)"
-    if hd > QKV_PREP_MAX_HIDDEN:
-        return f"hidden size {hd} > {QKV_PREP_MAX_HIDDEN} (the input row is staged in threadgroup memory)"
-    if x.dtype not in (mx.bfloat16, mx.float16) or scales.dtype != x.dtype or biases.dtype != x.dtype:
-        return f"activations {x.dtype} with scales {scales.dtype} (bfloat16 or float16, alike)"
-    if in_norm_weight is not None and (in_norm_weight.shape != (hd,) or in_norm_weight.dtype != x.dtype):
-        return f"input norm weight {tuple(in_norm_weight.shape)} {in_norm_weight.dtype} for input {tuple(x.shape)}"
-    return None
+    if reason is None and (weight.shape[0] % blocks or (weight.shape[0] // blocks) % 32):
+        reason = f"q/k/v projection of {weight.shape[0]} rows ({blocks} heads' blocks of a multiple of 32)"
+    return reason
 
 
 def qkv_prep_from_hidden(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, *,
@@ -979,10 +973,7 @@ def qkv_prep_from_hidden(x: mx.array, weight: mx.array, scales: mx.array, biases
     B, _, hd = x.shape
     blocks = 2 * n_heads + 2 * n_kv_heads
     D = weight.shape[0] // blocks
-    if isinstance(offset, mx.array):
-        positions = mx.broadcast_to(offset.astype(mx.int32), (B,))
-    else:
-        positions = mx.array([int(offset)] * B, dtype=mx.int32)  # a constant: no graph primitive
+    positions = _positions(offset, B)
     spec = KERNELS["attention_qk_prep_from_hidden"]
     dtype = x.dtype
     q_out, k_out, v_out, gate = get_kernel(spec, backend)(

@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
+from ...core import projections
 from ...core.kernel_registry import KernelSpec, constant_input, float32_scalar, get_kernel
 
 # Dispatch table: one row per kernel of kernels/deltanet/deltanet.metal.
@@ -424,31 +425,17 @@ def _conv_step_launch(dtype, B: int, Hv: int, Dk: int, Dv: int, K: int, C: int, 
 # One decode token from the layer's input: the in-projection rows each head needs by the dense row GEMV, then
 # deltanet_decode_conv_fused's work, in one launch (switch fused_in_proj_step, with the trial row GEMV)
 
-IN_PROJ_GROUP_SIZES = (32, 64, 128)
-# The layer's input row is staged in threadgroup memory (2 bytes an element): 16 KB at most, beside the ~4 KB the
-# step's rows take, within Apple GPUs' 32 KB.
-IN_PROJ_MAX_HIDDEN = 8192
-
-
 def decode_from_hidden_reason(x: mx.array, weight: mx.array, scales: mx.array, biases: Optional[mx.array],
                               group_size: int, bits: int, mode: str, Hk: int, Dk: int, Hv: int, Dv: int,
                               in_norm_weight: Optional[mx.array] = None) -> Optional[str]:
     """Why ``deltanet_decode_from_hidden`` cannot take this decode call's in-projection (x [B, 1, Hd]; the fused
     weight W [C + Hv Dv + 2 Hv, Hd] 4-bit, q|k|v, z, b, a); None when it can. The conv step's own rules are
     ``decode_conv_unsupported_reason``'s."""
-    if mode != "affine" or bits != 4 or biases is None or group_size not in IN_PROJ_GROUP_SIZES:
-        return f"{mode} {bits}-bit in-projection, group size {group_size} (4-bit affine, {IN_PROJ_GROUP_SIZES})"
-    hd = x.shape[-1]
+    reason = projections.fold_reason(x, weight, scales, biases, group_size, bits, mode, in_norm_weight)
     rows = 2 * Hk * Dk + 2 * Hv * Dv + 2 * Hv
-    if x.ndim != 3 or x.shape[1] != 1 or hd % 32 or weight.shape != (rows, hd // 8):
-        return f"input {tuple(x.shape)} for in-projection {tuple(weight.shape)} (one token, {rows} rows, K % 32 == 0)"
-    if hd > IN_PROJ_MAX_HIDDEN:
-        return f"hidden size {hd} > {IN_PROJ_MAX_HIDDEN} (the input row is staged in threadgroup memory)"
-    if x.dtype not in (mx.bfloat16, mx.float16) or scales.dtype != x.dtype or biases.dtype != x.dtype:
-        return f"activations {x.dtype} with scales {scales.dtype} (bfloat16 or float16, alike)"
-    if in_norm_weight is not None and (in_norm_weight.shape != (hd,) or in_norm_weight.dtype != x.dtype):
-        return f"input norm weight {tuple(in_norm_weight.shape)} {in_norm_weight.dtype} for input {tuple(x.shape)}"
-    return None
+    if reason is None and weight.shape[0] != rows:
+        reason = f"in-projection of {weight.shape[0]} rows ({rows}: q|k|v, z, b, a)"
+    return reason
 
 
 def decode_from_hidden(x, weight, scales, biases, group_size: int, conv_state, conv_weight, mask, A_log, dt_bias,
