@@ -76,6 +76,13 @@ def record_deltanet_units() -> Dict[str, str]:
             dk.decode_conv(mx.zeros((2, 1, C), mx.bfloat16), mx.zeros((2, 3, C), mx.bfloat16),
                            mx.zeros((C, 4, 1), mx.bfloat16), None, x["a"], x["b"], x["A_log"], x["dt_bias"], x["state"],
                            x["z"], x["weight"], 1e-6, Hk, Dk, Hv, Dv, backend="cuda")
+            hidden = 2048  # the step from the layer's input (with the trial row GEMV), the input norm inside
+            w, scales, biases = mx.quantize(mx.zeros((C + Hv * Dv + 2 * Hv, hidden), mx.bfloat16), group_size=64,
+                                            bits=4, stream=mx.cpu)
+            dk.decode_from_hidden(mx.zeros((2, 1, hidden), mx.bfloat16), w, scales, biases, 64,
+                                  mx.zeros((2, 3, C), mx.bfloat16), mx.zeros((C, 4, 1), mx.bfloat16), None,
+                                  x["A_log"], x["dt_bias"], x["state"], x["weight"], 1e-6, Hk, Dk, Hv, Dv,
+                                  in_norm=(mx.ones((hidden,), mx.bfloat16), 1e-6), backend="cuda")
     finally:
         kernel_registry.clear_cache()
     return records
