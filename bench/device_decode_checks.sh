@@ -650,6 +650,11 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     run sgt_gemv_norm 300 python -m bench.step_gpu_time --compare "lily,$GEMV_ENGINES" --clock-control none \
       --cache-control none --out "$W/sgt_gemv_norm"
     grep -E "^\| lily|qmv|gemv|rms_norm|deltanet_decode|qk_prep" "$W/sgt_gemv_norm/step_gpu_time.md" 2>/dev/null | head -28
+    # the DeltaNet fold with both of a lane's weight pieces a row in flight (127 registers of the 128 allowed)
+    run sgt_fold_u2 120 python -m bench.step_gpu_time --compare lily-trial:linear_gemv \
+      --set lily_mlx.ops.deltanet.kernels.FROM_HIDDEN_UNROLL=2 --clock-control none --cache-control none \
+      --out "$W/sgt_fold_u2"
+    grep -E "^\| lily|deltanet_decode" "$W/sgt_fold_u2/step_gpu_time.md" 2>/dev/null | head -4
     rm -f "$W"/sgt_*/*.csv
     ;;
   45) # PART=44's engines end to end: decode in alternating bursts at 4K (lily, the trial row GEMV with the input norm

@@ -27,9 +27,6 @@
 
 // @header
 // @include linear/gemv.metal
-// Weight pieces per row and lane in flight in attention_qk_prep_from_hidden's GEMV (its 512-thread threadgroups allow
-// 128 registers a thread; NVRTC cannot be told the bound through MLX): 1, as deltanet_decode_from_hidden's.
-#define QK_PREP_GEMV_UNROLL 1
 #define QK_PREP_SIMDGROUPS 16  // simdgroups a threadgroup of attention_qk_prep_from_hidden
 
 // One head row's q/k preparation by one simdgroup (all 32 lanes): x the head's D projected values (device or
@@ -115,7 +112,7 @@ if (is_query) {
 // prepares a q or k head (attention_qk_prep_head) or copies the gate or the values out. So the same bits as the GEMV
 // over W followed by attention_qk_prep (the values: the GEMV's).
 // Grid (32, QK_PREP_SIMDGROUPS * (2 H + 2 Hkv), B), threadgroup (32, QK_PREP_SIMDGROUPS, 1). Template T, D, DIMS, GS,
-// NORM, Hd. Outputs: q_out [B, H, 1, D], k_out, v_out [B, Hkv, 1, D], gate [B, 1, H * D].
+// NORM, Hd, U (weight pieces a row and lane in flight: the host's QKV_PREP_UNROLL). Outputs: q_out [B, H, 1, D], k_out, v_out [B, Hkv, 1, D], gate [B, 1, H * D].
 {
   threadgroup vec<T, 4> x4[Hd / 4];  // the GEMV's input row (normalised with NORM)
   threadgroup float proj[D];         // this block's projected rows (fp32 of T values)
@@ -156,12 +153,12 @@ if (is_query) {
       wrow[r] = row * (Hd / 32);
       srow[r] = row * (Hd / GS);
     }
-    uint4 wq[QK_PREP_GEMV_UNROLL * LINEAR_GEMV_ROWS];
-    float sc[QK_PREP_GEMV_UNROLL * LINEAR_GEMV_ROWS];
-    float bi[QK_PREP_GEMV_UNROLL * LINEAR_GEMV_ROWS];
-    linear_gemv_q4_load<GS, QK_PREP_GEMV_UNROLL>(w, wrow, srow, scales, biases, lane, Hd / 32, wq, sc, bi);
+    uint4 wq[U * LINEAR_GEMV_ROWS];
+    float sc[U * LINEAR_GEMV_ROWS];
+    float bi[U * LINEAR_GEMV_ROWS];
+    linear_gemv_q4_load<GS, U>(w, wrow, srow, scales, biases, lane, Hd / 32, wq, sc, bi);
     float acc[LINEAR_GEMV_ROWS];
-    linear_gemv_q4_accumulate<T, 1, GS, false, QK_PREP_GEMV_UNROLL>(
+    linear_gemv_q4_accumulate<T, 1, GS, false, U>(
         x_staged, w, scales, biases, x_staged, inv_rms, wrow, srow, Hd, 1, 0, lane, exponent, wq, sc, bi, acc);
     #pragma unroll
     for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {

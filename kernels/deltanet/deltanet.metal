@@ -21,11 +21,6 @@
 // @header
 // @include linear/gemv.metal
 #define DELTANET_EPL 32
-// Weight pieces per row and lane in flight in deltanet_decode_from_hidden's GEMV (the row GEMV's LINEAR_GEMV_UNROLL is
-// 2): its 512-thread threadgroups allow 128 registers a thread, and NVRTC cannot be told the bound (no launch bounds
-// through MLX). ptxas for sm_90a at Qwen3.6's shape: 118-120 registers with 1, 127 with 2 (too close to the bound for
-// another compiler version).
-#define DELTANET_GEMV_UNROLL 1
 
 // Sum over the LANES consecutive lanes owning one state row (called by all 32 lanes).
 template <int LANES>
@@ -733,7 +728,8 @@ inline void deltanet_decode_conv_step(
 // and C + hv Dv), b and a of head hv (C + Hv Dv + hv, C + Hv Dv + Hv + hv): 4 Dk + 2 rows (Dv == Dk) in groups of
 // LINEAR_GEMV_ROWS, group g taken by simdgroup g % SIMDGROUPS; the q and k rows are read by each of the Hv / Hk heads
 // sharing them.
-// Geometry as deltanet_decode_conv_fused: grid (32, Dv / ROWS, B * Hv), one threadgroup per value head.
+// Geometry as deltanet_decode_conv_fused: grid (32, Dv / ROWS, B * Hv), one threadgroup per value head. Template U:
+// weight pieces a row and lane in flight in the GEMV (the host's FROM_HIDDEN_UNROLL).
 // x [B, 1, Hd] InT (the layer's input: the norm's input with NORM); in_norm_weight [Hd] InT, in_norm_eps [1] fp32 (NORM
 // only); w [P, Hd / 8] uint32, scales, biases [P, Hd / GS] InT; the rest as deltanet_decode_conv_fused's (conv_state
 // [B, K-1, C], conv_weight, mask, lengths, A_log, dt_bias, state_in, weight, qk_eps, norm_eps).
@@ -797,12 +793,12 @@ inline void deltanet_decode_conv_step(
       wrow[r] = row * (Hd / 32);
       srow[r] = row * (Hd / GS);
     }
-    uint4 wq[DELTANET_GEMV_UNROLL * LINEAR_GEMV_ROWS];
-    float sc[DELTANET_GEMV_UNROLL * LINEAR_GEMV_ROWS];
-    float bi[DELTANET_GEMV_UNROLL * LINEAR_GEMV_ROWS];
-    linear_gemv_q4_load<GS, DELTANET_GEMV_UNROLL>(w, wrow, srow, scales, biases, lane, Hd / 32, wq, sc, bi);
+    uint4 wq[U * LINEAR_GEMV_ROWS];
+    float sc[U * LINEAR_GEMV_ROWS];
+    float bi[U * LINEAR_GEMV_ROWS];
+    linear_gemv_q4_load<GS, U>(w, wrow, srow, scales, biases, lane, Hd / 32, wq, sc, bi);
     float acc[LINEAR_GEMV_ROWS];
-    linear_gemv_q4_accumulate<InT, 1, GS, false, DELTANET_GEMV_UNROLL>(
+    linear_gemv_q4_accumulate<InT, 1, GS, false, U>(
         x_staged, w, scales, biases, x_staged, inv_rms, wrow, srow, Hd, 1, 0, lane, exponent, wq, sc, bi, acc);
     #pragma unroll
     for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {

@@ -158,7 +158,7 @@ def test_qkv_prep_from_hidden_fits_the_h200_without_spills():
         inputs = [mx.zeros((1, 1, hd), bf), mx.ones((hd,), bf), float32_scalar(1e-6), wq, scales, biases,
                   mx.ones((D,), bf), mx.ones((D,), bf), mx.zeros((8,), mx.int32), float32_scalar(1e-6),
                   float32_scalar(1.0), float32_scalar(1.0), spec.pack(B=1, H=H, Hkv=Hkv)]
-        template = [("T", bf), ("D", D), ("DIMS", 64), ("GS", gs), ("NORM", norm), ("Hd", hd)]
+        template = [("T", bf), ("D", D), ("DIMS", 64), ("GS", gs), ("NORM", norm), ("Hd", hd), ("U", ak.QKV_PREP_UNROLL)]
         u = resource_usage.ptxas_usage(resource_usage._cuda_unit(spec, inputs, [bf] * 4, template))
         assert 0 < u["registers"] * 32 * ak.QKV_PREP_SIMDGROUPS <= resource_usage.REGISTERS_PER_SM, (norm, u)
         assert u["spill_stores"] == 0 and u["spill_loads"] == 0, (norm, u)

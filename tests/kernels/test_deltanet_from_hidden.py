@@ -174,7 +174,7 @@ def test_decode_from_hidden_fits_the_h200_without_spills():
                   mx.ones((D,), bf), float32_scalar(1e-6), float32_scalar(1e-6),
                   spec.pack(B=1, Hk=Hk, Hv=Hv, C=C, has_conv_state=1, has_state=1, has_mask=0, has_lengths=0)]
         template = [("InT", bf), ("Dk", D), ("Dv", D), ("K", K), ("PARTIALS", dk.ROW_SUM_PARTIALS), ("GS", gs),
-                    ("NORM", norm), ("Hd", hd)]
+                    ("NORM", norm), ("Hd", hd), ("U", dk.FROM_HIDDEN_UNROLL)]
         unit = resource_usage._cuda_unit(spec, inputs, [bf, mx.float32, bf], template)
         u = resource_usage.ptxas_usage(unit)
         threads = 32 * D // dk.rows_per_simdgroup(D)

@@ -948,6 +948,11 @@ def qk_prep(q_proj_out: mx.array, k_proj_out: Optional[mx.array], *, n_heads: in
 # --- the q/k/v projection inside the q/k preparation (switch fused_qkv_prep, with the trial row GEMV) ------------
 
 QKV_PREP_SIMDGROUPS = 16  # kernels/attention/qk_prep.metal: QK_PREP_SIMDGROUPS
+# Weight pieces a row and lane in flight in attention_qk_prep_from_hidden's GEMV (template U; at hidden 2048 a lane has
+# 2 pieces a row, so 2 is all of them): its 512-thread threadgroups allow 128 registers a thread (NVRTC cannot be told
+# the bound through MLX); ptxas for sm_90a at Qwen3.6's shape: 75 registers with 2 (96 with 1). Read at each call
+# (--set).
+QKV_PREP_UNROLL = 2
 
 
 def qkv_prep_from_hidden_reason(x: mx.array, weight: mx.array, scales: mx.array, biases: Optional[mx.array],
@@ -982,7 +987,7 @@ def qkv_prep_from_hidden(x: mx.array, weight: mx.array, scales: mx.array, biases
                 float32_scalar(math.log2(rope.base)), float32_scalar(rope.scale),
                 spec.pack(B=B, H=n_heads, Hkv=n_kv_heads)],
         template=[("T", dtype), ("D", D), ("DIMS", rope.dims), ("GS", group_size), ("NORM", int(in_norm is not None)),
-                  ("Hd", hd)],
+                  ("Hd", hd), ("U", QKV_PREP_UNROLL)],
         grid=(32, QKV_PREP_SIMDGROUPS * blocks, B), threadgroup=(32, QKV_PREP_SIMDGROUPS, 1),
         output_shapes=[(B, n_heads, 1, D), (B, n_kv_heads, 1, D), (B, n_kv_heads, 1, D), (B, 1, n_heads * D)],
         output_dtypes=[dtype] * 4,

@@ -425,6 +425,13 @@ def _conv_step_launch(dtype, B: int, Hv: int, Dk: int, Dv: int, K: int, C: int, 
 # One decode token from the layer's input: the in-projection rows each head needs by the dense row GEMV, then
 # deltanet_decode_conv_fused's work, in one launch (switch fused_in_proj_step, with the trial row GEMV)
 
+# Weight pieces a row and lane in flight in deltanet_decode_from_hidden's GEMV (template U; the row GEMV's own is 2). Its
+# 512-thread threadgroups allow 128 registers a thread and NVRTC cannot be told the bound through MLX: ptxas for sm_90a
+# at Qwen3.6's shape gives 118-120 registers with 1, 127 with 2 (too close for another compiler version). Read at each
+# call, so a benchmark's --set reaches it.
+FROM_HIDDEN_UNROLL = 1
+
+
 def decode_from_hidden_reason(x: mx.array, weight: mx.array, scales: mx.array, biases: Optional[mx.array],
                               group_size: int, bits: int, mode: str, Hk: int, Dk: int, Hv: int, Dv: int,
                               in_norm_weight: Optional[mx.array] = None) -> Optional[str]:
@@ -463,6 +470,6 @@ def decode_from_hidden(x, weight, scales, biases, group_size: int, conv_state, c
                 spec.pack(B=B, Hk=Hk, Hv=Hv, C=C, has_conv_state=has_conv_state, has_state=has_state,
                           has_mask=has_mask, has_lengths=has_lengths)],
         template=[("InT", x.dtype), ("Dk", Dk), ("Dv", Dv), ("K", K), ("PARTIALS", partials), ("GS", group_size),
-                  ("NORM", int(in_norm is not None)), ("Hd", hd)],
+                  ("NORM", int(in_norm is not None)), ("Hd", hd), ("U", FROM_HIDDEN_UNROLL)],
         **_conv_step_launch(x.dtype, B, Hv, Dk, Dv, K, C, init_value))
     return out, conv_state_out, state_out
