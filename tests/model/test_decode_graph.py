@@ -393,3 +393,19 @@ def test_the_dense_gemv_takes_each_layers_input_norm_and_projections(monkeypatch
     non_view = sum(n for k, n in built.items() if k not in VIEW_PRIMITIVES)
     assert non_view == (PRIMITIVES_DELTANET_LAYER * n_deltanet + PRIMITIVES_ATTENTION_LAYER * n_attention
                         + PRIMITIVES_OUTSIDE_LAYERS - normed - folded), built
+
+
+def test_the_input_norm_goes_inside_with_constant_weights(monkeypatch):
+    """With ``constant_weights`` on at patch time a layer's input norm is a watch-only lily class over ``nn.RMSNorm``: it
+    is still taken inside the trial GEMV's kernels (the norms leave the step, as without the switch)."""
+    monkeypatch.setenv("LILY_TRIAL_OPS", "linear_gemv")
+    model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
+    with switches.overrides(enable=["constant_weights"]), _on_the_cuda_path(model):
+        assert type(model.language_model.model.layers[0].input_layernorm).__name__ != "RMSNorm"
+        y, cache = _prefill(model, 40, VOCAB, 0)
+        for _ in range(3):
+            y = _step(model, y, cache)
+            mx.eval(y)
+        y, launches, built, _ = _built_step(model, y, cache)
+    assert built.get("RMSNorm") == 1, built  # the final norm alone
+    assert launches.get("deltanet_decode_from_hidden") and launches.get("attention_qk_prep_from_hidden"), launches

@@ -275,12 +275,13 @@ def _use_handed(x: mx.array, normed: mx.array) -> mx.array:
 
 
 def _input_norm(self, x: mx.array) -> mx.array:
-    """``self.input_layernorm(x)``; for a decode call with switch ``gemv_input_norm`` on and an ``nn.RMSNorm``,
-    noted for the projections that take it (``projections.note_input_norm``: the dense GEMV may compute the
-    norm itself, and MLX then never evaluates this array)."""
+    """``self.input_layernorm(x)``; for a decode call with switch ``gemv_input_norm`` on and an ``nn.RMSNorm`` (or the
+    watch-only lily class ``constant_weights`` gives it), noted for the projections that take it
+    (``projections.note_input_norm``: the dense GEMV may compute the norm itself, and MLX then never evaluates this
+    array)."""
     norm = self.input_layernorm
     normed = norm(x)
-    if x.shape[1] == 1 and type(norm) is nn.RMSNorm and switches.is_enabled("gemv_input_norm"):
+    if x.shape[1] == 1 and compiled.stock_type(norm) is nn.RMSNorm and switches.is_enabled("gemv_input_norm"):
         projections.note_input_norm(normed, x, norm)
     return normed
 
