@@ -127,19 +127,8 @@ if (is_query) {
   if (NORM != 0) {
     linear_gemv_q4_inv_rms<T, 1>(x, in_norm_eps[0], Hd, B, b, lane, inv_rms);
   }
-  const device vec<T, 4>* x_row = reinterpret_cast<const device vec<T, 4>*>(x + long(b) * Hd);
-  const device vec<T, 4>* nw4 = reinterpret_cast<const device vec<T, 4>*>(in_norm_weight);
-  for (int i = sg * 32 + lane; i < Hd / 4; i += QK_PREP_SIMDGROUPS * 32) {
-    vec<T, 4> v = x_row[i];
-    if (NORM != 0) {
-      const vec<T, 4> nw = nw4[i];
-      for (int c = 0; c < 4; ++c) {
-        const float normalised = float(static_cast<T>(float(v[c]) * inv_rms[0]));
-        v[c] = static_cast<T>(float(nw[c]) * normalised);
-      }
-    }
-    x4[i] = v;
-  }
+  linear_gemv_stage_row<T, NORM != 0>(x, in_norm_weight, inv_rms[0], Hd, b, sg * 32 + lane, QK_PREP_SIMDGROUPS * 32,
+                                       x4);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const threadgroup vec<T, 4>* x_staged = x4;
 

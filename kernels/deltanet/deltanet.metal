@@ -759,19 +759,8 @@ inline void deltanet_decode_conv_step(
   if (NORM != 0) {
     linear_gemv_q4_inv_rms<InT, 1>(x, in_norm_eps[0], Hd, B, b_idx, lane, inv_rms);
   }
-  const device vec<InT, 4>* x_row = reinterpret_cast<const device vec<InT, 4>*>(x + static_cast<size_t>(b_idx) * Hd);
-  const device vec<InT, 4>* nw4 = reinterpret_cast<const device vec<InT, 4>*>(in_norm_weight);
-  for (int i = sg * 32 + lane; i < Hd / 4; i += SIMDGROUPS * 32) {
-    vec<InT, 4> v = x_row[i];
-    if (NORM != 0) {
-      const vec<InT, 4> nw = nw4[i];
-      for (int c = 0; c < 4; ++c) {
-        const float normalised = float(static_cast<InT>(float(v[c]) * inv_rms[0]));
-        v[c] = static_cast<InT>(float(nw[c]) * normalised);
-      }
-    }
-    x4[i] = v;
-  }
+  linear_gemv_stage_row<InT, NORM != 0>(x, in_norm_weight, inv_rms[0], Hd, b_idx, sg * 32 + lane, SIMDGROUPS * 32,
+                                         x4);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const threadgroup vec<InT, 4>* x_staged = x4;
   for (int g = sg; g < GROUPS; g += SIMDGROUPS) {  // uniform per simdgroup (simd_sums inside)

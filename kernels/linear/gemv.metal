@@ -77,6 +77,35 @@ inline void linear_gemv_q4_load(PW w, const thread long* wrow, const thread long
   }
 }
 
+// One value of x normalised with stock's RMSNorm rounding points, as the float of its T value: T(w * T(x * inv_rms)).
+// The one definition the norm GEMV and the kernels that stage a normalised row (the folds) share.
+template <typename T>
+inline float linear_rms_normalised(float x, float inv_rms, float w) {
+  const float normalised = float(static_cast<T>(x * inv_rms));
+  return float(static_cast<T>(w * normalised));
+}
+
+// Row b of x [B, K] into threadgroup memory (x4: K / 4 vectors) by a threadgroup's `threads` threads (this one
+// `tid`), NORM: normalised as linear_gemv_q4_accumulate normalises it (norm_weight [K], inv_rms from
+// linear_gemv_q4_inv_rms), so that a GEMV over the staged row (NORM false) gives the norm GEMV's bits. The caller
+// places the barrier after it.
+template <typename T, bool NORM, typename PX, typename PN>
+inline void linear_gemv_stage_row(PX x, PN norm_weight, float inv_rms, int K, int b, int tid, int threads,
+                                  threadgroup vec<T, 4>* x4) {
+  const device vec<T, 4>* x_row = reinterpret_cast<const device vec<T, 4>*>(x + long(b) * K);
+  const device vec<T, 4>* nw4 = reinterpret_cast<const device vec<T, 4>*>(norm_weight);
+  for (int i = tid; i < K / 4; i += threads) {
+    vec<T, 4> v = x_row[i];
+    if (NORM) {
+      const vec<T, 4> nw = nw4[i];
+      for (int c = 0; c < 4; ++c) {
+        v[c] = static_cast<T>(linear_rms_normalised<T>(float(v[c]), inv_rms, float(nw[c])));
+      }
+    }
+    x4[i] = v;
+  }
+}
+
 // inv_rms[m] = rsqrt(mean(x[b0 + m]^2) + eps) for the rows b0 .. b0 + M - 1 of x [B, K] (rows past B: 1): each lane's
 // pieces in order (an fp32 fma per element), then simd_sum. A row's own arithmetic whatever M and the other rows.
 // All 32 lanes call it (one simd_sum per row).
@@ -148,8 +177,7 @@ inline void linear_gemv_q4_accumulate(PX x4, PW w, PS scales, PS biases, PN norm
               const vec<T, 4> nw = norm_weight4[8 * p + q];
               #pragma unroll
               for (int c = 0; c < 4; ++c) {
-                const float normalised = float(static_cast<T>(xv[4 * q + c] * inv_rms[m]));
-                xv[4 * q + c] = float(static_cast<T>(float(nw[c]) * normalised));
+                xv[4 * q + c] = linear_rms_normalised<T>(xv[4 * q + c], inv_rms[m], float(nw[c]));
               }
             }
           }

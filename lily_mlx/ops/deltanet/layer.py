@@ -129,6 +129,26 @@ def _conv_qk_kernel(self, qkv, mask, cache):
     )
 
 
+def _conv_step_backend(self) -> Optional[str]:
+    """The backend the one-kernel decode conv step runs on (switch ``fused_conv_step``, with ``fused_recurrent_norm``;
+    the conv and decode ops on the same kernel backend), or None."""
+    if not (switches.is_enabled("fused_conv_step") and switches.is_enabled("fused_recurrent_norm")):
+        return None
+    backend = _kernel_backend("deltanet_conv1d_silu", self)
+    return backend if backend is not None and _kernel_backend("deltanet_decode", self) == backend else None
+
+
+def _stored_step(cache, step) -> mx.array:
+    """``step`` = (out, new conv state, new recurrent state) of a one-token step: the states into the cache, which
+    advances one token; returns out."""
+    out, conv_state, state = step
+    if cache is not None:
+        cache[0] = conv_state
+        cache[1] = state
+        cache.advance(1)
+    return out
+
+
 def _decode_conv_kernel(self, qkv, z, b, a, mask, cache, joint=None):
     """One decode token (S = 1) through ``deltanet_decode_conv_fused`` (switch ``fused_conv_step``, with
     ``fused_recurrent_norm``): (out, new conv state, new recurrent state), or None where the conv
@@ -138,10 +158,8 @@ def _decode_conv_kernel(self, qkv, z, b, a, mask, cache, joint=None):
 
     Decided from switches, backends and shapes only (it runs per call): both ops on the same kernel
     backend, the shapes the fused kernel takes (``decode_conv_unsupported_reason``)."""
-    if not (switches.is_enabled("fused_conv_step") and switches.is_enabled("fused_recurrent_norm")):
-        return None
-    backend = _kernel_backend("deltanet_conv1d_silu", self)
-    if backend is None or _kernel_backend("deltanet_decode", self) != backend:
+    backend = _conv_step_backend(self)
+    if backend is None:
         return None
     from . import kernels as dk
 
@@ -170,14 +188,13 @@ def _decode_from_hidden(self, inputs: mx.array, fused: projections.FusedProjecti
     in-projection (``projections.GEMV_PLAN``: the trial kernel on, with the layer's input norm inside where that GEMV
     would compute it) and then ``deltanet_decode_conv_fused`` on the same backend: the kernel gives those two launches'
     bits, so this choice never changes a result."""
-    if not (switches.is_enabled("fused_in_proj_step") and switches.is_enabled("fused_conv_step")
-            and switches.is_enabled("fused_recurrent_norm")):
+    if not switches.is_enabled("fused_in_proj_step"):
         return None
     plan = projections.GEMV_PLAN[0](inputs, fused)
     if plan is None:
         return None
     backend, x, norm = plan
-    if _kernel_backend("deltanet_conv1d_silu", self) != backend or _kernel_backend("deltanet_decode", self) != backend:
+    if _conv_step_backend(self) != backend:
         return None
     from . import kernels as dk
 
@@ -194,30 +211,18 @@ def _decode_from_hidden(self, inputs: mx.array, fused: projections.FusedProjecti
         log_once(f"fused_in_proj_step:{reason}", f"fused_in_proj_step: {reason}; the in-projection's GEMV, then the "
                  "conv step")
         return None
-    out, conv_state, state = dk.decode_from_hidden(
+    return _stored_step(cache, dk.decode_from_hidden(
         x, fused.weight, fused.scales, fused.biases, fused.group_size, conv_state, self.conv1d.weight, mask,
         self.A_log, self.dt_bias, state, self.norm.weight, self.norm.eps, Hk, Dk, Hv, Dv,
         in_norm=None if norm is None else (in_norm_weight, norm.eps),
-        lengths=cache.lengths if cache is not None else None, backend=backend)
-    if cache is not None:
-        cache[0] = conv_state
-        cache[1] = state
-        cache.advance(1)
-    return out
+        lengths=cache.lengths if cache is not None else None, backend=backend))
 
 
 def _decode_conv_step(self, qkv, z, b, a, mask, cache, joint=None) -> Optional[mx.array]:
     """A one-token step through ``_decode_conv_kernel`` with the cache updated: normalised out [B, 1, Hv, Dv],
     or None (nothing done) where that kernel does not apply."""
     fused = _decode_conv_kernel(self, qkv, z, b, a, mask, cache, joint)
-    if fused is None:
-        return None
-    out, conv_state, state = fused
-    if cache is not None:
-        cache[0] = conv_state
-        cache[1] = state
-        cache.advance(1)
-    return out
+    return None if fused is None else _stored_step(cache, fused)
 
 
 def _conv_qk_recurrence(self, qkv, z, b, a, mask, cache, B, S, dtype):
