@@ -99,12 +99,14 @@ GENERATION_LEVEL = {
     "direct_down_combine": ("off by default (a candidate), so lily and lily-off:direct_down_combine are one "
                             "configuration: time it with LILY_ENABLE=direct_down_combine "
                             "(bench/device_decode_checks.sh PART=36)"),
-    "gemv_input_norm": ("acts only with the trial row GEMV: time it with bench.decode_ab --engines "
+    "gemv_input_norm": ("off by default and acts only with the trial row GEMV: time it with "
+                        "LILY_ENABLE=gemv_input_norm bench.decode_ab --engines "
                         "lily-trial:linear_gemv,lily-trial:linear_gemv@off-gemv_input_norm "
-                        "(bench/device_decode_checks.sh PART=44 and 45)"),
-    "fused_in_proj_step": ("acts only with the trial row GEMV: time it with bench.decode_ab --engines "
+                        "(bench/device_decode_checks.sh PART=44)"),
+    "fused_in_proj_step": ("off by default and acts only with the trial row GEMV: time it with "
+                           "LILY_ENABLE=fused_in_proj_step bench.decode_ab --engines "
                            "lily-trial:linear_gemv,lily-trial:linear_gemv@off-fused_in_proj_step "
-                           "(bench/device_decode_checks.sh PART=44 and 45)"),
+                           "(bench/device_decode_checks.sh PART=44)"),
     "fused_qkv_prep": ("acts only with the trial row GEMV: time it with bench.decode_ab --engines "
                        "lily-trial:linear_gemv,lily-trial:linear_gemv@off-fused_qkv_prep "
                        "(bench/device_decode_checks.sh PART=44 and 45)"),

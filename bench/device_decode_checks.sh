@@ -103,6 +103,9 @@
 #                                               # (fused_in_proj_step), the attention q/k/v projection inside its
 #                                               # q/k preparation (fused_qkv_prep): CUDA tests, step GPU time
 #   PART=45 bash bench/device_decode_checks.sh  # PART=44's engines: decode A/B at 4K, decode profile
+#   PART=46 bash bench/device_decode_checks.sh  # the trial row GEMV in today's defaults: decode A/B at 4K, profile
+#   PART=47 bash bench/device_decode_checks.sh  # fused_output_gate in bursts at 4K / 32K; the down+combine at 8 in
+#                                               # flight and at 8 columns a threadgroup (step GPU time)
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -115,7 +118,9 @@ TAG=decode_checks
 ENGINES=${ENGINES:-lily,lily-off:fused_add_norm,lily-off:fused_topk_gemv,lily-off:fused_qk_prep}
 # The trial row GEMV's forms (PART=44, 45): with the input norm inside and the projections inside the kernels after them
 # (the DeltaNet in-projection in its step, the attention q/k/v projection in its q/k preparation), without the latter,
-# without both
+# without both. gemv_input_norm and fused_in_proj_step are off by default since these parts ran (H100, 2026-12-05:
+# docs/results/2026-12-05-h100-folds-timed/), so the parts turn them on for the process (FOLD_SWITCHES)
+FOLD_SWITCHES=gemv_input_norm,fused_in_proj_step
 GEMV_ENGINES="lily-trial:linear_gemv,lily-trial:linear_gemv@off-fused_in_proj_step+fused_qkv_prep"
 GEMV_ENGINES="$GEMV_ENGINES,lily-trial:linear_gemv@off-fused_in_proj_step+fused_qkv_prep+gemv_input_norm"
 switch_ab() {  # switch_ab NAME NEEDED_SECONDS SWITCH CONTEXT BURSTS: decode in alternating bursts, a switch that is off
@@ -641,17 +646,19 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       # the norm's own launch plus the plain GEMV; now the weights' loads go out before the norm's sum of squares) and
       # a DeltaNet layer's in-projection inside its step's kernel (switch fused_in_proj_step, deltanet_decode_from_hidden:
       # 32 threadgroups read the 12 MB in-projection) and an attention layer's q/k/v projection inside its q/k
-      # preparation (fused_qkv_prep, attention_qk_prep_from_hidden: 36 threadgroups read 9 MB); untimed: CUDA tests,
-      # then a 4K step's GPU time by kernel for lily, the trial with all, without the two folds, without all three
+      # preparation (fused_qkv_prep, attention_qk_prep_from_hidden: 36 threadgroups read 9 MB): CUDA tests, then a 4K
+      # step's GPU time by kernel for lily, the trial with all, without the two folds, without all three (H100,
+      # 2026-12-05: 3.818 / 4.018 / 3.708 / 3.513 ms; the DeltaNet fold and the norm inside slower, the q/k/v fold faster)
     run tests_cuda 270 env LILY_TEST_KERNEL_BACKEND=cuda CI=true python -m pytest -q -p no:cacheprovider -o addopts= \
       tests/kernels/test_linear_kernels.py tests/kernels/test_deltanet_from_hidden.py \
       tests/kernels/test_attention_qkv_prep.py
     tail -3 "$W/tests_cuda.txt"
-    run sgt_gemv_norm 300 python -m bench.step_gpu_time --compare "lily,$GEMV_ENGINES" --clock-control none \
+    run sgt_gemv_norm 300 env LILY_ENABLE=$FOLD_SWITCHES python -m bench.step_gpu_time --compare "lily,$GEMV_ENGINES" \
+      --clock-control none \
       --cache-control none --out "$W/sgt_gemv_norm"
     grep -E "^\| lily|qmv|gemv|rms_norm|deltanet_decode|qk_prep" "$W/sgt_gemv_norm/step_gpu_time.md" 2>/dev/null | head -28
     # the DeltaNet fold with both of a lane's weight pieces a row in flight (127 registers of the 128 allowed)
-    run sgt_fold_u2 120 python -m bench.step_gpu_time --compare lily-trial:linear_gemv \
+    run sgt_fold_u2 120 env LILY_ENABLE=$FOLD_SWITCHES python -m bench.step_gpu_time --compare lily-trial:linear_gemv \
       --set lily_mlx.ops.deltanet.kernels.FROM_HIDDEN_UNROLL=2 --clock-control none --cache-control none \
       --out "$W/sgt_fold_u2"
     grep -E "^\| lily|deltanet_decode" "$W/sgt_fold_u2/step_gpu_time.md" 2>/dev/null | head -4
@@ -660,14 +667,40 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
   45) # PART=44's engines end to end: decode in alternating bursts at 4K (lily, the trial row GEMV with the input norm
       # and the DeltaNet in-projection inside, without the latter, without both), then the decode profile (primitives,
       # build and eval a step) of lily and the trial with both
-    run decode_ab 260 python -m bench.decode_ab --engines "lily,$GEMV_ENGINES" --context 4096 --bursts 8 \
+    run decode_ab 260 env LILY_ENABLE=$FOLD_SWITCHES python -m bench.decode_ab --engines "lily,$GEMV_ENGINES" \
+      --context 4096 --bursts 8 \
       --out "$W/decode_ab"
+    tail -9 "$W/decode_ab.txt"
+    run profile 200 env LILY_ENABLE=$FOLD_SWITCHES python -m bench.run --mode decode-profile \
+      --engines lily,lily-trial:linear_gemv --context 4096 \
+      --out "$W/profile"
+    tail -8 "$W/profile.txt"
+    ;;
+  46) # the trial row GEMV in its defaults since PART=44 (the q/k/v fold on, the norm inside and the DeltaNet fold off)
+      # end to end: decode in alternating bursts at 4K against lily and against the trial without the q/k/v fold, then
+      # the decode profile of lily and the trial (H100, 2026-12-05, a fast host: 1.015x / 1.003x lily, 301 tok/s each
+      # pipelined in the profile)
+    run decode_ab 260 python -m bench.decode_ab --engines lily,lily-trial:linear_gemv,lily-trial:linear_gemv@off-fused_qkv_prep \
+      --context 4096 --bursts 8 --out "$W/decode_ab"
     tail -9 "$W/decode_ab.txt"
     run profile 200 python -m bench.run --mode decode-profile --engines lily,lily-trial:linear_gemv --context 4096 \
       --out "$W/profile"
     tail -8 "$W/profile.txt"
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44 or 45" \
+  47) # fused_output_gate (off: 1.008x slower on a slow host, H200 2026-12-04) in bursts at 4K and 32K, now that a fast
+      # host's pipelined step is bound by the launches' issue (docs/results/2026-12-05-h100-folds-timed/: 10 launches
+      # and 20 primitives fewer a step with it); then PART=40's two step-time candidates of the down+combine
+    switch_ab ab_gate_4k 150 fused_output_gate 4096 10
+    switch_ab ab_gate_32k 170 fused_output_gate 32768 10
+    run sgt_ring8 100 python -m bench.step_gpu_time --compare lily \
+      --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_IN_FLIGHT=8 --clock-control none --cache-control none --out "$W/sgt_ring8"
+    grep -E "^\| lily|down_combine" "$W/sgt_ring8/step_gpu_time.md" 2>/dev/null | head -6
+    run sgt_rows8 100 python -m bench.step_gpu_time --compare lily --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_ROWS=8 \
+      --clock-control none --cache-control none --out "$W/sgt_rows8"
+    grep -E "^\| lily|down_combine" "$W/sgt_rows8/step_gpu_time.md" 2>/dev/null | head -6
+    rm -f "$W"/sgt_*/*.csv
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46 or 47" \
        >&2
      exit 2 ;;
 esac

@@ -77,10 +77,12 @@ _SWITCH_LIST = [
            "GEMV: 16-byte weight loads, four outputs per simdgroup sharing each x load, every row of the batch "
            "computed alike (a trial kernel on every backend: LILY_TRIAL_OPS=linear_gemv).",
            "MLX's quantised matmul (its vector kernel for a few rows, its GEMM for more)."),
-    Switch("gemv_input_norm", "linear", "decode", True,
+    Switch("gemv_input_norm", "linear", "decode", False,
            "With dense_gemv: a decoder layer's input RMSNorm is computed inside the GEMV of the projections that "
            "take it (each simdgroup sums the squares of its rows of x itself; stock's rounding points), so the "
-           "norm has no launch of its own: 40 primitives and launches fewer in a Qwen3.6 decode step.",
+           "norm has no launch of its own: 40 primitives and launches fewer in a Qwen3.6 decode step (off by "
+           "default: on the H100 a 4K step's GEMVs with the norm inside took 817.8 us against ~685 for the plain "
+           "GEMVs and the norms' own launches; docs/decode.md).",
            "The input norm as its own launch (MLX's rms_norm), the GEMV over its output."),
     Switch("row_gemv", "moe", "decode", True,
            "One-row GEMV forms of the expert GEMMs for decode calls (one thread per output, the GEMMs' "
@@ -241,11 +243,13 @@ _SWITCH_LIST = [
            "DeltaNet decode step from the in_proj output in one kernel: conv1d + SiLU + q/k norm + conv-state "
            "update fused with the fused decode step (bit-identical; with fused_recurrent_norm, Dk = Dv).",
            "The conv + q/k-norm kernel, then the fused decode kernel (two launches per layer and token)."),
-    Switch("fused_in_proj_step", "linear", "decode", True,
+    Switch("fused_in_proj_step", "linear", "decode", False,
            "With the dense row GEMV (a trial kernel): a Qwen3.5/3.6 DeltaNet decode step from the layer's input in one "
            "kernel, each value head computing the in-projection rows it needs (and the layer's input norm, with "
            "gemv_input_norm) by the GEMV's arithmetic, then the fused conv step (the same bits as the GEMV and the "
-           "conv-step kernel in turn): the in-projection's launch and output leave the step.",
+           "conv-step kernel in turn): the in-projection's launch and output leave the step (off by default: on the "
+           "H100 its 32 threadgroups took 44.3 us a layer against ~31 for the GEMV and the conv step; "
+           "docs/decode.md).",
            "The in-projection's GEMV, then the conv-step kernel (fused_conv_step)."),
     Switch("fused_qkv_prep", "linear", "decode", True,
            "With the dense row GEMV (a trial kernel): an attention layer's decode q/k/v projection computed inside the "

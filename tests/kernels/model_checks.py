@@ -51,16 +51,16 @@ def check_fallbacks_match_stock(op, cases, caplog, equal_nan: bool = False):
     reset_log_once()
 
 
-def one_decode_step(model, tokenizer, text: str, disable=()):
+def one_decode_step(model, tokenizer, text: str, disable=(), enable=()):
     """(logits, names of the kernels launched) of ``model``'s first decode step after a prompt of ``text``, with the
-    switches ``disable`` off for the prefill and the step."""
+    switches ``disable`` off and ``enable`` on for the prefill and the step."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from lily_mlx.core import switches
     from lily_mlx.core.kernel_registry import record_launches
 
     prompt = mx.array([tokenizer.encode(text)])
-    with switches.overrides(disable=list(disable)):
+    with switches.overrides(disable=list(disable), enable=list(enable)):
         cache = make_prompt_cache(model)
         mx.eval(model(prompt, cache=cache))
         with record_launches() as rec:

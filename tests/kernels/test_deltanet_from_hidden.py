@@ -143,7 +143,9 @@ def test_a_decode_step_takes_each_deltanet_layer_from_its_input(embedded_model, 
         logits, launched = {}, {}
         for on in (True, False):
             logits[on], launched[on] = one_decode_step(model, tokenizer, "A DeltaNet layer from its input",
-                                                       disable=[] if on else ["fused_in_proj_step"])
+                                                       disable=[] if on else ["fused_in_proj_step"],
+                                                       enable=["gemv_input_norm"]
+                                                       + (["fused_in_proj_step"] if on else []))
         assert launched[True].count(KERNEL) == n_deltanet, launched[True]
         assert KERNEL not in launched[False]
         assert (launched[False].count("linear_gemv_q4_rms_norm") - launched[True].count("linear_gemv_q4_rms_norm")

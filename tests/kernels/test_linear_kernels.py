@@ -292,7 +292,8 @@ def test_a_decode_step_takes_the_input_norm_inside_the_gemv(embedded_model, monk
             # (the folds off: the layers' in-projections are GEMV launches of their own then)
             out, names = one_decode_step(model, tokenizer, "The decoder layer's input norm",
                                          disable=["fused_in_proj_step", "fused_qkv_prep"]
-                                         + ([] if on else ["gemv_input_norm"]))
+                                         + ([] if on else ["gemv_input_norm"]),
+                                         enable=["gemv_input_norm"] if on else [])
             n_layers = len(model.layers)
             assert names.count("linear_gemv_q4_rms_norm") == (n_layers if on else 0), names
             logits[on] = out.astype(mx.float32)

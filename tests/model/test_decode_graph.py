@@ -367,8 +367,9 @@ def test_the_dense_gemv_takes_each_layers_input_norm_and_projections(monkeypatch
     ``fused_output_gate`` as well, the <= 250 of issue 12 at Qwen3.6's 40 layers (247)."""
     monkeypatch.setenv("LILY_TRIAL_OPS", "linear_gemv")
     model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
-    off = ([] if input_norm else ["gemv_input_norm"]) + ([] if folds else ["fused_in_proj_step", "fused_qkv_prep"])
-    with switches.overrides(disable=off), _on_the_cuda_path(model):
+    named = {"gemv_input_norm": input_norm, "fused_in_proj_step": folds, "fused_qkv_prep": folds}
+    with switches.overrides(disable=[n for n, on in named.items() if not on],
+                            enable=[n for n, on in named.items() if on]), _on_the_cuda_path(model):
         y, cache = _prefill(model, 40, VOCAB, 0)
         for _ in range(3):
             y = _step(model, y, cache)
@@ -400,7 +401,8 @@ def test_the_input_norm_goes_inside_with_constant_weights(monkeypatch):
     is still taken inside the trial GEMV's kernels (the norms leave the step, as without the switch)."""
     monkeypatch.setenv("LILY_TRIAL_OPS", "linear_gemv")
     model = build_random_model(model_config("tiny", LAYERS), seed=0, log=None)
-    with switches.overrides(enable=["constant_weights"]), _on_the_cuda_path(model):
+    with switches.overrides(enable=["constant_weights", "gemv_input_norm", "fused_in_proj_step", "fused_qkv_prep"]), \
+            _on_the_cuda_path(model):
         assert type(model.language_model.model.layers[0].input_layernorm).__name__ != "RMSNorm"
         y, cache = _prefill(model, 40, VOCAB, 0)
         for _ in range(3):
