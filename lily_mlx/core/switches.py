@@ -81,8 +81,8 @@ _SWITCH_LIST = [
            "With dense_gemv: a decoder layer's input RMSNorm is computed inside the GEMV of the projections that "
            "take it (each simdgroup sums the squares of its rows of x itself; stock's rounding points), so the "
            "norm has no launch of its own: 40 primitives and launches fewer in a Qwen3.6 decode step (off by "
-           "default: on the H100 a 4K step's GEMVs with the norm inside took 817.8 us against ~685 for the plain "
-           "GEMVs and the norms' own launches; docs/decode.md).",
+           "default: on the H100 a 4K step's projections and norms took 1,299.4 us with it against 1,162.3 with the "
+           "plain GEMVs and the norms' own launches; docs/decode.md).",
            "The input norm as its own launch (MLX's rms_norm), the GEMV over its output."),
     Switch("row_gemv", "moe", "decode", True,
            "One-row GEMV forms of the expert GEMMs for decode calls (one thread per output, the GEMMs' "
@@ -220,10 +220,11 @@ _SWITCH_LIST = [
            "A scalar int32 array written by the host once a step (shared by the step's attention layers)."),
     Switch("fused_output_gate", "attention", "decode", False,
            "Where a decode step attends over the KV buffer through the live-length kernels (kv_write_in_trace), "
-           "their merge also applies the layer's output gate (output * sigmoid(gate), rounded as stock's two ops "
-           "round them) and writes the o-projection's input (off by default: on the H200 at 4K 20 primitives and "
-           "0.16 ms of build fewer a step, but decode 1.008x faster with it off in alternating bursts; "
-           "docs/decode.md).",
+           "their merge also applies the layer's output gate (output * sigmoid(gate), rounded to the activation type "
+           "where stock's two ops round) and writes the o-projection's input: 20 primitives and 10 launches fewer a "
+           "Qwen3.6 step (off by default: on the H100 a 4K step's GPU time 3.829 against 3.898 ms and decode level "
+           "to 1.03x faster, but its sigmoid is the kernel's own, not each backend's stock one, and on the simulator "
+           "it moves the consistency check's decode top-1 from 96.35 % to 95.31 %; docs/decode.md).",
            "The gate by MLX's sigmoid and multiply after the attention kernels."),
     Switch("fused_qk_prep", "attention", "both", True,
            "q/k RMSNorm, partial RoPE and output-gate split in one kernel.",
@@ -248,7 +249,7 @@ _SWITCH_LIST = [
            "kernel, each value head computing the in-projection rows it needs (and the layer's input norm, with "
            "gemv_input_norm) by the GEMV's arithmetic, then the fused conv step (the same bits as the GEMV and the "
            "conv-step kernel in turn): the in-projection's launch and output leave the step (off by default: on the "
-           "H100 its 32 threadgroups took 44.3 us a layer against ~31 for the GEMV and the conv step; "
+           "H100 its 32 threadgroups took 44.3 us a layer against ~32 for the GEMV and the conv step; "
            "docs/decode.md).",
            "The in-projection's GEMV, then the conv-step kernel (fused_conv_step)."),
     Switch("fused_qkv_prep", "linear", "decode", True,

@@ -60,7 +60,7 @@ def prefill(tokens: int) -> ShapeClass:
 class LayerCase:
     """The first patched layer of one op family and how to call it."""
 
-    family: str  # deltanet | attention | moe: the ops package its forward comes from
+    family: str  # deltanet | attention | moe | linear: the ops package its forward comes from
     index: int  # decoder layer index (its cache is the model cache's entry ``index``)
     module: nn.Module
     norm: nn.Module  # the RMSNorm the decoder layer applies before it
@@ -75,7 +75,7 @@ class LayerCase:
     def __call__(self, x: mx.array, cache=None) -> mx.array:
         from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
-        if self.family == "moe":
+        if self.family in STATELESS_FAMILIES:
             return self.module(x)
         make_mask = create_attention_mask if self.family == "attention" else create_ssm_mask
         return self.module(x, make_mask(x, cache), cache)
@@ -89,8 +89,32 @@ def _family(module) -> Optional[str]:
     return parts[2] if len(parts) > 2 and parts[:2] == ["lily_mlx", "ops"] else None
 
 
+# Families whose case holds no cache: the MoE block and a dense projection are functions of their input alone.
+STATELESS_FAMILIES = ("moe", "linear")
+
+
+def _input_width(module) -> int:
+    """The input width of a quantised linear layer (its packed weight [N, K * bits / 32])."""
+    return module["weight"].shape[-1] * 32 // module.bits
+
+
+def _projection_case(index: int, layer) -> Optional[LayerCase]:
+    """The linear family's case in one decoder layer: its mixer's largest dense projection of the layer's normed
+    input (a DeltaNet layer's in-projection at Qwen3.5/3.6, an attention layer's q/k/v projection), the work of
+    lily's row GEMV in a decode step; None where the layer's projections are not lily's."""
+    norm = layer.input_layernorm
+    hidden = norm.weight.shape[-1]
+    found = [module for name, module in layer.named_modules()
+             if not name.startswith("mlp") and _family(module) == "linear" and _input_width(module) == hidden]
+    if not found:
+        return None
+    largest = max(found, key=lambda module: module["weight"].shape[0])
+    return LayerCase("linear", index, largest, norm, norm.weight.dtype)
+
+
 def layer_cases(model) -> Dict[str, LayerCase]:
-    """family -> the first patched layer of that family in a patched MLX-LM model."""
+    """family -> the first patched layer of that family in a patched MLX-LM model (for the linear family the first
+    decoder layer's largest projection of its normed input)."""
     cases: Dict[str, LayerCase] = {}
     for index, layer in enumerate(model.layers):
         for name, module in layer.children().items():
@@ -98,6 +122,10 @@ def layer_cases(model) -> Dict[str, LayerCase]:
             if family is not None and family not in cases:
                 norm = layer.post_attention_layernorm if name == "mlp" else layer.input_layernorm
                 cases[family] = LayerCase(family, index, module, norm, norm.weight.dtype)
+        if "linear" not in cases:
+            projection = _projection_case(index, layer)
+            if projection is not None:
+                cases["linear"] = projection
     return cases
 
 
@@ -113,7 +141,7 @@ class LayerCache:
     def __init__(self, model, case: LayerCase, context: int, seed: int, kv_bits: int = 0, batch: int = 0):
         from mlx_lm.models.cache import KVCache
 
-        if case.family == "moe":
+        if case.family in STATELESS_FAMILIES:
             self.cache = None
         elif batch:  # each row filled alone, then merged as MLX-LM's BatchGenerator merges a batch's prompts
             rows = [self._filled(model, case, max(1, int(context * f)), seed + 7919 * r)

@@ -412,9 +412,9 @@ def tune(model, model_name: str, classes: Sequence[ShapeClass], rounds: int, rep
     bench = Bench(model, classes)
     ops = kernel_ops(bench, backend)
     trial = {op.name for op in ops if backend not in op.kernel_backends}
-    # The trial kernels it decides are checked and timed like the others; one it has no case for (its family has
-    # no layer here: the dense projections' GEMV) stays as the environment says (off unless LILY_TRIAL_OPS names
-    # it), so that every check and timing is of what ships.
+    # The trial kernels it decides are checked and timed like the others (every op family has a case:
+    # layers.layer_cases); one it had no case for would stay as the environment says (off unless LILY_TRIAL_OPS
+    # names it), so that every check and timing is of what ships.
     with dispatch.trial_kernels_on(trial):
         _say(f"backend {backend}, device {tune_profile.device_name()}; {len(ops)} ops with kernels: "
              f"{', '.join(op.name + (' (trial)' if op.name in trial else '') for op in ops)}; shape classes: "

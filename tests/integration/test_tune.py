@@ -29,6 +29,7 @@ from .conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM_KERNEL_OPS = sorted(name for name, op in load_all().items() if "sim" in op.kernel_backends)
+SIM_TRIAL_OPS = sorted(name for name, op in load_all().items() if "sim" in op.trial_backends)
 
 
 @pytest.fixture
@@ -80,7 +81,8 @@ def test_tune_quick_checks_every_kernel_and_writes_a_profile_patch_applies(tune_
     path = tune_dir / tune_profile.profile_filename(tune_profile.device_key("sim"))
     assert sorted(p.name for p in tune_dir.iterdir()) == sorted([path.name, path.with_suffix(".md").name])
     profile = json.loads(path.read_text())
-    assert sorted(profile["ops"]) == SIM_KERNEL_OPS
+    assert sorted(profile["ops"]) == sorted(SIM_KERNEL_OPS + SIM_TRIAL_OPS)
+    assert all(profile["ops"][name]["trial"] for name in SIM_TRIAL_OPS)
     # Step 1: every kernel op checked at each shape class; on the simulator none differs.
     assert {c["what"] for c in profile["checks"]} >= set(SIM_KERNEL_OPS)
     assert all(c["ok"] for c in profile["checks"]), [c for c in profile["checks"] if not c["ok"]]
@@ -367,26 +369,54 @@ def test_lily_trial_ops_turns_a_trial_kernel_on_without_a_profile(tune_dir, sim_
 
 def test_tune_checks_and_times_a_trial_kernel_and_records_its_choice(tune_dir, sim_model, qk_prep_as_trial):
     """tune() with the q/k preparation kernel as a trial kernel: it is checked and timed like the others
-    and the profile says trial, with a choice and its reason; patch() then applies that choice. A trial
-    kernel tune has no case for (the dense projections' GEMV: no layer of its family) stays off as it
-    ships, so that no check or timing runs a configuration the profile cannot give."""
+    and the profile says trial, with a choice and its reason; patch() then applies that choice. The dense
+    projections' row GEMV (a trial kernel on every backend) is checked and timed on its own case, the first decoder
+    layer's in-projection, alike."""
     from lily_mlx.tuning import layers, tune
 
     model, _ = sim_model
     with record_launches() as launches:
         profile = tune.tune(model, "embedded", (layers.decode(32),), rounds=1, reps=1)
-    assert "attention_qk_prep" in launches.names()
-    assert not [n for n in launches.names() if n.startswith("linear_gemv")], launches.counts()
-    entry = profile["ops"]["attention_qk_prep"]
-    assert entry["trial"] is True and entry["choice"] in ("kernel", "reference")
-    assert entry["reason"].startswith("trial kernel") or entry["choice"] == "reference", entry
-    assert any(c["what"] == "attention_qk_prep" and c["ran"] for c in profile["checks"])
-    assert any(r["op"] == "attention_qk_prep" for r in profile["op_timings"])
-    assert all("trial" not in e for name, e in profile["ops"].items() if name != "attention_qk_prep")
+    assert "attention_qk_prep" in launches.names() and "linear_gemv_q4" in launches.names()
+    for name in ("attention_qk_prep", "linear_gemv"):
+        entry = profile["ops"][name]
+        assert entry["trial"] is True and entry["choice"] in ("kernel", "reference"), entry
+        assert entry["reason"].startswith("trial kernel") or entry["choice"] == "reference", entry
+        assert any(c["what"] == name and c["ran"] and c["ok"] for c in profile["checks"])
+        assert any(r["op"] == name for r in profile["op_timings"])
+    assert all("trial" not in e for name, e in profile["ops"].items() if name not in ("attention_qk_prep",
+                                                                                      "linear_gemv"))
     tune.write(profile, tune_dir)
     lily_mlx.unpatch(model)
     report = lily_mlx.patch(model)._lily_report
-    assert report.op_backends["attention_qk_prep"] == ("sim" if entry["choice"] == "kernel" else "reference")
+    for name in ("attention_qk_prep", "linear_gemv"):
+        want = "sim" if profile["ops"][name]["choice"] == "kernel" else "reference"
+        assert report.op_backends[name] == want, (name, report.op_backends[name])
+
+
+def test_tune_has_a_case_for_every_op_family(sim_model):
+    """Every op family has a layer tune checks and times its kernels on (a family without one would leave its trial
+    kernels off on every device): the linear family's is the first decoder layer's largest projection of its
+    normed input, called alone (no cache), which the row GEMV computes in a decode step."""
+    from lily_mlx.core.dispatch import OPS
+    from lily_mlx.tuning import layers
+
+    model, _ = sim_model
+    lily_mlx.patch(model)
+    cases = layers.layer_cases(model)
+    assert {op.family for op in OPS.values()} <= set(cases), sorted(cases)
+    case = cases["linear"]
+    first = model.layers[case.index]
+    assert case.index == 0 and case.norm is first.input_layernorm
+    mixer = first.linear_attn if hasattr(first, "linear_attn") else first.self_attn
+    widths = {name: m["weight"].shape[0] for name, m in mixer.children().items()
+              if hasattr(m, "bits") and m["weight"].shape[-1] * 32 // m.bits == case.norm.weight.shape[-1]}
+    assert case.module is getattr(mixer, max(widths, key=widths.get)), widths
+    x = case.inputs(1, 0)  # [1, 1, hidden]: a decode call's row
+    with record_launches() as launches:
+        y = case(x)
+        mx.eval(y)
+    assert launches.names() == [] and y.shape == (1, 1, max(widths.values()))  # the trial GEMV is off as it ships
 
 
 def test_a_kernel_that_fails_to_run_is_pinned_not_fatal(tune_dir, sim_model, monkeypatch):
