@@ -123,6 +123,19 @@ ENGINES=${ENGINES:-lily,lily-off:fused_add_norm,lily-off:fused_topk_gemv,lily-of
 FOLD_SWITCHES=gemv_input_norm,fused_in_proj_step
 GEMV_ENGINES="lily-trial:linear_gemv,lily-trial:linear_gemv@off-fused_in_proj_step+fused_qkv_prep"
 GEMV_ENGINES="$GEMV_ENGINES,lily-trial:linear_gemv@off-fused_in_proj_step+fused_qkv_prep+gemv_input_norm"
+down_combine_forms() {  # a 4K step's GPU time as shipped, then with the down+combine at 8 chunks in flight and at 8
+  # columns a threadgroup (each its own process: --set applies to the whole process; the first is their baseline)
+  run sgt_default 100 python -m bench.step_gpu_time --compare lily --clock-control none --cache-control none \
+    --out "$W/sgt_default"
+  grep -E "^\| lily|down_combine" "$W/sgt_default/step_gpu_time.md" 2>/dev/null | head -6
+  run sgt_ring8 100 python -m bench.step_gpu_time --compare lily \
+    --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_IN_FLIGHT=8 --clock-control none --cache-control none --out "$W/sgt_ring8"
+  grep -E "^\| lily|down_combine" "$W/sgt_ring8/step_gpu_time.md" 2>/dev/null | head -6
+  run sgt_rows8 100 python -m bench.step_gpu_time --compare lily --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_ROWS=8 \
+    --clock-control none --cache-control none --out "$W/sgt_rows8"
+  grep -E "^\| lily|down_combine" "$W/sgt_rows8/step_gpu_time.md" 2>/dev/null | head -6
+  rm -f "$W"/sgt_*/*.csv
+}
 switch_ab() {  # switch_ab NAME NEEDED_SECONDS SWITCH CONTEXT BURSTS: decode in alternating bursts, a switch that is off
   # by default turned on for the process (lily) against its off state (lily-off:SWITCH), one prefill
   local name=$1 need=$2 sw=$3 context=$4 bursts=$5
@@ -593,13 +606,7 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       # threadgroups of 12 groups instead of 128 of 10; chunks of 128), a 4K step's GPU time by kernel; then
       # down_combine_ring end to end: decode in alternating bursts on / off in one process at 4K and 32K (it became
       # the default on its kernel time: 18-24 % less in a 4K step, H100 2026-12-05)
-    run sgt_ring8 100 python -m bench.step_gpu_time --compare lily \
-      --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_IN_FLIGHT=8 --clock-control none --cache-control none --out "$W/sgt_ring8"
-    grep -E "^\| lily|down_combine" "$W/sgt_ring8/step_gpu_time.md" 2>/dev/null | head -6
-    run sgt_rows8 100 python -m bench.step_gpu_time --compare lily --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_ROWS=8 \
-      --clock-control none --cache-control none --out "$W/sgt_rows8"
-    grep -E "^\| lily|down_combine" "$W/sgt_rows8/step_gpu_time.md" 2>/dev/null | head -6
-    rm -f "$W"/sgt_*/*.csv
+    down_combine_forms
     switch_ab ab_ring_4k 150 down_combine_ring 4096 10
     switch_ab ab_ring_32k 170 down_combine_ring 32768 10
     ;;
@@ -692,13 +699,7 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
       # and 20 primitives fewer a step with it); then PART=40's two step-time candidates of the down+combine
     switch_ab ab_gate_4k 150 fused_output_gate 4096 10
     switch_ab ab_gate_32k 170 fused_output_gate 32768 10
-    run sgt_ring8 100 python -m bench.step_gpu_time --compare lily \
-      --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_IN_FLIGHT=8 --clock-control none --cache-control none --out "$W/sgt_ring8"
-    grep -E "^\| lily|down_combine" "$W/sgt_ring8/step_gpu_time.md" 2>/dev/null | head -6
-    run sgt_rows8 100 python -m bench.step_gpu_time --compare lily --set lily_mlx.ops.moe.kernels.DOWN_COMBINE_ROWS=8 \
-      --clock-control none --cache-control none --out "$W/sgt_rows8"
-    grep -E "^\| lily|down_combine" "$W/sgt_rows8/step_gpu_time.md" 2>/dev/null | head -6
-    rm -f "$W"/sgt_*/*.csv
+    down_combine_forms
     ;;
   *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46 or 47" \
        >&2

@@ -20,14 +20,15 @@ KERNELS: Dict[str, KernelSpec] = {
                                    params=("K", "N", "B")),
 }
 
-# A trial kernel on every backend (on with LILY_TRIAL_OPS=linear_gemv, or where `python -m lily_mlx tune` measured
-# it faster on the first decoder layer's in-projection), for two reasons (docs/decode.md): it is not batch invariant under MLX-LM's batching
-# (a prompt's last one-token chunk runs the GEMV alone, but MLX's matmul when padded to a longer prompt in
-# a batch: a prefill GEMM with the GEMV's per-row arithmetic would fix that, as the MoE GEMM tiles do for
-# the expert GEMVs); and on the H200 (2026-12-01) a decode step took 0.38 ms less GPU time with it than with MLX's
-# quantised GEMV, yet pipelined decode ran 1.10x faster without it (host-bound; that build also had a
-# reshape on each side of every launch, since removed). Re-timed on the H100 (2026-12-05, a fast host): 0.30 ms less
-# GPU time a 4K step, decode 1.003-1.015x lily in bursts and level pipelined (the step bound by its launches).
+# A trial kernel on every backend (on with LILY_TRIAL_OPS=linear_gemv, or where `python -m lily_mlx tune`
+# measured it faster on the first decoder layer's in-projection), for two reasons (docs/decode.md): it is not
+# batch invariant under MLX-LM's batching (a prompt's last one-token chunk runs the GEMV alone, but MLX's
+# matmul when padded to a longer prompt in a batch: a prefill GEMM with the GEMV's per-row arithmetic would
+# fix that, as the MoE GEMM tiles do for the expert GEMVs); and on the H200 (2026-12-01) a decode step took
+# 0.38 ms less GPU time with it than with MLX's quantised GEMV, yet pipelined decode ran 1.10x faster without
+# it (host-bound; that build also had a reshape on each side of every launch, since removed). Re-timed on the
+# H100 (2026-12-05, a fast host): 0.30 ms less GPU time a 4K step, decode 1.003-1.015x lily in bursts and
+# level pipelined (the step bound by its launches).
 GEMV_BACKENDS: frozenset = frozenset()
 GEMV_TRIAL_BACKENDS = frozenset({"sim", "cuda", "metal"})
 
