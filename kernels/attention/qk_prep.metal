@@ -123,39 +123,23 @@ if (is_query) {
   const int b = int(threadgroup_position_in_grid.z);
   const int P = (2 * H + 2 * Hkv) * D;
 
-  float inv_rms[1] = {1.0f};
-  if (NORM != 0) {
-    linear_gemv_q4_inv_rms<T, 1>(x, in_norm_eps[0], Hd, B, b, lane, inv_rms);
-  }
-  linear_gemv_stage_row<T, NORM != 0>(x, in_norm_weight, inv_rms[0], Hd, b, sg * 32 + lane, QK_PREP_SIMDGROUPS * 32,
-                                       x4);
+  linear_gemv_stage_input<T, NORM != 0>(x, in_norm_weight, in_norm_eps, Hd, B, b, lane, sg * 32 + lane,
+                                         QK_PREP_SIMDGROUPS * 32, x4);
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const threadgroup vec<T, 4>* x_staged = x4;
 
   const uint32_t exponent = q4_exponent_unfolded(P);
   for (int g = sg; g < D / LINEAR_GEMV_ROWS; g += QK_PREP_SIMDGROUPS) {  // uniform per simdgroup
     long wrow[LINEAR_GEMV_ROWS];
     long srow[LINEAR_GEMV_ROWS];
+    int slot[LINEAR_GEMV_ROWS];  // where row r's value goes in proj
     #pragma unroll
     for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
       const long row = long(block) * D + g * LINEAR_GEMV_ROWS + r;
       wrow[r] = row * (Hd / 32);
       srow[r] = row * (Hd / GS);
+      slot[r] = g * LINEAR_GEMV_ROWS + r;
     }
-    uint4 wq[U * LINEAR_GEMV_ROWS];
-    float sc[U * LINEAR_GEMV_ROWS];
-    float bi[U * LINEAR_GEMV_ROWS];
-    linear_gemv_q4_load<GS, U>(w, wrow, srow, scales, biases, lane, Hd / 32, wq, sc, bi);
-    float acc[LINEAR_GEMV_ROWS];
-    linear_gemv_q4_accumulate<T, 1, GS, false, U>(
-        x_staged, w, scales, biases, x_staged, inv_rms, wrow, srow, Hd, 1, 0, lane, exponent, wq, sc, bi, acc);
-    #pragma unroll
-    for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
-      const float total = simd_sum(acc[r]);
-      if (lane == r) {
-        proj[g * LINEAR_GEMV_ROWS + r] = static_cast<float>(static_cast<T>(total));
-      }
-    }
+    linear_gemv_q4_staged_rows<T, GS, U>(x4, w, scales, biases, wrow, srow, Hd, lane, exponent, slot, proj);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 

@@ -755,14 +755,9 @@ inline void deltanet_decode_conv_step(
 
   // The GEMV's input row into threadgroup memory once: x, or with NORM the layer's input norm of it, each value as
   // linear_gemv_q4_accumulate normalises it (every simdgroup computes the same inv_rms, the norm GEMV's way).
-  float inv_rms[1] = {1.0f};
-  if (NORM != 0) {
-    linear_gemv_q4_inv_rms<InT, 1>(x, in_norm_eps[0], Hd, B, b_idx, lane, inv_rms);
-  }
-  linear_gemv_stage_row<InT, NORM != 0>(x, in_norm_weight, inv_rms[0], Hd, b_idx, sg * 32 + lane, SIMDGROUPS * 32,
-                                         x4);
+  linear_gemv_stage_input<InT, NORM != 0>(x, in_norm_weight, in_norm_eps, Hd, B, b_idx, lane, sg * 32 + lane,
+                                           SIMDGROUPS * 32, x4);
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const threadgroup vec<InT, 4>* x_staged = x4;
   for (int g = sg; g < GROUPS; g += SIMDGROUPS) {  // uniform per simdgroup (simd_sums inside)
     long wrow[LINEAR_GEMV_ROWS];
     long srow[LINEAR_GEMV_ROWS];
@@ -782,20 +777,7 @@ inline void deltanet_decode_conv_step(
       wrow[r] = row * (Hd / 32);
       srow[r] = row * (Hd / GS);
     }
-    uint4 wq[U * LINEAR_GEMV_ROWS];
-    float sc[U * LINEAR_GEMV_ROWS];
-    float bi[U * LINEAR_GEMV_ROWS];
-    linear_gemv_q4_load<GS, U>(w, wrow, srow, scales, biases, lane, Hd / 32, wq, sc, bi);
-    float acc[LINEAR_GEMV_ROWS];
-    linear_gemv_q4_accumulate<InT, 1, GS, false, U>(
-        x_staged, w, scales, biases, x_staged, inv_rms, wrow, srow, Hd, 1, 0, lane, exponent, wq, sc, bi, acc);
-    #pragma unroll
-    for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
-      const float total = simd_sum(acc[r]);
-      if (lane == r && slot[r] >= 0) {
-        proj[slot[r]] = static_cast<float>(static_cast<InT>(total));
-      }
-    }
+    linear_gemv_q4_staged_rows<InT, GS, U>(x4, w, scales, biases, wrow, srow, Hd, lane, exponent, slot, proj);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 

@@ -199,6 +199,45 @@ inline void linear_gemv_q4_accumulate(PX x4, PW w, PS scales, PS biases, PN norm
   }
 }
 
+// The layer's input row b of x [B, K] staged in threadgroup memory (x4 [K / 4]) for GEMVs over it: x itself, or with
+// NORM its RMSNorm (norm_weight [K], eps[0]) as linear_gemv_q4_rms_norm computes it (linear_gemv_q4_inv_rms, then
+// linear_gemv_stage_row). All threads of the threadgroup call it (thread tid of threads; lane: its simdgroup lane);
+// the caller places the barrier after it.
+template <typename T, bool NORM, typename PX, typename PN, typename PE>
+inline void linear_gemv_stage_input(PX x, PN norm_weight, PE eps, int K, int B, int b, int lane, int tid, int threads,
+                                    threadgroup vec<T, 4>* x4) {
+  float inv_rms[1] = {1.0f};
+  if (NORM) {
+    linear_gemv_q4_inv_rms<T, 1>(x, eps[0], K, B, b, lane, inv_rms);
+  }
+  linear_gemv_stage_row<T, NORM>(x, norm_weight, inv_rms[0], K, b, tid, threads, x4);
+}
+
+// The LINEAR_GEMV_ROWS weight rows wrow / srow of W (4-bit, groups of GS) times a staged row x4 [K / 4]
+// (linear_gemv_stage_input) by the row GEMV's arithmetic, each rounded once to T as the GEMV writes it, into out[slot[r]]
+// (threadgroup memory, fp32 of the T value; slot -1: a padding row, not stored). All 32 lanes of the simdgroup call it.
+// What a kernel that computes a projection's rows itself (the folds) takes from the GEMV.
+template <typename T, int GS, int U, typename PW, typename PS>
+inline void linear_gemv_q4_staged_rows(const threadgroup vec<T, 4>* x4, PW w, PS scales, PS biases,
+                                       const thread long* wrow, const thread long* srow, int K, int lane,
+                                       uint32_t exponent, const thread int* slot, threadgroup float* out) {
+  uint4 wq[U * LINEAR_GEMV_ROWS];
+  float sc[U * LINEAR_GEMV_ROWS];
+  float bi[U * LINEAR_GEMV_ROWS];
+  linear_gemv_q4_load<GS, U>(w, wrow, srow, scales, biases, lane, K / 32, wq, sc, bi);
+  float acc[LINEAR_GEMV_ROWS];
+  const float no_norm[1] = {1.0f};
+  linear_gemv_q4_accumulate<T, 1, GS, false, U>(x4, w, scales, biases, x4, no_norm, wrow, srow, K, 1, 0, lane,
+                                                exponent, wq, sc, bi, acc);
+  #pragma unroll
+  for (int r = 0; r < LINEAR_GEMV_ROWS; ++r) {
+    const float total = simd_sum(acc[r]);
+    if (lane == r && slot[r] >= 0) {
+      out[slot[r]] = static_cast<float>(static_cast<T>(total));
+    }
+  }
+}
+
 // One simdgroup's LINEAR_GEMV_ROWS outputs n0.. for the rows b0 .. b0 + M - 1 of x (both kernels' body), each the lanes'
 // partial sums (linear_gemv_q4_accumulate) added in simd_sum's order and rounded once to T.
 // NORM: the sum of squares is this file's own (linear_gemv_q4_inv_rms): n may differ from MLX's rms_norm in the last
