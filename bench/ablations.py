@@ -87,6 +87,17 @@ ABLATIONS = (
 )
 
 NO_KERNEL = "no kernel yet"
+
+
+def _with_the_trial_gemv(switch: str) -> str:
+    """Why a switch that acts only with the trial row GEMV has no ablation row, and how to time it."""
+    from lily_mlx.core import switches
+
+    off = not switches.SWITCHES[switch].default
+    return (("off by default and " if off else "") + "acts only with the trial row GEMV: time it with "
+            + (f"LILY_ENABLE={switch} " if off else "")
+            + f"bench.decode_ab --engines lily-trial:linear_gemv,lily-trial:linear_gemv@off-{switch} "
+            "(bench/device_decode_checks.sh PART=44)")
 # Switches that act without a kernel of their own (not read by an op).
 GENERATION_LEVEL = {
     "chunked_prefill": "no kernel: MLX-LM's prompt chunk size (caps peak memory, not a speed switch)",
@@ -99,17 +110,7 @@ GENERATION_LEVEL = {
     "direct_down_combine": ("off by default (a candidate), so lily and lily-off:direct_down_combine are one "
                             "configuration: time it with LILY_ENABLE=direct_down_combine "
                             "(bench/device_decode_checks.sh PART=36)"),
-    "gemv_input_norm": ("off by default and acts only with the trial row GEMV: time it with "
-                        "LILY_ENABLE=gemv_input_norm bench.decode_ab --engines "
-                        "lily-trial:linear_gemv,lily-trial:linear_gemv@off-gemv_input_norm "
-                        "(bench/device_decode_checks.sh PART=44)"),
-    "fused_in_proj_step": ("off by default and acts only with the trial row GEMV: time it with "
-                           "LILY_ENABLE=fused_in_proj_step bench.decode_ab --engines "
-                           "lily-trial:linear_gemv,lily-trial:linear_gemv@off-fused_in_proj_step "
-                           "(bench/device_decode_checks.sh PART=44)"),
-    "fused_qkv_prep": ("acts only with the trial row GEMV: time it with bench.decode_ab --engines "
-                       "lily-trial:linear_gemv,lily-trial:linear_gemv@off-fused_qkv_prep "
-                       "(bench/device_decode_checks.sh PART=44 and 45)"),
+    **{name: _with_the_trial_gemv(name) for name in ("gemv_input_norm", "fused_in_proj_step", "fused_qkv_prep")},
 }
 
 

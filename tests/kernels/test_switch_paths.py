@@ -541,7 +541,7 @@ MODEL_ERROR_FACTOR = 1.25
 # kernel is a trial kernel on every backend (off unless LILY_TRIAL_OPS names it):
 # tests/kernels/test_linear_kernels.py; so are gemv_input_norm's, fused_in_proj_step's and fused_qkv_prep's, which act
 # only with it (tests/kernels/test_linear_kernels.py, tests/kernels/test_deltanet_from_hidden.py,
-# tests/kernels/test_attention_qk_prep.py, tests/model/test_decode_graph.py).
+# tests/kernels/test_attention_qkv_prep.py, tests/model/test_decode_graph.py).
 NO_KERNEL_SWITCHES = ("fixed_block_attention", "chunked_prefill", "compiled_decode", "compiled_layers", "compiled_attention",
                       "layer_replay", "one_trace_attention", "device_positions", "constant_weights", "step_trace",
                       "bounded_lookahead",
