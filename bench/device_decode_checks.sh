@@ -106,6 +106,8 @@
 #   PART=46 bash bench/device_decode_checks.sh  # the trial row GEMV in today's defaults: decode A/B at 4K, profile
 #   PART=47 bash bench/device_decode_checks.sh  # fused_output_gate in bursts at 4K / 32K; the down+combine at 8 in
 #                                               # flight and at 8 columns a threadgroup (step GPU time)
+#   PART=48 bash bench/device_decode_checks.sh  # a launch's host cost on this host (bench.launch_cost), then
+#                                               # gqa_packing on / off in alternating bursts at 32K (issue 13's 1.15x)
 #
 # Engines compared with lily (ENGINES overrides): lily-off:fused_add_norm, lily-off:fused_topk_gemv and
 # lily-off:fused_qk_prep. Results under $OUT/decode_checks (Markdown tables, JSON, logs).
@@ -701,7 +703,17 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
     switch_ab ab_gate_32k 170 fused_output_gate 32768 10
     down_combine_forms
     ;;
-  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46 or 47" \
+  48) # what a launch costs this host at build and at evaluation, lily's against MLX's own (the trial GEMV's 0.3-0.4 ms
+      # less GPU time did not reach pipelined decode on a fast host: docs/results/2026-12-05-h100-folds-timed/); then
+      # issue 13's gqa_packing on / off at 32K in alternating bursts (1.109x and 1.381x in two runs on 2026-12-04; the
+      # attention kernels' GPU time bounds it near 1.075x: docs/attention.md)
+    run launch_cost 150 python -m bench.launch_cost
+    tail -14 "$W/launch_cost.txt" 2>/dev/null
+    run ab_gqa_32k 240 python -m bench.decode_ab --engines lily,lily-off:gqa_packing --context 32768 --bursts 10 \
+      --out "$W/ab_gqa_32k"
+    tail -8 "$W/ab_gqa_32k.txt" 2>/dev/null
+    ;;
+  *) echo "PART must be 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47 or 48" \
        >&2
      exit 2 ;;
 esac
