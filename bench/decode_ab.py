@@ -187,7 +187,9 @@ def table_markdown(result: Dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="lily,stock-kernels",
-                    help="comma-separated: stock, stock-kernels, lily, lily-off:<switch>[+<switch>]; the first "
+                    help="comma-separated: stock, stock-kernels, lily, lily-off:<switch>[+<switch>], "
+                    "lily-trial:<op>[+<op>], each optionally with bench.run's modifiers (@off-<switch>, @again: "
+                    "the same engine under a second name, for an A/A run of the harness's noise); the first "
                     "is the one the others are compared with")
     ap.add_argument("--context", type=int, default=4096, help="tokens in the cache before decoding")
     ap.add_argument("--kv-bits", type=int, default=0, choices=(0, 2, 3, 4, 5, 6, 8),

@@ -61,8 +61,12 @@ STOCK_KERNELS = "stock-kernels"
 #   are timed in one process, alternating (``lily,lily@chunk-4096``).
 # - ``@off-a+b``: switches a and b off as well, for an engine whose name cannot say so (a trial kernel with one of its
 #   switches off: ``lily-trial:linear_gemv,lily-trial:linear_gemv@off-gemv_input_norm``).
+# - ``@again``: the same engine under a second name, to read the harness's noise from an A/A run (``lily,lily@again``:
+#   in ``bench.decode_ab`` on a middling H100 host medians of the same engine differed by up to ~1 %, its turns by up to
+#   13 %: docs/results/2026-12-06-h100-gqa-packing-launch-cost/).
 # Any of them may be given, in any order.
 EVAL_PER_LAYER = "@eval-per-layer"
+AGAIN_MODIFIER = "@again"
 CHUNK_MODIFIER = "@chunk-"
 OFF_MODIFIER = "@off-"
 
@@ -74,6 +78,9 @@ def _split_modifiers(engine: str) -> Tuple[str, bool, Optional[int], Tuple[str, 
     while True:
         if base.endswith(EVAL_PER_LAYER):
             base, per_layer = base[: -len(EVAL_PER_LAYER)], True
+            continue
+        if base.endswith(AGAIN_MODIFIER):
+            base = base[: -len(AGAIN_MODIFIER)]
             continue
         at = base.rfind(OFF_MODIFIER)
         if at >= 0 and "@" not in base[at + len(OFF_MODIFIER):]:
@@ -133,13 +140,14 @@ def is_lily(engine: str) -> bool:
 
 def validate_engine(engine: str) -> None:
     """Raise ValueError unless ``engine`` is stock, lily, lily-off:<switches> or lily-trial:<ops>,
-    optionally with the @eval-per-layer, @chunk-N and @off-<switches> modifiers (unknown switch names are reported by
-    ``switches_off``)."""
+    optionally with the @eval-per-layer, @chunk-N, @off-<switches> and @again modifiers (unknown switch names are
+    reported by ``switches_off``)."""
     base = base_engine(engine)
     if base not in ("stock", STOCK_KERNELS, "lily") and not base.startswith((ABLATION_PREFIX, TRIAL_PREFIX)):
         raise ValueError(f"unknown engine {engine!r}: use stock, {STOCK_KERNELS}, lily, "
                          f"{ABLATION_PREFIX}<switch>[+<switch>] or {TRIAL_PREFIX}<op>[+<op>], each optionally "
-                         f"followed by {EVAL_PER_LAYER}, {CHUNK_MODIFIER}N and/or {OFF_MODIFIER}<switch>[+<switch>]")
+                         f"followed by {EVAL_PER_LAYER}, {CHUNK_MODIFIER}N, {OFF_MODIFIER}<switch>[+<switch>] and/or "
+                         f"{AGAIN_MODIFIER}")
     switches_off(engine)
     ops = trial_ops(engine)
     if base.startswith(TRIAL_PREFIX):

@@ -91,6 +91,12 @@ def test_ablation_engines_run_lily_with_switches_off(monkeypatch):
     assert e2e.trial_ops("lily-trial:linear_gemv@off-gemv_input_norm") == ("linear_gemv",)
     assert e2e.chunk_size("lily@off-gpu_routing@chunk-512", 2048) == 512
     e2e.validate_engine("lily-trial:linear_gemv@off-gemv_input_norm")
+    # @again: the same engine under a second name (an A/A run), with or around the other modifiers
+    assert e2e.base_engine("lily@again") == "lily" and e2e.is_lily("lily@again")
+    assert e2e.switches_off("lily@again@off-gpu_routing") == e2e.switches_off("lily@off-gpu_routing@again") == (
+        "gpu_routing",)
+    assert e2e.base_engine("stock-kernels@again") == "stock-kernels" and not e2e.is_lily("stock@again")
+    e2e.validate_engine("lily-trial:linear_gemv@again")
     with pytest.raises(ValueError, match="Valid switches"):
         e2e.switches_off("lily-off:no_such_switch")
 
