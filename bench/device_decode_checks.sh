@@ -706,7 +706,9 @@ for cap, pos in ((5120, 4095), (33792, 33000), (64, 0)):
   48) # what a launch costs this host at build and at evaluation, lily's against MLX's own (the trial GEMV's 0.3-0.4 ms
       # less GPU time did not reach pipelined decode on a fast host: docs/results/2026-12-05-h100-folds-timed/); then
       # issue 13's gqa_packing on / off at 32K in alternating bursts (1.109x and 1.381x in two runs on 2026-12-04; the
-      # attention kernels' GPU time bounds it near 1.075x: docs/attention.md)
+      # attention kernels' GPU time bounds it near 1.075x: docs/attention.md). Ran on an H100 on 2026-12-06: level end
+      # to end in both engine orders, the same engine against itself 0.992-1.012
+      # (docs/results/2026-12-06-h100-gqa-packing-launch-cost/)
     run launch_cost 150 python -m bench.launch_cost
     tail -14 "$W/launch_cost.txt" 2>/dev/null
     run ab_gqa_32k 240 python -m bench.decode_ab --engines lily,lily-off:gqa_packing --context 32768 --bursts 10 \
